@@ -1,0 +1,1 @@
+"""Parallelisms applied to the model before training: the mesh, FSDP/HSDP."""

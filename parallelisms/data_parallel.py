@@ -1,0 +1,61 @@
+"""FSDP2 and HSDP: shard the parameters over the data-parallel ranks.
+
+Units, inner to outer: the token embedding, each transformer block, the final norm with the
+output projection, then the root (which owns whatever is left). On a 2-D ``(dp_replicate,
+dp_shard_cp)`` mesh ``fully_shard`` is HSDP: reduce-scatter inside a replica, all-reduce across
+replicas.
+
+Gradient reduction is a pure **sum** on every unit: the number of tokens a gradient should be
+divided by is only known after counting valid labels over all ranks, and ``GradAccumulator``
+owns that division. FSDP's default would divide by the data-parallel size, which is exact only
+when every rank holds the same number of valid tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from trainer.model import Transformer
+
+
+def apply_fsdp(
+    model: Transformer,
+    mesh: DeviceMesh,
+    *,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    reshard_after_forward: str,
+) -> Transformer:
+    """Shard ``model`` in place over ``mesh`` (1-D: FSDP, 2-D: HSDP) and return it."""
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+
+    def shard(module: nn.Module | list[nn.Module], reshard: bool) -> None:
+        fully_shard(module, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
+
+    never = reshard_after_forward == "never"
+    shard(model.tok_embeddings, not never)
+    blocks = list(model.layers.values())
+    for i, block in enumerate(blocks):
+        # The last block's backward starts right after forward, so freeing it is wasted work.
+        last = i == len(blocks) - 1
+        shard(block, reshard_after_forward == "always" or (not never and not last))
+    # norm and output run last in forward and first in backward: resharding them buys nothing.
+    shard([model.norm, model.output], reshard_after_forward == "always")
+    shard(model, reshard_after_forward == "always")
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            make_reduction_a_sum(module)
+    return model
+
+
+def make_reduction_a_sum(module: FSDPModule) -> None:
+    """Reduce gradients with SUM, dividing by nothing.
+
+    ``set_gradient_divide_factor`` applies to one unit only (it is not recursive), and without
+    forced sum reduction FSDP would use ``PREMUL_SUM``, which gloo does not have.
+    """
+    module.set_gradient_divide_factor(1.0)
+    module.set_force_sum_reduction_for_comms(True)

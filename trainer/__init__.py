@@ -1,0 +1,1 @@
+"""meshtrain: a PyTorch-native distributed LLM trainer."""

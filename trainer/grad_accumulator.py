@@ -1,0 +1,182 @@
+"""Exact loss normalisation over micro-batches, data-parallel ranks and context-parallel shards.
+
+The loss of a step is the mean over every valid label token of the global batch::
+
+    loss = sum of per-token cross-entropies / N,    N = valid labels (!= -100) over all
+                                                        micro-batches, DP ranks and CP shards
+
+Averaging per-micro-batch means (the Hugging Face accumulation bug), or letting FSDP average
+per-rank means, weighs a token by how few valid tokens share its micro-batch or rank; both are
+wrong whenever valid-token counts differ, which is always the case with padding or prompt
+masking. So backward runs on *sums*, FSDP reduces by *sum*, N is counted once per step with one
+all-reduce launched before the first forward, and after the last backward the gradients are
+scaled exactly once by ``clip_coef / N``: the clip coefficient is computed from the true norm
+``||sum of grads|| / N``, so normalisation and clipping are one in-place multiply, not two
+passes over every gradient.
+
+Tensor-parallel ranks hold the same tokens, so the count runs over the *loss* mesh
+(``dp_replicate x dp_shard x cp``), never over TP.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+logger = logging.getLogger("meshtrain")
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class StepResult:
+    loss_avg: float
+    """Token-weighted mean loss over the global batch."""
+    loss_max: float
+    """Largest per-rank mean loss (a rank's own loss sum / its own valid tokens)."""
+    grad_norm: float
+    """Norm of the true (normalised) gradient, before clipping."""
+    n_valid_tokens: int
+    skipped: bool
+
+
+class GradAccumulator:
+    """The one object the training loop talks to about micro-batches and gradient scaling.
+
+    Per step: ``begin_step`` with the step's labels, then for each micro-batch
+    ``prepare_backward(i)`` before its backward and ``record_loss`` after, then ``finalize``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        loss_group: dist.ProcessGroup | None,
+        num_microbatches: int,
+        max_norm: float,
+        hsdp: bool,
+        defer_gradient_reduction: bool = False,
+    ):
+        self.model = model
+        self.fsdp = model if isinstance(model, FSDPModule) else None
+        self.loss_group = loss_group
+        self.num_microbatches = num_microbatches
+        self.max_norm = max_norm
+        self.hsdp = hsdp
+        self.defer_gradient_reduction = defer_gradient_reduction
+        self.n_skipped_steps = 0
+        self._count: torch.Tensor | None = None
+        self._count_work: dist.Work | None = None
+        self._local_count: torch.Tensor | None = None
+        self._loss_sum: torch.Tensor | None = None
+        self._next_microbatch = 0
+
+    def begin_step(self, labels: list[torch.Tensor]) -> None:
+        """Count the step's valid labels and start summing the count over ranks.
+
+        The all-reduce is asynchronous: N is needed only in ``finalize``, so the collective
+        overlaps every forward and backward of the step.
+        """
+        if len(labels) != self.num_microbatches:
+            raise ValueError(f"expected {self.num_microbatches} micro-batches, got {len(labels)}")
+        self._local_count = sum((lab != IGNORE_INDEX).sum() for lab in labels).to(torch.int64).reshape(1)
+        self._count = self._local_count.clone()
+        self._count_work = (
+            dist.all_reduce(self._count, group=self.loss_group, async_op=True) if self._distributed else None
+        )
+        self._loss_sum = torch.zeros((), dtype=torch.float32, device=self._local_count.device)
+        self._next_microbatch = 0
+
+    def prepare_backward(self, microbatch: int) -> None:
+        """Tell FSDP whether this is the step's last backward, before running it.
+
+        Under HSDP the cross-replica all-reduce is skipped until the last micro-batch (the
+        reduce-scattered shards accumulate in between). ``defer_gradient_reduction`` also skips
+        the reduce-scatter: unsharded gradients accumulate locally and are reduced once.
+        """
+        if microbatch != self._next_microbatch:
+            raise ValueError(f"micro-batch {microbatch} out of order; expected {self._next_microbatch}")
+        if self.fsdp is None:
+            return
+        is_last = microbatch == self.num_microbatches - 1
+        self.fsdp.set_is_last_backward(is_last)
+        if self.hsdp:
+            self.fsdp.set_requires_all_reduce(is_last)
+        if self.defer_gradient_reduction:
+            self.fsdp.set_requires_gradient_sync(is_last)
+
+    def record_loss(self, loss_sum: torch.Tensor) -> None:
+        """Add a micro-batch's summed loss (after its backward) to the step's total."""
+        self._loss_sum += loss_sum.detach().float()
+        self._next_microbatch += 1
+
+    def finalize(self) -> StepResult:
+        """Normalise and clip the accumulated gradient sums in one pass; decide whether to step.
+
+        A step with no valid token, or with a non-finite gradient norm, must not move the
+        weights: it is reported as skipped and its gradients are left for the caller to zero.
+        """
+        if self._next_microbatch != self.num_microbatches:
+            raise RuntimeError(
+                f"finalize after {self._next_microbatch} of {self.num_microbatches} micro-batches"
+            )
+        loss_sum = self._loss_sum.clone().reshape(1)
+        local_count = self._local_count.float()
+        rank_mean = torch.where(local_count > 0, self._loss_sum / local_count.clamp(min=1), -math.inf)
+        if self._distributed:
+            loss_work = dist.all_reduce(loss_sum, group=self.loss_group, async_op=True)
+            max_work = dist.all_reduce(rank_mean, op=dist.ReduceOp.MAX, group=self.loss_group, async_op=True)
+            self._count_work.wait()
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        raw_norm = _total_norm(grads)
+        n = int(self._count.item())
+        if self._distributed:
+            loss_work.wait()
+            max_work.wait()
+        true_norm = raw_norm / max(n, 1)
+        finite = bool(torch.isfinite(true_norm).item())
+        loss_avg = loss_sum.item() / n if n else math.nan
+        loss_max = rank_mean.item() if n else math.nan
+        if n == 0 or not finite:
+            self.n_skipped_steps += 1
+            reason = "no valid label token in the global batch" if n == 0 else "non-finite gradient norm"
+            logger.warning("skipping the optimizer step: %s (%d skipped so far)", reason, self.n_skipped_steps)
+            return StepResult(loss_avg, loss_max, true_norm.item(), n, skipped=True)
+        if self.max_norm > 0:
+            clip_coef = torch.clamp(self.max_norm / (true_norm + 1e-6), max=1.0)
+        else:
+            clip_coef = torch.ones_like(true_norm)
+        scale = (clip_coef / n).to(torch.float32)
+        locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        _foreach_scale_(locals_, scale)
+        return StepResult(loss_avg, loss_max, true_norm.item(), n, skipped=False)
+
+    @property
+    def _distributed(self) -> bool:
+        return dist.is_available() and dist.is_initialized() and self.loss_group is not None
+
+
+def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """2-norm over all gradients; DTensor-aware, so shards and replicas are each counted once."""
+    if not grads:
+        return torch.zeros(())
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    return norm.float()
+
+
+def _foreach_scale_(tensors: list[torch.Tensor], scale: torch.Tensor) -> None:
+    """Multiply every tensor in place by one scalar: a single pass over the gradients."""
+    by_device_dtype: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        by_device_dtype.setdefault((t.device, t.dtype), []).append(t)
+    for (device, dtype), group in by_device_dtype.items():
+        torch._foreach_mul_(group, scale.to(device=device, dtype=dtype))

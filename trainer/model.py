@@ -1,0 +1,255 @@
+"""Llama 3: RoPE with Llama-3.1 frequency scaling, grouped-query attention, RMSNorm, SwiGLU.
+
+Parameter names are torchtitan's, so checkpoints and parallelism plans map one to one. The
+model is built on the meta device and materialised after sharding; ``init_weights`` then fills
+every parameter from a generator seeded per parameter with the *full* tensor's values, so the
+initial weights are the same whatever mesh the parameters are sharded over.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int | None = None
+    vocab_size: int = 128256
+    multiple_of: int = 256
+    ffn_dim_multiplier: float | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    rope_scaling: bool = True
+    """Llama-3.1 long-context frequency scaling (factor 8, original context 8192)."""
+    max_seq_len: int = 131072
+    vocab_from_tokenizer: bool = False
+    """Debug flavors take the tokenizer's vocabulary; real flavors keep Llama 3's 128256 rows."""
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        hidden = int(2 * 4 * self.dim / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+
+FLAVORS: dict[str, ModelArgs] = {
+    "debugmodel": ModelArgs(
+        dim=256, n_layers=6, n_heads=16, n_kv_heads=8, vocab_size=2048, multiple_of=256,
+        rope_theta=500000.0, rope_scaling=False, vocab_from_tokenizer=True,
+    ),
+    "1B": ModelArgs(
+        dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5, multiple_of=256,
+    ),
+    "3B": ModelArgs(
+        dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim_multiplier=1.0, multiple_of=256,
+    ),
+    "8B": ModelArgs(
+        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=1024,
+    ),
+    "70B": ModelArgs(
+        dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=4096,
+    ),
+    "405B": ModelArgs(
+        dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2, multiple_of=4096,
+    ),
+}
+
+
+def model_args(flavor: str, tokenizer_vocab_size: int, seq_len: int) -> ModelArgs:
+    """The flavor's shape, sized for the tokenizer and the training sequence length."""
+    args = FLAVORS[flavor]
+    if args.vocab_from_tokenizer:
+        args = replace(args, vocab_size=tokenizer_vocab_size)
+    elif tokenizer_vocab_size > args.vocab_size:
+        raise ValueError(
+            f"the tokenizer (`model.tokenizer_path`) has {tokenizer_vocab_size} tokens but flavor "
+            f"{flavor} has {args.vocab_size} embedding rows; use a tokenizer of at most that size."
+        )
+    return replace(args, max_seq_len=max(seq_len, 1))
+
+
+def rope_frequencies(args: ModelArgs, device: torch.device | str | None = None) -> torch.Tensor:
+    """Complex rotations ``exp(i * pos * freq)``, shape ``(max_seq_len, head_dim // 2)``."""
+    dim = args.head_dim
+    freqs = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float64)[: dim // 2] / dim))
+    if args.rope_scaling:
+        freqs = _llama31_scaling(freqs)
+    positions = torch.arange(args.max_seq_len, device=device, dtype=torch.float64)
+    angles = torch.outer(positions, freqs)
+    return torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
+
+
+def _llama31_scaling(freqs: torch.Tensor) -> torch.Tensor:
+    """Llama 3.1's context extension: slow the low frequencies by 8, keep the high ones.
+
+    Wavelengths longer than the original context / low_freq_factor are divided by the scale
+    factor, shorter than context / high_freq_factor are kept, and the band between is blended.
+    """
+    scale_factor, low_freq_factor, high_freq_factor, old_context = 8.0, 1.0, 4.0, 8192
+    low_freq_wavelen = old_context / low_freq_factor
+    high_freq_wavelen = old_context / high_freq_factor
+    wavelen = 2 * math.pi / freqs
+    smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * freqs / scale_factor + smooth * freqs
+    return torch.where(
+        wavelen > low_freq_wavelen,
+        freqs / scale_factor,
+        torch.where(wavelen < high_freq_wavelen, freqs, blended),
+    )
+
+
+def apply_rotary_emb(xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate query and key pairs; ``freqs_cis`` is ``(seqlen, head_dim // 2)``."""
+    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
+    freqs = freqs_cis.view(1, xq_.shape[1], 1, xq_.shape[-1])
+    xq_out = torch.view_as_real(xq_ * freqs).flatten(3)
+    xk_out = torch.view_as_real(xk_ * freqs).flatten(3)
+    return xq_out.type_as(xq), xk_out.type_as(xk)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        bsz, seqlen, _ = x.shape
+        # -1 head counts: under tensor parallelism each rank holds a slice of the heads.
+        xq = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
+        xk = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
+        xv = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
+        xq, xk = apply_rotary_emb(xq, xk, freqs_cis)
+        xq, xk, xv = (t.transpose(1, 2) for t in (xq, xk, xv))
+        n_rep = xq.shape[1] // xk.shape[1]
+        if n_rep > 1:
+            xk = xk.repeat_interleave(n_rep, dim=1)
+            xv = xv.repeat_interleave(n_rep, dim=1)
+        out = F.scaled_dot_product_attention(xq, xk, xv, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        hidden = args.ffn_hidden_dim
+        self.w1 = nn.Linear(args.dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, args.dim, bias=False)
+        self.w3 = nn.Linear(args.dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, args: ModelArgs):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args)
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        # Depth-scaled init of the output projections keeps the residual stream's variance flat.
+        self.output_init_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs_cis)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # A ModuleDict keyed "0".."L-1" keeps torchtitan's names and lets blocks be wrapped by name.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.register_buffer("freqs_cis", rope_frequencies(args, device=self.tok_embeddings.weight.device), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        freqs_cis = self.freqs_cis[: tokens.shape[1]]
+        for layer in self.layers.values():
+            h = layer(h, freqs_cis)
+        return self.output(self.norm(h))
+
+    def init_std(self, name: str) -> tuple[str, float]:
+        """How parameter ``name`` is initialised: ``(kind, std)``."""
+        if name == "tok_embeddings.weight":
+            return "normal", 1.0
+        if name == "output.weight":
+            return "trunc_normal", self.args.dim**-0.5
+        if name.endswith("norm.weight"):
+            return "ones", 0.0
+        if name.endswith(("wq.weight", "wk.weight", "wv.weight", "w1.weight")):
+            return "trunc_normal", 0.02
+        if name.endswith(("wo.weight", "w2.weight", "w3.weight")):
+            layer = self.layers[name.split(".")[1]]
+            return "trunc_normal", layer.output_init_std
+        raise ValueError(f"no initialisation rule for parameter {name}")
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Fill every parameter (plain or DTensor) and recompute the RoPE table.
+
+        Each parameter's full value comes from its own generator, seeded from ``seed`` and the
+        parameter's name, on the parameter's device; a sharded parameter keeps its slice. The
+        result is independent of the mesh, the sharding and the order of initialisation.
+        """
+        for name, param in self.named_parameters():
+            kind, std = self.init_std(name)
+            local = param.to_local() if isinstance(param, DTensor) else param
+            if kind == "ones":
+                local.fill_(1.0)
+                continue
+            gen = torch.Generator(device=local.device)
+            gen.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            full = torch.empty(param.shape, dtype=torch.float32, device=local.device)
+            if kind == "normal":
+                nn.init.normal_(full, 0.0, std, generator=gen)
+            else:
+                nn.init.trunc_normal_(full, 0.0, std, -3 * std, 3 * std, generator=gen)
+            local.copy_(_local_slice(full, param))
+        self.freqs_cis = rope_frequencies(self.args, device=self.freqs_cis.device)
+
+
+def _local_slice(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """The part of ``full`` that this rank's shard of ``param`` holds."""
+    if not isinstance(param, DTensor):
+        return full
+    shape, offset = compute_local_shape_and_global_offset(full.shape, param.device_mesh, param.placements)
+    index = tuple(slice(o, o + s) for o, s in zip(offset, shape))
+    return full[index]
+
+
+def num_params(model: nn.Module, exclude_embedding: bool = False) -> int:
+    total = sum(p.numel() for p in model.parameters())
+    if exclude_embedding:
+        total -= model.tok_embeddings.weight.numel()
+    return total
