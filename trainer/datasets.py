@@ -21,13 +21,18 @@ start-up.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import importlib.util
 import json
 import logging
 import os
 import re
+import struct
+import sys
 import tempfile
+from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -241,25 +246,28 @@ def _local_pairs(sources: list[tuple[Path, bytes]]) -> list[tuple[str, str]]:
 class _Arrays:
     """Samples as token ranges: sample i is ``tokens[offsets[i]:offsets[i + 1]]`` (at most
     ``seq_len + 1`` tokens, padded on access), of which the first ``num_masked[i]`` labels are
-    ignored."""
+    ignored.
 
-    tokens: torch.Tensor  # int32 [total]
-    offsets: torch.Tensor  # int64 [n + 1]
-    num_masked: torch.Tensor  # int32 [n]
+    Plain ``array.array``s rather than tensors: building appends token lists to them with no
+    per-sample tensor op (hundreds of thousands of tiny ops are slow when the ranks of a job
+    share a few cores), and they expose raw bytes to hash and write for the cache.
+    """
+
+    tokens: array  # "i": int32
+    offsets: array  # "q": int64, n + 1 entries
+    num_masked: array  # "i": int32, n entries
+
+    def parts(self) -> tuple[array, array, array]:
+        return self.tokens, self.offsets, self.num_masked
 
 
 def _packed(documents: list[str], tokenizer: Tokenizer, seq_len: int) -> _Arrays:
-    stream = torch.cat(
-        [torch.tensor(tokenizer.encode(doc, bos=True, eos=True), dtype=torch.int32) for doc in documents]
-        or [torch.empty(0, dtype=torch.int32)]
-    )
-    n = stream.numel() // (seq_len + 1)
-    return _Arrays(
-        # clone(): a view would keep (and the cache would save) the dropped tail too.
-        tokens=stream[: n * (seq_len + 1)].clone(),
-        offsets=torch.arange(n + 1, dtype=torch.int64) * (seq_len + 1),
-        num_masked=torch.zeros(n, dtype=torch.int32),
-    )
+    tokens = array("i")
+    for document in documents:
+        tokens.extend(tokenizer.encode(document, bos=True, eos=True))
+    n = len(tokens) // (seq_len + 1)
+    del tokens[n * (seq_len + 1) :]
+    return _Arrays(tokens, array("q", range(0, n * (seq_len + 1) + 1, seq_len + 1)), array("i", [0]) * n)
 
 
 def _truncate(prompt: list[int], response: list[int], budget: int) -> tuple[list[int], list[int]]:
@@ -278,21 +286,18 @@ def _truncate(prompt: list[int], response: list[int], budget: int) -> tuple[list
 
 
 def _dialogue(pairs: list[tuple[str, str]], tokenizer: Tokenizer, seq_len: int) -> _Arrays:
-    sequences: list[torch.Tensor] = []
-    num_masked: list[int] = []
+    arrays = _Arrays(array("i"), array("q", [0]), array("i"))
     for prompt_text, response_text in pairs:
         prompt = tokenizer.encode(prompt_text + TURN_SEPARATOR, bos=False, eos=False)
         response = tokenizer.encode(response_text, bos=False, eos=True)
         prompt, response = _truncate(prompt, response, seq_len)  # BOS takes the last slot
-        sequences.append(torch.tensor([tokenizer.bos_id, *prompt, *response], dtype=torch.int32))
-        # Label j predicts token j + 1: labels 0..len(prompt)-1 predict the prompt.
-        num_masked.append(len(prompt))
-    lengths = torch.tensor([0] + [s.numel() for s in sequences], dtype=torch.int64)
-    return _Arrays(
-        tokens=torch.cat(sequences or [torch.empty(0, dtype=torch.int32)]),
-        offsets=lengths.cumsum(0),
-        num_masked=torch.tensor(num_masked, dtype=torch.int32),
-    )
+        arrays.tokens.append(tokenizer.bos_id)
+        arrays.tokens.extend(prompt)
+        arrays.tokens.extend(response)
+        arrays.offsets.append(len(arrays.tokens))
+        # Label j predicts token j + 1: labels 0 .. len(prompt) - 1 predict the prompt.
+        arrays.num_masked.append(len(prompt))
+    return arrays
 
 
 class SampleDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
@@ -302,29 +307,36 @@ class SampleDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     """
 
     def __init__(self, arrays: _Arrays, seq_len: int, pad_id: int) -> None:
-        self._arrays = arrays
+        self._tokens = torch.frombuffer(arrays.tokens, dtype=torch.int32)  # shares the array's memory
+        self._offsets = arrays.offsets
+        self._num_masked = arrays.num_masked
         self.seq_len = seq_len
         self.pad_id = pad_id
 
     def __len__(self) -> int:
-        return self._arrays.offsets.numel() - 1
+        return len(self._offsets) - 1
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         if not 0 <= index < len(self):
             raise IndexError(f"sample {index} out of range for a dataset of {len(self)} samples")
-        start, end = self._arrays.offsets[index : index + 2].tolist()
-        length = end - start
+        start, end = self._offsets[index], self._offsets[index + 1]
         sequence = torch.full((self.seq_len + 1,), self.pad_id, dtype=torch.int64)
-        sequence[:length] = self._arrays.tokens[start:end]
+        sequence[: end - start] = self._tokens[start:end]
         labels = sequence[1:].clone()
-        labels[: int(self._arrays.num_masked[index])] = IGNORE_INDEX
-        labels[length - 1 :] = IGNORE_INDEX  # the labels of padding
+        labels[: self._num_masked[index]] = IGNORE_INDEX
+        labels[end - start - 1 :] = IGNORE_INDEX  # the labels of padding
         return sequence[:-1], labels
 
 
 # --------------------------------------------------------------------------------------------
 # On-disk token cache
 # --------------------------------------------------------------------------------------------
+
+# File layout: magic, key (64 hex chars), the three arrays' lengths, sha256 of the body, body.
+# A raw format rather than torch.save: the body is hashed as written, without numpy or copies.
+# The arrays are stored in native byte order, which is why the key includes sys.byteorder.
+_CACHE_MAGIC = b"MTCACHE1"
+_CACHE_HEADER = struct.Struct("<8s64s3Q32s")
 
 
 def _cache_dir() -> Path:
@@ -334,7 +346,7 @@ def _cache_dir() -> Path:
 def _cache_key(name: str, seq_len: int, tokenizer: Tokenizer, sources: list[tuple[Path, bytes]]) -> str:
     """Everything the arrays depend on; this file's bytes stand for the cleaning/packing code."""
     h = hashlib.sha256()
-    for part in (name, str(seq_len), tokenizer.sha256, sentencepiece.__version__):
+    for part in (name, str(seq_len), tokenizer.sha256, sentencepiece.__version__, sys.byteorder):
         h.update(part.encode() + b"\0")
     h.update(hashlib.sha256(Path(__file__).read_bytes()).digest())
     for file, data in sources:
@@ -343,45 +355,63 @@ def _cache_key(name: str, seq_len: int, tokenizer: Tokenizer, sources: list[tupl
     return h.hexdigest()
 
 
-def _checksum(arrays: _Arrays) -> str:
-    h = hashlib.sha256()
-    for tensor in (arrays.tokens, arrays.offsets, arrays.num_masked):
-        h.update(tensor.numpy().tobytes())
-    return h.hexdigest()
+@contextlib.contextmanager
+def _cache_lock(lock_file: Path) -> Iterator[None]:
+    """Serialize the ranks that start together: one tokenizes while the others wait and then
+    read its cache file, instead of all of them doing the same work on the same few cores."""
+    with contextlib.ExitStack() as stack:
+        try:
+            lock_file.parent.mkdir(parents=True, exist_ok=True)
+            handle = stack.enter_context(open(lock_file, "ab"))
+            fcntl.flock(handle, fcntl.LOCK_EX)  # released when the file closes, or if the process dies
+        except OSError as exc:
+            logger.warning("Cannot lock the dataset cache %s (%s); building without it.", lock_file, exc)
+        yield
 
 
 def _load_cached(file: Path, key: str) -> _Arrays | None:
-    if not file.is_file():
-        return None
     try:
-        payload = torch.load(file, weights_only=True)
-        arrays = _Arrays(payload["tokens"], payload["offsets"], payload["num_masked"])
-        if payload["key"] == key and payload["checksum"] == _checksum(arrays):
-            return arrays
-    # A damaged file can fail in torch.load's zip reader, unpickler or storage code, each with
-    # its own exception type; any of them just means "rebuild".
-    except Exception as exc:
-        logger.warning("Dataset cache %s is unreadable (%s); rebuilding it.", file, exc)
+        data = file.read_bytes()
+    except FileNotFoundError:
         return None
-    logger.warning("Dataset cache %s does not match its contents; rebuilding it.", file)
+    except OSError as exc:
+        logger.warning("Cannot read the dataset cache %s (%s); rebuilding it.", file, exc)
+        return None
+    if len(data) >= _CACHE_HEADER.size:
+        magic, file_key, *lengths, digest = _CACHE_HEADER.unpack_from(data)
+        arrays = _Arrays(array("i"), array("q"), array("i"))
+        body = memoryview(data)[_CACHE_HEADER.size :]
+        sizes = [n * part.itemsize for n, part in zip(lengths, arrays.parts())]
+        if (
+            magic == _CACHE_MAGIC
+            and file_key == key.encode()
+            and len(body) == sum(sizes)
+            and hashlib.sha256(body).digest() == digest
+        ):
+            position = 0
+            for size, part in zip(sizes, arrays.parts()):
+                part.frombytes(body[position : position + size])
+                position += size
+            return arrays
+    logger.warning("Dataset cache %s is damaged; rebuilding it.", file)
     return None
 
 
 def _save_cached(file: Path, key: str, arrays: _Arrays) -> None:
-    """Write atomically: ranks building concurrently each replace the file with a complete copy."""
-    payload = {
-        "key": key,
-        "checksum": _checksum(arrays),
-        "tokens": arrays.tokens,
-        "offsets": arrays.offsets,
-        "num_masked": arrays.num_masked,
-    }
+    """Write atomically, so that a crash mid-write, or a rank that could not take the lock,
+    never leaves a partial file under the final name."""
+    digest = hashlib.sha256()
+    for part in arrays.parts():
+        digest.update(part)
+    header = _CACHE_HEADER.pack(_CACHE_MAGIC, key.encode(), *map(len, arrays.parts()), digest.digest())
     try:
         file.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=file.parent, prefix=f".{file.name}.", suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as fh:
-                torch.save(payload, fh)
+                fh.write(header)
+                for part in arrays.parts():
+                    fh.write(part)
                 fh.flush()
                 os.fsync(fh.fileno())
             os.replace(tmp, file)
@@ -397,6 +427,29 @@ def _save_cached(file: Path, key: str, arrays: _Arrays) -> None:
 # --------------------------------------------------------------------------------------------
 # build_dataset
 # --------------------------------------------------------------------------------------------
+
+
+def _build_arrays(
+    name: str, path: str | None, sources: list[tuple[Path, bytes]], tokenizer: Tokenizer, seq_len: int
+) -> _Arrays:
+    if name == "shakespeare":
+        documents = _local_documents(sources) if path else [play.text for play in _parse_plays(sources)]
+        arrays = _packed(documents, tokenizer, seq_len)
+    else:
+        if path:
+            pairs = _local_pairs(sources)
+        else:
+            scenes = (scene for play in _parse_plays(sources) for scene in play.scenes)
+            pairs = [pair for scene in scenes for pair in zip(scene, scene[1:])]
+        arrays = _dialogue(pairs, tokenizer, seq_len)
+    if not arrays.num_masked:
+        source = f"`training.dataset_path` = {path!r}" if path else "the bundled plays"
+        hint = "" if name == "shakespeare" else " (a pair needs a prompt and a response)"
+        raise ValueError(
+            f"{source} yields no {name} samples of `training.seq_len` = {seq_len} tokens{hint}; "
+            "add data or lower `training.seq_len`."
+        )
+    return arrays
 
 
 def build_dataset(name: str, path: str | None, tokenizer: Tokenizer, seq_len: int) -> SampleDataset:
@@ -421,29 +474,13 @@ def build_dataset(name: str, path: str | None, tokenizer: Tokenizer, seq_len: in
     files = shakespeare_play_files() if not path else _local_files(path)
     sources = [(file, file.read_bytes()) for file in files]
     key = _cache_key(name, seq_len, tokenizer, sources)
-    cache_file = _cache_dir() / "datasets" / f"{name}-{seq_len}-{key[:32]}.pt"
-    arrays = _load_cached(cache_file, key)
-    if arrays is None:
-        if name == "shakespeare":
-            documents = _local_documents(sources) if path else [play.text for play in _parse_plays(sources)]
-            arrays = _packed(documents, tokenizer, seq_len)
-        else:
-            if path:
-                pairs = _local_pairs(sources)
-            else:
-                scenes = (scene for play in _parse_plays(sources) for scene in play.scenes)
-                pairs = [pair for scene in scenes for pair in zip(scene, scene[1:])]
-            arrays = _dialogue(pairs, tokenizer, seq_len)
-        _save_cached(cache_file, key, arrays)
-    dataset = SampleDataset(arrays, seq_len, tokenizer.pad_id)
-    if len(dataset) == 0:
-        source = f"`training.dataset_path` = {path!r}" if path else "the bundled plays"
-        hint = "" if name == "shakespeare" else " (a pair needs a prompt and a response)"
-        raise ValueError(
-            f"{source} yields no {name} samples of `training.seq_len` = {seq_len} tokens{hint}; "
-            "add data or lower `training.seq_len`."
-        )
-    return dataset
+    cache_file = _cache_dir() / "datasets" / f"{name}-{seq_len}-{key[:32]}.bin"
+    with _cache_lock(cache_file.with_suffix(".lock")):
+        arrays = _load_cached(cache_file, key)
+        if arrays is None:
+            arrays = _build_arrays(name, path, sources, tokenizer, seq_len)
+            _save_cached(cache_file, key, arrays)
+    return SampleDataset(arrays, seq_len, tokenizer.pad_id)
 
 
 # --------------------------------------------------------------------------------------------
