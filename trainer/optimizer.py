@@ -38,8 +38,8 @@ def lr_factor(step: int, total_steps: int, config: LRScheduler) -> float:
     """Multiplier of the peak LR for optimizer step ``step`` (0-based).
 
     Warm-up is linear from 1/(warmup+1) so the very first step already moves; the decay phase
-    covers the last ``decay_ratio`` of the steps (all steps after warm-up when -1) and ends
-    at ``min_lr_factor``.
+    covers the last ``decay_ratio`` of the steps (all steps after warm-up when -1), starts at
+    the peak and reaches ``min_lr_factor`` on the last step.
     """
     warmup = min(config.warmup_steps, total_steps)
     if step < warmup:
@@ -50,7 +50,7 @@ def lr_factor(step: int, total_steps: int, config: LRScheduler) -> float:
     decay_start = total_steps - decay_steps
     if step < decay_start or decay_steps == 0:
         return 1.0
-    progress = (step - decay_start + 1) / decay_steps
+    progress = (step - decay_start) / max(decay_steps - 1, 1)
     if config.decay_type == "linear":
         remaining = 1.0 - progress
     elif config.decay_type == "sqrt":
