@@ -327,6 +327,23 @@ def test_out_of_range_values_name_the_key(key, value):
 
 
 @pytest.mark.parametrize(
+    "key, value",
+    [
+        ("optimizer.lr", "-0.001"),
+        ("optimizer.eps", "-1e-8"),
+        ("optimizer.beta1", "1.5"),
+        ("optimizer.beta2", "-0.1"),
+        ("optimizer.weight_decay", "-0.1"),
+    ],
+)
+def test_invalid_optimizer_hyperparameters_name_the_key(key, value):
+    """Values AdamW rejects must fail in load_config, naming the key, not later inside
+    ``build_job`` (after the process group exists) with torch's "Invalid learning rate"."""
+    with pytest.raises(ConfigError, match=f"`{key}`"):
+        load_config([f"--{key}", value])
+
+
+@pytest.mark.parametrize(
     "key", ["parallelism.data_parallel_replicate_degree", "parallelism.data_parallel_shard_degree"]
 )
 def test_non_positive_degrees_are_rejected_by_plan(key):

@@ -142,9 +142,9 @@ def test_real_flavor_rejects_a_larger_tokenizer():
 # --------------------------------------------------------------------------------------------
 
 
-def reference_llama31_frequencies(head_dim: int, theta: float) -> list[float]:
+def reference_llama31_frequencies(head_dim: int, theta: float, scale_factor: float) -> list[float]:
     """Meta's published ``apply_scaling`` (llama3.1 reference code), written out in plain Python."""
-    scale_factor, low_freq_factor, high_freq_factor, old_context_len = 8, 1, 4, 8192
+    low_freq_factor, high_freq_factor, old_context_len = 1, 4, 8192
     low_freq_wavelen = old_context_len / low_freq_factor
     high_freq_wavelen = old_context_len / high_freq_factor
     out = []
@@ -167,19 +167,20 @@ def rotations(freqs: list[float], seq_len: int) -> torch.Tensor:
     return torch.polar(torch.ones_like(angles), angles)
 
 
-@pytest.mark.parametrize("flavor", ["8B", "1B"])
-def test_rope_llama31_scaling_matches_reference(flavor: str):
+@pytest.mark.parametrize(("flavor", "scale_factor"), [("8B", 8), ("70B", 8), ("1B", 32), ("3B", 32)])
+def test_rope_llama31_scaling_matches_reference(flavor: str, scale_factor: int):
     seq_len = 4096
     args = replace(FLAVORS[flavor], max_seq_len=seq_len)
     assert args.rope_scaling
     table = rope_frequencies(args)
     assert table.shape == (seq_len, args.head_dim // 2)
     assert table.dtype == torch.complex64
-    freqs = reference_llama31_frequencies(args.head_dim, args.rope_theta)
+    assert args.rope_scaling_factor == scale_factor  # Llama 3.1: 8; Llama 3.2: 32
+    freqs = reference_llama31_frequencies(args.head_dim, args.rope_theta, scale_factor)
     plain = [args.rope_theta ** (-2 * i / args.head_dim) for i in range(args.head_dim // 2)]
-    # The head dims and theta put frequencies in all three bands: kept, divided by 8, blended.
+    # The head dims and theta put frequencies in all three bands: kept, divided, blended.
     kept = sum(f == p for f, p in zip(freqs, plain))
-    divided = sum(math.isclose(f, p / 8, rel_tol=1e-12) for f, p in zip(freqs, plain))
+    divided = sum(math.isclose(f, p / scale_factor, rel_tol=1e-12) for f, p in zip(freqs, plain))
     assert kept > 0 and divided > 0 and kept + divided < len(freqs)
     # Position 1's angle is the frequency itself.
     assert torch.allclose(table[1].angle().double(), torch.tensor(freqs, dtype=torch.float64), rtol=1e-6, atol=1e-7)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -403,6 +404,14 @@ def validate(config: JobConfig) -> None:
         raise ConfigError(f"`lr_scheduler.decay_ratio` must be in [0, 1] or -1, got {ratio}.")
     if not 0.0 <= config.lr_scheduler.min_lr_factor <= 1.0:
         raise ConfigError("`lr_scheduler.min_lr_factor` must be in [0, 1].")
+    o = config.optimizer
+    non_negative = {"optimizer.lr": o.lr, "optimizer.eps": o.eps, "optimizer.weight_decay": o.weight_decay}
+    for key, value in non_negative.items():
+        if value < 0:
+            raise ConfigError(f"`{key}` must be >= 0, got {value}.")
+    for key, value in {"optimizer.beta1": o.beta1, "optimizer.beta2": o.beta2}.items():
+        if not 0.0 <= value < 1.0:
+            raise ConfigError(f"`{key}` must be in [0, 1), got {value}.")
     p = config.parallelism
     for key in ("tensor_parallel_degree", "context_parallel_degree"):
         if getattr(p, key) != 1:
@@ -420,7 +429,8 @@ def to_toml(config: JobConfig) -> str:
             if isinstance(value, bool):
                 text = "true" if value else "false"
             elif isinstance(value, str):
-                text = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+                # JSON string escapes are valid TOML basic-string escapes; TOML also forbids DEL.
+                text = json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
             else:
                 text = repr(value)
             lines.append(f"{key} = {text}")

@@ -31,7 +31,9 @@ class ModelArgs:
     norm_eps: float = 1e-5
     rope_theta: float = 500000.0
     rope_scaling: bool = True
-    """Llama-3.1 long-context frequency scaling (factor 8, original context 8192)."""
+    """Llama-3.1 long-context frequency scaling (original context 8192)."""
+    rope_scaling_factor: float = 8.0
+    """8 for Llama 3.1 (8B, 70B, 405B), 32 for Llama 3.2 (1B, 3B)."""
     max_seq_len: int = 131072
     vocab_from_tokenizer: bool = False
     """Debug flavors take the tokenizer's vocabulary; real flavors keep Llama 3's 128256 rows."""
@@ -57,11 +59,15 @@ FLAVORS: dict[str, ModelArgs] = {
         dim=256, n_layers=6, n_heads=16, n_kv_heads=8, vocab_size=2048, multiple_of=256,
         rope_theta=500000.0, rope_scaling=False, vocab_from_tokenizer=True,
     ),
+    # Llama 3.2 ties the output projection to the embedding; here it is a separate matrix, as
+    # in torchtitan, which adds vocab x dim parameters to the published counts.
     "1B": ModelArgs(
         dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5, multiple_of=256,
+        rope_scaling_factor=32.0,
     ),
     "3B": ModelArgs(
         dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim_multiplier=1.0, multiple_of=256,
+        rope_scaling_factor=32.0,
     ),
     "8B": ModelArgs(
         dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=1024,
@@ -93,19 +99,19 @@ def rope_frequencies(args: ModelArgs, device: torch.device | str | None = None) 
     dim = args.head_dim
     freqs = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float64)[: dim // 2] / dim))
     if args.rope_scaling:
-        freqs = _llama31_scaling(freqs)
+        freqs = _llama31_scaling(freqs, args.rope_scaling_factor)
     positions = torch.arange(args.max_seq_len, device=device, dtype=torch.float64)
     angles = torch.outer(positions, freqs)
     return torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
 
 
-def _llama31_scaling(freqs: torch.Tensor) -> torch.Tensor:
-    """Llama 3.1's context extension: slow the low frequencies by 8, keep the high ones.
+def _llama31_scaling(freqs: torch.Tensor, scale_factor: float) -> torch.Tensor:
+    """Llama 3.1's context extension: slow the low frequencies by ``scale_factor``, keep the high ones.
 
     Wavelengths longer than the original context / low_freq_factor are divided by the scale
     factor, shorter than context / high_freq_factor are kept, and the band between is blended.
     """
-    scale_factor, low_freq_factor, high_freq_factor, old_context = 8.0, 1.0, 4.0, 8192
+    low_freq_factor, high_freq_factor, old_context = 1.0, 4.0, 8192
     low_freq_wavelen = old_context / low_freq_factor
     high_freq_wavelen = old_context / high_freq_factor
     wavelen = 2 * math.pi / freqs
