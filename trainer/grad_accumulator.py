@@ -71,6 +71,7 @@ class GradAccumulator:
         self.max_norm = max_norm
         self.hsdp = hsdp
         self.defer_gradient_reduction = defer_gradient_reduction
+        self._distributed = loss_group is not None
         self.n_skipped_steps = 0
         self._count: torch.Tensor | None = None
         self._count_work: dist.Work | None = None
@@ -129,38 +130,31 @@ class GradAccumulator:
             )
         loss_sum = self._loss_sum.clone().reshape(1)
         local_count = self._local_count.float()
-        rank_mean = torch.where(local_count > 0, self._loss_sum / local_count.clamp(min=1), -math.inf)
+        rank_mean = torch.where(local_count > 0, loss_sum / local_count.clamp(min=1), -math.inf)
         if self._distributed:
             loss_work = dist.all_reduce(loss_sum, group=self.loss_group, async_op=True)
             max_work = dist.all_reduce(rank_mean, op=dist.ReduceOp.MAX, group=self.loss_group, async_op=True)
-            self._count_work.wait()
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        raw_norm = _total_norm(grads)
-        n = int(self._count.item())
+        raw_norm = _total_norm(grads).reshape(1).to(loss_sum.device)
         if self._distributed:
-            loss_work.wait()
-            max_work.wait()
-        true_norm = raw_norm / max(n, 1)
-        finite = bool(torch.isfinite(true_norm).item())
-        loss_avg = loss_sum.item() / n if n else math.nan
-        loss_max = rank_mean.item() if n else math.nan
-        if n == 0 or not finite:
+            for work in (self._count_work, loss_work, max_work):
+                work.wait()
+        # One host synchronisation for everything the step decision and the log need; float64
+        # keeps token counts exact far beyond float32's 2**24.
+        values = torch.cat([self._count.double(), raw_norm.double(), loss_sum.double(), rank_mean.double()])
+        n, raw, total, worst = values.tolist()
+        n = int(n)
+        true_norm = raw / max(n, 1)
+        loss_avg = total / n if n else math.nan
+        loss_max = worst if n else math.nan
+        if n == 0 or not math.isfinite(true_norm):
             self.n_skipped_steps += 1
             reason = "no valid label token in the global batch" if n == 0 else "non-finite gradient norm"
             logger.warning("skipping the optimizer step: %s (%d skipped so far)", reason, self.n_skipped_steps)
-            return StepResult(loss_avg, loss_max, true_norm.item(), n, skipped=True)
-        if self.max_norm > 0:
-            clip_coef = torch.clamp(self.max_norm / (true_norm + 1e-6), max=1.0)
-        else:
-            clip_coef = torch.ones_like(true_norm)
-        scale = (clip_coef / n).to(torch.float32)
-        locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-        _foreach_scale_(locals_, scale)
-        return StepResult(loss_avg, loss_max, true_norm.item(), n, skipped=False)
-
-    @property
-    def _distributed(self) -> bool:
-        return dist.is_available() and dist.is_initialized() and self.loss_group is not None
+            return StepResult(loss_avg, loss_max, true_norm, n, skipped=True)
+        clip_coef = min(1.0, self.max_norm / (true_norm + 1e-6)) if self.max_norm > 0 else 1.0
+        _foreach_scale_([g.to_local() if isinstance(g, DTensor) else g for g in grads], clip_coef / n)
+        return StepResult(loss_avg, loss_max, true_norm, n, skipped=False)
 
 
 def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -217,10 +211,10 @@ def _sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
 _BLOCK = 1024
 
 
-def _foreach_scale_(tensors: list[torch.Tensor], scale: torch.Tensor) -> None:
+def _foreach_scale_(tensors: list[torch.Tensor], scale: float) -> None:
     """Multiply every tensor in place by one scalar: a single pass over the gradients."""
     by_device_dtype: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for t in tensors:
         by_device_dtype.setdefault((t.device, t.dtype), []).append(t)
-    for (device, dtype), group in by_device_dtype.items():
-        torch._foreach_mul_(group, scale.to(device=device, dtype=dtype))
+    for group in by_device_dtype.values():
+        torch._foreach_mul_(group, scale)
