@@ -21,7 +21,8 @@ import time
 import torch
 from torch import nn
 
-from trainer.grad_accumulator import IGNORE_INDEX, GradAccumulator
+from trainer.grad_accumulator import GradAccumulator
+from trainer.loss import IGNORE_INDEX
 
 N_VALID_TOKENS = 3_000
 

@@ -17,8 +17,8 @@ import torch.distributed as dist
 from multiprocess import run_ranks
 from trainer.config import load_config
 from trainer.datasets import build_dataloader
-from trainer.grad_accumulator import IGNORE_INDEX, GradAccumulator
-from trainer.loss import cross_entropy_sum
+from trainer.grad_accumulator import GradAccumulator
+from trainer.loss import IGNORE_INDEX, cross_entropy_sum
 from trainer.model import Transformer
 from trainer.train import build_job, fetch_step, forward_backward, plan
 

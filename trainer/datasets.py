@@ -43,13 +43,12 @@ import torch
 from torch.utils.data import Dataset, Sampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from trainer.loss import IGNORE_INDEX
 from trainer.tokenizer import Tokenizer
 
 logger = logging.getLogger("meshtrain")
 
 DATASET_NAMES = ("shakespeare", "shakespeare_dialogue")
-IGNORE_INDEX = -100
-"""Label value that ``torch.nn.functional.cross_entropy`` ignores by default."""
 TURN_SEPARATOR = "\n\n"
 """Put between prompt and response: the blank line that separates speeches in the documents of
 the pre-training kind, so fine-tuning continues the layout the model was pre-trained on."""

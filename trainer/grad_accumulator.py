@@ -30,9 +30,9 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-logger = logging.getLogger("meshtrain")
+from trainer.loss import IGNORE_INDEX
 
-IGNORE_INDEX = -100
+logger = logging.getLogger("meshtrain")
 
 
 @dataclass

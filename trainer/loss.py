@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from trainer.grad_accumulator import IGNORE_INDEX
+IGNORE_INDEX = -100
+"""Label value of a token that is not trained on (prompt, padding); PyTorch's default."""
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

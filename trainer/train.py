@@ -78,7 +78,8 @@ def plan(config: JobConfig, world_size: int) -> Plan:
         args = model_args(config.model.flavor, tokenizer.vocab_size, t.seq_len)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    dataset = build_dataset(t.dataset, resolve_path(t.dataset_path) if t.dataset_path else None, tokenizer, t.seq_len)
+    dataset_path = resolve_path(t.dataset_path) if t.dataset_path else None
+    dataset = build_dataset(t.dataset, dataset_path, tokenizer, t.seq_len)
     return Plan(config, dims, global_batch // per_microbatch, global_batch, args, dataset)
 
 
