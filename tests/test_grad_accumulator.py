@@ -130,7 +130,7 @@ def step_worker(argv: list[str]) -> dict | None:
         "counts": counts,
         "writes": writes,
     }
-    if p.dims.dp_replicate == 1 and p.dims.dp > 1:
+    if p.dims.dp_replicate == 1 and p.dims.dp > 1 and p.dims.tp == 1:
         out["rank_mean_grads"] = per_rank_mean_then_average(job, microbatches)
     return out if dist.get_rank() == 0 else {"counts": counts}
 

@@ -132,7 +132,11 @@ class Parallelism:
     data_parallel_shard_degree: int = _field(
         -1, "FSDP shard degree; -1 infers it as world size / (replicate x tp x cp)."
     )
-    tensor_parallel_degree: int = _field(1, "Tensor-parallel degree (not implemented yet: must be 1).")
+    tensor_parallel_degree: int = _field(
+        1,
+        "Tensor-parallel degree: attention heads, feed-forward units and the vocabulary are split "
+        "over this many ranks, which see the same tokens (sequence parallel between blocks).",
+    )
     context_parallel_degree: int = _field(1, "Context-parallel degree (not implemented yet: must be 1).")
     fsdp_reshard_after_forward: str = _field(
         "default",
@@ -142,6 +146,11 @@ class Parallelism:
     )
     disable_loss_parallel: bool = _field(
         False, "With tensor parallelism, gather the logits instead of a vocabulary-parallel loss."
+    )
+    enable_async_tensor_parallel: bool = _field(
+        False,
+        "Overlap tensor-parallel communication with the matmuls (CUDA only; compiles each "
+        "transformer block, since async TP is a torch.compile graph rewrite).",
     )
 
 
@@ -413,11 +422,15 @@ def validate(config: JobConfig) -> None:
         if not 0.0 <= value < 1.0:
             raise ConfigError(f"`{key}` must be in [0, 1), got {value}.")
     p = config.parallelism
-    for key in ("tensor_parallel_degree", "context_parallel_degree"):
-        if getattr(p, key) != 1:
-            raise ConfigError(
-                f"`parallelism.{key}` = {getattr(p, key)}: this parallelism is not implemented yet; set it to 1."
-            )
+    if p.context_parallel_degree != 1:
+        raise ConfigError(
+            f"`parallelism.context_parallel_degree` = {p.context_parallel_degree}: context parallelism "
+            "is not implemented yet; set it to 1."
+        )
+    if p.enable_async_tensor_parallel and p.tensor_parallel_degree == 1:
+        raise ConfigError(
+            "`parallelism.enable_async_tensor_parallel` needs `parallelism.tensor_parallel_degree` > 1."
+        )
 
 
 def to_toml(config: JobConfig) -> str:

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from trainer.loss import IGNORE_INDEX
 
@@ -114,7 +114,12 @@ class GradAccumulator:
             self.fsdp.set_requires_gradient_sync(is_last)
 
     def record_loss(self, loss_sum: torch.Tensor) -> None:
-        """Add a micro-batch's summed loss (after its backward) to the step's total."""
+        """Add a micro-batch's summed loss (after its backward) to the step's total.
+
+        A loss-parallel loss is a replicated DTensor: every TP rank holds the same value.
+        """
+        if isinstance(loss_sum, DTensor):
+            loss_sum = loss_sum.to_local()
         self._loss_sum += loss_sum.detach().float()
         self._next_microbatch += 1
 
@@ -160,27 +165,32 @@ class GradAccumulator:
 def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     """2-norm over all gradients, each shard counted once and each replica not repeated.
 
-    Local sums of squares are combined per (mesh, placements): summed over the mesh dimensions
-    a gradient is sharded on, not over those it is replicated on. The result is the same, to
-    float32 round-off, whatever the sharding, which is what keeps the clip coefficient (and so
-    every gradient) mesh-independent.
+    Every rank adds up the squares of its local shards, weighting a gradient by one over the
+    number of ranks holding the same values (the sizes of the mesh dimensions it is replicated
+    on, and the ranks outside its mesh); one all-reduce over all ranks then counts every
+    element exactly once. The result is the same, to float32 round-off, whatever the sharding,
+    which keeps the clip coefficient (and so every gradient) mesh-independent.
     """
-    groups: dict[tuple, list[torch.Tensor]] = {}
+    groups: dict[int, list[torch.Tensor]] = {}
+    distributed = False
     for g in grads:
-        if isinstance(g, DTensor) and any(isinstance(p, Partial) for p in g.placements):
-            g = g.redistribute(placements=[Replicate() if isinstance(p, Partial) else p for p in g.placements])
-        key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
-        groups.setdefault(key, []).append(g.to_local() if isinstance(g, DTensor) else g)
-    total = None
-    for key, tensors in groups.items():
-        sq = _sum_of_squares(tensors)
-        if key is not None:
-            mesh, placements = key
-            partial = [Partial() if isinstance(p, Shard) else Replicate() for p in placements]
-            sq = DTensor.from_local(sq, mesh, partial).full_tensor()
-        total = sq if total is None else total + sq.to(total.device)
-    if total is None:
+        copies = 1
+        if isinstance(g, DTensor):
+            distributed = True
+            if any(isinstance(p, Partial) for p in g.placements):
+                g = g.redistribute(placements=[Replicate() if isinstance(p, Partial) else p for p in g.placements])
+            mesh = g.device_mesh
+            copies = dist.get_world_size() // mesh.size()
+            for dim, placement in enumerate(g.placements):
+                if isinstance(placement, Replicate):
+                    copies *= mesh.size(dim)
+            g = g.to_local()
+        groups.setdefault(copies, []).append(g)
+    if not groups:
         return torch.zeros(())
+    total = sum(_sum_of_squares(tensors) / copies for copies, tensors in groups.items())
+    if distributed:
+        dist.all_reduce(total)
     return total.sqrt()
 
 

@@ -85,13 +85,26 @@ def model_args(flavor: str, tokenizer_vocab_size: int, seq_len: int) -> ModelArg
     """The flavor's shape, sized for the tokenizer and the training sequence length."""
     args = FLAVORS[flavor]
     if args.vocab_from_tokenizer:
-        args = replace(args, vocab_size=tokenizer_vocab_size)
+        args = replace(args, vocab_size=padded_vocab_size(tokenizer_vocab_size))
     elif tokenizer_vocab_size > args.vocab_size:
         raise ValueError(
             f"the tokenizer (`model.tokenizer_path`) has {tokenizer_vocab_size} tokens but flavor "
             f"{flavor} has {args.vocab_size} embedding rows; use a tokenizer of at most that size."
         )
     return replace(args, max_seq_len=max(seq_len, 1))
+
+
+VOCAB_MULTIPLE = 64
+
+
+def padded_vocab_size(n: int) -> int:
+    """``n`` rounded up to a multiple of ``VOCAB_MULTIPLE``.
+
+    Tensor parallelism splits the vocabulary evenly, so its size must divide by the TP degree.
+    Padding the same way on every mesh keeps the model, and so the loss, mesh-independent; the
+    extra rows are never a label and the model learns to give them no probability.
+    """
+    return -(-n // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
 
 
 def rope_frequencies(args: ModelArgs, device: torch.device | str | None = None) -> torch.Tensor:

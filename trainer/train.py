@@ -21,12 +21,13 @@ from torch.utils.data import Dataset
 
 from parallelisms.data_parallel import apply_fsdp
 from parallelisms.parallel_dims import Meshes, ParallelDims, device_type
+from parallelisms.tensor_parallel import apply_tp, loss_context
 from trainer.config import REPO_ROOT, ConfigError, JobConfig, help_text, load_config, to_toml
 from trainer.datasets import MicroBatchLoader, build_dataloader, build_dataset
 from trainer.grad_accumulator import GradAccumulator, StepResult
 from trainer.loss import cross_entropy_sum
 from trainer.metrics import MetricsLogger, StepStats, flops_per_token, peak_flops
-from trainer.model import ModelArgs, Transformer, model_args, num_params
+from trainer.model import VOCAB_MULTIPLE, ModelArgs, Transformer, model_args, num_params
 from trainer.optimizer import build_lr_scheduler, build_optimizer
 from trainer.tokenizer import Tokenizer
 
@@ -43,6 +44,10 @@ class Plan:
     global_batch_size: int
     model_args: ModelArgs
     dataset: Dataset
+
+    @property
+    def loss_parallel(self) -> bool:
+        return self.dims.tp > 1 and not self.config.parallelism.disable_loss_parallel
 
 
 def resolve_path(path: str) -> str:
@@ -78,9 +83,31 @@ def plan(config: JobConfig, world_size: int) -> Plan:
         args = model_args(config.model.flavor, tokenizer.vocab_size, t.seq_len)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    check_tensor_parallel(config, args, dims.tp)
     dataset_path = resolve_path(t.dataset_path) if t.dataset_path else None
     dataset = build_dataset(t.dataset, dataset_path, tokenizer, t.seq_len)
     return Plan(config, dims, global_batch // per_microbatch, global_batch, args, dataset)
+
+
+def check_tensor_parallel(config: JobConfig, args: ModelArgs, tp: int) -> None:
+    """Tensor parallelism splits heads, sequence and vocabulary evenly: each must divide by tp."""
+    if tp == 1:
+        return
+    key = "parallelism.tensor_parallel_degree"
+    splits = {
+        f"attention heads (model.flavor {config.model.flavor})": args.n_heads,
+        f"key/value heads (model.flavor {config.model.flavor})": args.kv_heads,
+        "tokens per sequence (training.seq_len)": config.training.seq_len,
+        f"vocabulary rows (the tokenizer's vocabulary padded to a multiple of {VOCAB_MULTIPLE})": args.vocab_size,
+    }
+    for what, size in splits.items():
+        if size % tp:
+            raise ConfigError(f"`{key}` = {tp} does not divide the {size} {what}; choose a tp that does.")
+    if config.parallelism.enable_async_tensor_parallel and device_type() != "cuda":
+        raise ConfigError(
+            "`parallelism.enable_async_tensor_parallel` needs CUDA (symmetric memory and "
+            "torch.compile's micro-pipeline rewrite); turn it off on this machine."
+        )
 
 
 def init_distributed(dev_type: str) -> torch.device:
@@ -102,7 +129,14 @@ def build_model(plan: Plan, meshes: Meshes, device: torch.device) -> Transformer
     """Build on the meta device, shard, then materialise and initialise only the local shards."""
     with torch.device("meta"):
         model = Transformer(plan.model_args)
-    t = plan.config.training
+    p, t = plan.config.parallelism, plan.config.training
+    if plan.dims.tp > 1:
+        apply_tp(
+            model,
+            meshes.tp,
+            loss_parallel=plan.loss_parallel,
+            async_tp=p.enable_async_tensor_parallel,
+        )
     param_dtype = t.mixed_precision_param
     if param_dtype == "auto":
         param_dtype = "bfloat16" if device.type == "cuda" else "float32"
@@ -111,7 +145,7 @@ def build_model(plan: Plan, meshes: Meshes, device: torch.device) -> Transformer
         meshes.param,
         param_dtype=getattr(torch, param_dtype),
         reduce_dtype=getattr(torch, t.mixed_precision_reduce),
-        reshard_after_forward=plan.config.parallelism.fsdp_reshard_after_forward,
+        reshard_after_forward=p.fsdp_reshard_after_forward,
     )
     model.to_empty(device=device)
     model.init_weights(plan.config.debug.seed)
@@ -129,6 +163,7 @@ class Job:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     loader: MicroBatchLoader
     accumulator: GradAccumulator
+    loss_parallel: bool
 
 
 def build_job(plan: Plan) -> Job:
@@ -170,6 +205,7 @@ def build_job(plan: Plan) -> Job:
         scheduler=build_lr_scheduler(optimizer, t.steps, config.lr_scheduler),
         loader=loader,
         accumulator=accumulator,
+        loss_parallel=plan.loss_parallel,
     )
 
 
@@ -185,11 +221,12 @@ def forward_backward(job: Job, microbatches: list[tuple[torch.Tensor, torch.Tens
     """Accumulate summed-loss gradients over the micro-batches; finalize normalises and clips."""
     accumulator = job.accumulator
     accumulator.begin_step([labels for _, labels in microbatches])
-    for i, (inputs, labels) in enumerate(microbatches):
-        accumulator.prepare_backward(i)
-        loss = cross_entropy_sum(job.model(inputs), labels)
-        loss.backward()
-        accumulator.record_loss(loss)
+    with loss_context(job.loss_parallel):
+        for i, (inputs, labels) in enumerate(microbatches):
+            accumulator.prepare_backward(i)
+            loss = cross_entropy_sum(job.model(inputs), labels)
+            loss.backward()
+            accumulator.record_loss(loss)
     return accumulator.finalize()
 
 
@@ -218,6 +255,7 @@ def train(plan: Plan) -> None:
         ),
         peak_flops=peak_flops(job.device, override=t.peak_flops or None),
         global_tokens_per_step=plan.global_batch_size * t.seq_len,
+        devices_per_replica=plan.dims.tp * plan.dims.cp,
     )
     if rank == 0:
         logger.info(

@@ -1,0 +1,91 @@
+"""Tensor parallelism for Llama 3, with sequence parallelism and a vocabulary-parallel loss.
+
+The plan below is the whole design. Between blocks the residual stream is sharded on the
+sequence dimension (``Shard(1)``): norms run on a slice of the tokens. Attention and the
+feed-forward all-gather the sequence on the way in, split heads / hidden units column-wise, and
+reduce-scatter back to sequence shards on the way out (``wo``, ``w2`` row-wise). The output
+projection is column-wise too: each rank computes the logits of its slice of the vocabulary,
+and the cross-entropy runs on those slices inside ``loss_parallel()``, so the
+``batch x seq x vocab`` logits are never gathered.
+
+Applied before FSDP: FSDP then shards the tensor-parallel DTensors over its own mesh.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import ContextManager
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+from trainer.model import Transformer
+
+
+def llama3_tp_plan(loss_parallel: bool) -> dict[str, ParallelStyle]:
+    """Module name pattern -> how its parameters and activations are split over TP ranks."""
+    return {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "layers.*.attention_norm": SequenceParallel(),
+        "layers.*.attention": PrepareModuleInput(
+            input_layouts=(Shard(1), None),  # (hidden states, RoPE table)
+            desired_input_layouts=(Replicate(), None),
+        ),
+        "layers.*.attention.wq": ColwiseParallel(),
+        "layers.*.attention.wk": ColwiseParallel(),
+        "layers.*.attention.wv": ColwiseParallel(),
+        "layers.*.attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "layers.*.ffn_norm": SequenceParallel(),
+        "layers.*.feed_forward": PrepareModuleInput(
+            input_layouts=(Shard(1),),
+            desired_input_layouts=(Replicate(),),
+        ),
+        "layers.*.feed_forward.w1": ColwiseParallel(),
+        "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        "layers.*.feed_forward.w3": ColwiseParallel(),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(
+            input_layouts=Shard(1),
+            # Loss parallel keeps the logits a vocabulary-sharded DTensor for the loss.
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
+    }
+
+
+def apply_tp(model: Transformer, tp_mesh: DeviceMesh, *, loss_parallel: bool, async_tp: bool) -> Transformer:
+    """Split ``model``'s parameters over ``tp_mesh`` in place (before FSDP) and return it.
+
+    Async TP overlaps the all-gathers and reduce-scatters with the matmuls that consume them;
+    it is a graph rewrite of ``torch.compile`` on CUDA symmetric memory, so it also compiles
+    each transformer block.
+    """
+    parallelize_module(model, tp_mesh, llama3_tp_plan(loss_parallel))
+    # The embedding's sequence shard is a view, and FSDP warns that an in-place op on it would
+    # skip its backward hook. The model only ever adds to the residual stream out of place.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPEmbedding\) returned a view")
+    if async_tp:
+        import torch._inductor.config
+        from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+        torch._inductor.config._micro_pipeline_tp = True
+        enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+        for block in model.layers.values():
+            block.compile(fullgraph=True)  # in place: parameter names stay the same
+    return model
+
+
+def loss_context(enabled: bool) -> ContextManager[None]:
+    """Where forward and backward of the loss must run: ``loss_parallel()`` with a sharded vocabulary."""
+    return loss_parallel() if enabled else contextlib.nullcontext()
