@@ -137,7 +137,23 @@ class Parallelism:
         "Tensor-parallel degree: attention heads, feed-forward units and the vocabulary are split "
         "over this many ranks, which see the same tokens (sequence parallel between blocks).",
     )
-    context_parallel_degree: int = _field(1, "Context-parallel degree (not implemented yet: must be 1).")
+    context_parallel_degree: int = _field(
+        1,
+        "Context-parallel degree: each sequence is split over this many ranks (head-tail load "
+        "balanced), which also shard the parameters together with dp_shard.",
+    )
+    context_parallel_backend: str = _field(
+        "auto",
+        "Attention across context-parallel shards: `ring` (PyTorch's ring attention, CUDA only), "
+        "`allgather_kv` (all-gather keys and values, any device), or `auto` (ring on CUDA, "
+        "allgather_kv elsewhere).",
+        ("auto", "ring", "allgather_kv"),
+    )
+    context_parallel_rotate_method: str = _field(
+        "allgather",
+        "How the ring backend moves key/value shards between ranks.",
+        ("allgather", "alltoall"),
+    )
     fsdp_reshard_after_forward: str = _field(
         "default",
         "Free gathered parameters after forward: `always`, `never` (faster backward, more "
@@ -422,11 +438,6 @@ def validate(config: JobConfig) -> None:
         if not 0.0 <= value < 1.0:
             raise ConfigError(f"`{key}` must be in [0, 1), got {value}.")
     p = config.parallelism
-    if p.context_parallel_degree != 1:
-        raise ConfigError(
-            f"`parallelism.context_parallel_degree` = {p.context_parallel_degree}: context parallelism "
-            "is not implemented yet; set it to 1."
-        )
     if p.enable_async_tensor_parallel and p.tensor_parallel_degree == 1:
         raise ConfigError(
             "`parallelism.enable_async_tensor_parallel` needs `parallelism.tensor_parallel_degree` > 1."

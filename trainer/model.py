@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -147,10 +148,21 @@ def apply_rotary_emb(xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor
     return xq_out.type_as(xq), xk_out.type_as(xk)
 
 
+def causal_attention(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor) -> torch.Tensor:
+    """Causal SDPA over ``(batch, heads, seq, head_dim)``; key/value heads repeated for GQA."""
+    n_rep = xq.shape[1] // xk.shape[1]
+    if n_rep > 1:
+        xk = xk.repeat_interleave(n_rep, dim=1)
+        xv = xv.repeat_interleave(n_rep, dim=1)
+    return F.scaled_dot_product_attention(xq, xk, xv, is_causal=True)
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.head_dim = args.head_dim
+        # Context parallelism swaps in an attention that sees the other ranks' keys and values.
+        self.attention_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = causal_attention
         self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
@@ -164,11 +176,7 @@ class Attention(nn.Module):
         xv = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
         xq, xk = apply_rotary_emb(xq, xk, freqs_cis)
         xq, xk, xv = (t.transpose(1, 2) for t in (xq, xk, xv))
-        n_rep = xq.shape[1] // xk.shape[1]
-        if n_rep > 1:
-            xk = xk.repeat_interleave(n_rep, dim=1)
-            xv = xv.repeat_interleave(n_rep, dim=1)
-        out = F.scaled_dot_product_attention(xq, xk, xv, is_causal=True)
+        out = self.attention_fn(xq, xk, xv)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
@@ -211,9 +219,11 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.register_buffer("freqs_cis", rope_frequencies(args, device=self.tok_embeddings.weight.device), persistent=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of ``tokens``; ``positions`` are the tokens' places in the sequence when they
+        are not ``0..seq-1`` (a context-parallel rank holds two separate chunks)."""
         h = self.tok_embeddings(tokens)
-        freqs_cis = self.freqs_cis[: tokens.shape[1]]
+        freqs_cis = self.freqs_cis[: tokens.shape[1]] if positions is None else self.freqs_cis[positions]
         for layer in self.layers.values():
             h = layer(h, freqs_cis)
         return self.output(self.norm(h))

@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
+from parallelisms.context_parallel import ContextParallel
 from parallelisms.data_parallel import apply_fsdp
 from parallelisms.parallel_dims import Meshes, ParallelDims, device_type
 from parallelisms.tensor_parallel import apply_tp, loss_context
@@ -84,6 +86,7 @@ def plan(config: JobConfig, world_size: int) -> Plan:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     check_tensor_parallel(config, args, dims.tp)
+    check_context_parallel(config, dims)
     dataset_path = resolve_path(t.dataset_path) if t.dataset_path else None
     dataset = build_dataset(t.dataset, dataset_path, tokenizer, t.seq_len)
     return Plan(config, dims, global_batch // per_microbatch, global_batch, args, dataset)
@@ -107,6 +110,38 @@ def check_tensor_parallel(config: JobConfig, args: ModelArgs, tp: int) -> None:
         raise ConfigError(
             "`parallelism.enable_async_tensor_parallel` needs CUDA (symmetric memory and "
             "torch.compile's micro-pipeline rewrite); turn it off on this machine."
+        )
+
+
+def context_parallel_backend(config: JobConfig) -> str:
+    backend = config.parallelism.context_parallel_backend
+    if backend == "auto":
+        return "ring" if device_type() == "cuda" else "allgather_kv"
+    return backend
+
+
+def check_context_parallel(config: JobConfig, dims: ParallelDims) -> None:
+    """Head-tail sharding needs 2 x cp equal chunks, each split again by sequence-parallel TP."""
+    if dims.cp == 1:
+        return
+    seq_len, multiple = config.training.seq_len, 2 * dims.cp * dims.tp
+    if seq_len % multiple:
+        raise ConfigError(
+            f"`training.seq_len` = {seq_len} must be divisible by 2 x context_parallel_degree x "
+            f"tensor_parallel_degree = {multiple} (every sequence is cut into 2 x cp load-balanced "
+            f"chunks, each split over tp); use a multiple of {multiple}."
+        )
+    backend = context_parallel_backend(config)
+    if backend == "ring" and device_type() != "cuda":
+        raise ConfigError(
+            "`parallelism.context_parallel_backend` = \"ring\" needs CUDA (PyTorch's context "
+            "parallelism has no CPU kernels); use \"allgather_kv\" or \"auto\"."
+        )
+    if backend == "allgather_kv" and config.parallelism.context_parallel_rotate_method != "allgather":
+        raise ConfigError(
+            "`parallelism.context_parallel_rotate_method` applies to the ring backend only; the "
+            "allgather_kv backend always all-gathers keys and values. Remove the setting or use "
+            "`parallelism.context_parallel_backend = \"ring\"` on CUDA."
         )
 
 
@@ -164,6 +199,9 @@ class Job:
     loader: MicroBatchLoader
     accumulator: GradAccumulator
     loss_parallel: bool
+    context_parallel: ContextParallel | None
+    positions: torch.Tensor | None
+    """Sequence positions of this rank's tokens under context parallelism (else 0..seq-1)."""
 
 
 def build_job(plan: Plan) -> Job:
@@ -177,6 +215,15 @@ def build_job(plan: Plan) -> Job:
     torch.manual_seed(config.debug.seed)
     meshes = plan.dims.build_mesh(dev_type)
     model = build_model(plan, meshes, device)
+    cp = None
+    if plan.dims.cp > 1:
+        cp = ContextParallel(
+            meshes.cp,
+            t.seq_len,
+            backend=context_parallel_backend(config),
+            rotate_method=config.parallelism.context_parallel_rotate_method,
+        )
+        cp.apply(model)
     optimizer = build_optimizer(model, config.optimizer, dev_type)
     loader = build_dataloader(
         plan.dataset,
@@ -206,25 +253,30 @@ def build_job(plan: Plan) -> Job:
         loader=loader,
         accumulator=accumulator,
         loss_parallel=plan.loss_parallel,
+        context_parallel=cp,
+        positions=cp.positions.to(device) if cp else None,
     )
 
 
 def fetch_step(job: Job) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """This rank's micro-batches of the next step, on the training device."""
-    return [
-        (inputs.to(job.device, non_blocking=True), labels.to(job.device, non_blocking=True))
-        for inputs, labels in job.loader.next_step()
-    ]
+    """This rank's micro-batches of the next step (its sequence shard under CP), on the device."""
+    microbatches = []
+    for inputs, labels in job.loader.next_step():
+        if job.context_parallel:
+            inputs, labels = job.context_parallel.shard(inputs), job.context_parallel.shard(labels)
+        microbatches.append((inputs.to(job.device, non_blocking=True), labels.to(job.device, non_blocking=True)))
+    return microbatches
 
 
 def forward_backward(job: Job, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
     """Accumulate summed-loss gradients over the micro-batches; finalize normalises and clips."""
     accumulator = job.accumulator
     accumulator.begin_step([labels for _, labels in microbatches])
-    with loss_context(job.loss_parallel):
+    attention_context = job.context_parallel.attention_context() if job.context_parallel else nullcontext()
+    with loss_context(job.loss_parallel), attention_context:
         for i, (inputs, labels) in enumerate(microbatches):
             accumulator.prepare_backward(i)
-            loss = cross_entropy_sum(job.model(inputs), labels)
+            loss = cross_entropy_sum(job.model(inputs, job.positions), labels)
             loss.backward()
             accumulator.record_loss(loss)
     return accumulator.finalize()

@@ -1,0 +1,167 @@
+"""Context parallelism: the sequence is split over ``cp`` ranks, attention sees all of it.
+
+Layout (head-tail load balancing): the sequence is cut into ``2 * cp`` equal chunks and rank
+``r`` holds chunks ``r`` and ``2 * cp - 1 - r``. Under a causal mask the work of a query chunk
+grows with its index, so pairing an early chunk with a late one gives every rank the same
+amount of attention work. Inputs, labels and RoPE positions are sharded the same way; RoPE
+uses the tokens' true positions.
+
+Attention has one interface and two backends:
+
+- ``allgather_kv`` (every device; selectable on CUDA for checking): all-gather K and V over
+  the CP group with an autograd-aware collective whose backward is a reduce-scatter, then
+  attend each local query chunk to the keys up to its own end, causally aligned at the
+  bottom right. This is the scheme Llama 3's long-context training used, and it is what makes
+  CP run (and testable) on CPU: PyTorch's own CP has no CPU path.
+- ``ring`` (CUDA): PyTorch's context parallelism (ring attention over the flash or memory-
+  efficient SDPA kernels), with ``context_parallel_rotate_method`` choosing how K/V shards move.
+  Its own head-tail load balancer lays out the sequence exactly as above; a run checks that.
+
+Every CP rank holds different tokens, so the gradient accumulator counts valid labels over
+data-parallel ranks *and* CP shards, and the loss needs no CP correction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.attention.bias import causal_lower_right
+
+from trainer.model import Transformer
+
+BACKENDS = ("allgather_kv", "ring")
+
+
+def head_tail_positions(seq_len: int, rank: int, degree: int) -> torch.Tensor:
+    """Sequence positions held by CP rank ``rank``: chunks ``rank`` and ``2 * degree - 1 - rank``."""
+    chunk = seq_len // (2 * degree)
+    first = torch.arange(rank * chunk, (rank + 1) * chunk)
+    last = 2 * degree - 1 - rank
+    return torch.cat([first, torch.arange(last * chunk, (last + 1) * chunk)])
+
+
+# torch 2.13 renames the tensor collectives to *_single and deprecates the old names; 2.11 has
+# only the old ones. Both take (output, input) positionally.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class _AllGatherSequence(torch.autograd.Function):
+    """All-gather along a new leading dimension; backward reduce-scatters (sums) the gradients."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, degree: int) -> torch.Tensor:
+        ctx.group = group
+        out = x.new_empty((degree * x.shape[0], *x.shape[1:]))
+        _all_gather(out, x.contiguous(), group=group)
+        return out.view(degree, *x.shape)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        out = grad.new_empty(grad.shape[1:])
+        _reduce_scatter(out, grad.contiguous().flatten(0, 1), group=ctx.group)
+        return out, None, None
+
+
+def attend_local_chunks(
+    xq: torch.Tensor, xk_full: torch.Tensor, xv_full: torch.Tensor, rank: int, degree: int
+) -> torch.Tensor:
+    """Causal attention of rank ``rank``'s two query chunks against the whole sequence's K/V.
+
+    ``xq`` is ``(batch, heads, 2 * chunk, head_dim)`` in head-tail layout; ``xk_full`` and
+    ``xv_full`` are ``(batch, kv_heads, seq, head_dim)`` in natural order. Query chunk ``j``
+    only needs keys ``[0, (j + 1) * chunk)``, and the causal mask is aligned so that its last
+    query sees its last key.
+    """
+    n_rep = xq.shape[1] // xk_full.shape[1]
+    if n_rep > 1:
+        xk_full = xk_full.repeat_interleave(n_rep, dim=1)
+        xv_full = xv_full.repeat_interleave(n_rep, dim=1)
+    chunk = xq.shape[2] // 2
+    outputs = []
+    for half, global_chunk in enumerate((rank, 2 * degree - 1 - rank)):
+        end = (global_chunk + 1) * chunk
+        outputs.append(
+            F.scaled_dot_product_attention(
+                xq[:, :, half * chunk : (half + 1) * chunk],
+                xk_full[:, :, :end],
+                xv_full[:, :, :end],
+                attn_mask=causal_lower_right(chunk, end),
+            )
+        )
+    return torch.cat(outputs, dim=2)
+
+
+def natural_order(gathered: torch.Tensor) -> torch.Tensor:
+    """``(degree, batch, heads, 2 * chunk, dim)`` from every rank -> ``(batch, heads, seq, dim)``."""
+    degree, batch, heads, local, dim = gathered.shape
+    chunk = local // 2
+    # Rank r's halves are global chunks r and 2 * degree - 1 - r; index them as r * 2 + half.
+    order = [g * 2 if g < degree else (2 * degree - 1 - g) * 2 + 1 for g in range(2 * degree)]
+    index = torch.tensor(order, device=gathered.device)
+    chunks = gathered.permute(1, 2, 0, 3, 4).reshape(batch, heads, degree * 2, chunk, dim)
+    return chunks.index_select(2, index).reshape(batch, heads, degree * local, dim)
+
+
+class AllGatherKVAttention:
+    """The ``allgather_kv`` backend, a drop-in for ``Attention.attention_fn``."""
+
+    def __init__(self, group: dist.ProcessGroup, rank: int, degree: int):
+        self.group, self.rank, self.degree = group, rank, degree
+
+    def __call__(self, xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor) -> torch.Tensor:
+        xk_full = natural_order(_AllGatherSequence.apply(xk, self.group, self.degree))
+        xv_full = natural_order(_AllGatherSequence.apply(xv, self.group, self.degree))
+        return attend_local_chunks(xq, xk_full, xv_full, self.rank, self.degree)
+
+
+class ContextParallel:
+    """Shards sequences for this CP rank and provides the attention that spans the shards."""
+
+    def __init__(self, cp_mesh: DeviceMesh, seq_len: int, backend: str, rotate_method: str):
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown context-parallel backend {backend!r}; use one of {BACKENDS}")
+        self.mesh = cp_mesh
+        self.degree = cp_mesh.size()
+        self.rank = cp_mesh.get_local_rank()
+        self.seq_len = seq_len
+        self.backend = backend
+        self.rotate_method = rotate_method
+        self.positions = head_tail_positions(seq_len, self.rank, self.degree)
+
+    def apply(self, model: Transformer) -> None:
+        """Give every block's attention the K/V of the whole sequence (``allgather_kv``)."""
+        if self.backend != "allgather_kv":
+            return
+        group = self.mesh.get_group()
+        for block in model.layers.values():
+            block.attention.attention_fn = AllGatherKVAttention(group, self.rank, self.degree)
+
+    def shard(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens of ``x`` (``batch, seq, ...``), in head-tail layout."""
+        return x.index_select(1, self.positions.to(x.device))
+
+    @contextlib.contextmanager
+    def attention_context(self) -> Iterator[None]:
+        """Where forward and backward run: the ring backend patches SDPA inside it."""
+        if self.backend != "ring":
+            yield
+            return
+        from torch.distributed.tensor.experimental import context_parallel
+        from torch.distributed.tensor.experimental._attention import set_rotate_method
+
+        set_rotate_method(self.rotate_method)
+        positions = torch.arange(self.seq_len, device=self.mesh.device_type)
+        with context_parallel(self.mesh, buffers=[positions], buffer_seq_dims=[0], no_restore_buffers={positions}):
+            if not torch.equal(positions.cpu(), self.positions):
+                raise RuntimeError(
+                    "PyTorch's context parallelism laid out the sequence differently from the "
+                    "head-tail layout the inputs were sharded with; use "
+                    "`parallelism.context_parallel_backend = \"allgather_kv\"`."
+                )
+            yield
