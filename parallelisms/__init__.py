@@ -1,1 +1,1 @@
-"""Parallelisms applied to the model before training: the mesh, tensor parallelism, FSDP/HSDP."""
+"""Parallelisms applied to the model before training: the mesh, tensor, context and data parallelism."""

@@ -189,18 +189,10 @@ def test_garbage_mesh(spec: str):
         load_config(["--mesh", spec])
 
 
-def test_unimplemented_parallelism_names_the_key():
-    key = "context_parallel_degree"
-    with pytest.raises(ConfigError, match=f"parallelism.{key}") as err:
-        load_config(["--mesh", "dp_shard=2,cp=2"])
-    assert "not implemented" in str(err.value)
-    with pytest.raises(ConfigError, match=f"parallelism.{key}"):
-        load_config([f"--parallelism.{key}", "2"])
-
-
-def test_tensor_parallel_degree_is_accepted():
-    config = load_config(["--mesh", "dp_shard=2,tp=2"])
+def test_tensor_and_context_parallel_degrees_are_accepted():
+    config = load_config(["--mesh", "dp_shard=2,cp=2,tp=2"])
     assert config.parallelism.tensor_parallel_degree == 2
+    assert config.parallelism.context_parallel_degree == 2
 
 
 # --------------------------------------------------------------------------------------------

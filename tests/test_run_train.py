@@ -2,7 +2,8 @@
 
 Several optimizer steps of ``shakespeare_dialogue`` (uneven valid tokens) with a fixed global
 batch; the logged global loss, valid-token count and grad norm of every step must agree across
-1 rank x 4 micro-batches, FSDP 4 x 1, FSDP 2 x 2, HSDP (2,2) x 2 and dp_shard 2 x tp 2 x 2.
+1 rank x 4 micro-batches, FSDP 4 x 1, FSDP 2 x 2, HSDP (2,2) x 2, dp_shard 2 x tp 2 x 2 and
+dp_shard 2 x cp 2 x 2.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ MESHES = {
     "fsdp2x2": (2, 2, []),
     "hsdp2x2x2": (4, 1, ["--mesh", "dp_replicate=2,dp_shard=2"]),
     "dp_shard2xtp2x2": (4, 2, ["--mesh", "dp_shard=2,tp=2"]),
+    "dp_shard2xcp2x2": (4, 2, ["--mesh", "dp_shard=2,cp=2"]),
 }
 
 

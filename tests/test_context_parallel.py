@@ -1,0 +1,169 @@
+"""Context parallelism: the all-gather-KV attention equals full causal attention, and every
+CP mesh (alone and with FSDP, HSDP and TP) gives the single-process reference's loss and
+gradients; the CP-specific bugs are caught."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from multiprocess import run_ranks
+from parallelisms.context_parallel import (
+    AllGatherKVAttention,
+    attend_local_chunks,
+    head_tail_positions,
+    natural_order,
+)
+from test_grad_accumulator import BASE_ARGV, argv_for, assert_matches, full, reference, step_worker
+from trainer.config import ConfigError, load_config
+from trainer.loss import IGNORE_INDEX
+from trainer.model import causal_attention
+from trainer.train import build_job, fetch_step, forward_backward, init_distributed, plan
+
+# name: (world size, local batch size, extra argv); global batch 8, seq_len 64
+MESHES = {
+    "cp=2": (2, 8, ["--parallelism.context_parallel_degree", "2"]),
+    "cp=4": (4, 4, ["--parallelism.context_parallel_degree", "4"]),
+    "dp_shard=2 x cp=2, 2 micro-batches": (4, 2, ["--mesh", "dp_shard=2,cp=2"]),
+    "cp=2 x tp=2": (4, 8, ["--mesh", "cp=2,tp=2"]),
+    "dp_replicate=2 x cp=2 x tp=2": (8, 2, ["--mesh", "dp_replicate=2,cp=2,tp=2"]),
+}
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return reference(argv_for(8, []))
+
+
+def test_head_tail_layout_balances_causal_work():
+    assert head_tail_positions(16, 0, 2).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert head_tail_positions(16, 1, 2).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    for degree in (2, 3, 4):
+        seq = 2 * degree * 5
+        held = [head_tail_positions(seq, r, degree) for r in range(degree)]
+        assert sorted(torch.cat(held).tolist()) == list(range(seq))
+        work = {int((p + 1).sum()) for p in held}  # keys each query attends to under causality
+        assert len(work) == 1
+
+
+@pytest.mark.parametrize("degree", [2, 3])
+def test_simulated_ranks_equal_full_attention(degree):
+    """One process plays every rank: chunks, offsets and GQA, forward and backward."""
+    torch.manual_seed(0)
+    batch, heads, kv_heads, chunk, dim = 3, 6, 2, 5, 12  # odd sizes on purpose
+    seq = 2 * degree * chunk
+    q = torch.randn(batch, heads, seq, dim, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(batch, kv_heads, seq, dim, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(batch, kv_heads, seq, dim, dtype=torch.float64, requires_grad=True)
+    upstream = torch.randn(batch, heads, seq, dim, dtype=torch.float64)
+    expected = causal_attention(q, k, v)
+    expected_grads = torch.autograd.grad(expected, (q, k, v), upstream)
+    out = torch.empty_like(expected)
+    for rank in range(degree):
+        pos = head_tail_positions(seq, rank, degree)
+        shards = natural_order(torch.stack([k[:, :, head_tail_positions(seq, r, degree)] for r in range(degree)]))
+        assert torch.equal(shards, k)  # gathering the shards restores the natural order
+        out[:, :, pos] = attend_local_chunks(q[:, :, pos], k, v, rank, degree)
+    torch.testing.assert_close(out, expected)
+    grads = torch.autograd.grad(out, (q, k, v), upstream)
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want)
+
+
+def allgather_attention_worker(degree: int) -> dict:
+    """Each rank computes its shard with the real collective; rank 0 returns all outputs/grads."""
+    init_distributed("cpu")
+    rank = dist.get_rank()
+    gen = torch.Generator().manual_seed(1)
+    batch, heads, kv_heads, chunk, dim = 2, 4, 2, 3, 6
+    seq = 2 * degree * chunk
+    q, k, v = (torch.randn(batch, h, seq, dim, generator=gen) for h in (heads, kv_heads, kv_heads))
+    upstream = torch.randn(batch, heads, seq, dim, generator=gen)
+    pos = head_tail_positions(seq, rank, degree)
+    q_local, k_local, v_local = (t[:, :, pos].clone().requires_grad_() for t in (q, k, v))
+    attention = AllGatherKVAttention(dist.group.WORLD, rank, degree)
+    out = attention(q_local, k_local, v_local)
+    out.backward(upstream[:, :, pos])
+    return {"pos": pos, "out": out.detach(), "grads": [t.grad for t in (q_local, k_local, v_local)],
+            "q": q, "k": k, "v": v, "upstream": upstream}
+
+
+@pytest.mark.parametrize("degree", [2, 4])
+def test_allgather_kv_attention_equals_full_attention(degree):
+    results = run_ranks(allgather_attention_worker, degree, degree)
+    q, k, v, upstream = (results[0][key] for key in ("q", "k", "v", "upstream"))
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    expected = causal_attention(q, k, v)
+    expected.backward(upstream)
+    for r in results:
+        torch.testing.assert_close(r["out"], expected[:, :, r["pos"]].detach(), rtol=1e-5, atol=1e-6)
+        # K/V gradients come back through the reduce-scatter: every rank's queries contribute.
+        for got, want in zip(r["grads"], (q.grad, k.grad, v.grad)):
+            torch.testing.assert_close(got, want[:, :, r["pos"]], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+def test_context_parallel_matches_single_process_reference(mesh, ref):
+    world, local_batch, extra = MESHES[mesh]
+    results = run_ranks(step_worker, world, argv_for(local_batch, extra))
+    assert_matches(results[0], ref)
+    assert set(results[0]["writes"]) == {1}
+
+
+def cp_shard_counts_worker(argv: list[str]) -> list[int]:
+    p = plan(load_config(argv), int(os.environ["WORLD_SIZE"]))
+    job = build_job(p)
+    return [int((labels != IGNORE_INDEX).sum()) for _, labels in fetch_step(job)]
+
+
+def test_padding_lands_unevenly_on_cp_shards():
+    counts = run_ranks(cp_shard_counts_worker, 2, argv_for(8, ["--parallelism.context_parallel_degree", "2"]))
+    assert counts[0] != counts[1]
+
+
+def cp_bug_worker(argv: list[str]) -> dict:
+    """Two CP bugs on the same data: tokens counted as if CP ranks held duplicates (count over
+    data-parallel ranks only), and the gradient scaled by the CP degree."""
+    p = plan(load_config(argv), int(os.environ["WORLD_SIZE"]))
+    job = build_job(p)
+    microbatches = fetch_step(job)
+    job.accumulator.loss_group = job.meshes.batch.get_group()
+    per_shard = forward_backward(job, microbatches)
+    per_shard_grads = {name: full(prm.grad) for name, prm in job.model.named_parameters()}
+    job.optimizer.zero_grad(set_to_none=True)
+    job.accumulator.loss_group = job.meshes.loss.get_group()
+    right = forward_backward(job, microbatches)
+    scaled = {name: full(prm.grad) * p.dims.cp for name, prm in job.model.named_parameters()}
+    return {"per_shard": _summary(per_shard, per_shard_grads), "scaled": _summary(right, scaled)}
+
+
+def _summary(result, grads: dict[str, torch.Tensor]) -> dict:
+    return {"loss": result.loss_avg, "norm": result.grad_norm, "n": result.n_valid_tokens, "grads": grads}
+
+
+def test_cp_bugs_are_caught(ref):
+    result = run_ranks(cp_bug_worker, 2, argv_for(8, ["--parallelism.context_parallel_degree", "2"]))[0]
+    assert result["per_shard"]["n"] < ref["n"]
+    with pytest.raises(AssertionError):
+        assert_matches(result["per_shard"], ref)
+    with pytest.raises(AssertionError):
+        assert_matches(result["scaled"], ref)
+
+
+def test_validation_names_the_key():
+    def message(argv: list[str], world: int) -> str:
+        with pytest.raises(ConfigError) as error:
+            plan(load_config(BASE_ARGV + argv), world)
+        return str(error.value)
+
+    text = message(["--mesh", "cp=2,tp=2", "--training.seq_len", "60", "--training.local_batch_size", "8"], 4)
+    assert "training.seq_len" in text and "8" in text
+    text = message(["--parallelism.context_parallel_degree", "2", "--parallelism.context_parallel_backend", "ring",
+                    "--training.local_batch_size", "8"], 2)
+    assert "context_parallel_backend" in text and "CUDA" in text
+    text = message(["--parallelism.context_parallel_degree", "2", "--training.local_batch_size", "8",
+                    "--parallelism.context_parallel_rotate_method", "alltoall"], 2)
+    assert "context_parallel_rotate_method" in text
