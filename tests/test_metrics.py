@@ -108,7 +108,7 @@ def _stats(step: int, **overrides: object) -> StepStats:
         lr=1e-3 * step,
         n_valid_tokens=400 + step,
         local_tokens=LOCAL_TOKENS,
-        skipped=False,
+        n_skipped_steps=0,
         data_time_s=0.1,
         step_time_s=0.5,
     )
@@ -156,8 +156,8 @@ def test_tensorboard_scalars_on_cpu(tmp_path: os.PathLike[str]) -> None:
     assert logger.tb_dir is not None
     assert os.path.dirname(logger.tb_dir) == os.path.join(str(tmp_path), "tb")
     assert re.fullmatch(r"\d{8}-\d{6}", os.path.basename(logger.tb_dir))
-    steps = [_stats(s) for s in range(1, 6)]
-    steps[2] = _stats(3, skipped=True, local_tokens=2 * LOCAL_TOKENS, data_time_s=0.3)
+    steps = [_stats(s, n_skipped_steps=int(s >= 3)) for s in range(1, 6)]
+    steps[2] = _stats(3, n_skipped_steps=1, local_tokens=2 * LOCAL_TOKENS, data_time_s=0.3)
     _run(logger, steps)
 
     acc = _read_events(logger.tb_dir)
@@ -256,8 +256,8 @@ def test_console_colored_line_with_skips_and_non_finite_values(
     logger = _make_logger(tmp_path, enable_tensorboard=True, color=True, total_steps=3, log_freq=10)
     steps = [
         _stats(1),
-        _stats(2, skipped=True, loss_avg=math.nan, grad_norm=math.inf),
-        _stats(3, loss_avg=math.nan, loss_max=math.nan, grad_norm=math.nan),
+        _stats(2, n_skipped_steps=1, loss_avg=math.nan, grad_norm=math.inf),
+        _stats(3, n_skipped_steps=1, loss_avg=math.nan, loss_max=math.nan, grad_norm=math.nan),
     ]
     lines = _console_lines(caplog, logger, steps)
     assert len(lines) == 2  # steps 1 and 3 (the last one)

@@ -118,7 +118,8 @@ class StepStats:
     lr: float
     n_valid_tokens: int
     local_tokens: int
-    skipped: bool
+    n_skipped_steps: int
+    """Steps skipped so far in the run (kept by the gradient accumulator, restored on resume)."""
     data_time_s: float
     step_time_s: float
 
@@ -264,7 +265,7 @@ class MetricsLogger:
         self._window_tokens += stats.local_tokens
         self._window_data_time += stats.data_time_s
         self._window_step_time += stats.step_time_s
-        self._n_skipped_steps += int(stats.skipped)
+        self._n_skipped_steps = stats.n_skipped_steps
 
         if not (
             stats.step == 1 or stats.step % self._log_freq == 0 or stats.step == self._total_steps

@@ -342,7 +342,7 @@ def train(plan: Plan) -> None:
                 lr=lr,
                 n_valid_tokens=result.n_valid_tokens,
                 local_tokens=local_tokens,
-                skipped=result.skipped,
+                n_skipped_steps=job.accumulator.n_skipped_steps,
                 data_time_s=data_time,
                 step_time_s=time.perf_counter() - step_start,
             )
