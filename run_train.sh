@@ -3,6 +3,8 @@
 #
 #   NGPU=8         processes on this node (default: the GPUs present, or 4 on a CPU-only machine)
 #   LOG_RANK=0     local ranks whose output is shown (comma-separated)
+#   MAX_RESTARTS=0 torchrun restarts the job this often after a failure; with --checkpoint.enable
+#                  each restart resumes from the newest complete checkpoint
 #   Multi-node: set NNODES, NODE_RANK is not needed (c10d rendezvous), and RDZV_ENDPOINT=host:port of
 #   one node plus a shared RDZV_ID on every node; see README.md ("Multi-node").
 set -euo pipefail
@@ -24,6 +26,7 @@ if [[ -z "${NGPU:-}" ]]; then
   fi
 fi
 LOG_RANK=${LOG_RANK:-0}
+MAX_RESTARTS=${MAX_RESTARTS:-0}
 NNODES=${NNODES:-1}
 RDZV_ENDPOINT=${RDZV_ENDPOINT:-localhost:0}
 RDZV_ID=${RDZV_ID:-meshtrain}
@@ -36,6 +39,7 @@ exec python -m torch.distributed.run \
   --rdzv_backend=c10d \
   --rdzv_endpoint="${RDZV_ENDPOINT}" \
   --rdzv_id="${RDZV_ID}" \
+  --max-restarts="${MAX_RESTARTS}" \
   --local-ranks-filter="${LOG_RANK}" \
   --role=rank \
   --tee=3 \

@@ -30,6 +30,10 @@ class ConfigError(ValueError):
     """A user error in the configuration; the message names the key and how to fix it."""
 
 
+class StrList(tuple):
+    """A list of strings: a TOML array, or comma-separated on the command line."""
+
+
 def _field(default: Any, doc: str, choices: tuple[str, ...] | None = None) -> Any:
     return field(default=default, metadata={"doc": doc, "choices": choices})
 
@@ -179,6 +183,51 @@ class Metrics:
 
 
 @dataclass
+class Checkpoint:
+    enable: bool = _field(
+        False,
+        "Save checkpoints and resume from the newest complete one in `checkpoint.folder` at start.",
+    )
+    folder: str = _field("checkpoint", "Folder inside `job.dump_folder`; each checkpoint is `step-N` in it.")
+    interval: int = _field(500, "Save every N steps; the last step is always saved.")
+    keep_latest_k: int = _field(10, "Keep the newest k checkpoints, delete older ones; 0 keeps all.")
+    load_step: int = _field(-1, "Resume from `step-N` exactly; -1 takes the newest complete checkpoint.")
+    exclude_from_loading: StrList = _field(
+        StrList(),
+        "Parts of the checkpoint not to restore when resuming (e.g. `optimizer,lr_scheduler`).",
+        ("model", "optimizer", "lr_scheduler", "dataloader", "train_state"),
+    )
+    initial_load_path: str = _field(
+        "",
+        "A checkpoint folder (DCP `step-N`, or a Hugging Face folder with `initial_load_in_hf`) to "
+        "start from when `checkpoint.folder` holds no checkpoint yet.",
+    )
+    initial_load_model_only: bool = _field(
+        True, "From `initial_load_path`, load the weights only (fresh optimizer, step 0)."
+    )
+    initial_load_in_hf: bool = _field(
+        False, "`initial_load_path` is a Hugging Face Llama folder (config.json + safetensors)."
+    )
+    last_save_model_only: bool = _field(
+        False, "The final checkpoint holds the weights only (an export), cast to `checkpoint.export_dtype`."
+    )
+    export_dtype: str = _field(
+        "float32", "Dtype of a model-only final checkpoint.", ("float32", "bfloat16", "float16")
+    )
+    async_mode: str = _field(
+        "disabled",
+        "`async` writes checkpoints in the background while training goes on (at most one in "
+        "flight); `disabled` blocks until written.",
+        ("disabled", "async"),
+    )
+    create_seed_checkpoint: bool = _field(
+        False,
+        "Write the initial weights as `step-0` (model only) on one process and exit; runs on any "
+        "mesh then start from exactly these weights.",
+    )
+
+
+@dataclass
 class Debug:
     seed: int = _field(0, "Seed of the weight initialisation and the data order; same seed, same run on any mesh.")
     deterministic: bool = _field(False, "Use deterministic kernels (`torch.use_deterministic_algorithms`).")
@@ -193,6 +242,7 @@ class JobConfig:
     training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)
     metrics: Metrics = field(default_factory=Metrics)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
     debug: Debug = field(default_factory=Debug)
 
 
@@ -218,6 +268,10 @@ def _fields() -> dict[str, tuple[type, dataclasses.Field]]:
 FIELDS = _fields()
 
 
+def type_name(typ: type) -> str:
+    return "comma-separated list" if typ is StrList else typ.__name__
+
+
 def _unknown_key(key: str) -> ConfigError:
     close = difflib.get_close_matches(key, FIELDS, n=1, cutoff=0.5)
     hint = f" Did you mean `{close[0]}`?" if close else " Run with --help for the list of keys."
@@ -227,7 +281,7 @@ def _unknown_key(key: str) -> ConfigError:
 def _coerce(key: str, value: Any, from_cli: bool) -> Any:
     """Convert ``value`` to the declared type of ``key`` or raise naming both."""
     typ, f = FIELDS[key]
-    bad = ConfigError(f"`{key}` expects {typ.__name__}, got {value!r}.")
+    bad = ConfigError(f"`{key}` expects {type_name(typ)}, got {value!r}.")
     if typ is bool:
         if isinstance(value, bool):
             result = value
@@ -259,13 +313,21 @@ def _coerce(key: str, value: Any, from_cli: bool) -> Any:
                 raise bad from None
         else:
             raise bad
+    elif typ is StrList:
+        if from_cli and isinstance(value, str):
+            value = [item.strip() for item in value.split(",") if item.strip()]
+        if not isinstance(value, (list, tuple)) or not all(isinstance(item, str) for item in value):
+            raise bad
+        result = tuple(value)
     else:
         if not isinstance(value, str):
             raise bad
         result = value
     choices = f.metadata["choices"]
-    if choices is not None and result not in choices:
-        raise ConfigError(f"`{key}` must be one of {', '.join(choices)}; got {result!r}.")
+    items = result if isinstance(result, tuple) else (result,)
+    for item in items:
+        if choices is not None and item not in choices:
+            raise ConfigError(f"`{key}` must be one of {', '.join(choices)}; got {item!r}.")
     return result
 
 
@@ -376,7 +438,8 @@ def help_text() -> str:
             section = sec
             lines += ["", f"[{sec}]"]
         choices = f" {{{'|'.join(f.metadata['choices'])}}}" if f.metadata["choices"] else ""
-        lines.append(f"  --{key} ({typ.__name__}{choices}, default {f.default!r})")
+        default = ",".join(f.default) if typ is StrList else repr(f.default)
+        lines.append(f"  --{key} ({type_name(typ)}{choices}, default {default})")
         lines.append(f"      {f.metadata['doc']}")
     return "\n".join(lines)
 
@@ -427,6 +490,19 @@ def validate(config: JobConfig) -> None:
     ratio = config.lr_scheduler.decay_ratio
     if ratio != -1.0 and not 0.0 <= ratio <= 1.0:
         raise ConfigError(f"`lr_scheduler.decay_ratio` must be in [0, 1] or -1, got {ratio}.")
+    c = config.checkpoint
+    if c.interval < 1:
+        raise ConfigError(f"`checkpoint.interval` must be >= 1, got {c.interval}.")
+    if c.keep_latest_k < 0:
+        raise ConfigError(f"`checkpoint.keep_latest_k` must be >= 0 (0 keeps all), got {c.keep_latest_k}.")
+    if c.load_step < -1:
+        raise ConfigError(f"`checkpoint.load_step` must be a step >= 0 or -1 (newest), got {c.load_step}.")
+    if c.initial_load_in_hf and not c.initial_load_path:
+        raise ConfigError("`checkpoint.initial_load_in_hf` needs `checkpoint.initial_load_path` (the Hugging Face folder).")
+    if c.initial_load_in_hf and not c.initial_load_model_only:
+        raise ConfigError(
+            "`checkpoint.initial_load_in_hf` loads weights only; set `checkpoint.initial_load_model_only` to true."
+        )
     if not 0.0 <= config.lr_scheduler.min_lr_factor <= 1.0:
         raise ConfigError("`lr_scheduler.min_lr_factor` must be in [0, 1].")
     o = config.optimizer
@@ -452,6 +528,8 @@ def to_toml(config: JobConfig) -> str:
         for key, value in dataclasses.asdict(getattr(config, section.name)).items():
             if isinstance(value, bool):
                 text = "true" if value else "false"
+            elif isinstance(value, tuple):
+                text = "[" + ", ".join(json.dumps(item, ensure_ascii=False) for item in value) + "]"
             elif isinstance(value, str):
                 # JSON string escapes are valid TOML basic-string escapes; TOML also forbids DEL.
                 text = json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")

@@ -264,11 +264,11 @@ class Transformer(nn.Module):
                 nn.init.normal_(full, 0.0, std, generator=gen)
             else:
                 nn.init.trunc_normal_(full, 0.0, std, -3 * std, 3 * std, generator=gen)
-            local.copy_(_local_slice(full, param))
+            local.copy_(local_slice(full, param))
         self.freqs_cis = rope_frequencies(self.args, device=self.freqs_cis.device)
 
 
-def _local_slice(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+def local_slice(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """The part of ``full`` that this rank's shard of ``param`` holds."""
     if not isinstance(param, DTensor):
         return full

@@ -24,6 +24,7 @@ from parallelisms.context_parallel import ContextParallel
 from parallelisms.data_parallel import apply_fsdp
 from parallelisms.parallel_dims import Meshes, ParallelDims, device_type
 from parallelisms.tensor_parallel import apply_tp, loss_context
+from trainer.checkpoint import CheckpointManager, TrainState, create_seed_checkpoint
 from trainer.config import REPO_ROOT, ConfigError, JobConfig, help_text, load_config, to_toml
 from trainer.datasets import MicroBatchLoader, build_dataloader, build_dataset
 from trainer.grad_accumulator import GradAccumulator, StepResult
@@ -87,6 +88,10 @@ def plan(config: JobConfig, world_size: int) -> Plan:
         raise ConfigError(str(e)) from None
     check_tensor_parallel(config, args, dims.tp)
     check_context_parallel(config, dims)
+    if config.checkpoint.create_seed_checkpoint and world_size != 1:
+        raise ConfigError(
+            f"`checkpoint.create_seed_checkpoint` runs on one process, not {world_size}: launch it with NGPU=1."
+        )
     dataset_path = resolve_path(t.dataset_path) if t.dataset_path else None
     dataset = build_dataset(t.dataset, dataset_path, tokenizer, t.seq_len)
     return Plan(config, dims, global_batch // per_microbatch, global_batch, args, dataset)
@@ -286,6 +291,24 @@ def train(plan: Plan) -> None:
     config, t = plan.config, plan.config.training
     job = build_job(plan)
     rank = dist.get_rank()
+    if config.checkpoint.create_seed_checkpoint:
+        path = create_seed_checkpoint(config.checkpoint, config.job.dump_folder, job.model, plan.model_args)
+        logger.info("seed checkpoint written to %s", path)
+        dist.destroy_process_group()
+        return
+    train_state = TrainState(job.accumulator)
+    checkpointer = CheckpointManager(
+        config.checkpoint,
+        config.job.dump_folder,
+        model=job.model,
+        optimizer=job.optimizer,
+        lr_scheduler=job.scheduler,
+        dataloader=job.loader,
+        train_state=train_state,
+        model_args=plan.model_args,
+        total_steps=t.steps,
+    )
+    start = checkpointer.load()
     if rank == 0:
         dump = Path(config.job.dump_folder)
         dump.mkdir(parents=True, exist_ok=True)
@@ -321,7 +344,7 @@ def train(plan: Plan) -> None:
             logger.info("TensorBoard: tensorboard --logdir %s", metrics.tb_dir)
 
     local_tokens = plan.microbatches * t.local_batch_size * t.seq_len
-    for step in range(1, t.steps + 1):
+    for step in range(start + 1, t.steps + 1):
         step_start = time.perf_counter()
         microbatches = fetch_step(job)
         data_time = time.perf_counter() - step_start
@@ -347,6 +370,9 @@ def train(plan: Plan) -> None:
                 step_time_s=time.perf_counter() - step_start,
             )
         )
+        train_state.step = step
+        checkpointer.maybe_save(step)
+    checkpointer.close()
     metrics.close()
     dist.barrier()
     dist.destroy_process_group()

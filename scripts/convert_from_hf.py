@@ -1,0 +1,48 @@
+"""Import a Hugging Face ``LlamaForCausalLM`` folder as a model-only meshtrain checkpoint.
+
+Usage: ``python scripts/convert_from_hf.py HF_DIR CHECKPOINT_DIR``
+
+HF_DIR holds ``config.json`` and safetensors weights (one file or shards with an index).
+CHECKPOINT_DIR, new or empty, receives a ``torch.distributed.checkpoint`` folder holding only
+``{"model": ...}`` plus ``model_args.json`` derived from ``config.json``; the trainer loads it on
+any mesh. Weights are stored in float32, the dtype of the trainer's parameters (casting from
+bfloat16 or float16 is exact). A tied ``lm_head`` (Llama 3.2) becomes a separate output matrix
+that starts as a copy of the embedding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))  # run as a plain script from anywhere
+
+from trainer.hf_interop import (  # noqa: E402
+    InteropError,
+    from_hf_state_dict,
+    load_hf_folder,
+    model_args_from_hf_config,
+    write_dcp_model,
+)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("hf_dir", type=Path, help="Hugging Face model folder (config.json + safetensors)")
+    parser.add_argument("checkpoint_dir", type=Path, help="new or empty folder for the training checkpoint")
+    opts = parser.parse_args(argv)
+    try:
+        hf_state_dict, config = load_hf_folder(opts.hf_dir)
+        args = model_args_from_hf_config(config)
+        ours = from_hf_state_dict(hf_state_dict, args, tie_word_embeddings=bool(config.get("tie_word_embeddings")))
+        write_dcp_model(opts.checkpoint_dir, {k: t.float() for k, t in ours.items()}, args)
+    except (InteropError, ImportError) as err:
+        parser.exit(1, f"error: {err}\n")
+    n_params = sum(t.numel() for t in ours.values())
+    print(f"wrote {opts.checkpoint_dir}: {n_params:,} parameters, {args}")
+
+
+if __name__ == "__main__":
+    main()

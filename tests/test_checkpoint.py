@@ -1,0 +1,197 @@
+"""Checkpoints: exact resume on another mesh, crash safety, corrupt checkpoints skipped,
+async saves, seed checkpoints, model-only exports."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+from multiprocess import run_ranks
+from test_run_train import run_train
+from trainer.checkpoint import CheckpointManager, TrainState, checkpoint_problem, step_folders
+from trainer.config import load_config
+from trainer.hf_interop import read_dcp_model
+from trainer.model import Transformer
+from trainer.train import build_job, plan, train
+
+# A schedule that does not depend on training.steps (warm-up, then constant), so a 4-step run
+# and the first 4 steps of an 8-step run take the same learning rates.
+COMMON = [
+    "--training.dataset", "shakespeare_dialogue",
+    "--training.seq_len", "64",
+    "--training.global_batch_size", "8",
+    "--lr_scheduler.warmup_steps", "2",
+    "--lr_scheduler.decay_ratio", "0",
+    "--metrics.log_freq", "1",
+    "--metrics.disable_color_printing",
+    "--debug.seed", "5",
+]
+
+
+def newest_scalars(dump: Path, first_step: int) -> dict[str, list[float]]:
+    run_dir = sorted((dump / "tb").iterdir())[-1]
+    events = EventAccumulator(str(run_dir))
+    events.Reload()
+    out = {}
+    for tag in ("loss_metrics/global_avg_loss", "grad_norm"):
+        scalars = events.Scalars(tag)
+        assert [s.step for s in scalars] == list(range(first_step, 9))
+        out[tag] = [s.value for s in scalars]
+    return out
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> dict[str, list[float]]:
+    dump = tmp_path_factory.mktemp("straight")
+    proc = run_train(4, COMMON + ["--training.local_batch_size", "2", "--training.steps", "8",
+                                  "--job.dump_folder", str(dump)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    scalars = newest_scalars(dump, 1)
+    return {tag: values[4:] for tag, values in scalars.items()}
+
+
+RESUMES = {
+    "FSDP 4 -> dp_shard 2 x tp 2": ((4, []), (4, ["--mesh", "dp_shard=2,tp=2"])),
+    "HSDP (2,2) -> FSDP 2, accumulation 2": ((4, ["--mesh", "dp_replicate=2,dp_shard=2"]), (2, [])),
+}
+
+
+@pytest.mark.parametrize("case", list(RESUMES))
+def test_resume_on_another_mesh_continues_the_same_curve(case, straight, tmp_path):
+    (first_ngpu, first_mesh), (second_ngpu, second_mesh) = RESUMES[case]
+    ckpt = COMMON + ["--training.local_batch_size", "2", "--checkpoint.enable", "--job.dump_folder", str(tmp_path)]
+    proc = run_train(first_ngpu, ckpt + ["--training.steps", "4"] + first_mesh)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [step for step, _ in step_folders(tmp_path / "checkpoint")] == [4]
+    proc = run_train(second_ngpu, ckpt + ["--training.steps", "8"] + second_mesh)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming from" in proc.stdout + proc.stderr
+    resumed = newest_scalars(tmp_path, 5)
+    for tag, expected in straight.items():
+        assert resumed[tag] == pytest.approx(expected, rel=1e-5), tag
+
+
+def train_worker(argv: list[str], kill_rank: int | None = None, kill_step: int | None = None) -> None:
+    """Train through the real entry; optionally SIGKILL one rank while it writes a checkpoint."""
+    if kill_rank is not None:
+        original = FileSystemWriter.write_data
+
+        def write_then_die(self, plan_, planner):
+            result = original(self, plan_, planner)
+            if int(os.environ["RANK"]) == kill_rank and f"step-{kill_step}" in str(self.path):
+                result.wait()
+                os.kill(os.getpid(), signal.SIGKILL)
+            return result
+
+        FileSystemWriter.write_data = write_then_die
+    train(plan(load_config(argv), int(os.environ["WORLD_SIZE"])))
+
+
+def resume_worker(argv: list[str]) -> dict:
+    """Which step a new job resumes from, and what it warned about."""
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("meshtrain").addHandler(handler)
+    p = plan(load_config(argv), int(os.environ["WORLD_SIZE"]))
+    job = build_job(p)
+    train_state = TrainState(job.accumulator)
+    manager = CheckpointManager(
+        p.config.checkpoint, p.config.job.dump_folder, model=job.model, optimizer=job.optimizer,
+        lr_scheduler=job.scheduler, dataloader=job.loader, train_state=train_state,
+        model_args=p.model_args, total_steps=p.config.training.steps,
+    )
+    start = manager.load()
+    weights = {name: (prm.full_tensor() if hasattr(prm, "full_tensor") else prm).detach().clone()
+               for name, prm in job.model.named_parameters()}
+    return {"start": start, "warnings": records, "loader": job.loader.state_dict(), "weights": weights}
+
+
+def small_argv(dump: Path, *extra: str) -> list[str]:
+    return COMMON + ["--training.local_batch_size", "4", "--training.steps", "6", "--checkpoint.enable",
+                     "--checkpoint.interval", "2", "--metrics.enable_tensorboard=false",
+                     "--job.dump_folder", str(dump), *extra]
+
+
+def test_kill_during_save_leaves_previous_checkpoint_loadable(tmp_path):
+    argv = small_argv(tmp_path)
+    with pytest.raises(mp.ProcessExitedException):
+        run_ranks(train_worker, 2, argv, 1, 4)
+    folder = tmp_path / "checkpoint"
+    assert [step for step, _ in step_folders(folder)] == [2]
+    assert (folder / "step-4.partial").is_dir()  # the interrupted save, never published
+    resumed = run_ranks(resume_worker, 2, argv)[0]
+    assert resumed["start"] == 2
+    assert resumed["loader"]["step"] == 2
+
+
+def test_truncated_checkpoint_is_skipped_with_a_warning(tmp_path):
+    argv = small_argv(tmp_path)
+    run_ranks(train_worker, 2, argv)
+    folder = tmp_path / "checkpoint"
+    assert [step for step, _ in step_folders(folder)] == [2, 4, 6]
+    data = sorted((folder / "step-6").glob("*.distcp"))[0]
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    assert "truncated" in checkpoint_problem(folder / "step-6")
+    (folder / "step-4" / ".metadata").write_bytes(b"not a checkpoint")
+    assert "metadata" in checkpoint_problem(folder / "step-4")
+    resumed = run_ranks(resume_worker, 2, argv)[0]
+    assert resumed["start"] == 2
+    warned = "\n".join(resumed["warnings"])
+    assert "step-6" in warned and "truncated" in warned
+    assert "step-4" in warned and "metadata" in warned
+
+
+def test_async_save_writes_the_state_at_save_time(tmp_path):
+    sync_dump, async_dump = tmp_path / "sync", tmp_path / "async"
+    run_ranks(train_worker, 2, small_argv(sync_dump))
+    run_ranks(train_worker, 2, small_argv(async_dump, "--checkpoint.async_mode", "async"))
+    for step in (2, 4, 6):
+        expected = read_dcp_model(str(sync_dump / "checkpoint" / f"step-{step}"))
+        got = read_dcp_model(str(async_dump / "checkpoint" / f"step-{step}"))
+        assert expected.keys() == got.keys()
+        for name in expected:
+            assert torch.equal(expected[name], got[name]), (step, name)
+    assert run_ranks(resume_worker, 2, small_argv(async_dump, "--training.steps", "8"))[0]["start"] == 6
+
+
+def test_keep_latest_k_and_model_only_export(tmp_path):
+    argv = small_argv(tmp_path, "--checkpoint.keep_latest_k", "2", "--checkpoint.last_save_model_only",
+                      "--checkpoint.export_dtype", "bfloat16")
+    run_ranks(train_worker, 2, argv)
+    folder = tmp_path / "checkpoint"
+    assert [step for step, _ in step_folders(folder)] == [4, 6]
+    metadata = FileSystemReader(str(folder / "step-6")).read_metadata().state_dict_metadata
+    assert all(key.startswith("model.") for key in metadata)
+    assert all(meta.properties.dtype == torch.bfloat16 for meta in metadata.values())
+
+
+def test_seed_checkpoint_gives_every_mesh_the_same_start(tmp_path):
+    seed_argv = small_argv(tmp_path, "--checkpoint.create_seed_checkpoint", "--debug.seed", "11")
+    run_ranks(train_worker, 1, seed_argv)
+    seed = read_dcp_model(str(tmp_path / "checkpoint" / "step-0"))
+    p = plan(load_config(small_argv(tmp_path, "--debug.seed", "11")), 1)
+    reference = Transformer(p.model_args)
+    reference.init_weights(11)
+    for name, param in reference.named_parameters():
+        assert torch.equal(seed[name], param.detach()), name
+    # A job with another seed starts from the seed checkpoint's weights, not its own init.
+    resumed = run_ranks(resume_worker, 2, small_argv(tmp_path, "--debug.seed", "12"))[0]
+    assert resumed["start"] == 0
+    for name, weight in resumed["weights"].items():
+        assert torch.equal(weight, seed[name]), name
+
+
+def test_load_step_that_does_not_exist_fails_on_every_rank(tmp_path):
+    argv = small_argv(tmp_path, "--checkpoint.load_step", "3")
+    with pytest.raises(Exception) as error:
+        run_ranks(resume_worker, 2, argv)
+    assert "checkpoint.load_step" in str(error.value)

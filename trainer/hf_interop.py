@@ -1,0 +1,526 @@
+"""Hugging Face interop: our Llama 3 weights <-> ``LlamaForCausalLM`` folders and DCP checkpoints.
+
+Three formats meet here:
+
+* our state dict: ``trainer/model.py``'s parameter names (torchtitan's), full tensors;
+* a training checkpoint: a ``torch.distributed.checkpoint`` (DCP) folder whose ``"model"`` entry
+  holds our state dict (stored as ``model.<name>``), with ``model_args.json`` beside it;
+* a Hugging Face folder: ``config.json`` plus safetensors, with ``LlamaForCausalLM``'s names.
+
+The names map one to one, but the query and key projections do not: our RoPE (Meta's) rotates
+adjacent pairs ``(2j, 2j + 1)`` of each head, Hugging Face's rotates ``(j, j + head_dim / 2)``.
+Permuting the output rows of ``wq`` and ``wk`` within each head turns one layout into the other,
+so the attention scores, and hence the logits, are unchanged. The permutation only moves
+values, so a round trip is bit-exact.
+
+Everything here works on full (unsharded) tensors in one process, without a process group: the
+converters run on a laptop, and the trainer shards what they return itself.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, fields
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.tensor import DTensor
+
+from trainer.model import FLAVORS, ModelArgs, Transformer
+
+MODEL_ARGS_FILE = "model_args.json"
+"""Written by the trainer beside every checkpoint: the ``ModelArgs`` of the run, as JSON."""
+
+MODEL_KEY = "model"
+"""The checkpoint state dict's entry holding the model; DCP stores its tensors as ``model.<name>``."""
+
+CONFIG_FILE = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+"""Hugging Face's default shard size (5 GB): the Hub and ``from_pretrained`` expect shards near it."""
+
+HF_DTYPES: dict[torch.dtype, str] = {
+    torch.bfloat16: "bfloat16",
+    torch.float16: "float16",
+    torch.float32: "float32",
+}
+"""The dtypes an export may use, with their ``config.json`` spelling."""
+
+# Llama 3.1's RoPE scaling constants, hard-coded in ``trainer.model._llama31_scaling``.
+LLAMA3_LOW_FREQ_FACTOR = 1.0
+LLAMA3_HIGH_FREQ_FACTOR = 4.0
+LLAMA3_ORIGINAL_CONTEXT = 8192
+
+_GLOBAL_NAMES = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_PREVIEW = 8
+
+
+class InteropError(ValueError):
+    """A checkpoint, folder, config or state dict that cannot be converted; the message says why."""
+
+
+# --------------------------------------------------------------------------------------------
+# Names, shapes and the RoPE permutation
+# --------------------------------------------------------------------------------------------
+
+
+def _hf_name(name: str) -> str:
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    _, layer, rest = name.split(".", 2)
+    return f"model.layers.{layer}.{_LAYER_NAMES[rest]}"
+
+
+def _expected(args: ModelArgs) -> dict[str, tuple[str, torch.Size]]:
+    """Our parameter name -> (Hugging Face name, shape), in the model's order.
+
+    Built from a meta-device ``Transformer`` so the names and shapes cannot drift from the
+    model; a parameter added there without a rule here fails loudly (``KeyError``).
+    """
+    with torch.device("meta"):
+        model = Transformer(args)
+    return {name: (_hf_name(name), p.shape) for name, p in model.named_parameters()}
+
+
+def _preview(names: list[str]) -> str:
+    shown = ", ".join(names[:_PREVIEW])
+    return f"[{shown}{f', ... ({len(names)} in all)' if len(names) > _PREVIEW else ''}]"
+
+
+def _check_state_dict(sd: dict[str, torch.Tensor], expected: dict[str, torch.Size], what: str, args: ModelArgs) -> None:
+    """Raise ``InteropError`` naming every missing or unexpected key, or the first wrong shape."""
+    missing = [k for k in expected if k not in sd]
+    unexpected = [k for k in sd if k not in expected]
+    if missing or unexpected:
+        raise InteropError(
+            f"{what} does not match a {args.n_layers}-layer Llama 3: missing keys {_preview(missing)}, "
+            f"unexpected keys {_preview(unexpected)}. Convert only the model's weights, with the exact "
+            f"parameter names (no wrapper prefixes such as `_orig_mod.`), and the ModelArgs they were made with."
+        )
+    for key, shape in expected.items():
+        tensor = sd[key]
+        if isinstance(tensor, DTensor):
+            raise InteropError(
+                f"{what}: `{key}` is a sharded DTensor; pass full tensors (`tensor.full_tensor()`, or "
+                f"`get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))`)."
+            )
+        if tensor.shape != shape:
+            raise InteropError(
+                f"{what}: `{key}` has shape {tuple(tensor.shape)} but the model args give {tuple(shape)}; "
+                f"the weights were made with other ModelArgs ({_describe(args)} here)."
+            )
+
+
+def _describe(args: ModelArgs) -> str:
+    return (
+        f"dim={args.dim}, n_layers={args.n_layers}, n_heads={args.n_heads}, n_kv_heads={args.kv_heads}, "
+        f"vocab_size={args.vocab_size}, ffn_hidden_dim={args.ffn_hidden_dim}"
+    )
+
+
+def _heads_of(name: str, args: ModelArgs) -> int | None:
+    """How many RoPE heads ``name``'s output rows hold, or None when it is not rotated."""
+    if name.endswith("attention.wq.weight"):
+        return args.n_heads
+    if name.endswith("attention.wk.weight"):
+        return args.kv_heads
+    return None
+
+
+def _interleaved_to_half(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Rows ``(j, pair)`` of each head -> ``(pair, j)``: Meta's pairs ``(2j, 2j+1)`` become HF's ``(j, j+d/2)``."""
+    rows, cols = w.shape
+    return w.reshape(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def _half_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """The inverse of ``_interleaved_to_half``."""
+    rows, cols = w.shape
+    return w.reshape(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def to_hf_state_dict(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """Our full state dict as ``LlamaForCausalLM``'s; tensors keep their dtype and device.
+
+    Unpermuted tensors are returned as they are (no copy), so the result aliases ``sd``.
+    """
+    expected = _expected(args)
+    _check_state_dict(sd, {k: shape for k, (_, shape) in expected.items()}, "the state dict", args)
+    out: dict[str, torch.Tensor] = {}
+    for name, (hf_name, _) in expected.items():
+        heads = _heads_of(name, args)
+        out[hf_name] = sd[name] if heads is None else _interleaved_to_half(sd[name], heads)
+    return out
+
+
+def from_hf_state_dict(
+    hf_sd: dict[str, torch.Tensor], args: ModelArgs, *, tie_word_embeddings: bool = False
+) -> dict[str, torch.Tensor]:
+    """A ``LlamaForCausalLM`` state dict as ours; tensors keep their dtype and device.
+
+    ``tie_word_embeddings`` is ``config.json``'s flag: Llama 3.2 (1B, 3B) shares the embedding
+    with ``lm_head`` and its folders omit ``lm_head.weight``. Our output projection is a separate
+    matrix, so it starts as a copy of the embedding and the two train apart from there.
+    """
+    expected = _expected(args)
+    if tie_word_embeddings and "lm_head.weight" not in hf_sd and "model.embed_tokens.weight" in hf_sd:
+        hf_sd = {**hf_sd, "lm_head.weight": hf_sd["model.embed_tokens.weight"].clone()}
+    _check_state_dict(hf_sd, dict(expected.values()), "the Hugging Face state dict", args)
+    out: dict[str, torch.Tensor] = {}
+    for name, (hf_name, _) in expected.items():
+        heads = _heads_of(name, args)
+        out[name] = hf_sd[hf_name] if heads is None else _half_to_interleaved(hf_sd[hf_name], heads)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# config.json
+# --------------------------------------------------------------------------------------------
+
+
+def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict[str, Any]:
+    """``config.json`` of a ``LlamaForCausalLM`` that computes what ``Transformer(args)`` computes.
+
+    RoPE uses the pre-5.0 spelling (``rope_theta`` and ``rope_scaling``) that the published
+    Llama 3.1 folders use; every transformers version reads it. ``max_position_embeddings`` is
+    the length our RoPE table was built for; transformers warns when it is below Llama 3.1's
+    original context of 8192, which changes nothing for the ``llama3`` rotation itself.
+    """
+    if dtype not in HF_DTYPES:
+        raise InteropError(f"cannot export in {dtype}; choose one of {', '.join(HF_DTYPES.values())}.")
+    rope_scaling = None
+    if args.rope_scaling:
+        rope_scaling = {
+            "rope_type": "llama3",
+            "factor": float(args.rope_scaling_factor),
+            "low_freq_factor": LLAMA3_LOW_FREQ_FACTOR,
+            "high_freq_factor": LLAMA3_HIGH_FREQ_FACTOR,
+            "original_max_position_embeddings": LLAMA3_ORIGINAL_CONTEXT,
+        }
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "hidden_size": args.dim,
+        "intermediate_size": args.ffn_hidden_dim,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.kv_heads,
+        "num_hidden_layers": args.n_layers,
+        "head_dim": args.head_dim,
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": float(args.rope_theta),
+        "rope_scaling": rope_scaling,
+        "vocab_size": args.vocab_size,
+        "max_position_embeddings": args.max_seq_len,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": HF_DTYPES[dtype],
+    }
+
+
+def _require(cfg: dict[str, Any], key: str) -> Any:
+    if key not in cfg:
+        raise InteropError(f"{CONFIG_FILE} has no `{key}`; a LlamaForCausalLM config needs it.")
+    return cfg[key]
+
+
+def _rope_args(cfg: dict[str, Any]) -> dict[str, Any]:
+    """``rope_theta`` and the Llama 3.1 scaling fields of ``ModelArgs`` from either RoPE spelling.
+
+    transformers 5 writes ``rope_parameters`` (theta and scaling together); earlier versions
+    and the published Llama folders write ``rope_theta`` and ``rope_scaling``.
+    """
+    if cfg.get("rope_parameters") is not None:
+        params = cfg["rope_parameters"]
+        if "rope_theta" not in params:
+            raise InteropError(f"{CONFIG_FILE}: `rope_parameters` has no `rope_theta`.")
+        theta = params["rope_theta"]
+        scaling = None if params.get("rope_type", "default") == "default" else params
+    else:
+        theta = _require(cfg, "rope_theta")
+        scaling = cfg.get("rope_scaling")
+    out: dict[str, Any] = {"rope_theta": float(theta), "rope_scaling": scaling is not None}
+    if scaling is None:
+        return out
+    rope_type = scaling.get("rope_type", scaling.get("type"))
+    constants = {
+        "low_freq_factor": LLAMA3_LOW_FREQ_FACTOR,
+        "high_freq_factor": LLAMA3_HIGH_FREQ_FACTOR,
+        "original_max_position_embeddings": LLAMA3_ORIGINAL_CONTEXT,
+    }
+    wrong = {k: scaling.get(k) for k, v in constants.items() if scaling.get(k) != v}
+    if rope_type != "llama3" or wrong or "factor" not in scaling:
+        raise InteropError(
+            f"{CONFIG_FILE}: RoPE scaling {scaling} is not supported; trainer/model.py implements only "
+            f"rope_type `llama3` with a `factor` and {constants}."
+        )
+    out["rope_scaling_factor"] = float(scaling["factor"])
+    return out
+
+
+def _ffn_args(dim: int, intermediate_size: int) -> dict[str, Any]:
+    """``multiple_of`` / ``ffn_dim_multiplier`` whose ``ffn_hidden_dim`` is exactly ``intermediate_size``.
+
+    A flavor of the same width that gives the size is preferred, so a published Llama 3 comes
+    back with its flavor's own settings; otherwise the size itself is the multiple, with a
+    multiplier shrinking the 8/3 * dim base below it when the FFN is narrower than that.
+    """
+    candidates = [(f.multiple_of, f.ffn_dim_multiplier) for f in FLAVORS.values() if f.dim == dim]
+    base = ModelArgs(dim=dim, multiple_of=1).ffn_hidden_dim
+    candidates.append((intermediate_size, None if base <= intermediate_size else intermediate_size / base))
+    for multiple_of, multiplier in candidates:
+        args = ModelArgs(dim=dim, multiple_of=multiple_of, ffn_dim_multiplier=multiplier)
+        if args.ffn_hidden_dim == intermediate_size:
+            return {"multiple_of": multiple_of, "ffn_dim_multiplier": multiplier}
+    raise InteropError(
+        f"{CONFIG_FILE}: no multiple_of / ffn_dim_multiplier gives intermediate_size={intermediate_size} "
+        f"for hidden_size={dim} in trainer/model.py's FFN sizing."
+    )
+
+
+def model_args_from_hf_config(cfg: dict[str, Any]) -> ModelArgs:
+    """The ``ModelArgs`` of a ``LlamaForCausalLM`` ``config.json``; the inverse of ``hf_config``.
+
+    Everything our model cannot express (biases, another activation, a head size other than
+    hidden_size / heads, another RoPE scaling) is an error rather than a silently different model.
+    """
+    architectures = cfg.get("architectures") or ["LlamaForCausalLM"]
+    if "LlamaForCausalLM" not in architectures or cfg.get("model_type", "llama") != "llama":
+        raise InteropError(
+            f"{CONFIG_FILE} describes {architectures} (model_type {cfg.get('model_type')!r}); "
+            f"only LlamaForCausalLM converts to trainer/model.py's Llama 3."
+        )
+    unsupported = {
+        k: cfg[k]
+        for k, ours in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False))
+        if k in cfg and cfg[k] != ours
+    }
+    if unsupported:
+        raise InteropError(f"{CONFIG_FILE}: {unsupported} is not supported; trainer/model.py has SiLU and no biases.")
+    dim = _require(cfg, "hidden_size")
+    n_heads = _require(cfg, "num_attention_heads")
+    head_dim = cfg.get("head_dim") or dim // n_heads
+    if head_dim * n_heads != dim:
+        raise InteropError(
+            f"{CONFIG_FILE}: head_dim={head_dim} x num_attention_heads={n_heads} != hidden_size={dim}; "
+            f"trainer/model.py derives the head size as hidden_size / heads."
+        )
+    return ModelArgs(
+        dim=dim,
+        n_layers=_require(cfg, "num_hidden_layers"),
+        n_heads=n_heads,
+        n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
+        vocab_size=_require(cfg, "vocab_size"),
+        norm_eps=float(_require(cfg, "rms_norm_eps")),
+        max_seq_len=_require(cfg, "max_position_embeddings"),
+        **_ffn_args(dim, _require(cfg, "intermediate_size")),
+        **_rope_args(cfg),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Hugging Face folders (config.json + safetensors)
+# --------------------------------------------------------------------------------------------
+
+
+def _safetensors() -> ModuleType:
+    """``safetensors.torch``, imported on first use: only the HF conversions need it."""
+    try:
+        import safetensors.torch
+    except ImportError as err:
+        raise ImportError(
+            'reading or writing Hugging Face folders needs safetensors: `pip install safetensors` '
+            '(or `pip install -e ".[hf]"`).'
+        ) from err
+    return safetensors.torch
+
+
+def _plan_shards(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
+    """Names grouped in order into shards of at most ``max_shard_bytes`` (a bigger tensor goes alone)."""
+    shards: list[list[str]] = [[]]
+    filled = 0
+    for name, nbytes in sizes.items():
+        if shards[-1] and filled + nbytes > max_shard_bytes:
+            shards.append([])
+            filled = 0
+        shards[-1].append(name)
+        filled += nbytes
+    return shards
+
+
+def save_hf_folder(
+    path: str | Path,
+    state_dict_ours: dict[str, torch.Tensor],
+    args: ModelArgs,
+    dtype: torch.dtype,
+    *,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> None:
+    """Write ``config.json`` and the weights in ``dtype`` as a folder ``from_pretrained`` loads.
+
+    One ``model.safetensors`` when the weights fit in ``max_shard_bytes``, else numbered shards
+    and ``model.safetensors.index.json``. Shards are cast one at a time, so the extra memory is
+    one shard, not a second copy of the model. A folder that already holds a config or weights is
+    refused: ``from_pretrained`` prefers a stale ``model.safetensors`` over a new index.
+    """
+    st = _safetensors()
+    out = Path(path)
+    stale = sorted(p.name for p in out.glob("*") if p.name == CONFIG_FILE or ".safetensors" in p.name)
+    if stale:
+        raise InteropError(f"{out} already holds {stale}; export into a new or empty folder.")
+    config = hf_config(args, dtype)
+    hf_sd = to_hf_state_dict(state_dict_ours, args)
+    out.mkdir(parents=True, exist_ok=True)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    sizes = {name: t.numel() * itemsize for name, t in hf_sd.items()}
+    shards = _plan_shards(sizes, max_shard_bytes)
+    files = (
+        [SINGLE_FILE]
+        if len(shards) == 1
+        else [f"model-{k:05d}-of-{len(shards):05d}.safetensors" for k in range(1, len(shards) + 1)]
+    )
+    for names, filename in zip(shards, files):
+        tensors = {n: hf_sd[n].detach().to(device="cpu", dtype=dtype).contiguous() for n in names}
+        st.save_file(tensors, str(out / filename), metadata={"format": "pt"})
+    if len(shards) > 1:
+        index = {
+            "metadata": {"total_size": sum(sizes.values())},
+            "weight_map": {n: f for names, f in zip(shards, files) for n in names},
+        }
+        (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+
+
+def load_hf_folder(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The Hugging Face state dict (CPU tensors, stored dtype) and ``config.json`` of a folder.
+
+    Reads a single ``model.safetensors`` or a sharded folder with its index, as ``from_pretrained`` does.
+    """
+    folder = Path(path)
+    config_path = folder / CONFIG_FILE
+    if not config_path.is_file():
+        raise InteropError(f"{folder} has no {CONFIG_FILE}; pass a Hugging Face model folder.")
+    config = json.loads(config_path.read_text())
+    st = _safetensors()
+    if (folder / SINGLE_FILE).is_file():
+        return st.load_file(str(folder / SINGLE_FILE)), config
+    if not (folder / INDEX_FILE).is_file():
+        found = sorted(p.name for p in folder.iterdir())
+        raise InteropError(
+            f"{folder} has neither {SINGLE_FILE} nor {INDEX_FILE} (it holds {_preview(found)}); only "
+            f"safetensors weights are read. Re-save PyTorch .bin weights with "
+            f"`model.save_pretrained(folder, safe_serialization=True)`."
+        )
+    weight_map: dict[str, str] = json.loads((folder / INDEX_FILE).read_text())["weight_map"]
+    state_dict: dict[str, torch.Tensor] = {}
+    for filename in sorted(set(weight_map.values())):
+        if not (folder / filename).is_file():
+            raise InteropError(f"{folder / INDEX_FILE} lists {filename}, which is missing from the folder.")
+        state_dict.update(st.load_file(str(folder / filename)))
+    absent = sorted(set(weight_map) - set(state_dict))
+    if absent:
+        raise InteropError(f"{folder / INDEX_FILE} maps {_preview(absent)} to shards that do not hold them.")
+    return state_dict, config
+
+
+# --------------------------------------------------------------------------------------------
+# Training checkpoints (DCP folders + model_args.json)
+# --------------------------------------------------------------------------------------------
+
+
+def _not_a_checkpoint(folder: Path) -> InteropError:
+    steps = sorted(p.name for p in folder.glob("step-*") if p.is_dir()) if folder.is_dir() else []
+    hint = f" It holds {_preview(steps)}: pass one of those folders." if steps else ""
+    return InteropError(
+        f"{folder} is not a torch.distributed.checkpoint folder (no checkpoint metadata); pass a "
+        f"`{{dump_folder}}/checkpoint/step-N` folder.{hint}"
+    )
+
+
+def read_dcp_model(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
+    """The full model tensors (our names, CPU, stored dtype) of a training checkpoint.
+
+    One process and no process group: DCP records every tensor's global shape, so full tensors
+    are allocated from the metadata and loaded with ``no_dist=True``, whatever mesh saved them.
+    Only ``model.`` entries are read; optimizer, scheduler and dataloader state is skipped.
+    """
+    folder = Path(checkpoint_dir)
+    try:
+        metadata = dcp.FileSystemReader(str(folder)).read_metadata()
+    except (FileNotFoundError, NotADirectoryError) as err:
+        raise _not_a_checkpoint(folder) from err
+    prefix = MODEL_KEY + "."
+    model: dict[str, torch.Tensor] = {}
+    for key, entry in metadata.state_dict_metadata.items():
+        if not key.startswith(prefix):
+            continue
+        if not isinstance(entry, TensorStorageMetadata):
+            raise InteropError(f"{folder}: checkpoint entry `{key}` is not a tensor; the model entry must hold only tensors.")
+        model[key.removeprefix(prefix)] = torch.empty(entry.size, dtype=entry.properties.dtype)
+    if not model:
+        tops = sorted({key.split(".", 1)[0] for key in metadata.state_dict_metadata})
+        raise InteropError(f"{folder}: the checkpoint has no `{MODEL_KEY}` entry (top-level entries: {tops}).")
+    dcp.load({MODEL_KEY: model}, checkpoint_id=str(folder), no_dist=True)
+    return model
+
+
+def write_dcp_model(checkpoint_dir: str | Path, state_dict_ours: dict[str, torch.Tensor], args: ModelArgs) -> None:
+    """Write a model-only training checkpoint (``{"model": sd}``) and its ``model_args.json``.
+
+    The trainer loads it as it loads its own checkpoints; it has no optimizer or dataloader
+    state, so training from it starts those afresh. An existing non-empty folder is refused
+    rather than mixed with another checkpoint's files.
+    """
+    folder = Path(checkpoint_dir)
+    _check_state_dict(state_dict_ours, {k: shape for k, (_, shape) in _expected(args).items()}, "the state dict", args)
+    if folder.exists() and any(folder.iterdir()):
+        raise InteropError(f"{folder} is not empty; write the checkpoint into a new or empty folder.")
+    folder.mkdir(parents=True, exist_ok=True)
+    model = {name: t.detach() for name, t in state_dict_ours.items()}
+    dcp.save({MODEL_KEY: model}, checkpoint_id=str(folder), no_dist=True)
+    (folder / MODEL_ARGS_FILE).write_text(json.dumps(asdict(args), indent=2) + "\n")
+
+
+def read_model_args(checkpoint_dir: str | Path) -> ModelArgs:
+    """The ``ModelArgs`` a checkpoint was trained with, from its ``model_args.json``.
+
+    Fields the file lacks take their defaults (files from before a field existed); fields
+    ``ModelArgs`` does not know are an error, as they would describe another model.
+    """
+    path = Path(checkpoint_dir) / MODEL_ARGS_FILE
+    if not path.is_file():
+        raise InteropError(
+            f"{path} does not exist; the trainer writes it beside every checkpoint. For another "
+            f"checkpoint, write json.dumps(dataclasses.asdict(model_args)) of its ModelArgs there."
+        )
+    try:
+        values = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise InteropError(f"{path} is not valid JSON: {err}") from err
+    known = {f.name for f in fields(ModelArgs)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise InteropError(f"{path}: unknown ModelArgs fields {unknown}; known fields: {sorted(known)}.")
+    return ModelArgs(**values)
