@@ -195,3 +195,23 @@ def test_load_step_that_does_not_exist_fails_on_every_rank(tmp_path):
     with pytest.raises(Exception) as error:
         run_ranks(resume_worker, 2, argv)
     assert "checkpoint.load_step" in str(error.value)
+
+
+def test_initial_load_from_hugging_face_folder(tmp_path):
+    from trainer.hf_interop import save_hf_folder
+
+    p = plan(load_config(small_argv(tmp_path)), 1)
+    source = Transformer(p.model_args)
+    source.init_weights(99)
+    weights = {name: param.detach().clone() for name, param in source.named_parameters()}
+    save_hf_folder(str(tmp_path / "hf"), weights, p.model_args, torch.float32)
+    argv = small_argv(tmp_path, "--checkpoint.initial_load_path", str(tmp_path / "hf"),
+                      "--checkpoint.initial_load_in_hf")
+    resumed = run_ranks(resume_worker, 2, argv)[0]
+    assert resumed["start"] == 0
+    for name, weight in resumed["weights"].items():
+        assert torch.equal(weight, weights[name]), name
+    config_file = tmp_path / "hf" / "config.json"
+    config_file.write_text(config_file.read_text().replace('"rope_theta": 500000.0', '"rope_theta": 10000.0'))
+    with pytest.raises(Exception, match="different model.*rope_theta"):
+        run_ranks(resume_worker, 1, argv)

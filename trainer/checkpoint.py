@@ -238,11 +238,7 @@ class CheckpointManager:
 
     def _initial_load(self, path: Path) -> int:
         if self.config.initial_load_in_hf:
-            from trainer.hf_interop import from_hf_state_dict, load_hf_folder
-
-            logger.info("loading Hugging Face weights from %s", path)
-            hf_state, _ = load_hf_folder(str(path))
-            load_full_weights(self.model, from_hf_state_dict(hf_state, self.model_args))
+            self._load_hf(path)
             return 0
         problem = checkpoint_problem(path)
         if problem:
@@ -254,6 +250,28 @@ class CheckpointManager:
         logger.info("starting from the full state of %s", path)
         self._load(path, keys=tuple(self.states))
         return self.states["train_state"].step
+
+    def _load_hf(self, path: Path) -> None:
+        """Weights from a Hugging Face Llama folder, after checking it describes this model.
+
+        Shapes alone would let a different RoPE base or norm epsilon load silently.
+        """
+        from trainer.hf_interop import from_hf_state_dict, load_hf_folder, model_args_from_hf_config
+
+        logger.info("loading Hugging Face weights from %s", path)
+        hf_state, hf_cfg = load_hf_folder(str(path))
+        theirs, ours = model_args_from_hf_config(hf_cfg), self.model_args
+        fields = ("dim", "n_layers", "n_heads", "kv_heads", "vocab_size", "ffn_hidden_dim", "norm_eps",
+                  "rope_theta", "rope_scaling", "rope_scaling_factor")
+        differ = [f"{f}: {getattr(theirs, f)} there, {getattr(ours, f)} here" for f in fields
+                  if getattr(theirs, f) != getattr(ours, f)]
+        if differ:
+            raise ValueError(
+                f"`checkpoint.initial_load_path` = {path} holds a different model than `model.flavor` "
+                f"describes ({'; '.join(differ)}); pick the matching flavor and tokenizer."
+            )
+        tied = bool(hf_cfg.get("tie_word_embeddings"))
+        load_full_weights(self.model, from_hf_state_dict(hf_state, ours, tie_word_embeddings=tied))
 
     # ----------------------------------------------------------------------------------- save
 

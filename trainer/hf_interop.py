@@ -20,6 +20,9 @@ converters run on a laptop, and the trainer shards what they return itself.
 from __future__ import annotations
 
 import json
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, fields
 from pathlib import Path
 from types import ModuleType
@@ -202,7 +205,7 @@ def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict[str, Any]:
     """``config.json`` of a ``LlamaForCausalLM`` that computes what ``Transformer(args)`` computes.
 
     RoPE uses the pre-5.0 spelling (``rope_theta`` and ``rope_scaling``) that the published
-    Llama 3.1 folders use; every transformers version reads it. ``max_position_embeddings`` is
+    Llama 3.1 folders use, which transformers 4 and 5 both read. ``max_position_embeddings`` is
     the length our RoPE table was built for; transformers warns when it is below Llama 3.1's
     original context of 8192, which changes nothing for the ``llama3`` rotation itself.
     """
@@ -270,8 +273,7 @@ def _rope_args(cfg: dict[str, Any]) -> dict[str, Any]:
         "high_freq_factor": LLAMA3_HIGH_FREQ_FACTOR,
         "original_max_position_embeddings": LLAMA3_ORIGINAL_CONTEXT,
     }
-    wrong = {k: scaling.get(k) for k, v in constants.items() if scaling.get(k) != v}
-    if rope_type != "llama3" or wrong or "factor" not in scaling:
+    if rope_type != "llama3" or "factor" not in scaling or any(scaling.get(k) != v for k, v in constants.items()):
         raise InteropError(
             f"{CONFIG_FILE}: RoPE scaling {scaling} is not supported; trainer/model.py implements only "
             f"rope_type `llama3` with a `factor` and {constants}."
@@ -459,6 +461,14 @@ def _not_a_checkpoint(folder: Path) -> InteropError:
     )
 
 
+@contextmanager
+def _quiet_no_dist() -> Iterator[None]:
+    """Silence DCP's warning, on every ``no_dist`` call, that it assumes a single process: here that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
 def read_dcp_model(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
     """The full model tensors (our names, CPU, stored dtype) of a training checkpoint.
 
@@ -482,7 +492,8 @@ def read_dcp_model(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
     if not model:
         tops = sorted({key.split(".", 1)[0] for key in metadata.state_dict_metadata})
         raise InteropError(f"{folder}: the checkpoint has no `{MODEL_KEY}` entry (top-level entries: {tops}).")
-    dcp.load({MODEL_KEY: model}, checkpoint_id=str(folder), no_dist=True)
+    with _quiet_no_dist():
+        dcp.load({MODEL_KEY: model}, checkpoint_id=str(folder), no_dist=True)
     return model
 
 
@@ -499,7 +510,8 @@ def write_dcp_model(checkpoint_dir: str | Path, state_dict_ours: dict[str, torch
         raise InteropError(f"{folder} is not empty; write the checkpoint into a new or empty folder.")
     folder.mkdir(parents=True, exist_ok=True)
     model = {name: t.detach() for name, t in state_dict_ours.items()}
-    dcp.save({MODEL_KEY: model}, checkpoint_id=str(folder), no_dist=True)
+    with _quiet_no_dist():
+        dcp.save({MODEL_KEY: model}, checkpoint_id=str(folder), no_dist=True)
     (folder / MODEL_ARGS_FILE).write_text(json.dumps(asdict(args), indent=2) + "\n")
 
 

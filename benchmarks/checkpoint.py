@@ -1,0 +1,110 @@
+"""Checkpoint save and load time, and how long training stalls, with sync vs async saves.
+
+One process (a 1-rank process group, FSDP over one rank as in training) builds the model,
+gives AdamW its state, and saves through the trainer's ``CheckpointManager``:
+
+- sync: the save blocks training for the whole write (stall = save time);
+- async: training is blocked only while DCP stages the state to CPU memory; the write goes on
+  in the background (stall = the ``save`` call, total = until the checkpoint is published).
+
+The debug model saves its full state (weights, AdamW moments, schedule, data position). The
+~1B-parameter model (Llama-3.2-1B's blocks with the bundled 2048-token vocabulary) saves its
+weights only: its full state is 12 GB, and an async save stages a second copy, which would not
+fit this 24 GB machine. Prints one JSON line per model.
+
+    python benchmarks/checkpoint.py [--models debugmodel 1B] [--folder /tmp/meshtrain-ckpt-bench]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from parallelisms.data_parallel import apply_fsdp
+from parallelisms.parallel_dims import ParallelDims
+from trainer.checkpoint import CheckpointManager, TrainState
+from trainer.config import Checkpoint, LRScheduler, Optimizer
+from trainer.grad_accumulator import GradAccumulator
+from trainer.model import FLAVORS, Transformer, num_params
+from trainer.optimizer import build_lr_scheduler, build_optimizer
+from trainer.train import init_distributed
+
+
+class Position:
+    """Stands in for the data loader's state: a plain step position."""
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": 1}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        del state
+
+
+def build(flavor: str, mesh) -> tuple[Transformer, torch.optim.Optimizer]:
+    args = replace(FLAVORS[flavor], vocab_size=2048, max_seq_len=128)
+    with torch.device("meta"):
+        model = Transformer(args)
+    apply_fsdp(model, mesh, param_dtype=torch.float32, reduce_dtype=torch.float32, reshard_after_forward="default")
+    model.to_empty(device="cpu")
+    model.init_weights(0)
+    optimizer = build_optimizer(model, Optimizer(), "cpu")
+    for param in model.parameters():
+        param.grad = torch.zeros_like(param)
+    optimizer.step()  # allocates the AdamW moments that a real checkpoint carries
+    optimizer.zero_grad(set_to_none=True)
+    return model, optimizer
+
+
+def measure(flavor: str, folder: Path, mesh) -> dict:
+    model, optimizer = build(flavor, mesh)
+    full_state = flavor == "debugmodel"
+    scheduler = build_lr_scheduler(optimizer, 10, LRScheduler())
+    accumulator = GradAccumulator(model, loss_group=None, num_microbatches=1, max_norm=1.0, hsdp=False)
+    result: dict = {"model": flavor, "params": num_params(model), "state": "full" if full_state else "weights"}
+    for mode in ("disabled", "async"):
+        shutil.rmtree(folder, ignore_errors=True)
+        config = Checkpoint(enable=True, folder="checkpoint", async_mode=mode, keep_latest_k=0)
+        manager = CheckpointManager(
+            config, str(folder), model=model, optimizer=optimizer, lr_scheduler=scheduler,
+            dataloader=Position(), train_state=TrainState(accumulator), model_args=model.args, total_steps=10,
+        )
+        start = time.perf_counter()
+        manager.save(1, model_only=not full_state)
+        stall = time.perf_counter() - start
+        manager.close()
+        total = time.perf_counter() - start
+        name = "sync" if mode == "disabled" else "async"
+        result[f"{name}_stall_s"] = round(stall, 3)
+        result[f"{name}_save_s"] = round(total, 3)
+        if mode == "disabled":
+            start = time.perf_counter()
+            manager.load()
+            result["load_s"] = round(time.perf_counter() - start, 3)
+    result["checkpoint_gb"] = round(sum(f.stat().st_size for f in (folder / "checkpoint").rglob("*")) / 1e9, 3)
+    result["async_stall_over_sync_stall"] = round(result["async_stall_s"] / result["sync_stall_s"], 3)
+    result["async_save_over_sync_save"] = round(result["async_save_s"] / result["sync_save_s"], 3)
+    shutil.rmtree(folder, ignore_errors=True)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="*", default=["debugmodel", "1B"], choices=["debugmodel", "1B"])
+    parser.add_argument("--folder", type=Path, default=Path("/tmp/meshtrain-ckpt-bench"))
+    args = parser.parse_args()
+    init_distributed("cpu")
+    mesh = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, world_size=1).build_mesh("cpu").param
+    for flavor in args.models:
+        print(json.dumps(measure(flavor, args.folder, mesh)), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
