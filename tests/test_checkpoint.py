@@ -131,6 +131,9 @@ def test_kill_during_save_leaves_previous_checkpoint_loadable(tmp_path):
     resumed = run_ranks(resume_worker, 2, argv)[0]
     assert resumed["start"] == 2
     assert resumed["loader"]["step"] == 2
+    excluded = run_ranks(resume_worker, 2, argv + ["--checkpoint.exclude_from_loading", "dataloader"])[0]
+    assert excluded["start"] == 2
+    assert excluded["loader"]["step"] == 0  # not restored: the data position starts over
 
 
 def test_truncated_checkpoint_is_skipped_with_a_warning(tmp_path):
