@@ -68,8 +68,8 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, *, loss_parallel: bool, as
     """Split ``model``'s parameters over ``tp_mesh`` in place (before FSDP) and return it.
 
     Async TP overlaps the all-gathers and reduce-scatters with the matmuls that consume them;
-    it is a graph rewrite of ``torch.compile`` on CUDA symmetric memory, so it also compiles
-    each transformer block.
+    it is a graph rewrite of ``torch.compile`` on CUDA symmetric memory, so it takes effect in
+    the compiled blocks (``compile.enable``, which the config requires with it).
     """
     parallelize_module(model, tp_mesh, llama3_tp_plan(loss_parallel))
     # The embedding's sequence shard is a view, and FSDP warns that an in-place op on it would
@@ -81,8 +81,6 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, *, loss_parallel: bool, as
 
         torch._inductor.config._micro_pipeline_tp = True
         enable_symm_mem_for_group(tp_mesh.get_group().group_name)
-        for block in model.layers.values():
-            block.compile(fullgraph=True)  # in place: parameter names stay the same
     return model
 
 

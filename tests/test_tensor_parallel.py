@@ -135,8 +135,10 @@ def test_validation_names_the_tensor_parallel_key():
                      "--training.local_batch_size", "8"], 2)
     assert "training.seq_len" in message
     message = check(["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "8",
-                     "--parallelism.enable_async_tensor_parallel"], 2)
+                     "--parallelism.enable_async_tensor_parallel", "--compile.enable"], 2)
     assert "CUDA" in message
+    with pytest.raises(ConfigError, match="compile.enable"):
+        load_config(["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_async_tensor_parallel"])
     with pytest.raises(ConfigError, match="tensor_parallel_degree"):
         load_config(["--parallelism.enable_async_tensor_parallel"])
     config = load_config(BASE_ARGV + ["--parallelism.tensor_parallel_degree", "8"])

@@ -183,6 +183,44 @@ class Metrics:
 
 
 @dataclass
+class ActivationCheckpoint:
+    mode: str = _field(
+        "none",
+        "Recompute activations in backward instead of keeping them: `none`, `full` (every "
+        "block), or `selective` (see `selective_ac_option`).",
+        ("none", "full", "selective"),
+    )
+    selective_ac_option: str = _field(
+        "op",
+        "With `selective`: `op` keeps matmul and attention outputs and recomputes the rest in "
+        "every block; an integer k fully checkpoints every k-th block.",
+    )
+
+
+@dataclass
+class Compile:
+    enable: bool = _field(False, "Compile with torch.compile: each transformer block, and the loss.")
+    components: StrList = _field(
+        StrList(("model", "loss")), "What to compile when enabled.", ("model", "loss")
+    )
+
+
+@dataclass
+class Profiling:
+    enable_profiling: bool = _field(False, "Record torch.profiler traces (one per rank).")
+    profile_freq: int = _field(10, "Trace one step every N steps (after a warm-up step).")
+    save_traces_folder: str = _field(
+        "profile_traces", "Folder in `job.dump_folder`: `iteration_N/rankR_trace.json`, for Perfetto or chrome://tracing."
+    )
+    enable_memory_snapshot: bool = _field(
+        False, "Record CUDA memory history; dump a snapshot every `profile_freq` steps and on out-of-memory (GPU only)."
+    )
+    save_memory_snapshot_folder: str = _field(
+        "memory_snapshot", "Folder in `job.dump_folder` for `rankR_memory_snapshot.pickle` files (open at pytorch.org/memory_viz)."
+    )
+
+
+@dataclass
 class Checkpoint:
     enable: bool = _field(
         False,
@@ -243,6 +281,9 @@ class JobConfig:
     parallelism: Parallelism = field(default_factory=Parallelism)
     metrics: Metrics = field(default_factory=Metrics)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
+    profiling: Profiling = field(default_factory=Profiling)
     debug: Debug = field(default_factory=Debug)
 
 
@@ -490,6 +531,15 @@ def validate(config: JobConfig) -> None:
     ratio = config.lr_scheduler.decay_ratio
     if ratio != -1.0 and not 0.0 <= ratio <= 1.0:
         raise ConfigError(f"`lr_scheduler.decay_ratio` must be in [0, 1] or -1, got {ratio}.")
+    ac = config.activation_checkpoint
+    if ac.mode == "selective" and ac.selective_ac_option != "op":
+        if not ac.selective_ac_option.isdigit() or int(ac.selective_ac_option) < 1:
+            raise ConfigError(
+                f"`activation_checkpoint.selective_ac_option` must be `op` or a positive integer k "
+                f"(checkpoint every k-th block), got {ac.selective_ac_option!r}."
+            )
+    if config.profiling.profile_freq < 2:
+        raise ConfigError("`profiling.profile_freq` must be >= 2 (one warm-up step, then the traced step).")
     c = config.checkpoint
     if c.interval < 1:
         raise ConfigError(f"`checkpoint.interval` must be >= 1, got {c.interval}.")
@@ -517,6 +567,11 @@ def validate(config: JobConfig) -> None:
     if p.enable_async_tensor_parallel and p.tensor_parallel_degree == 1:
         raise ConfigError(
             "`parallelism.enable_async_tensor_parallel` needs `parallelism.tensor_parallel_degree` > 1."
+        )
+    if p.enable_async_tensor_parallel and not (config.compile.enable and "model" in config.compile.components):
+        raise ConfigError(
+            "`parallelism.enable_async_tensor_parallel` is a torch.compile rewrite: also set "
+            "`compile.enable` with `model` in `compile.components`."
         )
 
 

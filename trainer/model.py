@@ -202,8 +202,16 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         # Depth-scaled init of the output projections keeps the residual stream's variance flat.
         self.output_init_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
+        # Activation checkpointing sets this to recompute the block's activations in backward.
+        # A function rather than a wrapper module keeps the parameter names unchanged.
+        self.checkpoint_fn: Callable[..., torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        if self.checkpoint_fn is not None:
+            return self.checkpoint_fn(self._forward, x, freqs_cis)
+        return self._forward(x, freqs_cis)
+
+    def _forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), freqs_cis)
         return h + self.feed_forward(self.ffn_norm(h))
 

@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
+from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.context_parallel import ContextParallel
 from parallelisms.data_parallel import apply_fsdp
 from parallelisms.parallel_dims import Meshes, ParallelDims, device_type
@@ -32,6 +34,7 @@ from trainer.loss import cross_entropy_sum
 from trainer.metrics import MetricsLogger, StepStats, flops_per_token, peak_flops
 from trainer.model import VOCAB_MULTIPLE, ModelArgs, Transformer, model_args, num_params
 from trainer.optimizer import build_lr_scheduler, build_optimizer
+from trainer.profiling import profiling
 from trainer.tokenizer import Tokenizer
 
 logger = logging.getLogger("meshtrain")
@@ -88,6 +91,8 @@ def plan(config: JobConfig, world_size: int) -> Plan:
         raise ConfigError(str(e)) from None
     check_tensor_parallel(config, args, dims.tp)
     check_context_parallel(config, dims)
+    if config.profiling.enable_memory_snapshot and device_type() != "cuda":
+        raise ConfigError("`profiling.enable_memory_snapshot` records the CUDA allocator: it needs a GPU.")
     if config.checkpoint.create_seed_checkpoint and world_size != 1:
         raise ConfigError(
             f"`checkpoint.create_seed_checkpoint` runs on one process, not {world_size}: launch it with NGPU=1."
@@ -150,14 +155,20 @@ def check_context_parallel(config: JobConfig, dims: ParallelDims) -> None:
         )
 
 
+def compiles(config: JobConfig, component: str) -> bool:
+    return config.compile.enable and component in config.compile.components
+
+
 def init_distributed(dev_type: str) -> torch.device:
-    """Join the job's process group (one of world size 1 when not launched by torchrun)."""
+    """Join the job's process group (one of world size 1 when not launched by torchrun), once."""
     backend = "nccl" if dev_type == "cuda" else "gloo"
     if dev_type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+    if dist.is_initialized():
+        return device
     if "RANK" in os.environ:
         dist.init_process_group(backend, device_id=device if dev_type == "cuda" else None)
     else:
@@ -177,6 +188,11 @@ def build_model(plan: Plan, meshes: Meshes, device: torch.device) -> Transformer
             loss_parallel=plan.loss_parallel,
             async_tp=p.enable_async_tensor_parallel,
         )
+    ac = plan.config.activation_checkpoint
+    apply_activation_checkpointing(model, ac.mode, ac.selective_ac_option)
+    if compiles(plan.config, "model"):
+        for block in model.layers.values():
+            block.compile()  # in place, so parameter names stay the same
     param_dtype = t.mixed_precision_param
     if param_dtype == "auto":
         param_dtype = "bfloat16" if device.type == "cuda" else "float32"
@@ -204,6 +220,7 @@ class Job:
     loader: MicroBatchLoader
     accumulator: GradAccumulator
     loss_parallel: bool
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     context_parallel: ContextParallel | None
     positions: torch.Tensor | None
     """Sequence positions of this rank's tokens under context parallelism (else 0..seq-1)."""
@@ -258,6 +275,7 @@ def build_job(plan: Plan) -> Job:
         loader=loader,
         accumulator=accumulator,
         loss_parallel=plan.loss_parallel,
+        loss_fn=torch.compile(cross_entropy_sum) if compiles(config, "loss") else cross_entropy_sum,
         context_parallel=cp,
         positions=cp.positions.to(device) if cp else None,
     )
@@ -281,7 +299,7 @@ def forward_backward(job: Job, microbatches: list[tuple[torch.Tensor, torch.Tens
     with loss_context(job.loss_parallel), attention_context:
         for i, (inputs, labels) in enumerate(microbatches):
             accumulator.prepare_backward(i)
-            loss = cross_entropy_sum(job.model(inputs, job.positions), labels)
+            loss = job.loss_fn(job.model(inputs, job.positions), labels)
             loss.backward()
             accumulator.record_loss(loss)
     return accumulator.finalize()
@@ -344,38 +362,45 @@ def train(plan: Plan) -> None:
             logger.info("TensorBoard: tensorboard --logdir %s", metrics.tb_dir)
 
     local_tokens = plan.microbatches * t.local_batch_size * t.seq_len
-    for step in range(start + 1, t.steps + 1):
-        step_start = time.perf_counter()
-        microbatches = fetch_step(job)
-        data_time = time.perf_counter() - step_start
-
-        result = forward_backward(job, microbatches)
-        if not result.skipped:
-            job.optimizer.step()
-        job.optimizer.zero_grad(set_to_none=True)
-        lr = job.scheduler.get_last_lr()[0]
-        job.scheduler.step()
-
-        metrics.log(
-            StepStats(
-                step=step,
-                loss_avg=result.loss_avg,
-                loss_max=result.loss_max,
-                grad_norm=result.grad_norm,
-                lr=lr,
-                n_valid_tokens=result.n_valid_tokens,
-                local_tokens=local_tokens,
-                n_skipped_steps=job.accumulator.n_skipped_steps,
-                data_time_s=data_time,
-                step_time_s=time.perf_counter() - step_start,
-            )
-        )
-        train_state.step = step
-        checkpointer.maybe_save(step)
+    with profiling(config.profiling, config.job.dump_folder, rank, start) as profiler:
+        for step in range(start + 1, t.steps + 1):
+            train_step(job, step, local_tokens, metrics)
+            train_state.step = step
+            checkpointer.maybe_save(step)
+            profiler.step()
     checkpointer.close()
     metrics.close()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def train_step(job: Job, step: int, local_tokens: int, metrics: MetricsLogger) -> None:
+    """Fetch the step's micro-batches, forward and backward each, finalize, step, log."""
+    step_start = time.perf_counter()
+    microbatches = fetch_step(job)
+    data_time = time.perf_counter() - step_start
+
+    result = forward_backward(job, microbatches)
+    if not result.skipped:
+        job.optimizer.step()
+    job.optimizer.zero_grad(set_to_none=True)
+    lr = job.scheduler.get_last_lr()[0]
+    job.scheduler.step()
+
+    metrics.log(
+        StepStats(
+            step=step,
+            loss_avg=result.loss_avg,
+            loss_max=result.loss_max,
+            grad_norm=result.grad_norm,
+            lr=lr,
+            n_valid_tokens=result.n_valid_tokens,
+            local_tokens=local_tokens,
+            n_skipped_steps=job.accumulator.n_skipped_steps,
+            data_time_s=data_time,
+            step_time_s=time.perf_counter() - step_start,
+        )
+    )
 
 
 def main(argv: list[str]) -> int:

@@ -1,0 +1,65 @@
+"""Activation checkpointing: keep fewer activations in forward, recompute them in backward.
+
+Modes (``[activation_checkpoint]``):
+
+- ``full``: every transformer block keeps only its input; its whole forward reruns in backward.
+- ``selective`` with ``selective_ac_option = "k"`` (an integer): full checkpointing of every
+  k-th block only (blocks 0, k, 2k, ...), trading memory for less recomputation.
+- ``selective`` with ``selective_ac_option = "op"``: in every block, the outputs of the
+  expensive ops (matmuls, attention, tensor-parallel reduce-scatters) are kept and everything
+  cheap (norms, activations, RoPE, elementwise) is recomputed.
+
+Applied per block, inside the block's FSDP unit: during recomputation FSDP has already
+gathered the block's parameters for its backward. Recomputation reruns the same kernels on
+the same inputs, so the gradients equal those without checkpointing.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from trainer.model import Transformer
+
+_aten = torch.ops.aten
+# Ops whose outputs "op" mode keeps: recomputing them costs real FLOPs or communication.
+SAVED_OPS = {
+    _aten.mm.default,
+    _aten.addmm.default,
+    _aten.bmm.default,
+    _aten._scaled_dot_product_flash_attention.default,
+    _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_cudnn_attention.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+}
+
+
+def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _op_contexts():
+    return create_selective_checkpoint_contexts(_save_matmuls)
+
+
+def apply_activation_checkpointing(model: Transformer, mode: str, selective_option: str) -> None:
+    """Set each block's ``checkpoint_fn`` for ``mode`` (``none``, ``full`` or ``selective``)."""
+    if mode == "none":
+        return
+    full = functools.partial(checkpoint, use_reentrant=False, preserve_rng_state=False)
+    if mode == "full":
+        for block in model.layers.values():
+            block.checkpoint_fn = full
+        return
+    if selective_option == "op":
+        op_level = functools.partial(full, context_fn=_op_contexts)
+        for block in model.layers.values():
+            block.checkpoint_fn = op_level
+        return
+    every = int(selective_option)
+    for block in model.layers.values():
+        if block.layer_id % every == 0:
+            block.checkpoint_fn = full
