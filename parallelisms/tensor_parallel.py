@@ -73,7 +73,7 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, *, loss_parallel: bool, as
     """
     parallelize_module(model, tp_mesh, llama3_tp_plan(loss_parallel))
     # The embedding's sequence shard is a view, and FSDP warns that an in-place op on it would
-    # skip its backward hook. The model only ever adds to the residual stream out of place.
+    # skip its backward hook. ``Transformer.forward`` copies it before any block sees it.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPEmbedding\) returned a view")
     if async_tp:
         import torch._inductor.config

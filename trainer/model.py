@@ -231,6 +231,12 @@ class Transformer(nn.Module):
         """Logits of ``tokens``; ``positions`` are the tokens' places in the sequence when they
         are not ``0..seq-1`` (a context-parallel rank holds two separate chunks)."""
         h = self.tok_embeddings(tokens)
+        if h._is_view():
+            # Under tensor parallelism the embedding returns a view of its sequence shard. A
+            # compiled block traces a view input back to its base, so the gradient would reach
+            # the base and skip FSDP's backward hook on the view: the embedding would get no
+            # gradient. A copy gives the blocks a tensor of their own.
+            h = h.clone()
         freqs_cis = self.freqs_cis[: tokens.shape[1]] if positions is None else self.freqs_cis[positions]
         for layer in self.layers.values():
             h = layer(h, freqs_cis)

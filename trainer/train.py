@@ -91,6 +91,12 @@ def plan(config: JobConfig, world_size: int) -> Plan:
         raise ConfigError(str(e)) from None
     check_tensor_parallel(config, args, dims.tp)
     check_context_parallel(config, dims)
+    if compiles(config, "loss") and dims.tp > 1 and not config.parallelism.disable_loss_parallel:
+        raise ConfigError(
+            "`compile.components` includes `loss`, which torch.compile does not trace correctly "
+            "inside `loss_parallel()` (the gradients come out wrong); with tensor parallelism "
+            "use `--compile.components model`, or set `parallelism.disable_loss_parallel`."
+        )
     if config.profiling.enable_memory_snapshot and device_type() != "cuda":
         raise ConfigError("`profiling.enable_memory_snapshot` records the CUDA allocator: it needs a GPU.")
     if config.checkpoint.create_seed_checkpoint and world_size != 1:

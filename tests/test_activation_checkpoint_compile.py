@@ -1,0 +1,75 @@
+"""Activation checkpointing and torch.compile change speed and memory, never the numbers:
+each mode gives the single-process eager reference's loss and gradients, under FSDP 2 and under
+dp_shard 2 x tp 2. Also: profiler traces land where documented."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from multiprocess import run_ranks
+from test_grad_accumulator import BASE_ARGV, argv_for, assert_matches, reference, step_worker
+from trainer.config import ConfigError, load_config
+from trainer.train import plan, train
+
+VARIANTS = {
+    "AC full": ["--activation_checkpoint.mode", "full"],
+    "AC every 2nd block": ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2"],
+    "AC per op": ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"],
+    "compile": ["--compile.enable"],
+    "compile + AC per op": ["--compile.enable", "--activation_checkpoint.mode", "selective"],
+}
+MESHES = {
+    "FSDP 2": (2, 4, []),
+    "dp_shard 2 x tp 2": (4, 2, ["--mesh", "dp_shard=2,tp=2"]),
+}
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return reference(argv_for(8, []))
+
+
+def variants_worker(argvs: dict[str, list[str]]) -> dict[str, dict] | None:
+    """Every variant in one process group (joined once), one fresh job each."""
+    return {name: step_worker(argv) for name, argv in argvs.items()}
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+def test_activation_checkpointing_and_compile_match_eager(mesh, ref):
+    world, local_batch, extra = MESHES[mesh]
+    argvs = {}
+    for name, flags in VARIANTS.items():
+        if "--compile.enable" in flags and "tp" in mesh:
+            flags = flags + ["--compile.components", "model"]  # see test below
+        argvs[name] = argv_for(local_batch, extra + flags)
+    results = run_ranks(variants_worker, world, argvs)[0]
+    for name in VARIANTS:
+        assert_matches(results[name], ref)
+
+
+def test_compiled_loss_with_loss_parallel_is_refused():
+    argv = BASE_ARGV + ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2",
+                        "--compile.enable"]
+    with pytest.raises(ConfigError, match="compile.components"):
+        plan(load_config(argv), 2)
+
+
+def test_bad_selective_option_names_the_key():
+    with pytest.raises(ConfigError, match="activation_checkpoint.selective_ac_option"):
+        load_config(["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "0"])
+
+
+def train_worker(argv: list[str]) -> None:
+    train(plan(load_config(argv), int(os.environ["WORLD_SIZE"])))
+
+
+def test_profiler_traces_per_rank(tmp_path):
+    argv = BASE_ARGV + ["--training.local_batch_size", "4", "--training.steps", "4", "--profiling.enable_profiling",
+                        "--profiling.profile_freq", "2", "--job.dump_folder", str(tmp_path)]
+    run_ranks(train_worker, 2, argv)
+    traces = sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "profile_traces").rglob("*.json"))
+    assert traces == [f"profile_traces/iteration_{s}/rank{r}_trace.json" for s in (2, 4) for r in (0, 1)]
+    with pytest.raises(ConfigError, match="profiling.enable_memory_snapshot"):
+        plan(load_config(BASE_ARGV + ["--training.local_batch_size", "8", "--profiling.enable_memory_snapshot"]), 1)
