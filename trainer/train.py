@@ -161,6 +161,13 @@ def check_context_parallel(config: JobConfig, dims: ParallelDims) -> None:
         )
 
 
+def compute_dtype(setting: str, device: torch.device) -> str:
+    """``training.mixed_precision_param``, with ``auto`` resolved: bf16 on GPU, fp32 on CPU."""
+    if setting != "auto":
+        return setting
+    return "bfloat16" if device.type == "cuda" else "float32"
+
+
 def compiles(config: JobConfig, component: str) -> bool:
     return config.compile.enable and component in config.compile.components
 
@@ -199,9 +206,7 @@ def build_model(plan: Plan, meshes: Meshes, device: torch.device) -> Transformer
     if compiles(plan.config, "model"):
         for block in model.layers.values():
             block.compile()  # in place, so parameter names stay the same
-    param_dtype = t.mixed_precision_param
-    if param_dtype == "auto":
-        param_dtype = "bfloat16" if device.type == "cuda" else "float32"
+    param_dtype = compute_dtype(t.mixed_precision_param, device)
     apply_fsdp(
         model,
         meshes.param,
