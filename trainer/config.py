@@ -169,8 +169,8 @@ class Parallelism:
     )
     enable_async_tensor_parallel: bool = _field(
         False,
-        "Overlap tensor-parallel communication with the matmuls (CUDA only; compiles each "
-        "transformer block, since async TP is a torch.compile graph rewrite).",
+        "Overlap tensor-parallel communication with the matmuls (CUDA only; needs "
+        "`compile.enable`, since async TP is a torch.compile graph rewrite).",
     )
 
 
