@@ -177,12 +177,11 @@ class CheckpointManager:
     def load(self) -> int:
         """Restore the newest complete checkpoint (or ``load_step``); return the step to resume after.
 
-        With no checkpoint in the folder, ``initial_load_path`` (if set) provides the starting
-        weights. Returns 0 when training starts from scratch or from weights only.
+        With no checkpoint in the folder (or with checkpoints disabled), ``initial_load_path``
+        (if set) provides the starting weights. Returns 0 when training starts from scratch or
+        from weights only.
         """
-        if not self.config.enable:
-            return 0
-        choice = self._agree(self._choose_checkpoint)
+        choice = self._agree(self._choose_checkpoint) if self.config.enable else None
         if choice is not None:
             path = Path(choice)
             if is_model_only(path):

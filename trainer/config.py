@@ -238,7 +238,7 @@ class Checkpoint:
     initial_load_path: str = _field(
         "",
         "A checkpoint folder (DCP `step-N`, or a Hugging Face folder with `initial_load_in_hf`) to "
-        "start from when `checkpoint.folder` holds no checkpoint yet.",
+        "start from when there is no checkpoint to resume (also with `checkpoint.enable` off).",
     )
     initial_load_model_only: bool = _field(
         True, "From `initial_load_path`, load the weights only (fresh optimizer, step 0)."
