@@ -218,3 +218,10 @@ def test_initial_load_from_hugging_face_folder(tmp_path):
     config_file.write_text(config_file.read_text().replace('"rope_theta": 500000.0', '"rope_theta": 10000.0'))
     with pytest.raises(Exception, match="different model.*rope_theta"):
         run_ranks(resume_worker, 1, argv)
+
+
+def test_seed_checkpoint_on_several_processes_is_refused_before_any_process_group(tmp_path):
+    from trainer.config import ConfigError
+
+    with pytest.raises(ConfigError, match="create_seed_checkpoint.*NGPU=1"):
+        plan(load_config(small_argv(tmp_path, "--checkpoint.create_seed_checkpoint")), 2)
