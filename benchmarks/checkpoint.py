@@ -29,12 +29,12 @@ import torch.distributed as dist
 
 from parallelisms.data_parallel import apply_fsdp
 from parallelisms.parallel_dims import ParallelDims
-from trainer.checkpoint import CheckpointManager, TrainState
+from trainer.checkpoint import CheckpointManager
 from trainer.config import Checkpoint, LRScheduler, Optimizer
-from trainer.grad_accumulator import GradAccumulator
 from trainer.model import FLAVORS, Transformer, num_params
 from trainer.optimizer import build_lr_scheduler, build_optimizer
-from trainer.train import init_distributed
+from trainer.build import init_distributed
+from trainer.train_state import TrainState
 
 
 class Position:
@@ -66,14 +66,13 @@ def measure(flavor: str, folder: Path, mesh) -> dict:
     model, optimizer = build(flavor, mesh)
     full_state = flavor == "debugmodel"
     scheduler = build_lr_scheduler(optimizer, 10, LRScheduler())
-    accumulator = GradAccumulator(model, loss_group=None, num_microbatches=1, max_norm=1.0, hsdp=False)
     result: dict = {"model": flavor, "params": num_params(model), "state": "full" if full_state else "weights"}
     for mode in ("disabled", "async"):
         shutil.rmtree(folder, ignore_errors=True)
         config = Checkpoint(enable=True, folder="checkpoint", async_mode=mode, keep_latest_k=0)
         manager = CheckpointManager(
             config, str(folder), model=model, optimizer=optimizer, lr_scheduler=scheduler,
-            dataloader=Position(), train_state=TrainState(accumulator), model_args=model.args, total_steps=10,
+            dataloader=Position(), train_state=TrainState(), model_args=model.args, total_steps=10,
         )
         start = time.perf_counter()
         manager.save(1, model_only=not full_state)

@@ -29,10 +29,12 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from trainer.build import build_trainer, load_dataset  # noqa: E402
 from trainer.config import load_config  # noqa: E402
-from trainer.metrics import device_memory, flops_per_token, peak_flops  # noqa: E402
+from trainer.metrics import device_memory, flops_per_token, peak_flops, tokens_per_second_per_device  # noqa: E402
 from trainer.model import num_params  # noqa: E402
-from trainer.train import build_job, compute_dtype, fetch_step, forward_backward, plan  # noqa: E402
+from trainer.plan import plan  # noqa: E402
+from trainer.train import fetch_step, forward_backward, local_tokens_per_step, optimizer_step  # noqa: E402
 
 
 def synchronize(device: torch.device) -> None:
@@ -51,8 +53,8 @@ def main() -> None:
     config = load_config(["--config", args.config, "--training.steps", str(total),
                           "--metrics.enable_tensorboard=false", *trainer_args])
     job_plan = plan(config, int(os.environ.get("WORLD_SIZE", 1)))
-    job = build_job(job_plan)
-    t, dims, margs = config.training, job_plan.dims, job_plan.model_args
+    job = build_trainer(job_plan, load_dataset(job_plan))
+    training, dims, margs = config.training, job_plan.dims, job_plan.model_args
 
     times = []
     for step in range(1, total + 1):
@@ -60,19 +62,14 @@ def main() -> None:
             torch.cuda.reset_peak_memory_stats(job.device)
         synchronize(job.device)
         start = time.perf_counter()
-        result = forward_backward(job, fetch_step(job))
-        if not result.skipped:
-            job.optimizer.step()
-        job.optimizer.zero_grad(set_to_none=True)
-        job.scheduler.step()
+        optimizer_step(job, forward_backward(job, fetch_step(job)))
         synchronize(job.device)
         if step > args.warmup:
             times.append(time.perf_counter() - start)
 
-    local_tokens = job_plan.microbatches * t.local_batch_size * t.seq_len
-    tps = local_tokens / (statistics.median(times) * dims.tp * dims.cp)
-    fpt = flops_per_token(num_params(job.model, exclude_embedding=True), margs.n_layers, margs.dim, t.seq_len)
-    peak = peak_flops(job.device, override=t.peak_flops or None)
+    tps = tokens_per_second_per_device(local_tokens_per_step(job_plan), statistics.median(times), dims.tp * dims.cp)
+    fpt = flops_per_token(num_params(job.model, exclude_embedding=True), margs.n_layers, margs.dim, training.seq_len)
+    peak = peak_flops(job.device, override=training.peak_flops or None)
     active, reserved = device_memory(job.device)
     out = {
         "config": args.config,
@@ -82,8 +79,8 @@ def main() -> None:
         "world_size": dist.get_world_size(),
         "mesh": {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp, "tp": dims.tp},
         "global_batch": job_plan.global_batch_size,
-        "seq_len": t.seq_len,
-        "param_dtype": compute_dtype(t.mixed_precision_param, job.device),
+        "seq_len": training.seq_len,
+        "param_dtype": str(job_plan.parallel.param_dtype).removeprefix("torch."),
         "compile": config.compile.enable,
         "activation_checkpoint": config.activation_checkpoint.mode
         + (f":{config.activation_checkpoint.selective_ac_option}" if config.activation_checkpoint.mode == "selective" else ""),

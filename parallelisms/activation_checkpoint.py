@@ -19,9 +19,8 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
-
-from trainer.model import Transformer
 
 _aten = torch.ops.aten
 # Ops whose outputs "op" mode keeps: recomputing them costs real FLOPs or communication.
@@ -45,7 +44,7 @@ def _op_contexts():
     return create_selective_checkpoint_contexts(_save_matmuls)
 
 
-def apply_activation_checkpointing(model: Transformer, mode: str, selective_option: str) -> None:
+def apply_activation_checkpointing(model: nn.Module, mode: str, selective_option: str) -> None:
     """Set each block's ``checkpoint_fn`` for ``mode`` (``none``, ``full`` or ``selective``)."""
     if mode == "none":
         return

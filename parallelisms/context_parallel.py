@@ -24,17 +24,16 @@ data-parallel ranks *and* CP shards, and the loss needs no CP correction.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.bias import causal_lower_right
 
-from trainer.model import Transformer
-
 BACKENDS = ("allgather_kv", "ring")
+"""What ``parallelism.context_parallel_backend`` may name, besides ``auto``."""
 
 
 def head_tail_positions(seq_len: int, rank: int, degree: int) -> torch.Tensor:
@@ -68,26 +67,28 @@ class _AllGatherSequence(torch.autograd.Function):
         return out, None, None
 
 
+AttentionFn = Callable[..., torch.Tensor]
+"""The model's attention: ``(q, k, v, attn_mask=None) -> out`` over ``(batch, heads, seq, dim)``,
+with grouped-query key/value heads; without a mask it is causal."""
+
+
 def attend_local_chunks(
-    xq: torch.Tensor, xk_full: torch.Tensor, xv_full: torch.Tensor, rank: int, degree: int
+    attention: AttentionFn, xq: torch.Tensor, xk_full: torch.Tensor, xv_full: torch.Tensor, rank: int, degree: int
 ) -> torch.Tensor:
     """Causal attention of rank ``rank``'s two query chunks against the whole sequence's K/V.
 
     ``xq`` is ``(batch, heads, 2 * chunk, head_dim)`` in head-tail layout; ``xk_full`` and
     ``xv_full`` are ``(batch, kv_heads, seq, head_dim)`` in natural order. Query chunk ``j``
     only needs keys ``[0, (j + 1) * chunk)``, and the causal mask is aligned so that its last
-    query sees its last key.
+    query sees its last key. ``attention`` is the model's own (it handles grouped-query heads),
+    given that bottom-right-aligned mask.
     """
-    n_rep = xq.shape[1] // xk_full.shape[1]
-    if n_rep > 1:
-        xk_full = xk_full.repeat_interleave(n_rep, dim=1)
-        xv_full = xv_full.repeat_interleave(n_rep, dim=1)
     chunk = xq.shape[2] // 2
     outputs = []
     for half, global_chunk in enumerate((rank, 2 * degree - 1 - rank)):
         end = (global_chunk + 1) * chunk
         outputs.append(
-            F.scaled_dot_product_attention(
+            attention(
                 xq[:, :, half * chunk : (half + 1) * chunk],
                 xk_full[:, :, :end],
                 xv_full[:, :, :end],
@@ -109,23 +110,21 @@ def natural_order(gathered: torch.Tensor) -> torch.Tensor:
 
 
 class AllGatherKVAttention:
-    """The ``allgather_kv`` backend, a drop-in for ``Attention.attention_fn``."""
+    """The ``allgather_kv`` backend: wraps a block's ``attention_fn`` (the model's attention)."""
 
-    def __init__(self, group: dist.ProcessGroup, rank: int, degree: int):
-        self.group, self.rank, self.degree = group, rank, degree
+    def __init__(self, attention: AttentionFn, group: dist.ProcessGroup, rank: int, degree: int):
+        self.attention, self.group, self.rank, self.degree = attention, group, rank, degree
 
     def __call__(self, xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor) -> torch.Tensor:
         xk_full = natural_order(_AllGatherSequence.apply(xk, self.group, self.degree))
         xv_full = natural_order(_AllGatherSequence.apply(xv, self.group, self.degree))
-        return attend_local_chunks(xq, xk_full, xv_full, self.rank, self.degree)
+        return attend_local_chunks(self.attention, xq, xk_full, xv_full, self.rank, self.degree)
 
 
 class ContextParallel:
     """Shards sequences for this CP rank and provides the attention that spans the shards."""
 
     def __init__(self, cp_mesh: DeviceMesh, seq_len: int, backend: str, rotate_method: str):
-        if backend not in BACKENDS:
-            raise ValueError(f"unknown context-parallel backend {backend!r}; use one of {BACKENDS}")
         self.mesh = cp_mesh
         self.degree = cp_mesh.size()
         self.rank = cp_mesh.get_local_rank()
@@ -134,13 +133,17 @@ class ContextParallel:
         self.rotate_method = rotate_method
         self.positions = head_tail_positions(seq_len, self.rank, self.degree)
 
-    def apply(self, model: Transformer) -> None:
-        """Give every block's attention the K/V of the whole sequence (``allgather_kv``)."""
+    def apply(self, model: nn.Module) -> None:
+        """Give every block's attention the K/V of the whole sequence (``allgather_kv``).
+
+        Expects torchtitan's Llama names: ``model.layers[i].attention.attention_fn``.
+        """
         if self.backend != "allgather_kv":
             return
         group = self.mesh.get_group()
         for block in model.layers.values():
-            block.attention.attention_fn = AllGatherKVAttention(group, self.rank, self.degree)
+            inner = block.attention.attention_fn
+            block.attention.attention_fn = AllGatherKVAttention(inner, group, self.rank, self.degree)
 
     def shard(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's tokens of ``x`` (``batch, seq, ...``), in head-tail layout."""
@@ -165,3 +168,10 @@ class ContextParallel:
                     "`parallelism.context_parallel_backend = \"allgather_kv\"`."
                 )
             yield
+
+
+def resolve_backend(backend: str, device_type: str) -> str:
+    """``auto`` is PyTorch's ring attention on CUDA and the all-gather-K/V attention elsewhere."""
+    if backend == "auto":
+        return "ring" if device_type == "cuda" else "allgather_kv"
+    return backend

@@ -4,23 +4,47 @@ One ``DeviceMesh`` with dimensions ``(dp_replicate, dp_shard, cp, tp)`` (size-1 
 included, so every sub-mesh exists on every run) is built once. The sub-meshes are:
 
 - ``batch``: ``dp_replicate x dp_shard`` - ranks that read different samples;
-- ``fsdp``: ``dp_shard x cp`` - ranks that shard parameters (CP ranks shard too: they hold the
-  same parameters);
+- ``fsdp``: what ``fully_shard`` shards over - ``dp_shard x cp`` flattened (CP ranks hold the
+  same parameters, so they shard them too), with ``dp_replicate`` in front under HSDP (2-D);
 - ``loss``: ``dp_replicate x dp_shard x cp`` - every rank that holds different label tokens, the
   group over which valid tokens are counted (tensor-parallel ranks hold the same tokens);
 - ``tp`` and ``cp``.
+
+This package knows nothing of the trainer's configuration. Its errors are
+:class:`ParallelismError` templates that name the *settings* (``{tp}``, ``{seq_len}``); the
+config layer renders them with its own key names, so a user reads
+``parallelism.tensor_parallel_degree`` where this code says ``tp``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from trainer.config import ConfigError
-
 MESH_DIM_NAMES = ("dp_replicate", "dp_shard", "cp", "tp")
+
+
+class ParallelismError(ValueError):
+    """A parallelism setting that cannot work, with what to do instead.
+
+    The message is a ``str.format`` template whose fields are setting names (``{tp}``);
+    ``str(error)`` shows the names themselves, :meth:`render` shows the caller's names for them.
+    """
+
+    def __init__(self, template: str):
+        self.template = template
+        super().__init__(self.render({}))
+
+    def render(self, names: Mapping[str, str]) -> str:
+        return self.template.format_map(_NameOrSelf(names))
+
+
+class _NameOrSelf(dict):
+    def __missing__(self, key: str) -> str:
+        return key
 
 
 def flatten_mesh(mesh: DeviceMesh, dims: tuple[str, ...], name: str) -> DeviceMesh:
@@ -33,6 +57,8 @@ def flatten_mesh(mesh: DeviceMesh, dims: tuple[str, ...], name: str) -> DeviceMe
 
 @dataclass
 class ParallelDims:
+    """The mesh shape: ``dp_shard = -1`` (or 0) is inferred from the world size."""
+
     dp_replicate: int
     dp_shard: int
     cp: int
@@ -40,34 +66,26 @@ class ParallelDims:
     world_size: int
 
     def __post_init__(self) -> None:
-        named = {
-            "parallelism.data_parallel_replicate_degree": self.dp_replicate,
-            "parallelism.context_parallel_degree": self.cp,
-            "parallelism.tensor_parallel_degree": self.tp,
-        }
-        for key, value in named.items():
+        for name in ("dp_replicate", "cp", "tp"):
+            value = getattr(self, name)
             if value < 1:
-                raise ConfigError(f"`{key}` must be >= 1, got {value}.")
-        if self.dp_shard == -1 or self.dp_shard == 0:
+                raise ParallelismError(f"{{{name}}} must be >= 1, got {value}.")
+        if self.dp_shard in (-1, 0):
             others = self.dp_replicate * self.cp * self.tp
             if self.world_size % others:
-                raise ConfigError(
-                    f"cannot infer `parallelism.data_parallel_shard_degree`: world size {self.world_size} "
-                    f"is not divisible by replicate x cp x tp = {others}; change the degrees or the "
-                    f"number of processes (NGPU)."
+                raise ParallelismError(
+                    f"cannot infer {{dp_shard}}: world size {self.world_size} is not divisible by "
+                    f"replicate x cp x tp = {others}; change the degrees or the number of processes (NGPU)."
                 )
             self.dp_shard = self.world_size // others
         elif self.dp_shard < 1:
-            raise ConfigError(
-                f"`parallelism.data_parallel_shard_degree` must be >= 1 or -1 (infer), got {self.dp_shard}."
-            )
+            raise ParallelismError(f"{{dp_shard}} must be >= 1 or -1 (infer), got {self.dp_shard}.")
         product = self.dp_replicate * self.dp_shard * self.cp * self.tp
         if product != self.world_size:
-            raise ConfigError(
+            raise ParallelismError(
                 f"mesh dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x cp={self.cp} x "
                 f"tp={self.tp} = {product} does not match the world size {self.world_size}; set "
-                f"`parallelism.data_parallel_shard_degree` to -1 to infer it, or launch "
-                f"{product} processes (NGPU={product})."
+                f"{{dp_shard}} to -1 to infer it, or launch {product} processes (NGPU={product})."
             )
 
     @property
@@ -79,27 +97,25 @@ class ParallelDims:
     def hsdp(self) -> bool:
         return self.dp_replicate > 1
 
-    def build_mesh(self, device_type: str) -> "Meshes":
+    def build_mesh(self, device_type: str) -> Meshes:
         mesh = init_device_mesh(
             device_type,
             (self.dp_replicate, self.dp_shard, self.cp, self.tp),
             mesh_dim_names=MESH_DIM_NAMES,
         )
         batch = flatten_mesh(mesh, ("dp_replicate", "dp_shard"), "dp")
-        fsdp = flatten_mesh(mesh, ("dp_shard", "cp"), "dp_shard_cp")
+        shard = flatten_mesh(mesh, ("dp_shard", "cp"), "dp_shard_cp")
         loss = flatten_mesh(mesh, ("dp_replicate", "dp_shard", "cp"), "dp_cp")
-        param = mesh["dp_replicate", "dp_shard_cp"] if self.hsdp else fsdp
-        return Meshes(world=mesh, batch=batch, fsdp=fsdp, param=param, loss=loss, tp=mesh["tp"], cp=mesh["cp"])
+        fsdp = mesh["dp_replicate", "dp_shard_cp"] if self.hsdp else shard
+        return Meshes(batch=batch, fsdp=fsdp, loss=loss, tp=mesh["tp"], cp=mesh["cp"])
 
 
 @dataclass
 class Meshes:
-    """Named views of the one world mesh; ``param`` is the mesh FSDP shards over (2-D under HSDP)."""
+    """Named views of the one world mesh (see the module docstring)."""
 
-    world: DeviceMesh
     batch: DeviceMesh
     fsdp: DeviceMesh
-    param: DeviceMesh
     loss: DeviceMesh
     tp: DeviceMesh
     cp: DeviceMesh

@@ -14,10 +14,10 @@ Applied before FSDP: FSDP then shards the tensor-parallel DTensors over its own 
 from __future__ import annotations
 
 import contextlib
-import warnings
 from typing import ContextManager
 
 import torch
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -30,13 +30,27 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from trainer.model import Transformer
+
+class EmbeddingParallel(RowwiseParallel):
+    """The token embedding, row-wise over the vocabulary, handing out a *copy* of its sequence shard.
+
+    ``RowwiseParallel`` returns a view of the reduce-scattered DTensor's local part. FSDP warns
+    about module outputs that are views (an in-place op on one would skip its backward hook),
+    and a compiled block traces a view input back to its base, so the gradient would reach the
+    base and skip FSDP's hook: the embedding would get no gradient at all. One copy of a
+    ``(batch, seq / tp, dim)`` activation per micro-batch avoids both.
+    """
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        outputs = RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+        return outputs.clone() if use_local_output else outputs
 
 
 def llama3_tp_plan(loss_parallel: bool) -> dict[str, ParallelStyle]:
     """Module name pattern -> how its parameters and activations are split over TP ranks."""
     return {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "tok_embeddings": EmbeddingParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "layers.*.attention_norm": SequenceParallel(),
         "layers.*.attention": PrepareModuleInput(
             input_layouts=(Shard(1), None),  # (hidden states, RoPE table)
@@ -64,17 +78,14 @@ def llama3_tp_plan(loss_parallel: bool) -> dict[str, ParallelStyle]:
     }
 
 
-def apply_tp(model: Transformer, tp_mesh: DeviceMesh, *, loss_parallel: bool, async_tp: bool) -> Transformer:
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, async_tp: bool) -> nn.Module:
     """Split ``model``'s parameters over ``tp_mesh`` in place (before FSDP) and return it.
 
     Async TP overlaps the all-gathers and reduce-scatters with the matmuls that consume them;
     it is a graph rewrite of ``torch.compile`` on CUDA symmetric memory, so it takes effect in
-    the compiled blocks (``compile.enable``, which the config requires with it).
+    the compiled blocks (``parallelize`` requires compiling the model with it).
     """
     parallelize_module(model, tp_mesh, llama3_tp_plan(loss_parallel))
-    # The embedding's sequence shard is a view, and FSDP warns that an in-place op on it would
-    # skip its backward hook. ``Transformer.forward`` copies it before any block sees it.
-    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPEmbedding\) returned a view")
     if async_tp:
         import torch._inductor.config
         from torch.distributed._symmetric_memory import enable_symm_mem_for_group

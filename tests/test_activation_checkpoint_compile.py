@@ -8,10 +8,11 @@ import os
 
 import pytest
 
-from multiprocess import run_ranks
-from test_grad_accumulator import BASE_ARGV, argv_for, assert_matches, reference, step_worker
+from harness import BASE_ARGV, argv_for, assert_matches, run_ranks, step_worker
+from trainer.build import load_dataset
 from trainer.config import ConfigError, load_config
-from trainer.train import plan, train
+from trainer.plan import plan
+from trainer.train import train
 
 VARIANTS = {
     "AC full": ["--activation_checkpoint.mode", "full"],
@@ -26,16 +27,12 @@ MESHES = {
 }
 
 
-@pytest.fixture(scope="module")
-def ref():
-    return reference(argv_for(8, []))
-
-
 def variants_worker(argvs: dict[str, list[str]]) -> dict[str, dict] | None:
     """Every variant in one process group (joined once), one fresh job each."""
     return {name: step_worker(argv) for name, argv in argvs.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", list(MESHES))
 def test_activation_checkpointing_and_compile_match_eager(mesh, ref):
     world, local_batch, extra = MESHES[mesh]
@@ -62,9 +59,11 @@ def test_bad_selective_option_names_the_key():
 
 
 def train_worker(argv: list[str]) -> None:
-    train(plan(load_config(argv), int(os.environ["WORLD_SIZE"])))
+    job_plan = plan(load_config(argv), int(os.environ["WORLD_SIZE"]))
+    train(job_plan, load_dataset(job_plan))
 
 
+@pytest.mark.slow
 def test_profiler_traces_per_rank(tmp_path):
     argv = BASE_ARGV + ["--training.local_batch_size", "4", "--training.steps", "4", "--profiling.enable_profiling",
                         "--profiling.profile_freq", "2", "--job.dump_folder", str(tmp_path)]

@@ -11,16 +11,17 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
-from multiprocess import run_ranks
-from test_run_train import run_train
-from trainer.checkpoint import CheckpointManager, TrainState, checkpoint_problem, step_folders
+from harness import run_ranks, run_train, tensorboard_scalars, trainer_for
+from trainer.build import load_dataset
+from trainer.checkpoint import CheckpointManager, checkpoint_problem, step_folders
 from trainer.config import load_config
 from trainer.hf_interop import read_dcp_model
 from trainer.model import Transformer
-from trainer.train import build_job, plan, train
+from trainer.plan import plan
+from trainer.train import train
+from trainer.train_state import TrainState
 
 # A schedule that does not depend on training.steps (warm-up, then constant), so a 4-step run
 # and the first 4 steps of an 8-step run take the same learning rates.
@@ -37,14 +38,10 @@ COMMON = [
 
 
 def newest_scalars(dump: Path, first_step: int) -> dict[str, list[float]]:
-    run_dir = sorted((dump / "tb").iterdir())[-1]
-    events = EventAccumulator(str(run_dir))
-    events.Reload()
     out = {}
-    for tag in ("loss_metrics/global_avg_loss", "grad_norm"):
-        scalars = events.Scalars(tag)
-        assert [s.step for s in scalars] == list(range(first_step, 9))
-        out[tag] = [s.value for s in scalars]
+    for tag, values in tensorboard_scalars(dump, ("loss_metrics/global_avg_loss", "grad_norm")).items():
+        assert list(values) == list(range(first_step, 9))
+        out[tag] = list(values.values())
     return out
 
 
@@ -64,6 +61,7 @@ RESUMES = {
 }
 
 
+@pytest.mark.launcher
 @pytest.mark.parametrize("case", list(RESUMES))
 def test_resume_on_another_mesh_continues_the_same_curve(case, straight, tmp_path):
     (first_ngpu, first_mesh), (second_ngpu, second_mesh) = RESUMES[case]
@@ -92,7 +90,8 @@ def train_worker(argv: list[str], kill_rank: int | None = None, kill_step: int |
             return result
 
         FileSystemWriter.write_data = write_then_die
-    train(plan(load_config(argv), int(os.environ["WORLD_SIZE"])))
+    job_plan = plan(load_config(argv), int(os.environ["WORLD_SIZE"]))
+    train(job_plan, load_dataset(job_plan))
 
 
 def resume_worker(argv: list[str]) -> dict:
@@ -101,9 +100,8 @@ def resume_worker(argv: list[str]) -> dict:
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())
     logging.getLogger("meshtrain").addHandler(handler)
-    p = plan(load_config(argv), int(os.environ["WORLD_SIZE"]))
-    job = build_job(p)
-    train_state = TrainState(job.accumulator)
+    p, job = trainer_for(argv)
+    train_state = TrainState()
     manager = CheckpointManager(
         p.config.checkpoint, p.config.job.dump_folder, model=job.model, optimizer=job.optimizer,
         lr_scheduler=job.scheduler, dataloader=job.loader, train_state=train_state,
@@ -121,6 +119,7 @@ def small_argv(dump: Path, *extra: str) -> list[str]:
                      "--job.dump_folder", str(dump), *extra]
 
 
+@pytest.mark.slow
 def test_kill_during_save_leaves_previous_checkpoint_loadable(tmp_path):
     argv = small_argv(tmp_path)
     with pytest.raises(mp.ProcessExitedException):
@@ -136,6 +135,7 @@ def test_kill_during_save_leaves_previous_checkpoint_loadable(tmp_path):
     assert excluded["loader"]["step"] == 0  # not restored: the data position starts over
 
 
+@pytest.mark.slow
 def test_truncated_checkpoint_is_skipped_with_a_warning(tmp_path):
     argv = small_argv(tmp_path)
     run_ranks(train_worker, 2, argv)
@@ -153,6 +153,7 @@ def test_truncated_checkpoint_is_skipped_with_a_warning(tmp_path):
     assert "step-4" in warned and "metadata" in warned
 
 
+@pytest.mark.slow
 def test_async_save_writes_the_state_at_save_time(tmp_path):
     sync_dump, async_dump = tmp_path / "sync", tmp_path / "async"
     run_ranks(train_worker, 2, small_argv(sync_dump))
@@ -166,6 +167,7 @@ def test_async_save_writes_the_state_at_save_time(tmp_path):
     assert run_ranks(resume_worker, 2, small_argv(async_dump, "--training.steps", "8"))[0]["start"] == 6
 
 
+@pytest.mark.slow
 def test_keep_latest_k_and_model_only_export(tmp_path):
     argv = small_argv(tmp_path, "--checkpoint.keep_latest_k", "2", "--checkpoint.last_save_model_only",
                       "--checkpoint.export_dtype", "bfloat16")
@@ -177,6 +179,7 @@ def test_keep_latest_k_and_model_only_export(tmp_path):
     assert all(meta.properties.dtype == torch.bfloat16 for meta in metadata.values())
 
 
+@pytest.mark.slow
 def test_seed_checkpoint_gives_every_mesh_the_same_start(tmp_path):
     seed_argv = small_argv(tmp_path, "--checkpoint.create_seed_checkpoint", "--debug.seed", "11")
     run_ranks(train_worker, 1, seed_argv)
@@ -193,6 +196,7 @@ def test_seed_checkpoint_gives_every_mesh_the_same_start(tmp_path):
         assert torch.equal(weight, seed[name]), name
 
 
+@pytest.mark.slow
 def test_load_step_that_does_not_exist_fails_on_every_rank(tmp_path):
     argv = small_argv(tmp_path, "--checkpoint.load_step", "3")
     with pytest.raises(Exception) as error:
@@ -200,6 +204,7 @@ def test_load_step_that_does_not_exist_fails_on_every_rank(tmp_path):
     assert "checkpoint.load_step" in str(error.value)
 
 
+@pytest.mark.slow
 def test_initial_load_from_hugging_face_folder(tmp_path):
     from trainer.hf_interop import save_hf_folder
 

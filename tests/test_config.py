@@ -24,7 +24,8 @@ from trainer.config import (
     resolve_config_path,
     to_toml,
 )
-from trainer.train import main, plan
+from trainer.plan import plan
+from trainer.train import main
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST_EXIT_S = 20.0
@@ -335,7 +336,7 @@ def test_out_of_range_values_name_the_key(key, value):
 )
 def test_invalid_optimizer_hyperparameters_name_the_key(key, value):
     """Values AdamW rejects must fail in load_config, naming the key, not later inside
-    ``build_job`` (after the process group exists) with torch's "Invalid learning rate"."""
+    ``build_trainer`` (after the process group exists) with torch's "Invalid learning rate"."""
     with pytest.raises(ConfigError, match=f"`{key}`"):
         load_config([f"--{key}", value])
 
@@ -518,6 +519,7 @@ def test_entry_point_exits_2_fast(argv, key):
     assert elapsed < FAST_EXIT_S, f"took {elapsed:.1f}s"
 
 
+@pytest.mark.launcher
 def test_run_train_sh_mesh_mismatch_fails_fast():
     start = time.monotonic()
     proc = subprocess.run(

@@ -4,24 +4,24 @@ gradients; the CP-specific bugs are caught."""
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from multiprocess import run_ranks
 from parallelisms.context_parallel import (
     AllGatherKVAttention,
     attend_local_chunks,
     head_tail_positions,
     natural_order,
 )
-from test_grad_accumulator import BASE_ARGV, argv_for, assert_matches, full, reference, step_worker
+from harness import BASE_ARGV, argv_for, assert_matches, full, run_ranks, step_worker, trainer_for
+from trainer.build import init_distributed
 from trainer.config import ConfigError, load_config
 from trainer.loss import IGNORE_INDEX
 from trainer.model import causal_attention
-from trainer.train import build_job, fetch_step, forward_backward, init_distributed, plan
+from trainer.plan import plan
+from trainer.train import fetch_step, forward_backward
 
 # name: (world size, local batch size, extra argv); global batch 8, seq_len 64
 MESHES = {
@@ -31,11 +31,6 @@ MESHES = {
     "cp=2 x tp=2": (4, 8, ["--mesh", "cp=2,tp=2"]),
     "dp_replicate=2 x cp=2 x tp=2": (8, 2, ["--mesh", "dp_replicate=2,cp=2,tp=2"]),
 }
-
-
-@pytest.fixture(scope="module")
-def ref():
-    return reference(argv_for(8, []))
 
 
 def test_head_tail_layout_balances_causal_work():
@@ -66,7 +61,7 @@ def test_simulated_ranks_equal_full_attention(degree):
         pos = head_tail_positions(seq, rank, degree)
         shards = natural_order(torch.stack([k[:, :, head_tail_positions(seq, r, degree)] for r in range(degree)]))
         assert torch.equal(shards, k)  # gathering the shards restores the natural order
-        out[:, :, pos] = attend_local_chunks(q[:, :, pos], k, v, rank, degree)
+        out[:, :, pos] = attend_local_chunks(causal_attention, q[:, :, pos], k, v, rank, degree)
     torch.testing.assert_close(out, expected)
     grads = torch.autograd.grad(out, (q, k, v), upstream)
     for got, want in zip(grads, expected_grads):
@@ -84,13 +79,14 @@ def allgather_attention_worker(degree: int) -> dict:
     upstream = torch.randn(batch, heads, seq, dim, generator=gen)
     pos = head_tail_positions(seq, rank, degree)
     q_local, k_local, v_local = (t[:, :, pos].clone().requires_grad_() for t in (q, k, v))
-    attention = AllGatherKVAttention(dist.group.WORLD, rank, degree)
+    attention = AllGatherKVAttention(causal_attention, dist.group.WORLD, rank, degree)
     out = attention(q_local, k_local, v_local)
     out.backward(upstream[:, :, pos])
     return {"pos": pos, "out": out.detach(), "grads": [t.grad for t in (q_local, k_local, v_local)],
             "q": q, "k": k, "v": v, "upstream": upstream}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("degree", [2, 4])
 def test_allgather_kv_attention_equals_full_attention(degree):
     results = run_ranks(allgather_attention_worker, degree, degree)
@@ -105,6 +101,7 @@ def test_allgather_kv_attention_equals_full_attention(degree):
             torch.testing.assert_close(got, want[:, :, r["pos"]], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", list(MESHES))
 def test_context_parallel_matches_single_process_reference(mesh, ref):
     world, local_batch, extra = MESHES[mesh]
@@ -114,11 +111,11 @@ def test_context_parallel_matches_single_process_reference(mesh, ref):
 
 
 def cp_shard_counts_worker(argv: list[str]) -> list[int]:
-    p = plan(load_config(argv), int(os.environ["WORLD_SIZE"]))
-    job = build_job(p)
+    p, job = trainer_for(argv)
     return [int((labels != IGNORE_INDEX).sum()) for _, labels in fetch_step(job)]
 
 
+@pytest.mark.slow
 def test_padding_lands_unevenly_on_cp_shards():
     counts = run_ranks(cp_shard_counts_worker, 2, argv_for(8, ["--parallelism.context_parallel_degree", "2"]))
     assert counts[0] != counts[1]
@@ -127,8 +124,7 @@ def test_padding_lands_unevenly_on_cp_shards():
 def cp_bug_worker(argv: list[str]) -> dict:
     """Two CP bugs on the same data: tokens counted as if CP ranks held duplicates (count over
     data-parallel ranks only), and the gradient scaled by the CP degree."""
-    p = plan(load_config(argv), int(os.environ["WORLD_SIZE"]))
-    job = build_job(p)
+    p, job = trainer_for(argv)
     microbatches = fetch_step(job)
     job.accumulator.loss_group = job.meshes.batch.get_group()
     per_shard = forward_backward(job, microbatches)
@@ -144,6 +140,7 @@ def _summary(result, grads: dict[str, torch.Tensor]) -> dict:
     return {"loss": result.loss_avg, "norm": result.grad_norm, "n": result.n_valid_tokens, "grads": grads}
 
 
+@pytest.mark.slow
 def test_cp_bugs_are_caught(ref):
     result = run_ranks(cp_bug_worker, 2, argv_for(8, ["--parallelism.context_parallel_degree", "2"]))[0]
     assert result["per_shard"]["n"] < ref["n"]

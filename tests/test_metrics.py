@@ -311,8 +311,3 @@ def test_gpu_path_reports_mfu_and_reserved_memory(
     assert _scalars(acc, "mfu(%)")[1] == pytest.approx(100 * tflops * 1e12 / peak)
     assert _scalars(acc, "memory/max_active(GiB)")[1] == pytest.approx(2.0)
     assert _scalars(acc, "memory/max_reserved(GiB)")[1] == pytest.approx(4.0)
-
-
-def test_invalid_log_freq_is_a_value_error(tmp_path: os.PathLike[str]) -> None:
-    with pytest.raises(ValueError, match="log_freq"):
-        _make_logger(tmp_path, log_freq=0)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from multiprocess import run_ranks
+from harness import run_ranks
 from trainer.model import FLAVORS, ModelArgs, Transformer, model_args, num_params, rope_frequencies
 from trainer.tokenizer import Tokenizer
 
@@ -304,9 +304,9 @@ def sharded_init_worker(dp_replicate: int, dp_shard: int, vocab_size: int, seed:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from parallelisms.data_parallel import apply_fsdp
+    from parallelisms.fsdp import apply_fsdp
     from parallelisms.parallel_dims import ParallelDims
-    from trainer.train import init_distributed
+    from trainer.build import init_distributed
 
     world_size = int(os.environ["WORLD_SIZE"])
     init_distributed("cpu")
@@ -317,7 +317,7 @@ def sharded_init_worker(dp_replicate: int, dp_shard: int, vocab_size: int, seed:
         model = Transformer(args)
     apply_fsdp(
         model,
-        meshes.param,
+        meshes.fsdp,
         param_dtype=torch.float32,
         reduce_dtype=torch.float32,
         reshard_after_forward="default",
@@ -336,7 +336,7 @@ def sharded_init_worker(dp_replicate: int, dp_shard: int, vocab_size: int, seed:
     if dist.get_rank() != 0:
         return {"local_rows": local_rows}
     return {"state": state, "freqs": freqs, "local_rows": local_rows, "placements": placements,
-            "mesh_ndim": meshes.param.ndim}
+            "mesh_ndim": meshes.fsdp.ndim}
 
 
 @pytest.fixture(scope="module")
@@ -346,6 +346,7 @@ def single_process_reference(debug_args: ModelArgs) -> dict[str, torch.Tensor]:
     return {"state": full_state(model), "freqs": model.freqs_cis.clone()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "world_size, dp_replicate, dp_shard",
     [

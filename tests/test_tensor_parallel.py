@@ -3,19 +3,19 @@ gives the single-process reference's loss and gradients, and each TP-specific bu
 
 from __future__ import annotations
 
-import os
-from dataclasses import replace
-
 import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from multiprocess import run_ranks
-from test_grad_accumulator import BASE_ARGV, assert_matches, argv_for, full, reference, step_worker
+from harness import BASE_ARGV, argv_for, assert_matches, full, run_ranks, step_worker, trainer_for
+from parallelisms import parallelize
+from parallelisms.parallel_dims import ParallelDims, ParallelismError
+from parallelisms.parallelize import ModelShape, ParallelSettings
 from trainer.config import ConfigError, load_config
 from trainer.model import padded_vocab_size
-from trainer.train import build_job, check_tensor_parallel, fetch_step, forward_backward, plan
+from trainer.plan import SETTING_KEYS, plan
+from trainer.train import fetch_step, forward_backward
 
 # name: (world size, local batch size, extra argv); global batch 8
 MESHES = {
@@ -28,11 +28,7 @@ MESHES = {
 }
 
 
-@pytest.fixture(scope="module")
-def ref():
-    return reference(argv_for(8, []))
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", list(MESHES))
 def test_tensor_parallel_matches_single_process_reference(mesh, ref):
     world, local_batch, extra = MESHES[mesh]
@@ -43,8 +39,7 @@ def test_tensor_parallel_matches_single_process_reference(mesh, ref):
 
 def logits_worker(argv: list[str]) -> dict:
     """The logits a TP rank holds, and the dtype the matmuls run in."""
-    p = plan(load_config(argv), int(os.environ["WORLD_SIZE"]))
-    job = build_job(p)
+    p, job = trainer_for(argv)
     seen: dict[str, torch.dtype] = {}
     wq = job.model.layers["0"].attention.wq
 
@@ -65,6 +60,7 @@ def logits_worker(argv: list[str]) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_loss_parallel_keeps_one_vocabulary_slice_per_rank():
     argv = argv_for(4, ["--parallelism.tensor_parallel_degree", "2"])
     sharded = run_ranks(logits_worker, 2, argv)
@@ -78,6 +74,7 @@ def test_loss_parallel_keeps_one_vocabulary_slice_per_rank():
         assert rank["local_shape"] == (4, 64, vocab)
 
 
+@pytest.mark.slow
 def test_mixed_precision_applies_with_tensor_parallel_alone():
     """FSDP always wraps the model (over a 1-rank mesh when dp = 1), so bf16 compute needs no
     fallback: parameters are stored in float32 and gathered in bfloat16 for the matmuls."""
@@ -91,8 +88,7 @@ def test_mixed_precision_applies_with_tensor_parallel_alone():
 def tp_bug_worker(argv: list[str]) -> dict:
     """The right step, then two TP bugs on the same data: a grad norm that sums every rank's
     local shards (replicated ones tp times), and tokens counted over the TP group too."""
-    p = plan(load_config(argv), int(os.environ["WORLD_SIZE"]))
-    job = build_job(p)
+    p, job = trainer_for(argv)
     microbatches = fetch_step(job)
     right = forward_backward(job, microbatches)
     true_sq = sum(full(prm.grad).double().square().sum() for prm in job.model.parameters())
@@ -111,6 +107,7 @@ def tp_bug_worker(argv: list[str]) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_tp_bugs_are_caught(ref):
     argv = argv_for(2, ["--mesh", "dp_shard=2,tp=2"])
     result = run_ranks(tp_bug_worker, 4, argv)[0]
@@ -137,14 +134,15 @@ def test_validation_names_the_tensor_parallel_key():
     message = check(["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "8",
                      "--parallelism.enable_async_tensor_parallel", "--compile.enable"], 2)
     assert "CUDA" in message
-    with pytest.raises(ConfigError, match="compile.enable"):
-        load_config(["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_async_tensor_parallel"])
-    with pytest.raises(ConfigError, match="tensor_parallel_degree"):
-        load_config(["--parallelism.enable_async_tensor_parallel"])
-    config = load_config(BASE_ARGV + ["--parallelism.tensor_parallel_degree", "8"])
-    args = plan(load_config(BASE_ARGV + ["--training.local_batch_size", "8"]), 1).model_args
-    with pytest.raises(ConfigError, match="vocabulary rows .*padded to a multiple of 64"):
-        check_tensor_parallel(config, replace(args, vocab_size=100), 8)
+    message = check(["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "8",
+                     "--parallelism.enable_async_tensor_parallel"], 2)
+    assert "compile.enable" in message
+    message = check(["--training.local_batch_size", "8", "--parallelism.enable_async_tensor_parallel"], 1)
+    assert "parallelism.tensor_parallel_degree" in message
+    shape = ModelShape(n_heads=16, n_kv_heads=8, vocab_size=100)
+    with pytest.raises(ParallelismError, match="tp = 8 does not divide the 100 vocabulary rows") as error:
+        parallelize.check(ParallelDims(1, 1, 1, 8, 8), ParallelSettings(seq_len=64), shape, "cpu")
+    assert "`parallelism.tensor_parallel_degree` = 8" in error.value.render(SETTING_KEYS)
 
 
 def test_vocabulary_is_padded_the_same_on_every_mesh():

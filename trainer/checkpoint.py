@@ -43,34 +43,13 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from trainer.config import Checkpoint
-from trainer.grad_accumulator import GradAccumulator
 from trainer.model import ModelArgs, Transformer, local_slice
+from trainer.train_state import TrainState
 
 logger = logging.getLogger("meshtrain")
 
 PARTIAL_SUFFIX = ".partial"
 STEP_FOLDER = re.compile(r"^step-(\d+)$")
-
-
-class TrainState(Stateful):
-    """The loop's own counters, saved with the checkpoint: the last finished step, the
-    accumulator's skipped-step count and the RNG."""
-
-    def __init__(self, accumulator: GradAccumulator):
-        self.step = 0
-        self.accumulator = accumulator
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "n_skipped_steps": self.accumulator.n_skipped_steps,
-            "rng_cpu": torch.get_rng_state(),
-        }
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.step = int(state_dict["step"])
-        self.accumulator.n_skipped_steps = int(state_dict["n_skipped_steps"])
-        torch.set_rng_state(state_dict["rng_cpu"])
 
 
 class ModelState(Stateful):

@@ -26,6 +26,14 @@ CONFIG_DIR = REPO_ROOT / "train_configs"
 DEFAULT_CONFIG = CONFIG_DIR / "debug_model.toml"
 
 
+def resolve_path(path: str) -> str:
+    """A relative path that does not exist from the working directory is tried from the repo root."""
+    p = Path(path)
+    if p.is_absolute() or p.exists() or not (REPO_ROOT / p).exists():
+        return str(p)
+    return str(REPO_ROOT / p)
+
+
 class ConfigError(ValueError):
     """A user error in the configuration; the message names the key and how to fix it."""
 
@@ -563,16 +571,6 @@ def validate(config: JobConfig) -> None:
     for key, value in {"optimizer.beta1": o.beta1, "optimizer.beta2": o.beta2}.items():
         if not 0.0 <= value < 1.0:
             raise ConfigError(f"`{key}` must be in [0, 1), got {value}.")
-    p = config.parallelism
-    if p.enable_async_tensor_parallel and p.tensor_parallel_degree == 1:
-        raise ConfigError(
-            "`parallelism.enable_async_tensor_parallel` needs `parallelism.tensor_parallel_degree` > 1."
-        )
-    if p.enable_async_tensor_parallel and not (config.compile.enable and "model" in config.compile.components):
-        raise ConfigError(
-            "`parallelism.enable_async_tensor_parallel` is a torch.compile rewrite: also set "
-            "`compile.enable` with `model` in `compile.components`."
-        )
 
 
 def to_toml(config: JobConfig) -> str:

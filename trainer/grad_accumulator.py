@@ -72,7 +72,6 @@ class GradAccumulator:
         self.hsdp = hsdp
         self.defer_gradient_reduction = defer_gradient_reduction
         self._distributed = loss_group is not None
-        self.n_skipped_steps = 0
         self._count: torch.Tensor | None = None
         self._count_work: dist.Work | None = None
         self._local_count: torch.Tensor | None = None
@@ -127,7 +126,8 @@ class GradAccumulator:
         """Normalise and clip the accumulated gradient sums in one pass; decide whether to step.
 
         A step with no valid token, or with a non-finite gradient norm, must not move the
-        weights: it is reported as skipped and its gradients are left for the caller to zero.
+        weights: it is reported as skipped (the loop counts skips) and its gradients are left
+        for the caller to zero.
         """
         if self._next_microbatch != self.num_microbatches:
             raise RuntimeError(
@@ -153,9 +153,8 @@ class GradAccumulator:
         loss_avg = total / n if n else math.nan
         loss_max = worst if n else math.nan
         if n == 0 or not math.isfinite(true_norm):
-            self.n_skipped_steps += 1
             reason = "no valid label token in the global batch" if n == 0 else "non-finite gradient norm"
-            logger.warning("skipping the optimizer step: %s (%d skipped so far)", reason, self.n_skipped_steps)
+            logger.warning("skipping the optimizer step: %s", reason)
             return StepResult(loss_avg, loss_max, true_norm, n, skipped=True)
         clip_coef = min(1.0, self.max_norm / (true_norm + 1e-6)) if self.max_norm > 0 else 1.0
         _foreach_scale_([g.to_local() if isinstance(g, DTensor) else g for g in grads], clip_coef / n)

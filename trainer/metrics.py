@@ -79,6 +79,16 @@ def flops_per_token(num_params_non_embedding: int, n_layers: int, dim: int, seq_
     return 6 * num_params_non_embedding + 12 * n_layers * dim * seq_len
 
 
+def tokens_per_second_per_device(tokens: int, seconds: float, devices_per_replica: int) -> float:
+    """Throughput per device, as torchtitan counts it.
+
+    ``tokens`` are those one data-parallel replica processed; the replica's
+    ``devices_per_replica`` (tensor x context parallel) devices share them, so
+    TP or CP does not inflate the figure.
+    """
+    return tokens / (seconds * devices_per_replica) if seconds > 0 else 0.0
+
+
 def device_memory(device: torch.device) -> tuple[float, float | None]:
     """Peak memory in GiB since the previous call: ``(active, reserved)``.
 
@@ -185,12 +195,6 @@ class MetricsLogger:
         global_tokens_per_step: int,
         devices_per_replica: int = 1,
     ) -> None:
-        if log_freq < 1:
-            raise ValueError(f"log_freq must be >= 1, got {log_freq}")
-        if total_steps < 1:
-            raise ValueError(f"total_steps must be >= 1, got {total_steps}")
-        if devices_per_replica < 1:
-            raise ValueError(f"devices_per_replica must be >= 1, got {devices_per_replica}")
         self._console = console
         self._log_freq = log_freq
         self._colors = _ANSI if color else dict.fromkeys(_ANSI, "")
@@ -275,11 +279,7 @@ class MetricsLogger:
         # outside steps (checkpointing, evaluation) should not show up as a
         # throughput dip.
         window_time = self._window_step_time
-        tps = (
-            self._window_tokens / (window_time * self._devices_per_replica)
-            if window_time > 0
-            else 0.0
-        )
+        tps = tokens_per_second_per_device(self._window_tokens, window_time, self._devices_per_replica)
         tflops = self._flops_per_token * tps / 1e12
         mfu = 100 * tflops * 1e12 / self._peak_flops if self._peak_flops is not None else None
         mean_step_time = window_time / self._window_steps

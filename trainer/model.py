@@ -148,13 +148,21 @@ def apply_rotary_emb(xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor
     return xq_out.type_as(xq), xk_out.type_as(xk)
 
 
-def causal_attention(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor) -> torch.Tensor:
-    """Causal SDPA over ``(batch, heads, seq, head_dim)``; key/value heads repeated for GQA."""
+def causal_attention(
+    xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, attn_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """SDPA over ``(batch, heads, seq, head_dim)``, key/value heads repeated for GQA.
+
+    Causal, unless ``attn_mask`` says otherwise (context parallelism passes a causal mask
+    aligned to the bottom right when a query chunk attends to a longer run of keys).
+    """
     n_rep = xq.shape[1] // xk.shape[1]
     if n_rep > 1:
         xk = xk.repeat_interleave(n_rep, dim=1)
         xv = xv.repeat_interleave(n_rep, dim=1)
-    return F.scaled_dot_product_attention(xq, xk, xv, is_causal=True)
+    if attn_mask is None:
+        return F.scaled_dot_product_attention(xq, xk, xv, is_causal=True)
+    return F.scaled_dot_product_attention(xq, xk, xv, attn_mask=attn_mask)
 
 
 class Attention(nn.Module):
@@ -162,7 +170,7 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim = args.head_dim
         # Context parallelism swaps in an attention that sees the other ranks' keys and values.
-        self.attention_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = causal_attention
+        self.attention_fn: Callable[..., torch.Tensor] = causal_attention
         self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
@@ -231,12 +239,6 @@ class Transformer(nn.Module):
         """Logits of ``tokens``; ``positions`` are the tokens' places in the sequence when they
         are not ``0..seq-1`` (a context-parallel rank holds two separate chunks)."""
         h = self.tok_embeddings(tokens)
-        if h._is_view():
-            # Under tensor parallelism the embedding returns a view of its sequence shard. A
-            # compiled block traces a view input back to its base, so the gradient would reach
-            # the base and skip FSDP's backward hook on the view: the embedding would get no
-            # gradient. A copy gives the blocks a tensor of their own.
-            h = h.clone()
         freqs_cis = self.freqs_cis[: tokens.shape[1]] if positions is None else self.freqs_cis[positions]
         for layer in self.layers.values():
             h = layer(h, freqs_cis)

@@ -23,10 +23,10 @@ logger = logging.getLogger("meshtrain")
 
 
 class Profiler:
-    """Call ``step()`` once per training step."""
+    """Call ``step(step)`` after every training step."""
 
-    def __init__(self, config: Profiling, dump_folder: str, rank: int, start_step: int):
-        self.config, self.rank, self.step_num = config, rank, start_step
+    def __init__(self, config: Profiling, dump_folder: str, rank: int):
+        self.config, self.rank, self.step_num = config, rank, 0
         self.traces = Path(dump_folder) / config.save_traces_folder
         self.snapshots = Path(dump_folder) / config.save_memory_snapshot_folder
         self.torch_profiler: torch.profiler.profile | None = None
@@ -45,8 +45,9 @@ class Profiler:
         prof.export_chrome_trace(str(folder / f"rank{self.rank}_trace.json"))
         logger.info("profiler trace written to %s", folder)
 
-    def step(self) -> None:
-        self.step_num += 1
+    def step(self, step: int) -> None:
+        """After training step ``step`` (the run's step count, so traces are named by it)."""
+        self.step_num = step
         if self.torch_profiler is not None:
             self.torch_profiler.step()
         if self.config.enable_memory_snapshot and self.step_num % self.config.profile_freq == 0:
@@ -61,9 +62,9 @@ class Profiler:
 
 
 @contextlib.contextmanager
-def profiling(config: Profiling, dump_folder: str, rank: int, start_step: int) -> Iterator[Profiler]:
+def profiling(config: Profiling, dump_folder: str, rank: int) -> Iterator[Profiler]:
     """Profile the training loop inside; on CUDA out-of-memory, leave a snapshot behind."""
-    profiler = Profiler(config, dump_folder, rank, start_step)
+    profiler = Profiler(config, dump_folder, rank)
     if config.enable_memory_snapshot:
         torch.cuda.memory._record_memory_history(max_entries=100_000)
     try:

@@ -1,9 +1,10 @@
 """FSDP2 and HSDP: shard the parameters over the data-parallel ranks.
 
 Units, inner to outer: the token embedding, each transformer block, the final norm with the
-output projection, then the root (which owns whatever is left). On a 2-D ``(dp_replicate,
-dp_shard_cp)`` mesh ``fully_shard`` is HSDP: reduce-scatter inside a replica, all-reduce across
-replicas.
+output projection, then the root (which owns whatever is left). The model is expected to have
+torchtitan's Llama module names: ``tok_embeddings``, ``layers`` (a ModuleDict), ``norm``,
+``output``. On a 2-D ``(dp_replicate, dp_shard_cp)`` mesh ``fully_shard`` is HSDP:
+reduce-scatter inside a replica, all-reduce across replicas.
 
 Gradient reduction is a pure **sum** on every unit: the number of tokens a gradient should be
 divided by is only known after counting valid labels over all ranks, and ``GradAccumulator``
@@ -18,17 +19,15 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from trainer.model import Transformer
-
 
 def apply_fsdp(
-    model: Transformer,
+    model: nn.Module,
     mesh: DeviceMesh,
     *,
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
     reshard_after_forward: str,
-) -> Transformer:
+) -> nn.Module:
     """Shard ``model`` in place over ``mesh`` (1-D: FSDP, 2-D: HSDP) and return it."""
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
 

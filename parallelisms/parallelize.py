@@ -1,0 +1,151 @@
+"""The one place where the model is parallelised: what composes with what, and in which order.
+
+Applied once, to the model on the meta device, before the training loop:
+
+1. tensor parallelism (splits the parameters into TP DTensors);
+2. context parallelism's attention (each block's attention sees the whole sequence's K/V);
+3. activation checkpointing (per block);
+4. ``torch.compile`` (per block, in place, so parameter names stay the same);
+5. FSDP / HSDP (shards whatever the steps above left, last, so it wraps the final modules).
+
+:func:`check` holds every constraint between the settings, the model's shape and the device,
+and is meant to run before any process group exists, so a setting that cannot work fails in
+seconds rather than hanging a collective. Its errors name the settings by the field names of
+:class:`ParallelSettings` and :class:`~parallelisms.parallel_dims.ParallelDims`; the caller
+renders them with its own names (see :class:`~parallelisms.parallel_dims.ParallelismError`).
+
+To add a parallelism: its settings go into :class:`ParallelSettings`, its constraints into
+:func:`check`, its application into :func:`parallelize`, in its place in the order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from parallelisms.activation_checkpoint import apply_activation_checkpointing
+from parallelisms.context_parallel import ContextParallel, resolve_backend
+from parallelisms.fsdp import apply_fsdp
+from parallelisms.parallel_dims import Meshes, ParallelDims, ParallelismError
+from parallelisms.tensor_parallel import apply_tp
+
+
+@dataclass(frozen=True)
+class ParallelSettings:
+    """How each parallelism is applied, beyond the mesh shape (:class:`ParallelDims`)."""
+
+    seq_len: int
+    loss_parallel: bool = True
+    """With tp > 1: keep the logits sharded over the vocabulary for the loss."""
+    async_tp: bool = False
+    cp_backend: str = "auto"
+    cp_rotate_method: str = "allgather"
+    ac_mode: str = "none"
+    ac_option: str = "op"
+    compile_model: bool = False
+    compile_loss: bool = False
+    param_dtype: torch.dtype = torch.float32
+    reduce_dtype: torch.dtype = torch.float32
+    reshard_after_forward: str = "default"
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the constraints need to know about the model."""
+
+    n_heads: int
+    n_kv_heads: int
+    vocab_size: int
+
+
+def check(dims: ParallelDims, settings: ParallelSettings, shape: ModelShape, device_type: str) -> None:
+    """Raise :class:`ParallelismError` for the first combination that cannot work."""
+    _check_tensor_parallel(dims, settings, shape, device_type)
+    _check_context_parallel(dims, settings, device_type)
+    if settings.compile_loss and dims.tp > 1 and settings.loss_parallel:
+        raise ParallelismError(
+            "{compile_loss}: torch.compile does not trace the loss correctly inside "
+            "`loss_parallel()` (the gradients come out wrong); with tensor parallelism compile "
+            "the model only, or turn {loss_parallel} off."
+        )
+
+
+def _check_tensor_parallel(dims: ParallelDims, settings: ParallelSettings, shape: ModelShape, device_type: str) -> None:
+    """Tensor parallelism splits heads, sequence and vocabulary evenly: each must divide by tp."""
+    if settings.async_tp:
+        if dims.tp == 1:
+            raise ParallelismError("{async_tp} needs {tp} > 1.")
+        if not settings.compile_model:
+            raise ParallelismError("{async_tp} is a torch.compile rewrite: also turn on {compile_model}.")
+        if device_type != "cuda":
+            raise ParallelismError(
+                "{async_tp} needs CUDA (symmetric memory and torch.compile's micro-pipeline "
+                "rewrite); turn it off on this machine."
+            )
+    if dims.tp == 1:
+        return
+    splits = {
+        "attention heads": shape.n_heads,
+        "key/value heads": shape.n_kv_heads,
+        "tokens per sequence ({seq_len})": settings.seq_len,
+        "vocabulary rows": shape.vocab_size,
+    }
+    for what, size in splits.items():
+        if size % dims.tp:
+            raise ParallelismError(f"{{tp}} = {dims.tp} does not divide the {size} {what}; choose a tp that does.")
+
+
+def _check_context_parallel(dims: ParallelDims, settings: ParallelSettings, device_type: str) -> None:
+    """Head-tail sharding needs 2 x cp equal chunks, each split again by sequence-parallel TP."""
+    if dims.cp == 1:
+        return
+    backend = resolve_backend(settings.cp_backend, device_type)
+    multiple = 2 * dims.cp * dims.tp
+    if settings.seq_len % multiple:
+        raise ParallelismError(
+            f"{{seq_len}} = {settings.seq_len} must be divisible by 2 x {{cp}} x {{tp}} = {multiple} "
+            f"(every sequence is cut into 2 x cp load-balanced chunks, each split over tp); use a "
+            f"multiple of {multiple}."
+        )
+    if backend == "ring" and device_type != "cuda":
+        raise ParallelismError(
+            '{cp_backend} = "ring" needs CUDA (PyTorch\'s context parallelism has no CPU kernels); '
+            'use "allgather_kv" or "auto".'
+        )
+    if backend == "allgather_kv" and settings.cp_rotate_method != "allgather":
+        raise ParallelismError(
+            "{cp_rotate_method} applies to the ring backend only; the allgather_kv backend always "
+            'all-gathers keys and values. Remove the setting or use {cp_backend} = "ring" on CUDA.'
+        )
+
+
+def parallelize(
+    model: nn.Module, meshes: Meshes, dims: ParallelDims, settings: ParallelSettings, device_type: str
+) -> ContextParallel | None:
+    """Apply every parallelism to ``model`` (on the meta device) in order; return the context-
+    parallel sharder the training loop needs for its inputs (None without CP)."""
+    if dims.tp > 1:
+        apply_tp(model, meshes.tp, loss_parallel=settings.loss_parallel, async_tp=settings.async_tp)
+    context_parallel = None
+    if dims.cp > 1:
+        context_parallel = ContextParallel(
+            meshes.cp,
+            settings.seq_len,
+            backend=resolve_backend(settings.cp_backend, device_type),
+            rotate_method=settings.cp_rotate_method,
+        )
+        context_parallel.apply(model)
+    apply_activation_checkpointing(model, settings.ac_mode, settings.ac_option)
+    if settings.compile_model:
+        for block in model.layers.values():
+            block.compile()  # in place, so parameter names stay the same
+    apply_fsdp(
+        model,
+        meshes.fsdp,
+        param_dtype=settings.param_dtype,
+        reduce_dtype=settings.reduce_dtype,
+        reshard_after_forward=settings.reshard_after_forward,
+    )
+    return context_parallel

@@ -1,0 +1,235 @@
+"""What the tests share: a rank launcher, the single-process reference step, the trainer's own
+step run on any mesh, and the ``./run_train.sh`` launcher with its TensorBoard read-back.
+
+The promise under test: for a fixed global batch, every mesh and accumulation count gives the
+same loss and the same gradients as one process computing ``sum of token losses / N`` on the
+whole batch. The data is ``shakespeare_dialogue``: prompts and padding are masked, so valid-token
+counts differ between micro-batches and ranks, which is what makes the classic bugs visible.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from trainer.build import Trainer, build_trainer, load_dataset
+from trainer.config import load_config
+from trainer.datasets import _GlobalOrder as GlobalOrder
+from trainer.loss import IGNORE_INDEX, cross_entropy_sum
+from trainer.model import Transformer
+from trainer.plan import plan
+from trainer.train import fetch_step, forward_backward
+
+ROOT = Path(__file__).resolve().parent.parent
+GLOBAL_BATCH = 8
+MAX_NORM = 0.5  # below the debug model's initial true grad norm, so clipping is exercised
+TOLERANCE = 5e-6
+
+BASE_ARGV = [
+    "--training.dataset", "shakespeare_dialogue",
+    "--training.seq_len", "64",
+    "--training.global_batch_size", str(GLOBAL_BATCH),
+    "--training.max_norm", str(MAX_NORM),
+    "--training.steps", "1",
+    "--debug.seed", "7",
+    "--metrics.enable_tensorboard=false",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# Ranks
+# --------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, out_dir: str, args: tuple) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    # Two cores run up to eight ranks: one thread each avoids oversubscription.
+    torch.set_num_threads(1)
+    result = fn(*args)
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
+    """``[fn(*args) on rank r for r in range(world_size)]``, each rank its own process joined in
+    one gloo group with torchrun's environment, so the code under test initialises exactly as
+    in training."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(
+            _entry,
+            args=(fn, world_size, _free_port(), out_dir, args),
+            nprocs=world_size,
+            start_method="spawn",
+        )
+        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+
+
+def trainer_for(argv: list[str]) -> tuple[Any, Trainer]:
+    """``(plan, trainer)`` for ``argv`` on this process's world size, built as training builds it."""
+    job_plan = plan(load_config(argv), int(os.environ.get("WORLD_SIZE", 1)))
+    return job_plan, build_trainer(job_plan, load_dataset(job_plan))
+
+
+# --------------------------------------------------------------------------------------------
+# The reference and the comparison
+# --------------------------------------------------------------------------------------------
+
+
+def argv_for(local_batch_size: int, extra: list[str]) -> list[str]:
+    return BASE_ARGV + ["--training.local_batch_size", str(local_batch_size)] + extra
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+
+def reference(argv: list[str]) -> dict[str, Any]:
+    """One process, no sharding, no accumulation: the definition of the right answer."""
+    p = plan(load_config(argv), world_size=1)
+    dataset = load_dataset(p)
+    model = Transformer(p.model_args)
+    model.init_weights(p.config.debug.seed)
+    order = GlobalOrder(len(dataset), GLOBAL_BATCH, p.config.debug.seed)
+    samples = [dataset[i] for i in order.batch(0)]
+    inputs = torch.stack([s[0] for s in samples])
+    labels = torch.stack([s[1] for s in samples])
+    n = int((labels != IGNORE_INDEX).sum())
+    loss = cross_entropy_sum(model(inputs), labels) / n
+    loss.backward()
+    grads = {name: prm.grad.detach().clone() for name, prm in model.named_parameters()}
+    norm = torch.stack([g.double().square().sum() for g in grads.values()]).sum().sqrt().float()
+    coef = min(1.0, MAX_NORM / (norm.item() + 1e-6))
+    return {
+        "loss": loss.item(),
+        "norm": norm.item(),
+        "n": n,
+        "grads": {k: g * coef for k, g in grads.items()},
+        "unclipped": grads,
+        "labels": labels,
+        "model": model,
+        "inputs": inputs,
+    }
+
+
+def max_relative_error(grads: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
+    assert grads.keys() == expected.keys()
+    return max(((grads[k] - expected[k]).norm() / expected[k].norm()).item() for k in expected)
+
+
+def assert_matches(result: dict, ref: dict) -> None:
+    import pytest
+
+    assert result["n"] == ref["n"]
+    assert result["loss"] == pytest.approx(ref["loss"], rel=TOLERANCE)
+    assert result["norm"] == pytest.approx(ref["norm"], rel=TOLERANCE)
+    assert max_relative_error(result["grads"], ref["grads"]) < TOLERANCE
+
+
+def clipped(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    norm = torch.stack([g.double().square().sum() for g in grads.values()]).sum().sqrt().item()
+    coef = min(1.0, MAX_NORM / (norm + 1e-6))
+    return {k: g * coef for k, g in grads.items()}
+
+
+def passes_over(tensors: list[torch.Tensor], versions_before: list[int]) -> list[float]:
+    """How many times each tensor was written in place since ``versions_before``.
+
+    Views of one buffer (FSDP keeps a parameter group's gradients in one) share a version
+    counter, so one pass over n such views adds n to each view's version.
+    """
+    sharing: dict[int, int] = {}
+    for t in tensors:
+        sharing[t.untyped_storage().data_ptr()] = sharing.get(t.untyped_storage().data_ptr(), 0) + 1
+    return [
+        (t._version - before) / sharing[t.untyped_storage().data_ptr()]
+        for t, before in zip(tensors, versions_before)
+    ]
+
+
+def step_worker(argv: list[str]) -> dict | None:
+    """One training step through the trainer's own code; rank 0 returns the full gradients and
+    how often finalize wrote each gradient (exactly once: no second scaling pass)."""
+    p, trainer = trainer_for(argv)
+    params = list(trainer.model.parameters())
+    finalize = trainer.accumulator.finalize
+    writes: list[float] = []
+
+    def counting_finalize():
+        locals_ = [prm.grad._local_tensor for prm in params]
+        before = [t._version for t in locals_]
+        out = finalize()
+        writes.extend(passes_over(locals_, before))
+        return out
+
+    trainer.accumulator.finalize = counting_finalize
+    microbatches = fetch_step(trainer)
+    result = forward_backward(trainer, microbatches)
+    grads = {name: full(prm.grad) for name, prm in trainer.model.named_parameters()}
+    counts = [int((labels != IGNORE_INDEX).sum()) for _, labels in microbatches]
+    out = {
+        "loss": result.loss_avg,
+        "loss_max": result.loss_max,
+        "norm": result.grad_norm,
+        "n": result.n_valid_tokens,
+        "grads": grads,
+        "counts": counts,
+        "writes": writes,
+    }
+    if p.dims.dp_replicate == 1 and p.dims.dp > 1 and p.dims.tp == 1:
+        out["rank_mean_grads"] = per_rank_mean_then_average(trainer, microbatches)
+    return out if dist.get_rank() == 0 else {"counts": counts}
+
+
+def per_rank_mean_then_average(trainer: Trainer, microbatches) -> dict[str, torch.Tensor]:
+    """The DDP/FSDP-default bug: each rank normalises by its own tokens, ranks are averaged."""
+    trainer.model.zero_grad(set_to_none=True)
+    local_n = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in microbatches)
+    for i, (inputs, labels) in enumerate(microbatches):
+        trainer.model.set_is_last_backward(i == len(microbatches) - 1)
+        (cross_entropy_sum(trainer.model(inputs), labels) / local_n / dist.get_world_size()).backward()
+    return {name: full(prm.grad) for name, prm in trainer.model.named_parameters()}
+
+
+# --------------------------------------------------------------------------------------------
+# The real entry point
+# --------------------------------------------------------------------------------------------
+
+
+def run_train(ngpu: int, args: list[str], timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
+    """``NGPU=ngpu ./run_train.sh args``, one thread per rank."""
+    environment = {**os.environ, "NGPU": str(ngpu), "OMP_NUM_THREADS": "1", **env}
+    return subprocess.run(
+        [str(ROOT / "run_train.sh"), *args], env=environment, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def tensorboard_scalars(dump: Path, tags: tuple[str, ...], run: int = -1) -> dict[str, dict[int, float]]:
+    """``{tag: {step: value}}`` of the ``run``-th (default: newest) TensorBoard run in ``dump``."""
+    run_dir = sorted((dump / "tb").iterdir())[run]
+    events = EventAccumulator(str(run_dir))
+    events.Reload()
+    return {tag: {s.step: s.value for s in events.Scalars(tag)} for tag in tags}

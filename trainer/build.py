@@ -1,0 +1,124 @@
+"""Build everything the training loop uses, once, with every parallelism already applied.
+
+The dataset is read and tokenized before any process group exists (a bad file fails in seconds);
+then the process group, the mesh, the sharded model, the optimizer, the loader and the gradient
+accumulator are built.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from parallelisms.context_parallel import ContextParallel
+from parallelisms.parallel_dims import Meshes, device_type
+from parallelisms.parallelize import parallelize
+from trainer.config import resolve_path
+from trainer.datasets import MicroBatchLoader, SampleDataset, build_dataloader, build_dataset
+from trainer.grad_accumulator import GradAccumulator
+from trainer.loss import cross_entropy_sum
+from trainer.model import Transformer
+from trainer.optimizer import build_lr_scheduler, build_optimizer
+from trainer.plan import Plan
+
+
+@dataclass
+class Trainer:
+    """Everything the loop uses, built once with every parallelism already applied."""
+
+    device: torch.device
+    meshes: Meshes
+    model: Transformer
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    loader: MicroBatchLoader
+    accumulator: GradAccumulator
+    loss_parallel: bool
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    context_parallel: ContextParallel | None
+    positions: torch.Tensor | None
+    """Sequence positions of this rank's tokens under context parallelism (else 0..seq-1)."""
+
+
+def load_dataset(plan: Plan) -> SampleDataset:
+    """The samples of ``training.dataset`` (tokenized once, then read from the token cache)."""
+    training = plan.config.training
+    path = resolve_path(training.dataset_path) if training.dataset_path else None
+    return build_dataset(training.dataset, path, plan.tokenizer, training.seq_len)
+
+
+def init_distributed(dev_type: str) -> torch.device:
+    """Join the job's process group (one of world size 1 when not launched by torchrun), once."""
+    backend = "nccl" if dev_type == "cuda" else "gloo"
+    if dev_type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if dist.is_initialized():
+        return device
+    if "RANK" in os.environ:
+        dist.init_process_group(backend, device_id=device if dev_type == "cuda" else None)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return device
+
+
+def build_model(plan: Plan, meshes: Meshes, device: torch.device) -> tuple[Transformer, ContextParallel | None]:
+    """Build on the meta device, parallelise, then materialise and initialise only the local shards."""
+    with torch.device("meta"):
+        model = Transformer(plan.model_args)
+    context_parallel = parallelize(model, meshes, plan.dims, plan.parallel, device.type)
+    model.to_empty(device=device)
+    model.init_weights(plan.config.debug.seed)
+    return model, context_parallel
+
+
+def build_trainer(plan: Plan, dataset: SampleDataset) -> Trainer:
+    """Join the process group and build the sharded model, optimizer, data and accumulator."""
+    config, training = plan.config, plan.config.training
+    dev_type = device_type()
+    device = init_distributed(dev_type)
+    if config.debug.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+    torch.manual_seed(config.debug.seed)
+    meshes = plan.dims.build_mesh(dev_type)
+    model, context_parallel = build_model(plan, meshes, device)
+    optimizer = build_optimizer(model, config.optimizer, dev_type)
+    loader = build_dataloader(
+        dataset,
+        global_batch_size=plan.global_batch_size,
+        local_batch_size=training.local_batch_size,
+        dp_rank=meshes.batch.get_local_rank(),
+        dp_degree=plan.dims.dp,
+        seed=config.debug.seed,
+        num_workers=training.num_workers,
+        pin_memory=dev_type == "cuda",
+        prefetch_factor=training.prefetch_factor if training.num_workers > 0 else None,
+    )
+    accumulator = GradAccumulator(
+        model,
+        loss_group=meshes.loss.get_group(),
+        num_microbatches=plan.microbatches,
+        max_norm=training.max_norm,
+        hsdp=plan.dims.hsdp,
+        defer_gradient_reduction=training.defer_gradient_reduction,
+    )
+    return Trainer(
+        device=device,
+        meshes=meshes,
+        model=model,
+        optimizer=optimizer,
+        scheduler=build_lr_scheduler(optimizer, training.steps, config.lr_scheduler),
+        loader=loader,
+        accumulator=accumulator,
+        loss_parallel=plan.parallel.loss_parallel,
+        loss_fn=torch.compile(cross_entropy_sum) if plan.parallel.compile_loss else cross_entropy_sum,
+        context_parallel=context_parallel,
+        positions=context_parallel.positions.to(device) if context_parallel else None,
+    )
