@@ -29,12 +29,13 @@ import torch.distributed as dist
 
 from parallelisms.data_parallel import apply_fsdp
 from parallelisms.parallel_dims import ParallelDims
-from trainer.checkpoint import CheckpointManager, TrainState
+from trainer.checkpoint.manager import CheckpointManager
 from trainer.config import Checkpoint, LRScheduler, Optimizer
 from trainer.grad_accumulator import GradAccumulator
-from trainer.model import FLAVORS, Transformer, num_params
+from trainer.model.llama3 import FLAVORS, Transformer, num_params
 from trainer.optimizer import build_lr_scheduler, build_optimizer
 from trainer.train import init_distributed
+from trainer.train_state import TrainState
 
 
 class Position:

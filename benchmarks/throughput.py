@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from trainer.config import load_config  # noqa: E402
 from trainer.metrics import device_memory, flops_per_token, peak_flops  # noqa: E402
-from trainer.model import num_params  # noqa: E402
+from trainer.model.llama3 import num_params  # noqa: E402
 from trainer.train import build_job, compute_dtype, fetch_step, forward_backward, plan  # noqa: E402
 
 

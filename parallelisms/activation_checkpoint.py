@@ -21,7 +21,7 @@ import functools
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from trainer.model import Transformer
+from trainer.model.llama3 import Transformer
 
 _aten = torch.ops.aten
 # Ops whose outputs "op" mode keeps: recomputing them costs real FLOPs or communication.

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.bias import causal_lower_right
 
-from trainer.model import Transformer
+from trainer.model.llama3 import Transformer
 
 BACKENDS = ("allgather_kv", "ring")
 

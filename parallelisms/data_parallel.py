@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from trainer.model import Transformer
+from trainer.model.llama3 import Transformer
 
 
 def apply_fsdp(

@@ -30,7 +30,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from trainer.model import Transformer
+from trainer.model.llama3 import Transformer
 
 
 def llama3_tp_plan(loss_parallel: bool) -> dict[str, ParallelStyle]:

@@ -16,11 +16,12 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from multiprocess import run_ranks
 from test_run_train import run_train
-from trainer.checkpoint import CheckpointManager, TrainState, checkpoint_problem, step_folders
+from trainer.checkpoint.folders import checkpoint_problem, read_dcp_model, step_folders
+from trainer.checkpoint.manager import CheckpointManager
 from trainer.config import load_config
-from trainer.hf_interop import read_dcp_model
-from trainer.model import Transformer
+from trainer.model.llama3 import Transformer
 from trainer.train import build_job, plan, train
+from trainer.train_state import TrainState
 
 # A schedule that does not depend on training.steps (warm-up, then constant), so a 4-step run
 # and the first 4 steps of an 8-step run take the same learning rates.
@@ -201,7 +202,7 @@ def test_load_step_that_does_not_exist_fails_on_every_rank(tmp_path):
 
 
 def test_initial_load_from_hugging_face_folder(tmp_path):
-    from trainer.hf_interop import save_hf_folder
+    from trainer.checkpoint.hf_folders import save_hf_folder
 
     p = plan(load_config(small_argv(tmp_path)), 1)
     source = Transformer(p.model_args)

@@ -20,7 +20,7 @@ from parallelisms.context_parallel import (
 from test_grad_accumulator import BASE_ARGV, argv_for, assert_matches, full, reference, step_worker
 from trainer.config import ConfigError, load_config
 from trainer.loss import IGNORE_INDEX
-from trainer.model import causal_attention
+from trainer.model.llama3 import causal_attention
 from trainer.train import build_job, fetch_step, forward_backward, init_distributed, plan
 
 # name: (world size, local batch size, extra argv); global batch 8, seq_len 64

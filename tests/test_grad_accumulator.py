@@ -19,7 +19,7 @@ from trainer.config import load_config
 from trainer.datasets import build_dataloader
 from trainer.grad_accumulator import GradAccumulator
 from trainer.loss import IGNORE_INDEX, cross_entropy_sum
-from trainer.model import Transformer
+from trainer.model.llama3 import Transformer
 from trainer.train import build_job, fetch_step, forward_backward, plan
 
 GLOBAL_BATCH = 8

@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor, Shard
 from multiprocess import run_ranks
 from test_grad_accumulator import BASE_ARGV, assert_matches, argv_for, full, reference, step_worker
 from trainer.config import ConfigError, load_config
-from trainer.model import padded_vocab_size
+from trainer.model.llama3 import padded_vocab_size
 from trainer.train import build_job, check_tensor_parallel, fetch_step, forward_backward, plan
 
 # name: (world size, local batch size, extra argv); global batch 8

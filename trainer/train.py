@@ -26,16 +26,17 @@ from parallelisms.context_parallel import ContextParallel
 from parallelisms.data_parallel import apply_fsdp
 from parallelisms.parallel_dims import Meshes, ParallelDims, device_type
 from parallelisms.tensor_parallel import apply_tp, loss_context
-from trainer.checkpoint import CheckpointManager, TrainState, create_seed_checkpoint
+from trainer.checkpoint.manager import CheckpointManager, create_seed_checkpoint
 from trainer.config import REPO_ROOT, ConfigError, JobConfig, help_text, load_config, to_toml
 from trainer.datasets import MicroBatchLoader, build_dataloader, build_dataset
 from trainer.grad_accumulator import GradAccumulator, StepResult
 from trainer.loss import cross_entropy_sum
 from trainer.metrics import MetricsLogger, StepStats, flops_per_token, peak_flops
-from trainer.model import VOCAB_MULTIPLE, ModelArgs, Transformer, model_args, num_params
+from trainer.model.llama3 import VOCAB_MULTIPLE, ModelArgs, Transformer, model_args, num_params
 from trainer.optimizer import build_lr_scheduler, build_optimizer
 from trainer.profiling import profiling
 from trainer.tokenizer import Tokenizer
+from trainer.train_state import TrainState
 
 logger = logging.getLogger("meshtrain")
 
