@@ -27,11 +27,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from parallelisms.data_parallel import apply_fsdp
+from parallelisms.fsdp import apply_fsdp
 from parallelisms.parallel_dims import ParallelDims
-from trainer.checkpoint import CheckpointManager
+from trainer.checkpoint.manager import CheckpointManager
 from trainer.config import Checkpoint, LRScheduler, Optimizer
-from trainer.model import FLAVORS, Transformer, num_params
+from trainer.model.llama3 import FLAVORS, Transformer, num_params
 from trainer.optimizer import build_lr_scheduler, build_optimizer
 from trainer.build import init_distributed
 from trainer.train_state import TrainState

@@ -21,7 +21,7 @@ import time
 import torch
 
 from parallelisms.context_parallel import attend_local_chunks, head_tail_positions
-from trainer.model import causal_attention
+from trainer.model.llama3 import causal_attention
 
 
 def timed(fn, device: torch.device, repeats: int = 3) -> float:

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from trainer.build import build_trainer, load_dataset  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 from trainer.metrics import device_memory, flops_per_token, peak_flops, tokens_per_second_per_device  # noqa: E402
-from trainer.model import num_params  # noqa: E402
+from trainer.model.llama3 import num_params  # noqa: E402
 from trainer.plan import plan  # noqa: E402
 from trainer.train import fetch_step, forward_backward, local_tokens_per_step, optimizer_step  # noqa: E402
 

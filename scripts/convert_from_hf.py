@@ -19,13 +19,9 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))  # run as a plain script from anywhere
 
-from trainer.hf_interop import (  # noqa: E402
-    InteropError,
-    from_hf_state_dict,
-    load_hf_folder,
-    model_args_from_hf_config,
-    write_dcp_model,
-)
+from trainer.checkpoint.folders import write_dcp_model  # noqa: E402
+from trainer.checkpoint.hf_folders import load_hf_folder  # noqa: E402
+from trainer.model.hf_llama3 import InteropError, from_hf_state_dict, model_args_from_hf_config  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:

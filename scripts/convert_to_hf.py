@@ -18,7 +18,9 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))  # run as a plain script from anywhere
 
-from trainer.hf_interop import HF_DTYPES, InteropError, read_dcp_model, read_model_args, save_hf_folder  # noqa: E402
+from trainer.checkpoint.folders import read_dcp_model, read_model_args  # noqa: E402
+from trainer.checkpoint.hf_folders import save_hf_folder  # noqa: E402
+from trainer.model.hf_llama3 import HF_DTYPES, InteropError  # noqa: E402
 
 DTYPES = {name: dtype for dtype, name in HF_DTYPES.items()}
 

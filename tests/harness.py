@@ -25,7 +25,7 @@ from trainer.build import Trainer, build_trainer, load_dataset
 from trainer.config import load_config
 from trainer.datasets import _GlobalOrder as GlobalOrder
 from trainer.loss import IGNORE_INDEX, cross_entropy_sum
-from trainer.model import Transformer
+from trainer.model.llama3 import Transformer
 from trainer.plan import plan
 from trainer.train import fetch_step, forward_backward
 

@@ -15,10 +15,10 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from harness import run_ranks, run_train, tensorboard_scalars, trainer_for
 from trainer.build import load_dataset
-from trainer.checkpoint import CheckpointManager, checkpoint_problem, step_folders
+from trainer.checkpoint.folders import checkpoint_problem, read_dcp_model, step_folders
+from trainer.checkpoint.manager import CheckpointManager
 from trainer.config import load_config
-from trainer.hf_interop import read_dcp_model
-from trainer.model import Transformer
+from trainer.model.llama3 import Transformer
 from trainer.plan import plan
 from trainer.train import train
 from trainer.train_state import TrainState
@@ -206,7 +206,7 @@ def test_load_step_that_does_not_exist_fails_on_every_rank(tmp_path):
 
 @pytest.mark.slow
 def test_initial_load_from_hugging_face_folder(tmp_path):
-    from trainer.hf_interop import save_hf_folder
+    from trainer.checkpoint.hf_folders import save_hf_folder
 
     p = plan(load_config(small_argv(tmp_path)), 1)
     source = Transformer(p.model_args)

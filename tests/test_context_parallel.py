@@ -19,7 +19,7 @@ from harness import BASE_ARGV, argv_for, assert_matches, full, run_ranks, step_w
 from trainer.build import init_distributed
 from trainer.config import ConfigError, load_config
 from trainer.loss import IGNORE_INDEX
-from trainer.model import causal_attention
+from trainer.model.llama3 import causal_attention
 from trainer.plan import plan
 from trainer.train import fetch_step, forward_backward
 

@@ -20,19 +20,16 @@ import torch
 import torch.distributed.checkpoint as dcp
 from transformers import LlamaForCausalLM
 
-from trainer.hf_interop import (
+from trainer.checkpoint.folders import read_dcp_model, read_model_args, write_dcp_model
+from trainer.checkpoint.hf_folders import load_hf_folder, save_hf_folder
+from trainer.model.hf_llama3 import (
     InteropError,
     from_hf_state_dict,
     hf_config,
-    load_hf_folder,
     model_args_from_hf_config,
-    read_dcp_model,
-    read_model_args,
-    save_hf_folder,
     to_hf_state_dict,
-    write_dcp_model,
 )
-from trainer.model import FLAVORS, ModelArgs, Transformer
+from trainer.model.llama3 import FLAVORS, ModelArgs, Transformer
 
 ROOT = Path(__file__).resolve().parent.parent
 SEQ_LEN = 256

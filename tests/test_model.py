@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from harness import run_ranks
-from trainer.model import FLAVORS, ModelArgs, Transformer, model_args, num_params, rope_frequencies
+from trainer.model.llama3 import FLAVORS, ModelArgs, Transformer, model_args, num_params, rope_frequencies
 from trainer.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent

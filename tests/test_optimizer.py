@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from trainer.config import LRScheduler, Optimizer
-from trainer.model import FLAVORS, Transformer
+from trainer.model.llama3 import FLAVORS, Transformer
 from trainer.optimizer import build_lr_scheduler, build_optimizer, lr_factor
 
 

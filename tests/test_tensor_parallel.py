@@ -13,7 +13,7 @@ from parallelisms import parallelize
 from parallelisms.parallel_dims import ParallelDims, ParallelismError
 from parallelisms.parallelize import ModelShape, ParallelSettings
 from trainer.config import ConfigError, load_config
-from trainer.model import padded_vocab_size
+from trainer.model.llama3 import padded_vocab_size
 from trainer.plan import SETTING_KEYS, plan
 from trainer.train import fetch_step, forward_backward
 

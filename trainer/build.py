@@ -21,7 +21,7 @@ from trainer.config import resolve_path
 from trainer.datasets import MicroBatchLoader, SampleDataset, build_dataloader, build_dataset
 from trainer.grad_accumulator import GradAccumulator
 from trainer.loss import cross_entropy_sum
-from trainer.model import Transformer
+from trainer.model.llama3 import Transformer
 from trainer.optimizer import build_lr_scheduler, build_optimizer
 from trainer.plan import Plan
 

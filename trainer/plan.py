@@ -16,7 +16,7 @@ import torch
 from parallelisms.parallel_dims import ParallelDims, ParallelismError, device_type
 from parallelisms.parallelize import ModelShape, ParallelSettings, check
 from trainer.config import ConfigError, JobConfig, resolve_path
-from trainer.model import ModelArgs, model_args
+from trainer.model.llama3 import ModelArgs, model_args
 from trainer.tokenizer import Tokenizer
 
 SETTING_KEYS = {

@@ -22,11 +22,11 @@ from torch.utils.data import Dataset
 
 from parallelisms.tensor_parallel import loss_context
 from trainer.build import Trainer, build_trainer, load_dataset
-from trainer.checkpoint import CheckpointManager, create_seed_checkpoint
+from trainer.checkpoint.manager import CheckpointManager, create_seed_checkpoint
 from trainer.config import ConfigError, help_text, load_config, to_toml
 from trainer.grad_accumulator import StepResult
 from trainer.metrics import MetricsLogger, StepStats, flops_per_token, peak_flops
-from trainer.model import num_params
+from trainer.model.llama3 import num_params
 from trainer.plan import Plan, plan
 from trainer.profiling import profiling
 from trainer.train_state import TrainState

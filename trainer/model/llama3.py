@@ -108,6 +108,13 @@ def padded_vocab_size(n: int) -> int:
     return -(-n // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
 
 
+# Llama 3.1's RoPE scaling constants (the same for every Llama 3.1 and 3.2 model; only the
+# factor differs): the Hugging Face adapter writes them into config.json and accepts no others.
+LLAMA3_LOW_FREQ_FACTOR = 1.0
+LLAMA3_HIGH_FREQ_FACTOR = 4.0
+LLAMA3_ORIGINAL_CONTEXT = 8192
+
+
 def rope_frequencies(args: ModelArgs, device: torch.device | str | None = None) -> torch.Tensor:
     """Complex rotations ``exp(i * pos * freq)``, shape ``(max_seq_len, head_dim // 2)``."""
     dim = args.head_dim
@@ -125,7 +132,7 @@ def _llama31_scaling(freqs: torch.Tensor, scale_factor: float) -> torch.Tensor:
     Wavelengths longer than the original context / low_freq_factor are divided by the scale
     factor, shorter than context / high_freq_factor are kept, and the band between is blended.
     """
-    low_freq_factor, high_freq_factor, old_context = 1.0, 4.0, 8192
+    low_freq_factor, high_freq_factor, old_context = LLAMA3_LOW_FREQ_FACTOR, LLAMA3_HIGH_FREQ_FACTOR, LLAMA3_ORIGINAL_CONTEXT
     low_freq_wavelen = old_context / low_freq_factor
     high_freq_wavelen = old_context / high_freq_factor
     wavelen = 2 * math.pi / freqs

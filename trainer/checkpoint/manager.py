@@ -12,16 +12,13 @@ all ranks have written; then rank 0 renames the folder to ``step-N`` (one atomic
 kill during a save leaves a ``.partial`` folder, which is never loaded and is removed by the
 next save of that step. Loading also checks every ``step-N`` before trusting it: metadata
 readable, every file it references present and long enough. A failing checkpoint is skipped
-with a warning naming it and the next older one is tried.
+with a warning naming it and the next older one is tried. The folder itself (its layout, the
+whole-or-not check, ``model_args.json``) is ``trainer/checkpoint/folders.py``'s.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
-import os
-import re
 import shutil
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -32,7 +29,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -42,14 +38,14 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
+from trainer.checkpoint.folders import PARTIAL_SUFFIX, checkpoint_problem, is_model_only, publish, step_folders
+from trainer.checkpoint.hf_folders import load_hf_folder
 from trainer.config import Checkpoint
-from trainer.model import ModelArgs, Transformer, local_slice
+from trainer.model.hf_llama3 import from_hf_state_dict, model_args_from_hf_config
+from trainer.model.llama3 import ModelArgs, Transformer, local_slice
 from trainer.train_state import TrainState
 
 logger = logging.getLogger("meshtrain")
-
-PARTIAL_SUFFIX = ".partial"
-STEP_FOLDER = re.compile(r"^step-(\d+)$")
 
 
 class ModelState(Stateful):
@@ -79,43 +75,6 @@ class OptimizerState(Stateful):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         set_optimizer_state_dict(self.model, self.optimizer, state_dict)
-
-
-def step_folders(folder: Path) -> list[tuple[int, Path]]:
-    """Completed (renamed) checkpoint folders, oldest first."""
-    if not folder.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in folder.iterdir() if p.is_dir() and (m := STEP_FOLDER.match(p.name))]
-    return sorted(found)
-
-
-def checkpoint_problem(path: Path) -> str | None:
-    """Why ``path`` cannot be loaded, or None when it looks whole.
-
-    Reads DCP's metadata (written last) and checks that every file it points into exists and
-    is at least as long as the bytes it should hold: a truncated or partly copied checkpoint
-    fails here, before any rank starts loading it.
-    """
-    try:
-        metadata = FileSystemReader(str(path)).read_metadata()
-    except Exception as e:  # a missing or corrupt .metadata raises whatever its reader raises
-        return f"its metadata cannot be read ({type(e).__name__}: {e})"
-    needed: dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    for relative, size in sorted(needed.items()):
-        file = path / relative
-        if not file.is_file():
-            return f"its data file {relative} is missing"
-        if file.stat().st_size < size:
-            return f"its data file {relative} is truncated ({file.stat().st_size} of {size} bytes)"
-    return None
-
-
-def is_model_only(path: Path) -> bool:
-    """A seed checkpoint, an export or a converted Hugging Face model: weights and nothing else."""
-    keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    return all(key.startswith("model.") for key in keys)
 
 
 class CheckpointManager:
@@ -234,8 +193,6 @@ class CheckpointManager:
 
         Shapes alone would let a different RoPE base or norm epsilon load silently.
         """
-        from trainer.hf_interop import from_hf_state_dict, load_hf_folder, model_args_from_hf_config
-
         logger.info("loading Hugging Face weights from %s", path)
         hf_state, hf_cfg = load_hf_folder(str(path))
         theirs, ours = model_args_from_hf_config(hf_cfg), self.model_args
@@ -335,11 +292,3 @@ def create_seed_checkpoint(config: Checkpoint, dump_folder: str, model: Transfor
     dcp.save({"model": ModelState(model)}, checkpoint_id=str(partial))
     publish(partial, final, model_args)
     return final
-
-
-def publish(partial: Path, final: Path, model_args: ModelArgs) -> None:
-    """Add the model's shape for converters, then rename: the checkpoint appears whole or not at all."""
-    (partial / "model_args.json").write_text(json.dumps(dataclasses.asdict(model_args)))
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(partial, final)

@@ -1,11 +1,4 @@
-"""Hugging Face interop: our Llama 3 weights <-> ``LlamaForCausalLM`` folders and DCP checkpoints.
-
-Three formats meet here:
-
-* our state dict: ``trainer/model.py``'s parameter names (torchtitan's), full tensors;
-* a training checkpoint: a ``torch.distributed.checkpoint`` (DCP) folder whose ``"model"`` entry
-  holds our state dict (stored as ``model.<name>``), with ``model_args.json`` beside it;
-* a Hugging Face folder: ``config.json`` plus safetensors, with ``LlamaForCausalLM``'s names.
+"""The Hugging Face adapter for our Llama 3: ``LlamaForCausalLM``'s names, layout and ``config.json``.
 
 The names map one to one, but the query and key projections do not: our RoPE (Meta's) rotates
 adjacent pairs ``(2j, 2j + 1)`` of each head, Hugging Face's rotates ``(j, j + head_dim / 2)``.
@@ -14,38 +7,28 @@ so the attention scores, and hence the logits, are unchanged. The permutation on
 values, so a round trip is bit-exact.
 
 Everything here works on full (unsharded) tensors in one process, without a process group: the
-converters run on a laptop, and the trainer shards what they return itself.
+converters run on a laptop, and the trainer shards what they return itself. Reading and writing
+folders is ``trainer/checkpoint/hf_folders.py``'s job (safetensors) and
+``trainer/checkpoint/folders.py``'s (training checkpoints).
 """
 
 from __future__ import annotations
 
-import json
-import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import asdict, fields
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
-from trainer.model import FLAVORS, ModelArgs, Transformer
-
-MODEL_ARGS_FILE = "model_args.json"
-"""Written by the trainer beside every checkpoint: the ``ModelArgs`` of the run, as JSON."""
-
-MODEL_KEY = "model"
-"""The checkpoint state dict's entry holding the model; DCP stores its tensors as ``model.<name>``."""
+from trainer.model.llama3 import (
+    FLAVORS,
+    LLAMA3_HIGH_FREQ_FACTOR,
+    LLAMA3_LOW_FREQ_FACTOR,
+    LLAMA3_ORIGINAL_CONTEXT,
+    ModelArgs,
+    Transformer,
+)
 
 CONFIG_FILE = "config.json"
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
-"""Hugging Face's default shard size (5 GB): the Hub and ``from_pretrained`` expect shards near it."""
 
 HF_DTYPES: dict[torch.dtype, str] = {
     torch.bfloat16: "bfloat16",
@@ -53,11 +36,6 @@ HF_DTYPES: dict[torch.dtype, str] = {
     torch.float32: "float32",
 }
 """The dtypes an export may use, with their ``config.json`` spelling."""
-
-# Llama 3.1's RoPE scaling constants, hard-coded in ``trainer.model._llama31_scaling``.
-LLAMA3_LOW_FREQ_FACTOR = 1.0
-LLAMA3_HIGH_FREQ_FACTOR = 4.0
-LLAMA3_ORIGINAL_CONTEXT = 8192
 
 _GLOBAL_NAMES = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
@@ -105,7 +83,8 @@ def _expected(args: ModelArgs) -> dict[str, tuple[str, torch.Size]]:
     return {name: (_hf_name(name), p.shape) for name, p in model.named_parameters()}
 
 
-def _preview(names: list[str]) -> str:
+def preview_names(names: list[str]) -> str:
+    """The first few of ``names`` and how many there are: error messages stay one readable line."""
     shown = ", ".join(names[:_PREVIEW])
     return f"[{shown}{f', ... ({len(names)} in all)' if len(names) > _PREVIEW else ''}]"
 
@@ -116,8 +95,8 @@ def _check_state_dict(sd: dict[str, torch.Tensor], expected: dict[str, torch.Siz
     unexpected = [k for k in sd if k not in expected]
     if missing or unexpected:
         raise InteropError(
-            f"{what} does not match a {args.n_layers}-layer Llama 3: missing keys {_preview(missing)}, "
-            f"unexpected keys {_preview(unexpected)}. Convert only the model's weights, with the exact "
+            f"{what} does not match a {args.n_layers}-layer Llama 3: missing keys {preview_names(missing)}, "
+            f"unexpected keys {preview_names(unexpected)}. Convert only the model's weights, with the exact "
             f"parameter names (no wrapper prefixes such as `_orig_mod.`), and the ModelArgs they were made with."
         )
     for key, shape in expected.items():
@@ -132,6 +111,11 @@ def _check_state_dict(sd: dict[str, torch.Tensor], expected: dict[str, torch.Siz
                 f"{what}: `{key}` has shape {tuple(tensor.shape)} but the model args give {tuple(shape)}; "
                 f"the weights were made with other ModelArgs ({_describe(args)} here)."
             )
+
+
+def check_state_dict(sd: dict[str, torch.Tensor], args: ModelArgs) -> None:
+    """Raise ``InteropError`` unless ``sd`` holds exactly ``Transformer(args)``'s parameters, full."""
+    _check_state_dict(sd, {k: shape for k, (_, shape) in _expected(args).items()}, "the state dict", args)
 
 
 def _describe(args: ModelArgs) -> str:
@@ -275,7 +259,7 @@ def _rope_args(cfg: dict[str, Any]) -> dict[str, Any]:
     }
     if rope_type != "llama3" or "factor" not in scaling or any(scaling.get(k) != v for k, v in constants.items()):
         raise InteropError(
-            f"{CONFIG_FILE}: RoPE scaling {scaling} is not supported; trainer/model.py implements only "
+            f"{CONFIG_FILE}: RoPE scaling {scaling} is not supported; trainer/model/llama3.py implements only "
             f"rope_type `llama3` with a `factor` and {constants}."
         )
     out["rope_scaling_factor"] = float(scaling["factor"])
@@ -298,7 +282,7 @@ def _ffn_args(dim: int, intermediate_size: int) -> dict[str, Any]:
             return {"multiple_of": multiple_of, "ffn_dim_multiplier": multiplier}
     raise InteropError(
         f"{CONFIG_FILE}: no multiple_of / ffn_dim_multiplier gives intermediate_size={intermediate_size} "
-        f"for hidden_size={dim} in trainer/model.py's FFN sizing."
+        f"for hidden_size={dim} in trainer/model/llama3.py's FFN sizing."
     )
 
 
@@ -312,7 +296,7 @@ def model_args_from_hf_config(cfg: dict[str, Any]) -> ModelArgs:
     if "LlamaForCausalLM" not in architectures or cfg.get("model_type", "llama") != "llama":
         raise InteropError(
             f"{CONFIG_FILE} describes {architectures} (model_type {cfg.get('model_type')!r}); "
-            f"only LlamaForCausalLM converts to trainer/model.py's Llama 3."
+            f"only LlamaForCausalLM converts to trainer/model/llama3.py's Llama 3."
         )
     unsupported = {
         k: cfg[k]
@@ -320,14 +304,14 @@ def model_args_from_hf_config(cfg: dict[str, Any]) -> ModelArgs:
         if k in cfg and cfg[k] != ours
     }
     if unsupported:
-        raise InteropError(f"{CONFIG_FILE}: {unsupported} is not supported; trainer/model.py has SiLU and no biases.")
+        raise InteropError(f"{CONFIG_FILE}: {unsupported} is not supported; trainer/model/llama3.py has SiLU and no biases.")
     dim = _require(cfg, "hidden_size")
     n_heads = _require(cfg, "num_attention_heads")
     head_dim = cfg.get("head_dim") or dim // n_heads
     if head_dim * n_heads != dim:
         raise InteropError(
             f"{CONFIG_FILE}: head_dim={head_dim} x num_attention_heads={n_heads} != hidden_size={dim}; "
-            f"trainer/model.py derives the head size as hidden_size / heads."
+            f"trainer/model/llama3.py derives the head size as hidden_size / heads."
         )
     return ModelArgs(
         dim=dim,
@@ -340,199 +324,3 @@ def model_args_from_hf_config(cfg: dict[str, Any]) -> ModelArgs:
         **_ffn_args(dim, _require(cfg, "intermediate_size")),
         **_rope_args(cfg),
     )
-
-
-# --------------------------------------------------------------------------------------------
-# Hugging Face folders (config.json + safetensors)
-# --------------------------------------------------------------------------------------------
-
-
-def _safetensors() -> ModuleType:
-    """``safetensors.torch``, imported on first use: only the HF conversions need it."""
-    try:
-        import safetensors.torch
-    except ImportError as err:
-        raise ImportError(
-            'reading or writing Hugging Face folders needs safetensors: `pip install safetensors` '
-            '(or `pip install -e ".[hf]"`).'
-        ) from err
-    return safetensors.torch
-
-
-def _plan_shards(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
-    """Names grouped in order into shards of at most ``max_shard_bytes`` (a bigger tensor goes alone)."""
-    shards: list[list[str]] = [[]]
-    filled = 0
-    for name, nbytes in sizes.items():
-        if shards[-1] and filled + nbytes > max_shard_bytes:
-            shards.append([])
-            filled = 0
-        shards[-1].append(name)
-        filled += nbytes
-    return shards
-
-
-def save_hf_folder(
-    path: str | Path,
-    state_dict_ours: dict[str, torch.Tensor],
-    args: ModelArgs,
-    dtype: torch.dtype,
-    *,
-    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-) -> None:
-    """Write ``config.json`` and the weights in ``dtype`` as a folder ``from_pretrained`` loads.
-
-    One ``model.safetensors`` when the weights fit in ``max_shard_bytes``, else numbered shards
-    and ``model.safetensors.index.json``. Shards are cast one at a time, so the extra memory is
-    one shard, not a second copy of the model. A folder that already holds a config or weights is
-    refused: ``from_pretrained`` prefers a stale ``model.safetensors`` over a new index.
-    """
-    st = _safetensors()
-    out = Path(path)
-    stale = sorted(p.name for p in out.glob("*") if p.name == CONFIG_FILE or ".safetensors" in p.name)
-    if stale:
-        raise InteropError(f"{out} already holds {stale}; export into a new or empty folder.")
-    config = hf_config(args, dtype)
-    hf_sd = to_hf_state_dict(state_dict_ours, args)
-    out.mkdir(parents=True, exist_ok=True)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    sizes = {name: t.numel() * itemsize for name, t in hf_sd.items()}
-    shards = _plan_shards(sizes, max_shard_bytes)
-    files = (
-        [SINGLE_FILE]
-        if len(shards) == 1
-        else [f"model-{k:05d}-of-{len(shards):05d}.safetensors" for k in range(1, len(shards) + 1)]
-    )
-    for names, filename in zip(shards, files):
-        tensors = {n: hf_sd[n].detach().to(device="cpu", dtype=dtype).contiguous() for n in names}
-        st.save_file(tensors, str(out / filename), metadata={"format": "pt"})
-    if len(shards) > 1:
-        index = {
-            "metadata": {"total_size": sum(sizes.values())},
-            "weight_map": {n: f for names, f in zip(shards, files) for n in names},
-        }
-        (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-
-
-def load_hf_folder(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The Hugging Face state dict (CPU tensors, stored dtype) and ``config.json`` of a folder.
-
-    Reads a single ``model.safetensors`` or a sharded folder with its index, as ``from_pretrained`` does.
-    """
-    folder = Path(path)
-    config_path = folder / CONFIG_FILE
-    if not config_path.is_file():
-        raise InteropError(f"{folder} has no {CONFIG_FILE}; pass a Hugging Face model folder.")
-    config = json.loads(config_path.read_text())
-    st = _safetensors()
-    if (folder / SINGLE_FILE).is_file():
-        return st.load_file(str(folder / SINGLE_FILE)), config
-    if not (folder / INDEX_FILE).is_file():
-        found = sorted(p.name for p in folder.iterdir())
-        raise InteropError(
-            f"{folder} has neither {SINGLE_FILE} nor {INDEX_FILE} (it holds {_preview(found)}); only "
-            f"safetensors weights are read. Re-save PyTorch .bin weights with "
-            f"`model.save_pretrained(folder, safe_serialization=True)`."
-        )
-    weight_map: dict[str, str] = json.loads((folder / INDEX_FILE).read_text())["weight_map"]
-    state_dict: dict[str, torch.Tensor] = {}
-    for filename in sorted(set(weight_map.values())):
-        if not (folder / filename).is_file():
-            raise InteropError(f"{folder / INDEX_FILE} lists {filename}, which is missing from the folder.")
-        state_dict.update(st.load_file(str(folder / filename)))
-    absent = sorted(set(weight_map) - set(state_dict))
-    if absent:
-        raise InteropError(f"{folder / INDEX_FILE} maps {_preview(absent)} to shards that do not hold them.")
-    return state_dict, config
-
-
-# --------------------------------------------------------------------------------------------
-# Training checkpoints (DCP folders + model_args.json)
-# --------------------------------------------------------------------------------------------
-
-
-def _not_a_checkpoint(folder: Path) -> InteropError:
-    steps = sorted(p.name for p in folder.glob("step-*") if p.is_dir()) if folder.is_dir() else []
-    hint = f" It holds {_preview(steps)}: pass one of those folders." if steps else ""
-    return InteropError(
-        f"{folder} is not a torch.distributed.checkpoint folder (no checkpoint metadata); pass a "
-        f"`{{dump_folder}}/checkpoint/step-N` folder.{hint}"
-    )
-
-
-@contextmanager
-def _quiet_no_dist() -> Iterator[None]:
-    """Silence DCP's warning, on every ``no_dist`` call, that it assumes a single process: here that is the intent."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        yield
-
-
-def read_dcp_model(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
-    """The full model tensors (our names, CPU, stored dtype) of a training checkpoint.
-
-    One process and no process group: DCP records every tensor's global shape, so full tensors
-    are allocated from the metadata and loaded with ``no_dist=True``, whatever mesh saved them.
-    Only ``model.`` entries are read; optimizer, scheduler and dataloader state is skipped.
-    """
-    folder = Path(checkpoint_dir)
-    try:
-        metadata = dcp.FileSystemReader(str(folder)).read_metadata()
-    except (FileNotFoundError, NotADirectoryError) as err:
-        raise _not_a_checkpoint(folder) from err
-    prefix = MODEL_KEY + "."
-    model: dict[str, torch.Tensor] = {}
-    for key, entry in metadata.state_dict_metadata.items():
-        if not key.startswith(prefix):
-            continue
-        if not isinstance(entry, TensorStorageMetadata):
-            raise InteropError(f"{folder}: checkpoint entry `{key}` is not a tensor; the model entry must hold only tensors.")
-        model[key.removeprefix(prefix)] = torch.empty(entry.size, dtype=entry.properties.dtype)
-    if not model:
-        tops = sorted({key.split(".", 1)[0] for key in metadata.state_dict_metadata})
-        raise InteropError(f"{folder}: the checkpoint has no `{MODEL_KEY}` entry (top-level entries: {tops}).")
-    with _quiet_no_dist():
-        dcp.load({MODEL_KEY: model}, checkpoint_id=str(folder), no_dist=True)
-    return model
-
-
-def write_dcp_model(checkpoint_dir: str | Path, state_dict_ours: dict[str, torch.Tensor], args: ModelArgs) -> None:
-    """Write a model-only training checkpoint (``{"model": sd}``) and its ``model_args.json``.
-
-    The trainer loads it as it loads its own checkpoints; it has no optimizer or dataloader
-    state, so training from it starts those afresh. An existing non-empty folder is refused
-    rather than mixed with another checkpoint's files.
-    """
-    folder = Path(checkpoint_dir)
-    _check_state_dict(state_dict_ours, {k: shape for k, (_, shape) in _expected(args).items()}, "the state dict", args)
-    if folder.exists() and any(folder.iterdir()):
-        raise InteropError(f"{folder} is not empty; write the checkpoint into a new or empty folder.")
-    folder.mkdir(parents=True, exist_ok=True)
-    model = {name: t.detach() for name, t in state_dict_ours.items()}
-    with _quiet_no_dist():
-        dcp.save({MODEL_KEY: model}, checkpoint_id=str(folder), no_dist=True)
-    (folder / MODEL_ARGS_FILE).write_text(json.dumps(asdict(args), indent=2) + "\n")
-
-
-def read_model_args(checkpoint_dir: str | Path) -> ModelArgs:
-    """The ``ModelArgs`` a checkpoint was trained with, from its ``model_args.json``.
-
-    Fields the file lacks take their defaults (files from before a field existed); fields
-    ``ModelArgs`` does not know are an error, as they would describe another model.
-    """
-    path = Path(checkpoint_dir) / MODEL_ARGS_FILE
-    if not path.is_file():
-        raise InteropError(
-            f"{path} does not exist; the trainer writes it beside every checkpoint. For another "
-            f"checkpoint, write json.dumps(dataclasses.asdict(model_args)) of its ModelArgs there."
-        )
-    try:
-        values = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise InteropError(f"{path} is not valid JSON: {err}") from err
-    known = {f.name for f in fields(ModelArgs)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise InteropError(f"{path}: unknown ModelArgs fields {unknown}; known fields: {sorted(known)}.")
-    return ModelArgs(**values)

@@ -1,0 +1,175 @@
+"""The checkpoint folder: what ``step-N`` holds, when it is whole, and model-only reads and writes.
+
+A checkpoint is a ``torch.distributed.checkpoint`` (DCP) folder ``step-N`` whose ``"model"`` entry
+holds the model's parameters by name (stored as ``model.<name>``), beside ``model_args.json``, the
+``ModelArgs`` of the run, for converters that have no config. It is written as ``step-N.partial``
+and published by one rename, so a folder named ``step-N`` is never half-written.
+
+``read_dcp_model`` and ``write_dcp_model`` handle the model entry alone, in one process and
+without a process group, for the converters; the trainer loads what they write as its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from trainer.model.hf_llama3 import InteropError, check_state_dict, preview_names
+from trainer.model.llama3 import ModelArgs
+
+PARTIAL_SUFFIX = ".partial"
+STEP_FOLDER = re.compile(r"^step-(\d+)$")
+
+MODEL_ARGS_FILE = "model_args.json"
+"""Written beside every checkpoint: the ``ModelArgs`` of the run, as JSON."""
+
+MODEL_KEY = "model"
+"""The checkpoint state dict's entry holding the model; DCP stores its tensors as ``model.<name>``."""
+
+
+def step_folders(folder: Path) -> list[tuple[int, Path]]:
+    """Completed (renamed) checkpoint folders, oldest first."""
+    if not folder.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in folder.iterdir() if p.is_dir() and (m := STEP_FOLDER.match(p.name))]
+    return sorted(found)
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why ``path`` cannot be loaded, or None when it looks whole.
+
+    Reads DCP's metadata (written last) and checks that every file it points into exists and
+    is at least as long as the bytes it should hold: a truncated or partly copied checkpoint
+    fails here, before any rank starts loading it.
+    """
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # a missing or corrupt .metadata raises whatever its reader raises
+        return f"its metadata cannot be read ({type(e).__name__}: {e})"
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for relative, size in sorted(needed.items()):
+        file = path / relative
+        if not file.is_file():
+            return f"its data file {relative} is missing"
+        if file.stat().st_size < size:
+            return f"its data file {relative} is truncated ({file.stat().st_size} of {size} bytes)"
+    return None
+
+
+def is_model_only(path: Path) -> bool:
+    """A seed checkpoint, an export or a converted Hugging Face model: weights and nothing else."""
+    keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return all(key.startswith(MODEL_KEY + ".") for key in keys)
+
+
+def publish(partial: Path, final: Path, model_args: ModelArgs) -> None:
+    """Add the model's shape for converters, then rename: the checkpoint appears whole or not at all."""
+    write_model_args(partial, model_args)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(partial, final)
+
+
+def write_model_args(folder: Path, model_args: ModelArgs) -> None:
+    """Record the model's shape beside a checkpoint, for converters that have no config."""
+    (folder / MODEL_ARGS_FILE).write_text(json.dumps(dataclasses.asdict(model_args)))
+
+
+def read_model_args(checkpoint_dir: str | Path) -> ModelArgs:
+    """The ``ModelArgs`` a checkpoint was trained with, from its ``model_args.json``.
+
+    Fields the file lacks take their defaults (files from before a field existed); fields
+    ``ModelArgs`` does not know are an error, as they would describe another model.
+    """
+    path = Path(checkpoint_dir) / MODEL_ARGS_FILE
+    if not path.is_file():
+        raise InteropError(
+            f"{path} does not exist; the trainer writes it beside every checkpoint. For another "
+            f"checkpoint, write json.dumps(dataclasses.asdict(model_args)) of its ModelArgs there."
+        )
+    try:
+        values = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise InteropError(f"{path} is not valid JSON: {err}") from err
+    known = {f.name for f in dataclasses.fields(ModelArgs)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise InteropError(f"{path}: unknown ModelArgs fields {unknown}; known fields: {sorted(known)}.")
+    return ModelArgs(**values)
+
+
+def _not_a_checkpoint(folder: Path) -> InteropError:
+    steps = sorted(p.name for p in folder.glob("step-*") if p.is_dir()) if folder.is_dir() else []
+    hint = f" It holds {preview_names(steps)}: pass one of those folders." if steps else ""
+    return InteropError(
+        f"{folder} is not a torch.distributed.checkpoint folder (no checkpoint metadata); pass a "
+        f"`{{dump_folder}}/checkpoint/step-N` folder.{hint}"
+    )
+
+
+@contextmanager
+def _quiet_no_dist() -> Iterator[None]:
+    """Silence DCP's warning, on every ``no_dist`` call, that it assumes a single process: here that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def read_dcp_model(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
+    """The full model tensors (our names, CPU, stored dtype) of a training checkpoint.
+
+    One process and no process group: DCP records every tensor's global shape, so full tensors
+    are allocated from the metadata and loaded with ``no_dist=True``, whatever mesh saved them.
+    Only ``model.`` entries are read; optimizer, scheduler and dataloader state is skipped.
+    """
+    folder = Path(checkpoint_dir)
+    try:
+        metadata = dcp.FileSystemReader(str(folder)).read_metadata()
+    except (FileNotFoundError, NotADirectoryError) as err:
+        raise _not_a_checkpoint(folder) from err
+    prefix = MODEL_KEY + "."
+    model: dict[str, torch.Tensor] = {}
+    for key, entry in metadata.state_dict_metadata.items():
+        if not key.startswith(prefix):
+            continue
+        if not isinstance(entry, TensorStorageMetadata):
+            raise InteropError(f"{folder}: checkpoint entry `{key}` is not a tensor; the model entry must hold only tensors.")
+        model[key.removeprefix(prefix)] = torch.empty(entry.size, dtype=entry.properties.dtype)
+    if not model:
+        tops = sorted({key.split(".", 1)[0] for key in metadata.state_dict_metadata})
+        raise InteropError(f"{folder}: the checkpoint has no `{MODEL_KEY}` entry (top-level entries: {tops}).")
+    with _quiet_no_dist():
+        dcp.load({MODEL_KEY: model}, checkpoint_id=str(folder), no_dist=True)
+    return model
+
+
+def write_dcp_model(checkpoint_dir: str | Path, state_dict_ours: dict[str, torch.Tensor], args: ModelArgs) -> None:
+    """Write a model-only training checkpoint (``{"model": sd}``) and its ``model_args.json``.
+
+    The trainer loads it as it loads its own checkpoints; it has no optimizer or dataloader
+    state, so training from it starts those afresh. An existing non-empty folder is refused
+    rather than mixed with another checkpoint's files.
+    """
+    folder = Path(checkpoint_dir)
+    check_state_dict(state_dict_ours, args)
+    if folder.exists() and any(folder.iterdir()):
+        raise InteropError(f"{folder} is not empty; write the checkpoint into a new or empty folder.")
+    folder.mkdir(parents=True, exist_ok=True)
+    model = {name: t.detach() for name, t in state_dict_ours.items()}
+    with _quiet_no_dist():
+        dcp.save({MODEL_KEY: model}, checkpoint_id=str(folder), no_dist=True)
+    write_model_args(folder, args)
