@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from multiprocess import run_ranks
 from trainer.config import load_config
-from trainer.datasets import build_dataloader
+from trainer.data.loader import GlobalOrder
 from trainer.grad_accumulator import GradAccumulator
 from trainer.loss import IGNORE_INDEX, cross_entropy_sum
 from trainer.model import Transformer
@@ -59,9 +59,7 @@ def reference(argv: list[str]):
     p = plan(load_config(argv), world_size=1)
     model = Transformer(p.model_args)
     model.init_weights(p.config.debug.seed)
-    loader = build_dataloader(p.dataset, global_batch_size=GLOBAL_BATCH, local_batch_size=GLOBAL_BATCH,
-                              dp_rank=0, dp_degree=1, seed=p.config.debug.seed)
-    samples = [p.dataset[i] for i in loader.global_batch_indices(0)]
+    samples = [p.dataset[i] for i in GlobalOrder(len(p.dataset), GLOBAL_BATCH, p.config.debug.seed).batch(0)]
     inputs = torch.stack([s[0] for s in samples])
     labels = torch.stack([s[1] for s in samples])
     n = int((labels != IGNORE_INDEX).sum())

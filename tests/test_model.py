@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from multiprocess import run_ranks
+from trainer.data.tokenizer import Tokenizer
 from trainer.model import FLAVORS, ModelArgs, Transformer, model_args, num_params, rope_frequencies
-from trainer.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENIZER = str(ROOT / "assets" / "tokenizer" / "shakespeare.model")

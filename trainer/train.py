@@ -28,14 +28,15 @@ from parallelisms.parallel_dims import Meshes, ParallelDims, device_type
 from parallelisms.tensor_parallel import apply_tp, loss_context
 from trainer.checkpoint import CheckpointManager, TrainState, create_seed_checkpoint
 from trainer.config import REPO_ROOT, ConfigError, JobConfig, help_text, load_config, to_toml
-from trainer.datasets import MicroBatchLoader, build_dataloader, build_dataset
+from trainer.data.loader import MicroBatchLoader, build_dataloader
+from trainer.data.samples import build_dataset
+from trainer.data.tokenizer import Tokenizer
 from trainer.grad_accumulator import GradAccumulator, StepResult
 from trainer.loss import cross_entropy_sum
 from trainer.metrics import MetricsLogger, StepStats, flops_per_token, peak_flops
 from trainer.model import VOCAB_MULTIPLE, ModelArgs, Transformer, model_args, num_params
 from trainer.optimizer import build_lr_scheduler, build_optimizer
 from trainer.profiling import profiling
-from trainer.tokenizer import Tokenizer
 
 logger = logging.getLogger("meshtrain")
 
@@ -260,7 +261,7 @@ def build_job(plan: Plan) -> Job:
     optimizer = build_optimizer(model, config.optimizer, dev_type)
     loader = build_dataloader(
         plan.dataset,
-        global_batch_size=plan.global_batch_size,
+        microbatches=plan.microbatches,
         local_batch_size=t.local_batch_size,
         dp_rank=meshes.batch.get_local_rank(),
         dp_degree=plan.dims.dp,
