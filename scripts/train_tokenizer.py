@@ -32,7 +32,7 @@ import sentencepiece as spm
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))  # run as a plain script from anywhere
 
-from trainer.datasets import read_shakespeare_plays  # noqa: E402
+from trainer.data.sources import read_shakespeare_plays  # noqa: E402
 
 DEFAULT_OUTPUT = REPO_ROOT / "assets" / "tokenizer" / "shakespeare.model"
 VOCAB_SIZE = 2048

@@ -23,7 +23,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from trainer.build import Trainer, build_trainer, load_dataset
 from trainer.config import load_config
-from trainer.datasets import _GlobalOrder as GlobalOrder
+from trainer.data.loader import GlobalOrder
 from trainer.loss import IGNORE_INDEX, cross_entropy_sum
 from trainer.model.llama3 import Transformer
 from trainer.plan import plan

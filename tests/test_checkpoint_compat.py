@@ -34,7 +34,7 @@ from parallelisms.fsdp import apply_fsdp
 from trainer.checkpoint.folders import read_dcp_model, read_model_args
 from trainer.checkpoint.manager import CheckpointManager
 from trainer.config import Checkpoint, LRScheduler, Optimizer
-from trainer.datasets import build_dataloader
+from trainer.data.loader import build_dataloader
 from trainer.model.llama3 import ModelArgs, Transformer
 from trainer.optimizer import build_lr_scheduler, build_optimizer
 from trainer.train_state import TrainState
@@ -69,7 +69,7 @@ def load_fixture(dump_folder: str) -> dict[str, Any]:
     model.init_weights(seed=6)
     optimizer = build_optimizer(model, Optimizer(), "cpu")
     scheduler = build_lr_scheduler(optimizer, TOTAL_STEPS, LRScheduler(warmup_steps=1))
-    loader = build_dataloader(RandomTokens(), global_batch_size=GLOBAL_BATCH, local_batch_size=GLOBAL_BATCH // world,
+    loader = build_dataloader(RandomTokens(), microbatches=1, local_batch_size=GLOBAL_BATCH // world,
                               dp_rank=rank, dp_degree=world, seed=DATA_SEED)
     train_state = TrainState()
     manager = CheckpointManager(

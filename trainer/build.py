@@ -18,7 +18,8 @@ from parallelisms.context_parallel import ContextParallel
 from parallelisms.parallel_dims import Meshes, device_type
 from parallelisms.parallelize import parallelize
 from trainer.config import resolve_path
-from trainer.datasets import MicroBatchLoader, SampleDataset, build_dataloader, build_dataset
+from trainer.data.loader import MicroBatchLoader, build_dataloader
+from trainer.data.samples import SampleDataset, build_dataset
 from trainer.grad_accumulator import GradAccumulator
 from trainer.loss import cross_entropy_sum
 from trainer.model.llama3 import Transformer
@@ -92,7 +93,7 @@ def build_trainer(plan: Plan, dataset: SampleDataset) -> Trainer:
     optimizer = build_optimizer(model, config.optimizer, dev_type)
     loader = build_dataloader(
         dataset,
-        global_batch_size=plan.global_batch_size,
+        microbatches=plan.microbatches,
         local_batch_size=training.local_batch_size,
         dp_rank=meshes.batch.get_local_rank(),
         dp_degree=plan.dims.dp,

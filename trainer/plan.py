@@ -17,7 +17,7 @@ from parallelisms.parallel_dims import ParallelDims, ParallelismError, device_ty
 from parallelisms.parallelize import ModelShape, ParallelSettings, check
 from trainer.config import ConfigError, JobConfig, resolve_path
 from trainer.model.llama3 import ModelArgs, model_args
-from trainer.tokenizer import Tokenizer
+from trainer.data.tokenizer import Tokenizer
 
 SETTING_KEYS = {
     "dp_replicate": "`parallelism.data_parallel_replicate_degree`",

@@ -4,7 +4,7 @@ A checkpoint is the folder ``{job.dump_folder}/{checkpoint.folder}/step-N`` (tor
 layout) holding the model, optimizer, LR scheduler, data-loader position and train state
 (step, skipped-step count, RNG). DCP stores global tensors, so a checkpoint saved on one mesh
 loads on any other: FSDP, HSDP, TP, CP, another world size. Because the global batch of a step
-depends only on the step (see ``trainer/datasets.py``), training then continues with the same
+depends only on the step (see ``trainer/data/loader.py``), training then continues with the same
 data, and in float32 on CPU with the same losses as a run that never stopped.
 
 Crash safety: every rank writes into ``step-N.partial``; DCP writes its metadata last, after

