@@ -35,11 +35,15 @@ def build_optimizer(model: nn.Module, config: Optimizer, device_type: str) -> to
 
 
 def lr_factor(step: int, total_steps: int, config: LRScheduler) -> float:
-    """Multiplier of the peak LR for optimizer step ``step`` (0-based).
+    """Multiplier of the peak LR for optimizer step ``step`` (0-based) of ``total_steps``.
 
-    Warm-up is linear from 1/(warmup+1) so the very first step already moves; the decay phase
-    covers the last ``decay_ratio`` of the steps (all steps after warm-up when -1), starts at
-    the peak and reaches ``min_lr_factor`` on the last step.
+    Three phases: ``W = min(warmup_steps, total_steps)`` warm-up steps climb linearly towards
+    the peak, ``(i + 1) / (W + 1)`` on step i, so the very first step already moves; then the
+    steps before the decay hold the peak; the last ``D`` steps decay, where ``D`` is
+    ``round(decay_ratio x total_steps)`` capped at the steps left after warm-up (all of them when
+    ``decay_ratio`` is -1). Decay step k (k = 1 .. D) has progress ``k / D``, so the decay leaves
+    the peak on its first step and reaches ``min_lr_factor`` exactly on the last step, however
+    few decay steps there are (one decay step runs at ``min_lr_factor``).
     """
     warmup = min(config.warmup_steps, total_steps)
     if step < warmup:
@@ -48,9 +52,9 @@ def lr_factor(step: int, total_steps: int, config: LRScheduler) -> float:
     if config.decay_ratio >= 0:
         decay_steps = min(decay_steps, round(total_steps * config.decay_ratio))
     decay_start = total_steps - decay_steps
-    if step < decay_start or decay_steps == 0:
+    if step < decay_start:
         return 1.0
-    progress = (step - decay_start) / max(decay_steps - 1, 1)
+    progress = (step - decay_start + 1) / decay_steps
     if config.decay_type == "linear":
         remaining = 1.0 - progress
     elif config.decay_type == "sqrt":
