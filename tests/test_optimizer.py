@@ -64,6 +64,7 @@ def test_every_combination_matches_the_documented_phases(decay_type, min_lr_fact
                 config = LRScheduler(warmup_steps=warmup, decay_ratio=ratio, decay_type=decay_type,
                                      min_lr_factor=min_lr_factor)
                 factors = [lr_factor(s, total, config) for s in range(total)]
+                lr_factor(total, total, config)  # the scheduler's look past the last step must not fail
                 w = min(warmup, total)
                 decay = total - w if ratio < 0 else min(total - w, round(total * ratio))
                 where = (total, warmup, ratio)

@@ -52,9 +52,10 @@ def lr_factor(step: int, total_steps: int, config: LRScheduler) -> float:
     if config.decay_ratio >= 0:
         decay_steps = min(decay_steps, round(total_steps * config.decay_ratio))
     decay_start = total_steps - decay_steps
-    if step < decay_start:
+    if step < decay_start or decay_steps == 0:
         return 1.0
-    progress = (step - decay_start + 1) / decay_steps
+    # min(): the scheduler also evaluates the step after the last one, which never runs.
+    progress = min((step - decay_start + 1) / decay_steps, 1.0)
     if config.decay_type == "linear":
         remaining = 1.0 - progress
     elif config.decay_type == "sqrt":
