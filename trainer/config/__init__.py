@@ -1,0 +1,44 @@
+"""The job configuration: ``schema`` (what can be set), ``parser`` (TOML and command line),
+``validate`` (the rules). The names below are the package's public API."""
+
+from trainer.config.parser import (
+    CONFIG_DIR,
+    DEFAULT_CONFIG,
+    REPO_ROOT,
+    help_text,
+    load_config,
+    load_toml,
+    parse_mesh,
+    resolve_config_path,
+    resolve_path,
+    to_toml,
+)
+from trainer.config.schema import (
+    FIELDS,
+    MESH_DIMS,
+    ActivationCheckpoint,
+    Checkpoint,
+    Compile,
+    ConfigError,
+    Debug,
+    Job,
+    JobConfig,
+    LRScheduler,
+    Metrics,
+    Model,
+    Optimizer,
+    Parallelism,
+    Profiling,
+    StrList,
+    Training,
+    type_name,
+)
+from trainer.config.validate import validate
+
+__all__ = [
+    "CONFIG_DIR", "DEFAULT_CONFIG", "REPO_ROOT", "help_text", "load_config", "load_toml", "parse_mesh",
+    "resolve_config_path", "resolve_path", "to_toml", "type_name", "FIELDS", "MESH_DIMS",
+    "ActivationCheckpoint", "Checkpoint", "Compile", "ConfigError", "Debug", "Job", "JobConfig",
+    "LRScheduler", "Metrics", "Model", "Optimizer", "Parallelism", "Profiling", "StrList", "Training",
+    "validate",
+]

@@ -1,0 +1,251 @@
+"""From a TOML file and the command line to one typed :class:`JobConfig`, and back to TOML.
+
+Precedence: defaults < TOML file < ``--mesh`` < ``--section.key`` overrides. Every user mistake
+raises :class:`ConfigError` naming the key and the fix, before any process group exists: a bad
+config must fail in seconds, never hang a collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from trainer.config.schema import FIELDS, MESH_DIMS, ConfigError, JobConfig, StrList, type_name
+from trainer.config.validate import validate
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised only on Python 3.10
+    import tomli as tomllib
+
+REPO_ROOT = Path(__file__).resolve().parent.parent.parent
+CONFIG_DIR = REPO_ROOT / "train_configs"
+DEFAULT_CONFIG = CONFIG_DIR / "debug_model.toml"
+
+
+def resolve_path(path: str) -> str:
+    """A relative path that does not exist from the working directory is tried from the repo root."""
+    candidate = Path(path)
+    if candidate.is_absolute() or candidate.exists() or not (REPO_ROOT / candidate).exists():
+        return str(candidate)
+    return str(REPO_ROOT / candidate)
+
+
+def _unknown_key(key: str) -> ConfigError:
+    close = difflib.get_close_matches(key, FIELDS, n=1, cutoff=0.5)
+    hint = f" Did you mean `{close[0]}`?" if close else " Run with --help for the list of keys."
+    return ConfigError(f"unknown config key `{key}`.{hint}")
+
+
+def _coerce(key: str, value: Any, from_cli: bool) -> Any:
+    """Convert ``value`` to the declared type of ``key`` or raise naming both."""
+    typ, f = FIELDS[key]
+    bad = ConfigError(f"`{key}` expects {type_name(typ)}, got {value!r}.")
+    if typ is bool:
+        if isinstance(value, bool):
+            result = value
+        elif from_cli and str(value).lower() in ("true", "false"):
+            result = str(value).lower() == "true"
+        else:
+            raise bad
+    elif typ is int:
+        if isinstance(value, bool):
+            raise bad
+        if isinstance(value, int):
+            result = value
+        elif from_cli:
+            try:
+                result = int(value)
+            except ValueError:
+                raise bad from None
+        else:
+            raise bad
+    elif typ is float:
+        if isinstance(value, bool):
+            raise bad
+        if isinstance(value, (int, float)):
+            result = float(value)
+        elif from_cli:
+            try:
+                result = float(value)
+            except ValueError:
+                raise bad from None
+        else:
+            raise bad
+    elif typ is StrList:
+        if from_cli and isinstance(value, str):
+            value = [item.strip() for item in value.split(",") if item.strip()]
+        if not isinstance(value, (list, tuple)) or not all(isinstance(item, str) for item in value):
+            raise bad
+        result = tuple(value)
+    else:
+        if not isinstance(value, str):
+            raise bad
+        result = value
+    choices = f.metadata["choices"]
+    items = result if isinstance(result, tuple) else (result,)
+    for item in items:
+        if choices is not None and item not in choices:
+            raise ConfigError(f"`{key}` must be one of {', '.join(choices)}; got {item!r}.")
+    return result
+
+
+def _set(config: JobConfig, key: str, value: Any) -> None:
+    section, name = key.split(".")
+    setattr(getattr(config, section), name, value)
+
+
+def resolve_config_path(name: str) -> Path:
+    """``--config`` takes a path, or a file name inside ``train_configs/``."""
+    for candidate in (Path(name), CONFIG_DIR / name):
+        if candidate.is_file():
+            return candidate
+    available = ", ".join(sorted(p.name for p in CONFIG_DIR.glob("*.toml")))
+    raise ConfigError(f"config file `{name}` not found (nor in {CONFIG_DIR}); available: {available}.")
+
+
+def load_toml(path: Path) -> dict[str, dict[str, Any]]:
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: invalid TOML: {e}") from None
+    for section, values in data.items():
+        if not isinstance(values, dict):
+            raise ConfigError(f"{path}: `{section}` must be a key inside a [section] table.")
+    return data
+
+
+def parse_mesh(spec: str) -> dict[str, int]:
+    """``dp_replicate=2,dp_shard=2,tp=2`` -> the four parallelism degrees.
+
+    The shorthand describes the whole mesh: a dimension it does not name is 1, except dp_shard,
+    which is then inferred from the world size.
+    """
+    degrees = {"dp_replicate": 1, "dp_shard": -1, "tp": 1, "cp": 1}
+    for part in filter(None, spec.split(",")):
+        name, sep, value = part.partition("=")
+        name = name.strip()
+        if not sep or name not in MESH_DIMS:
+            raise ConfigError(
+                f"--mesh: cannot read `{part}`; write e.g. `--mesh dp_replicate=2,dp_shard=2,tp=2` "
+                f"with dimensions from {', '.join(MESH_DIMS)}."
+            )
+        try:
+            degrees[name] = int(value)
+        except ValueError:
+            raise ConfigError(f"--mesh: `{name}` expects an integer, got {value!r}.") from None
+    return {f"parallelism.{MESH_DIMS[k]}": v for k, v in degrees.items()}
+
+
+def _split_cli(argv: list[str]) -> tuple[str | None, str | None, list[tuple[str, Any]]]:
+    """Split argv into (--config, --mesh, [(key, raw value)]) without interpreting values."""
+    config_name = mesh = None
+    overrides: list[tuple[str, Any]] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument `{arg}`; options look like `--section.key value`.")
+        key, eq, value = arg[2:].partition("=")
+        if key in ("config", "mesh"):
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise ConfigError(f"--{key} needs a value.")
+                i += 1
+                value = argv[i]
+            if key == "config":
+                config_name = value
+            else:
+                mesh = value
+        elif key.replace("-", "_") in FIELDS:
+            key = key.replace("-", "_")
+            typ = FIELDS[key][0]
+            if eq:
+                overrides.append((key, value))
+            elif typ is bool:
+                if i + 1 < len(argv) and argv[i + 1].lower() in ("true", "false"):
+                    i += 1
+                    overrides.append((key, argv[i]))
+                else:
+                    overrides.append((key, True))
+            else:
+                if i + 1 >= len(argv):
+                    raise ConfigError(f"`--{key}` needs a value.")
+                i += 1
+                overrides.append((key, argv[i]))
+        else:
+            raise _unknown_key(key)
+        i += 1
+    return config_name, mesh, overrides
+
+
+def help_text() -> str:
+    lines = [
+        "usage: ./run_train.sh [--config FILE] [--mesh dp_replicate=R,dp_shard=S,tp=T,cp=C] [--section.key VALUE ...]",
+        "",
+        "  --config FILE   TOML file, a path or a name inside train_configs/ (default: debug_model.toml)",
+        "  --mesh SPEC     the whole mesh at once; unnamed dimensions are 1, dp_shard is inferred",
+        "",
+        "Every key can be set in the TOML file ([section] key = value) or as --section.key VALUE,",
+        "--section.key=VALUE; a bare boolean flag means true.",
+    ]
+    section = None
+    for key, (typ, f) in FIELDS.items():
+        sec = key.split(".")[0]
+        if sec != section:
+            section = sec
+            lines += ["", f"[{sec}]"]
+        choices = f" {{{'|'.join(f.metadata['choices'])}}}" if f.metadata["choices"] else ""
+        default = ",".join(f.default) if typ is StrList else repr(f.default)
+        lines.append(f"  --{key} ({type_name(typ)}{choices}, default {default})")
+        lines.append(f"      {f.metadata['doc']}")
+    return "\n".join(lines)
+
+
+def load_config(argv: list[str]) -> JobConfig:
+    """Defaults < TOML file < ``--mesh`` < ``--section.key`` overrides."""
+    config_name, mesh, overrides = _split_cli(argv)
+    path = resolve_config_path(config_name) if config_name else DEFAULT_CONFIG
+    config = JobConfig()
+    for section, values in load_toml(path).items():
+        for name, value in values.items():
+            key = f"{section}.{name}"
+            if key not in FIELDS:
+                raise _unknown_key(key)
+            _set(config, key, _coerce(key, value, from_cli=False))
+    if mesh is not None:
+        mesh_values = parse_mesh(mesh)
+        for key, value in overrides:
+            if key in mesh_values and _coerce(key, value, from_cli=True) != mesh_values[key]:
+                raise ConfigError(f"`--{key} {value}` contradicts `--mesh {mesh}`; give one of them.")
+        for key, value in mesh_values.items():
+            _set(config, key, value)
+    for key, value in overrides:
+        _set(config, key, _coerce(key, value, from_cli=True))
+    validate(config)
+    return config
+
+
+def to_toml(config: JobConfig) -> str:
+    """The resolved config as TOML, loadable again with ``--config``."""
+    lines = []
+    for section in dataclasses.fields(config):
+        lines.append(f"[{section.name}]")
+        for key, value in dataclasses.asdict(getattr(config, section.name)).items():
+            if isinstance(value, bool):
+                text = "true" if value else "false"
+            elif isinstance(value, tuple):
+                text = "[" + ", ".join(json.dumps(item, ensure_ascii=False) for item in value) + "]"
+            elif isinstance(value, str):
+                # JSON string escapes are valid TOML basic-string escapes; TOML also forbids DEL.
+                text = json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
+            else:
+                text = repr(value)
+            lines.append(f"{key} = {text}")
+        lines.append("")
+    return "\n".join(lines)

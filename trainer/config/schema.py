@@ -1,0 +1,303 @@
+"""The configuration's schema: every section and field, with its type, default, documentation
+and allowed choices. This is the file people read to learn what can be set.
+
+Section and field names follow torchtitan v0.2.2 where a field exists there, so a torchtitan
+config reads the same here. ``--help`` and the README's table are generated from these docs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, get_type_hints
+
+from parallelisms.context_parallel import BACKENDS as CONTEXT_PARALLEL_BACKENDS
+from trainer.data.samples import DATASET_KINDS
+
+
+class ConfigError(ValueError):
+    """A user error in the configuration; the message names the key and how to fix it."""
+
+
+class StrList(tuple):
+    """A list of strings: a TOML array, or comma-separated on the command line."""
+
+
+def _field(default: Any, doc: str, choices: tuple[str, ...] | None = None) -> Any:
+    return field(default=default, metadata={"doc": doc, "choices": choices})
+
+
+@dataclass
+class Job:
+    dump_folder: str = _field("./outputs", "Folder for everything the job writes: resolved config, TensorBoard logs.")
+    description: str = _field("", "Free text describing the run; printed at start-up.")
+
+
+@dataclass
+class Model:
+    name: str = _field("llama3", "Model family. Only `llama3` exists.", ("llama3",))
+    flavor: str = _field(
+        "debugmodel",
+        "Model size preset.",
+        ("debugmodel", "1B", "3B", "8B", "70B", "405B"),
+    )
+    tokenizer_path: str = _field(
+        "assets/tokenizer/shakespeare.model",
+        "SentencePiece `.model` file (a relative path is resolved against the repository root "
+        "when it does not exist relative to the working directory).",
+    )
+
+
+@dataclass
+class Optimizer:
+    name: str = _field("AdamW", "Optimizer. Only AdamW exists.", ("AdamW",))
+    lr: float = _field(8e-4, "Peak learning rate.")
+    beta1: float = _field(0.9, "AdamW beta1.")
+    beta2: float = _field(0.95, "AdamW beta2.")
+    eps: float = _field(1e-8, "AdamW epsilon.")
+    weight_decay: float = _field(0.1, "Decoupled weight decay, applied to matrices only (not norms).")
+    implementation: str = _field(
+        "auto",
+        "AdamW kernel: `fused` (one kernel, GPU), `foreach` (multi-tensor), `for-loop`, or "
+        "`auto` (fused on CUDA, foreach elsewhere).",
+        ("auto", "fused", "foreach", "for-loop"),
+    )
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = _field(200, "Linear warm-up steps from ~0 to `optimizer.lr`.")
+    decay_ratio: float = _field(
+        -1.0,
+        "Fraction of the steps, at the end of training, over which the LR decays, reaching "
+        "`min_lr_factor` on the last step; the steps between warm-up and decay hold the peak LR. "
+        "-1 decays over all steps after warm-up.",
+    )
+    decay_type: str = _field("linear", "Shape of the decay.", ("linear", "sqrt", "cosine"))
+    min_lr_factor: float = _field(0.0, "Final LR as a fraction of the peak LR.")
+
+
+@dataclass
+class Training:
+    dataset: str = _field(
+        "shakespeare",
+        "`shakespeare` (packed pre-training text) or `shakespeare_dialogue` (prompt/response "
+        "pairs with masked prompts and padding).",
+        DATASET_KINDS,
+    )
+    dataset_path: str = _field(
+        "", "Your own .txt/.jsonl file or folder for the chosen dataset kind; empty uses the bundled plays."
+    )
+    local_batch_size: int = _field(8, "Sequences per micro-batch on each data-parallel rank.")
+    global_batch_size: int = _field(
+        -1,
+        "Sequences per optimizer step over all data-parallel ranks and micro-batches. "
+        "Gradient accumulation = global / (local x data-parallel degree). -1 means no accumulation.",
+    )
+    seq_len: int = _field(2048, "Tokens per sequence.")
+    max_norm: float = _field(1.0, "Gradient clipping threshold on the true global grad norm; <= 0 disables clipping.")
+    steps: int = _field(10000, "Optimizer steps to train.")
+    mixed_precision_param: str = _field(
+        "auto",
+        "Dtype of the parameters FSDP gathers for compute: `bfloat16`, `float32`, or `auto` "
+        "(bfloat16 on GPU, float32 on CPU).",
+        ("auto", "bfloat16", "float32"),
+    )
+    mixed_precision_reduce: str = _field(
+        "float32", "Dtype of gradient reduction across ranks.", ("float32", "bfloat16")
+    )
+    defer_gradient_reduction: bool = _field(
+        False,
+        "Skip FSDP's reduce-scatter on all but the last micro-batch: gradients accumulate "
+        "unsharded (more memory) and are communicated once per step (less communication).",
+    )
+    num_workers: int = _field(0, "Data loader worker processes per rank (0 loads in the training process).")
+    prefetch_factor: int = _field(2, "Micro-batches each data loader worker prepares ahead (workers > 0 only).")
+    peak_flops: float = _field(
+        0.0, "Peak dense bf16 FLOP/s of one device, for MFU; 0 looks the GPU up in the built-in table."
+    )
+
+
+@dataclass
+class Parallelism:
+    data_parallel_replicate_degree: int = _field(
+        1, "HSDP replicas: full model copies, each sharded over `data_parallel_shard_degree` ranks."
+    )
+    data_parallel_shard_degree: int = _field(
+        -1, "FSDP shard degree; -1 infers it as world size / (replicate x tp x cp)."
+    )
+    tensor_parallel_degree: int = _field(
+        1,
+        "Tensor-parallel degree: attention heads, feed-forward units and the vocabulary are split "
+        "over this many ranks, which see the same tokens (sequence parallel between blocks).",
+    )
+    context_parallel_degree: int = _field(
+        1,
+        "Context-parallel degree: each sequence is split over this many ranks (head-tail load "
+        "balanced), which also shard the parameters together with dp_shard.",
+    )
+    context_parallel_backend: str = _field(
+        "auto",
+        "Attention across context-parallel shards: `ring` (PyTorch's ring attention, CUDA only), "
+        "`allgather_kv` (all-gather keys and values, any device), or `auto` (ring on CUDA, "
+        "allgather_kv elsewhere).",
+        ("auto", *CONTEXT_PARALLEL_BACKENDS),
+    )
+    context_parallel_rotate_method: str = _field(
+        "allgather",
+        "How the ring backend moves key/value shards between ranks.",
+        ("allgather", "alltoall"),
+    )
+    fsdp_reshard_after_forward: str = _field(
+        "default",
+        "Free gathered parameters after forward: `always`, `never` (faster backward, more "
+        "memory), or `default` (every block but the last one, whose backward runs at once).",
+        ("default", "always", "never"),
+    )
+    disable_loss_parallel: bool = _field(
+        False, "With tensor parallelism, gather the logits instead of a vocabulary-parallel loss."
+    )
+    enable_async_tensor_parallel: bool = _field(
+        False,
+        "Overlap tensor-parallel communication with the matmuls (CUDA only; needs "
+        "`compile.enable`, since async TP is a torch.compile graph rewrite).",
+    )
+
+
+@dataclass
+class Metrics:
+    log_freq: int = _field(10, "Log every N steps (and the first and last step).")
+    enable_tensorboard: bool = _field(True, "Write TensorBoard scalars (rank 0).")
+    save_tb_folder: str = _field("tb", "TensorBoard folder inside `job.dump_folder`; each run gets a timestamped subfolder.")
+    disable_color_printing: bool = _field(False, "Plain console output without ANSI colors.")
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: str = _field(
+        "none",
+        "Recompute activations in backward instead of keeping them: `none`, `full` (every "
+        "block), or `selective` (see `selective_ac_option`).",
+        ("none", "full", "selective"),
+    )
+    selective_ac_option: str = _field(
+        "op",
+        "With `selective`: `op` keeps matmul and attention outputs and recomputes the rest in "
+        "every block; an integer k fully checkpoints every k-th block.",
+    )
+
+
+@dataclass
+class Compile:
+    enable: bool = _field(False, "Compile with torch.compile: each transformer block, and the loss.")
+    components: StrList = _field(
+        StrList(("model", "loss")), "What to compile when enabled.", ("model", "loss")
+    )
+
+
+@dataclass
+class Profiling:
+    enable_profiling: bool = _field(False, "Record torch.profiler traces (one per rank).")
+    profile_freq: int = _field(10, "Trace one step every N steps (after a warm-up step).")
+    save_traces_folder: str = _field(
+        "profile_traces", "Folder in `job.dump_folder`: `iteration_N/rankR_trace.json`, for Perfetto or chrome://tracing."
+    )
+    enable_memory_snapshot: bool = _field(
+        False, "Record CUDA memory history; dump a snapshot every `profile_freq` steps and on out-of-memory (GPU only)."
+    )
+    save_memory_snapshot_folder: str = _field(
+        "memory_snapshot", "Folder in `job.dump_folder` for `rankR_memory_snapshot.pickle` files (open at pytorch.org/memory_viz)."
+    )
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = _field(
+        False,
+        "Save checkpoints and resume from the newest complete one in `checkpoint.folder` at start.",
+    )
+    folder: str = _field("checkpoint", "Folder inside `job.dump_folder`; each checkpoint is `step-N` in it.")
+    interval: int = _field(500, "Save every N steps; the last step is always saved.")
+    keep_latest_k: int = _field(10, "Keep the newest k checkpoints, delete older ones; 0 keeps all.")
+    load_step: int = _field(-1, "Resume from `step-N` exactly; -1 takes the newest complete checkpoint.")
+    exclude_from_loading: StrList = _field(
+        StrList(),
+        "Parts of the checkpoint not to restore when resuming (e.g. `optimizer,lr_scheduler`).",
+        ("model", "optimizer", "lr_scheduler", "dataloader", "train_state"),
+    )
+    initial_load_path: str = _field(
+        "",
+        "A checkpoint folder (DCP `step-N`, or a Hugging Face folder with `initial_load_in_hf`) to "
+        "start from when there is no checkpoint to resume (also with `checkpoint.enable` off).",
+    )
+    initial_load_model_only: bool = _field(
+        True, "From `initial_load_path`, load the weights only (fresh optimizer, step 0)."
+    )
+    initial_load_in_hf: bool = _field(
+        False, "`initial_load_path` is a Hugging Face Llama folder (config.json + safetensors)."
+    )
+    last_save_model_only: bool = _field(
+        False, "The final checkpoint holds the weights only (an export), cast to `checkpoint.export_dtype`."
+    )
+    export_dtype: str = _field(
+        "float32", "Dtype of a model-only final checkpoint.", ("float32", "bfloat16", "float16")
+    )
+    async_mode: str = _field(
+        "disabled",
+        "`async` writes checkpoints in the background while training goes on (at most one in "
+        "flight); `disabled` blocks until written.",
+        ("disabled", "async"),
+    )
+    create_seed_checkpoint: bool = _field(
+        False,
+        "Write the initial weights as `step-0` (model only) on one process and exit; runs on any "
+        "mesh then start from exactly these weights.",
+    )
+
+
+@dataclass
+class Debug:
+    seed: int = _field(0, "Seed of the weight initialisation and the data order; same seed, same run on any mesh.")
+    deterministic: bool = _field(False, "Use deterministic kernels (`torch.use_deterministic_algorithms`).")
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    metrics: Metrics = field(default_factory=Metrics)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
+    profiling: Profiling = field(default_factory=Profiling)
+    debug: Debug = field(default_factory=Debug)
+
+
+MESH_DIMS = {
+    "dp_replicate": "data_parallel_replicate_degree",
+    "dp_shard": "data_parallel_shard_degree",
+    "tp": "tensor_parallel_degree",
+    "cp": "context_parallel_degree",
+}
+
+
+def _fields() -> dict[str, tuple[type, dataclasses.Field]]:
+    """All ``section.key`` names with their type and dataclass field."""
+    out = {}
+    for section in dataclasses.fields(JobConfig):
+        cls = section.default_factory
+        hints = get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            out[f"{section.name}.{f.name}"] = (hints[f.name], f)
+    return out
+
+
+FIELDS = _fields()
+
+
+def type_name(typ: type) -> str:
+    return "comma-separated list" if typ is StrList else typ.__name__

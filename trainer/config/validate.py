@@ -1,0 +1,92 @@
+"""Every configuration rule that needs no world size, once.
+
+Rules that need the world size or the model's shape live in ``trainer/plan.py`` (and the
+parallelisms' own constraints beside them, in ``parallelisms/parallelize.py``).
+"""
+
+from __future__ import annotations
+
+from trainer.config.schema import ConfigError, JobConfig
+
+
+def validate(config: JobConfig) -> None:
+    """Checks that need no world size (the mesh is checked by ``trainer/plan.py``)."""
+    _training(config)
+    _lr_scheduler(config)
+    _optimizer(config)
+    _activation_checkpoint(config)
+    _checkpoint(config)
+    if config.profiling.profile_freq < 2:
+        raise ConfigError("`profiling.profile_freq` must be >= 2 (one warm-up step, then the traced step).")
+
+
+def _training(config: JobConfig) -> None:
+    training = config.training
+    positive = {
+        "training.local_batch_size": training.local_batch_size,
+        "training.seq_len": training.seq_len,
+        "training.steps": training.steps,
+        "metrics.log_freq": config.metrics.log_freq,
+        "training.prefetch_factor": training.prefetch_factor,
+    }
+    for key, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"`{key}` must be >= 1, got {value}.")
+    if training.global_batch_size != -1 and training.global_batch_size < 1:
+        raise ConfigError(f"`training.global_batch_size` must be >= 1 or -1, got {training.global_batch_size}.")
+    if training.num_workers < 0:
+        raise ConfigError(f"`training.num_workers` must be >= 0, got {training.num_workers}.")
+
+
+def _lr_scheduler(config: JobConfig) -> None:
+    schedule = config.lr_scheduler
+    if schedule.warmup_steps < 0:
+        raise ConfigError("`lr_scheduler.warmup_steps` must be >= 0.")
+    if schedule.decay_ratio != -1.0 and not 0.0 <= schedule.decay_ratio <= 1.0:
+        raise ConfigError(f"`lr_scheduler.decay_ratio` must be in [0, 1] or -1, got {schedule.decay_ratio}.")
+    if not 0.0 <= schedule.min_lr_factor <= 1.0:
+        raise ConfigError("`lr_scheduler.min_lr_factor` must be in [0, 1].")
+
+
+def _optimizer(config: JobConfig) -> None:
+    optimizer = config.optimizer
+    non_negative = {
+        "optimizer.lr": optimizer.lr,
+        "optimizer.eps": optimizer.eps,
+        "optimizer.weight_decay": optimizer.weight_decay,
+    }
+    for key, value in non_negative.items():
+        if value < 0:
+            raise ConfigError(f"`{key}` must be >= 0, got {value}.")
+    for key, value in {"optimizer.beta1": optimizer.beta1, "optimizer.beta2": optimizer.beta2}.items():
+        if not 0.0 <= value < 1.0:
+            raise ConfigError(f"`{key}` must be in [0, 1), got {value}.")
+
+
+def _activation_checkpoint(config: JobConfig) -> None:
+    checkpointing = config.activation_checkpoint
+    if checkpointing.mode == "selective" and checkpointing.selective_ac_option != "op":
+        option = checkpointing.selective_ac_option
+        if not option.isdigit() or int(option) < 1:
+            raise ConfigError(
+                f"`activation_checkpoint.selective_ac_option` must be `op` or a positive integer k "
+                f"(checkpoint every k-th block), got {option!r}."
+            )
+
+
+def _checkpoint(config: JobConfig) -> None:
+    checkpoint = config.checkpoint
+    if checkpoint.interval < 1:
+        raise ConfigError(f"`checkpoint.interval` must be >= 1, got {checkpoint.interval}.")
+    if checkpoint.keep_latest_k < 0:
+        raise ConfigError(f"`checkpoint.keep_latest_k` must be >= 0 (0 keeps all), got {checkpoint.keep_latest_k}.")
+    if checkpoint.load_step < -1:
+        raise ConfigError(f"`checkpoint.load_step` must be a step >= 0 or -1 (newest), got {checkpoint.load_step}.")
+    if checkpoint.initial_load_in_hf and not checkpoint.initial_load_path:
+        raise ConfigError(
+            "`checkpoint.initial_load_in_hf` needs `checkpoint.initial_load_path` (the Hugging Face folder)."
+        )
+    if checkpoint.initial_load_in_hf and not checkpoint.initial_load_model_only:
+        raise ConfigError(
+            "`checkpoint.initial_load_in_hf` loads weights only; set `checkpoint.initial_load_model_only` to true."
+        )
