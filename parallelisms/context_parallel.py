@@ -30,7 +30,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.nn.attention.bias import causal_lower_right
 
 BACKENDS = ("allgather_kv", "ring")
 """What ``parallelism.context_parallel_backend`` may name, besides ``auto``."""
@@ -83,6 +82,10 @@ def attend_local_chunks(
     query sees its last key. ``attention`` is the model's own (it handles grouped-query heads),
     given that bottom-right-aligned mask.
     """
+    # Imported here: torch.nn.attention.bias imports torch._dynamo, about a second of start-up
+    # for every process, and only context parallelism needs it.
+    from torch.nn.attention.bias import causal_lower_right
+
     chunk = xq.shape[2] // 2
     outputs = []
     for half, global_chunk in enumerate((rank, 2 * degree - 1 - rank)):

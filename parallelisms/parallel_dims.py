@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 MESH_DIM_NAMES = ("dp_replicate", "dp_shard", "cp", "tp")
@@ -119,6 +120,15 @@ class Meshes:
     loss: DeviceMesh
     tp: DeviceMesh
     cp: DeviceMesh
+
+    def groups(self) -> list[ProcessGroup]:
+        """Every process group of these meshes (for settings that apply per group, like timeouts)."""
+        found: dict[int, ProcessGroup] = {}
+        for mesh in (self.batch, self.fsdp, self.loss, self.tp, self.cp):
+            for dim in range(mesh.ndim):
+                group = mesh.get_group(dim)
+                found[id(group)] = group
+        return list(found.values())
 
 
 def device_type() -> str:

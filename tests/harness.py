@@ -13,13 +13,13 @@ import os
 import socket
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from trainer.build import Trainer, build_trainer, load_dataset
 from trainer.config import load_config
@@ -227,8 +227,52 @@ def run_train(ngpu: int, args: list[str], timeout: float = 300, **env: str) -> s
     )
 
 
+class Launched:
+    """``NGPU=ngpu ./run_train.sh args`` running in the background, its output in ``log``."""
+
+    def __init__(self, ngpu: int, args: list[str], log: Path, **env: str):
+        self.log = log
+        environment = {**os.environ, "NGPU": str(ngpu), "OMP_NUM_THREADS": "1", **env}
+        with open(log, "w") as out:
+            self.proc = subprocess.Popen(
+                [str(ROOT / "run_train.sh"), *args], env=environment, stdout=out, stderr=subprocess.STDOUT
+            )
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_for(self, text: str, timeout: float = 180) -> None:
+        """Until ``text`` appears in the output; fails if the job ends or the time runs out first."""
+        deadline = time.monotonic() + timeout
+        while text not in self.output():
+            assert self.proc.poll() is None, f"job ended (exit {self.proc.returncode}) before {text!r}:\n{self.output()[-3000:]}"
+            assert time.monotonic() < deadline, f"no {text!r} within {timeout} s:\n{self.output()[-3000:]}"
+            time.sleep(0.2)
+
+    def workers(self) -> list[int]:
+        """The training processes: the children of torchrun, the launcher's child."""
+        return [pid for torchrun in children(self.proc.pid) for pid in children(torchrun)]
+
+    def finish(self, timeout: float = 300) -> int:
+        """The exit code; a job still running after ``timeout`` is killed (its torchrun follows)."""
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+
+
+def children(pid: int) -> list[int]:
+    try:
+        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
 def tensorboard_scalars(dump: Path, tags: tuple[str, ...], run: int = -1) -> dict[str, dict[int, float]]:
     """``{tag: {step: value}}`` of the ``run``-th (default: newest) TensorBoard run in ``dump``."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # slow to import
+
     run_dir = sorted((dump / "tb").iterdir())[run]
     events = EventAccumulator(str(run_dir))
     events.Reload()

@@ -25,6 +25,8 @@ MESHES = {
     "FSDP 2": (2, 4, []),
     "dp_shard 2 x tp 2": (4, 2, ["--mesh", "dp_shard=2,tp=2"]),
 }
+SKIPPED = {"dp_shard 2 x tp 2": {"compile"}}
+"""Compiling costs most of this test's time on CPU; under TP, compile + AC per op covers compile."""
 
 
 def variants_worker(argvs: dict[str, list[str]]) -> dict[str, dict] | None:
@@ -37,12 +39,13 @@ def variants_worker(argvs: dict[str, list[str]]) -> dict[str, dict] | None:
 def test_activation_checkpointing_and_compile_match_eager(mesh, ref):
     world, local_batch, extra = MESHES[mesh]
     argvs = {}
-    for name, flags in VARIANTS.items():
+    variants = {name: flags for name, flags in VARIANTS.items() if name not in SKIPPED.get(mesh, ())}
+    for name, flags in variants.items():
         if "--compile.enable" in flags and "tp" in mesh:
             flags = flags + ["--compile.components", "model"]  # see test below
         argvs[name] = argv_for(local_batch, extra + flags)
     results = run_ranks(variants_worker, world, argvs)[0]
-    for name in VARIANTS:
+    for name in variants:
         assert_matches(results[name], ref)
 
 

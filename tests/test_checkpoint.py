@@ -1,5 +1,5 @@
-"""Checkpoints: exact resume on another mesh, crash safety, corrupt checkpoints skipped,
-async saves, seed checkpoints, model-only exports."""
+"""Checkpoints: exact resume on another mesh and after SIGTERM, crash safety, corrupt checkpoints
+skipped, non-finite states never published, async saves, seed checkpoints, model-only exports."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 import torch.multiprocessing as mp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
-from harness import run_ranks, run_train, tensorboard_scalars, trainer_for
+from harness import Launched, run_ranks, run_train, tensorboard_scalars, trainer_for
 from trainer.build import load_dataset
 from trainer.checkpoint.folders import checkpoint_problem, read_dcp_model, step_folders
 from trainer.checkpoint.manager import CheckpointManager
@@ -47,18 +47,18 @@ def newest_scalars(dump: Path, first_step: int) -> dict[str, list[float]]:
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory) -> dict[str, list[float]]:
+    """Steps 1-8 of a run that was never interrupted."""
     dump = tmp_path_factory.mktemp("straight")
     proc = run_train(4, COMMON + ["--training.local_batch_size", "2", "--training.steps", "8",
                                   "--job.dump_folder", str(dump)])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    scalars = newest_scalars(dump, 1)
-    return {tag: values[4:] for tag, values in scalars.items()}
+    return newest_scalars(dump, 1)
 
 
 RESUMES = {
-    "FSDP 4 -> dp_shard 2 x tp 2": ((4, []), (4, ["--mesh", "dp_shard=2,tp=2"])),
     "HSDP (2,2) -> FSDP 2, accumulation 2": ((4, ["--mesh", "dp_replicate=2,dp_shard=2"]), (2, [])),
 }
+"""(FSDP 4 -> dp_shard 2 x tp 2 is the SIGTERM test's resume.)"""
 
 
 @pytest.mark.launcher
@@ -74,7 +74,30 @@ def test_resume_on_another_mesh_continues_the_same_curve(case, straight, tmp_pat
     assert "resuming from" in proc.stdout + proc.stderr
     resumed = newest_scalars(tmp_path, 5)
     for tag, expected in straight.items():
-        assert resumed[tag] == pytest.approx(expected, rel=1e-5), tag
+        assert resumed[tag] == pytest.approx(expected[4:], rel=1e-5), tag
+
+
+@pytest.mark.launcher
+def test_sigterm_saves_and_the_resume_continues_the_same_curve(straight, tmp_path):
+    """What SLURM or Kubernetes do before killing a job: the step finishes, a checkpoint is
+    saved, the exit is clean, and the next run, on another mesh (FSDP 4 -> dp_shard 2 x tp 2),
+    logs the losses of a run never interrupted."""
+    args = COMMON + ["--training.local_batch_size", "2", "--checkpoint.enable", "--checkpoint.interval", "100",
+                     "--training.steps", "8", "--job.dump_folder", str(tmp_path)]
+    job = Launched(4, args, tmp_path / "first.log")
+    job.wait_for("step: 2/8")
+    job.proc.send_signal(signal.SIGTERM)
+    assert job.finish() == 128 + signal.SIGTERM
+    out = job.output()
+    assert "Traceback" not in out and "ChildFailedError" not in out, out[-3000:]
+    assert "stopped by SIGTERM" in out and "rerun the same command to resume" in out
+    saved = [step for step, _ in step_folders(tmp_path / "checkpoint")]
+    assert len(saved) == 1 and 2 <= saved[0] < 8, saved
+    proc = run_train(4, args + ["--mesh", "dp_shard=2,tp=2"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed = newest_scalars(tmp_path, saved[0] + 1)
+    for tag, expected in straight.items():
+        assert resumed[tag] == pytest.approx(expected[saved[0]:], rel=1e-5), tag
 
 
 def train_worker(argv: list[str], kill_rank: int | None = None, kill_step: int | None = None) -> None:
@@ -126,7 +149,7 @@ def test_kill_during_save_leaves_previous_checkpoint_loadable(tmp_path):
         run_ranks(train_worker, 2, argv, 1, 4)
     folder = tmp_path / "checkpoint"
     assert [step for step, _ in step_folders(folder)] == [2]
-    assert (folder / "step-4.partial").is_dir()  # the interrupted save, never published
+    assert not (folder / "step-4").exists()  # the interrupted save is never published
     resumed = run_ranks(resume_worker, 2, argv)[0]
     assert resumed["start"] == 2
     assert resumed["loader"]["step"] == 2
@@ -135,22 +158,71 @@ def test_kill_during_save_leaves_previous_checkpoint_loadable(tmp_path):
     assert excluded["loader"]["step"] == 0  # not restored: the data position starts over
 
 
+def overwrite(file: Path, offset: int, size: int) -> None:
+    """Replace ``size`` bytes at ``offset`` with other bytes; the file keeps its length."""
+    data = bytearray(file.read_bytes())
+    data[offset : offset + size] = bytes((b + 1) % 256 for b in data[offset : offset + size])
+    file.write_bytes(bytes(data))
+
+
 @pytest.mark.slow
-def test_truncated_checkpoint_is_skipped_with_a_warning(tmp_path):
-    argv = small_argv(tmp_path)
+def test_corrupt_checkpoints_are_skipped_with_a_warning(tmp_path):
+    """Each newer checkpoint is damaged differently; the load falls back to the one intact."""
+    argv = small_argv(tmp_path, "--checkpoint.interval", "1", "--training.steps", "5")
     run_ranks(train_worker, 2, argv)
     folder = tmp_path / "checkpoint"
-    assert [step for step, _ in step_folders(folder)] == [2, 4, 6]
-    data = sorted((folder / "step-6").glob("*.distcp"))[0]
+    assert [step for step, _ in step_folders(folder)] == [1, 2, 3, 4, 5]
+    largest = {step: max((folder / f"step-{step}").glob("*.distcp"), key=lambda f: f.stat().st_size) for step in (4, 5)}
+    overwrite(largest[5], largest[5].stat().st_size // 2, 8)  # 8 bytes in the middle of a tensor
+    overwrite(largest[4], largest[4].stat().st_size // 3, 64 * 1024)
+    data = sorted((folder / "step-3").glob("*.distcp"))[0]
     data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
-    assert "truncated" in checkpoint_problem(folder / "step-6")
-    (folder / "step-4" / ".metadata").write_bytes(b"not a checkpoint")
-    assert "metadata" in checkpoint_problem(folder / "step-4")
+    assert "truncated" in checkpoint_problem(folder / "step-3")
+    (folder / "step-2" / ".metadata").write_bytes(b"not a checkpoint")
+    assert "metadata" in checkpoint_problem(folder / "step-2")
+    (folder / "step-4.partial").mkdir()  # what a save killed midway leaves
     resumed = run_ranks(resume_worker, 2, argv)[0]
-    assert resumed["start"] == 2
+    assert resumed["start"] == 1
     warned = "\n".join(resumed["warnings"])
-    assert "step-6" in warned and "truncated" in warned
-    assert "step-4" in warned and "metadata" in warned
+    for step, problem in ((5, f"{largest[5].name} does not match its checksum"),
+                          (4, f"{largest[4].name} does not match its checksum"), (3, "truncated"), (2, "metadata")):
+        assert f"step-{step}:" in warned and problem in warned, (step, warned)
+    assert not (folder / "step-4.partial").exists() and "step-4.partial" in warned
+
+
+@pytest.mark.slow
+def test_a_non_finite_state_is_never_published(tmp_path):
+    """A NaN that reaches one rank's shard of the weights: every rank refuses the save, nothing is
+    written, and the older checkpoints stay."""
+    argv = small_argv(tmp_path, "--checkpoint.interval", "1")
+    with pytest.raises(Exception, match="not saving checkpoint step-3: the weight layers.1.feed_forward.w2.weight is not finite on rank 1"):
+        run_ranks(poisoned_worker, 2, argv, 3)
+    folder = tmp_path / "checkpoint"
+    assert [step for step, _ in step_folders(folder)] == [1, 2]
+    assert not (folder / "step-3.partial").exists()
+    for step in (1, 2):
+        weights = read_dcp_model(str(folder / f"step-{step}"))
+        assert all(torch.isfinite(w).all() for w in weights.values())
+
+
+def poisoned_worker(argv: list[str], poison_step: int) -> None:
+    """Train; after optimizer step ``poison_step``, a NaN appears in one weight on rank 1 only."""
+    import trainer.train as loop
+
+    original, calls = loop.optimizer_step, []
+
+    def poisoning_step(trainer, result):
+        lr = original(trainer, result)
+        calls.append(1)
+        if len(calls) == poison_step and int(os.environ["RANK"]) == 1:
+            weight = dict(trainer.model.named_parameters())["layers.1.feed_forward.w2.weight"]
+            with torch.no_grad():
+                weight.to_local().view(-1)[0] = float("nan")
+        return lr
+
+    loop.optimizer_step = poisoning_step
+    job_plan = plan(load_config(argv), int(os.environ["WORLD_SIZE"]))
+    train(job_plan, load_dataset(job_plan))
 
 
 @pytest.mark.slow

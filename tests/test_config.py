@@ -528,7 +528,9 @@ def test_run_train_sh_mesh_mismatch_fails_fast():
     )
     elapsed = time.monotonic() - start
     output = proc.stdout + proc.stderr
-    assert proc.returncode != 0, output
+    assert proc.returncode == 2, output
     assert "parallelism.data_parallel_shard_degree" in output
     assert "NGPU=4" in output
+    # Checked once by the launcher: one message, no worker started, no torchrun report.
+    assert output.count("config error") == 1 and "[rank" not in output and "ChildFailedError" not in output
     assert elapsed < FAST_EXIT_S, f"took {elapsed:.1f}s"

@@ -16,7 +16,7 @@ from parallelisms.context_parallel import (
     natural_order,
 )
 from harness import BASE_ARGV, argv_for, assert_matches, full, run_ranks, step_worker, trainer_for
-from trainer.build import init_distributed
+from trainer.distributed import init_distributed
 from trainer.config import ConfigError, load_config
 from trainer.loss import IGNORE_INDEX
 from trainer.model.llama3 import causal_attention
@@ -70,7 +70,7 @@ def test_simulated_ranks_equal_full_attention(degree):
 
 def allgather_attention_worker(degree: int) -> dict:
     """Each rank computes its shard with the real collective; rank 0 returns all outputs/grads."""
-    init_distributed("cpu")
+    init_distributed("cpu", timeout_s=300)
     rank = dist.get_rank()
     gen = torch.Generator().manual_seed(1)
     batch, heads, kv_heads, chunk, dim = 2, 4, 2, 3, 6

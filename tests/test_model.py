@@ -306,10 +306,10 @@ def sharded_init_worker(dp_replicate: int, dp_shard: int, vocab_size: int, seed:
 
     from parallelisms.fsdp import apply_fsdp
     from parallelisms.parallel_dims import ParallelDims
-    from trainer.build import init_distributed
+    from trainer.distributed import init_distributed
 
     world_size = int(os.environ["WORLD_SIZE"])
-    init_distributed("cpu")
+    init_distributed("cpu", timeout_s=300)
     dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=1, tp=1, world_size=world_size)
     meshes = dims.build_mesh("cpu")
     args = model_args("debugmodel", vocab_size, SEQ_LEN)

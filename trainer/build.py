@@ -12,7 +12,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from parallelisms.context_parallel import ContextParallel
 from parallelisms.parallel_dims import Meshes, device_type
@@ -20,6 +19,7 @@ from parallelisms.parallelize import parallelize
 from trainer.config import resolve_path
 from trainer.data.loader import MicroBatchLoader, build_dataloader
 from trainer.data.samples import SampleDataset, build_dataset
+from trainer.distributed import init_distributed
 from trainer.grad_accumulator import GradAccumulator
 from trainer.loss import cross_entropy_sum
 from trainer.model.llama3 import Transformer
@@ -52,23 +52,6 @@ def load_dataset(plan: Plan) -> SampleDataset:
     return build_dataset(training.dataset, path, plan.tokenizer, training.seq_len)
 
 
-def init_distributed(dev_type: str) -> torch.device:
-    """Join the job's process group (one of world size 1 when not launched by torchrun), once."""
-    backend = "nccl" if dev_type == "cuda" else "gloo"
-    if dev_type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    if dist.is_initialized():
-        return device
-    if "RANK" in os.environ:
-        dist.init_process_group(backend, device_id=device if dev_type == "cuda" else None)
-    else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    return device
-
-
 def build_model(plan: Plan, meshes: Meshes, device: torch.device) -> tuple[Transformer, ContextParallel | None]:
     """Build on the meta device, parallelise, then materialise and initialise only the local shards."""
     with torch.device("meta"):
@@ -83,7 +66,7 @@ def build_trainer(plan: Plan, dataset: SampleDataset) -> Trainer:
     """Join the process group and build the sharded model, optimizer, data and accumulator."""
     config, training = plan.config, plan.config.training
     dev_type = device_type()
-    device = init_distributed(dev_type)
+    device = init_distributed(dev_type, config.comm.init_timeout_seconds)
     if config.debug.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
@@ -101,6 +84,7 @@ def build_trainer(plan: Plan, dataset: SampleDataset) -> Trainer:
         num_workers=training.num_workers,
         pin_memory=dev_type == "cuda",
         prefetch_factor=training.prefetch_factor if training.num_workers > 0 else None,
+        allow_data_change=config.checkpoint.allow_data_change,
     )
     accumulator = GradAccumulator(
         model,

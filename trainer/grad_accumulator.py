@@ -45,6 +45,8 @@ class StepResult:
     """Norm of the true (normalised) gradient, before clipping."""
     n_valid_tokens: int
     skipped: bool
+    skip_reason: str = ""
+    """Why the optimizer step was skipped (empty when it was not)."""
 
 
 class GradAccumulator:
@@ -155,7 +157,7 @@ class GradAccumulator:
         if n == 0 or not math.isfinite(true_norm):
             reason = "no valid label token in the global batch" if n == 0 else "non-finite gradient norm"
             logger.warning("skipping the optimizer step: %s", reason)
-            return StepResult(loss_avg, loss_max, true_norm, n, skipped=True)
+            return StepResult(loss_avg, loss_max, true_norm, n, skipped=True, skip_reason=reason)
         clip_coef = min(1.0, self.max_norm / (true_norm + 1e-6)) if self.max_norm > 0 else 1.0
         _foreach_scale_([g.to_local() if isinstance(g, DTensor) else g for g in grads], clip_coef / n)
         return StepResult(loss_avg, loss_max, true_norm, n, skipped=False)

@@ -129,9 +129,11 @@ class StepStats:
     n_valid_tokens: int
     local_tokens: int
     n_skipped_steps: int
-    """Steps skipped so far in the run (kept by the gradient accumulator, restored on resume)."""
+    """Steps skipped so far in the run (counted by the train state, restored on resume)."""
     data_time_s: float
     step_time_s: float
+    skip_reason: str = ""
+    """Why this step's optimizer step was skipped (empty when it was not)."""
 
 
 _ANSI = {

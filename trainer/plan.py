@@ -16,6 +16,7 @@ import torch
 from parallelisms.parallel_dims import ParallelDims, ParallelismError, device_type
 from parallelisms.parallelize import ModelShape, ParallelSettings, check
 from trainer.config import ConfigError, JobConfig, resolve_path
+from trainer.dump_folder import check_dump_folder
 from trainer.model.llama3 import ModelArgs, model_args
 from trainer.data.tokenizer import Tokenizer
 
@@ -83,6 +84,7 @@ def plan(config: JobConfig, world_size: int) -> Plan:
         raise ConfigError(e.render(SETTING_KEYS)) from None
     if config.profiling.enable_memory_snapshot and device_type() != "cuda":
         raise ConfigError("`profiling.enable_memory_snapshot` records the CUDA allocator: it needs a GPU.")
+    check_dump_folder(config.job.dump_folder)
     if config.checkpoint.create_seed_checkpoint and world_size != 1:
         raise ConfigError(
             f"`checkpoint.create_seed_checkpoint` runs on one process, not {world_size}: launch it with NGPU=1."

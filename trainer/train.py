@@ -1,10 +1,16 @@
 """Entry point: ``python -m trainer.train [--config FILE] [--mesh ...] [--section.key VALUE ...]``.
 
 The whole run is plan -> build -> loop. Everything that can be wrong with the config, the mesh,
-the tokenizer or the data is checked by the plan and the dataset before the process group
-exists, so a mistake exits in seconds instead of hanging a collective. Parallelism is applied to
-the model once, while building; the loop itself is the algorithm: fetch the step's micro-batches,
-forward and backward each, finalize the gradient, step, log.
+the tokenizer, the data or the dump folder is checked by the plan and the dataset before the
+process group exists, so a mistake exits in seconds instead of hanging a collective; rank 0 then
+locks the dump folder. Parallelism is applied to the model once, while building; the loop
+itself is the algorithm: fetch the step's micro-batches, forward and backward each, finalize
+the gradient, step, log.
+
+Exit codes: 0 when the run finished or stopped on request (SIGTERM, Ctrl-C: after the current
+step, with a checkpoint), 2 for a configuration error or a busy dump folder (before any process
+group), 1 for a failure while running (divergence, a stalled rank, a full disk; the message says
+what was kept and what to do), 130 when aborted by a second Ctrl-C.
 """
 
 from __future__ import annotations
@@ -24,11 +30,15 @@ from parallelisms.tensor_parallel import loss_context
 from trainer.build import Trainer, build_trainer, load_dataset
 from trainer.checkpoint.manager import CheckpointManager, create_seed_checkpoint
 from trainer.config import ConfigError, help_text, load_config, to_toml
+from trainer.distributed import CollectiveTimeouts
+from trainer.dump_folder import DumpFolderLock
+from trainer.errors import JobError
 from trainer.grad_accumulator import StepResult
 from trainer.metrics import MetricsLogger, StepStats, flops_per_token, peak_flops
 from trainer.model.llama3 import num_params
 from trainer.plan import Plan, plan
 from trainer.profiling import profiling
+from trainer.stop_requests import StopRequests
 from trainer.train_state import TrainState
 
 logger = logging.getLogger("meshtrain")
@@ -41,6 +51,12 @@ def main(argv: list[str]) -> int:
     if "--help" in argv or "-h" in argv:
         print(help_text())
         return 0
+    stop = StopRequests()
+    with stop.installed():
+        return _main(argv, stop)
+
+
+def _main(argv: list[str], stop: StopRequests) -> int:
     try:
         config = load_config(argv)
         job_plan = plan(config, int(os.environ.get("WORLD_SIZE", 1)))
@@ -48,19 +64,81 @@ def main(argv: list[str]) -> int:
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"meshtrain: config error: {e}", file=sys.stderr)
         return 2
-    train(job_plan, dataset)
+    lock = DumpFolderLock(config.job.dump_folder) if int(os.environ.get("RANK", 0)) == 0 else None
+    try:
+        if lock is not None:
+            lock.acquire()
+    except JobError as e:
+        print(f"meshtrain: {e}", file=sys.stderr)
+        return 2
+    try:
+        train(job_plan, dataset, stop)
+    except JobError as e:
+        print(f"meshtrain: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("meshtrain: aborted (no checkpoint of the current step)", file=sys.stderr)
+        return 130
+    finally:
+        if lock is not None:
+            lock.release()
     return 0
 
 
-def train(plan: Plan, dataset: Dataset) -> None:
-    config, training = plan.config, plan.config.training
-    trainer = build_trainer(plan, dataset)
-    rank = dist.get_rank()
-    if config.checkpoint.create_seed_checkpoint:
-        path = create_seed_checkpoint(config.checkpoint, config.job.dump_folder, trainer.model, plan.model_args)
-        logger.info("seed checkpoint written to %s", path)
+def train(plan: Plan, dataset: Dataset, stop: StopRequests | None = None) -> None:
+    """Build, resume, loop. ``stop`` carries SIGTERM / Ctrl-C requests into the loop."""
+    config = plan.config
+    stop = stop or StopRequests()
+    timeouts = CollectiveTimeouts(config.comm.init_timeout_seconds, config.comm.train_timeout_seconds)
+    with timeouts.explained():
+        trainer = build_trainer(plan, dataset)
+        if config.checkpoint.create_seed_checkpoint:
+            path = create_seed_checkpoint(config.checkpoint, config.job.dump_folder, trainer.model, plan.model_args)
+            logger.info("seed checkpoint written to %s", path)
+            dist.destroy_process_group()
+            return
+        state, checkpointer = resume(plan, dataset, trainer)
+        metrics = start_metrics(plan, trainer)
+        loop(plan, trainer, state, checkpointer, metrics, stop, timeouts)
+        checkpointer.close()
+        metrics.close()
+        dist.barrier()
         dist.destroy_process_group()
-        return
+
+
+def loop(
+    plan: Plan,
+    trainer: Trainer,
+    state: TrainState,
+    checkpointer: CheckpointManager,
+    metrics: MetricsLogger,
+    stop: StopRequests,
+    timeouts: CollectiveTimeouts,
+) -> None:
+    """Step, log, stop if asked, checkpoint; until the last step or a stop request."""
+    training = plan.config.training
+    # On GPUs the stop flag travels on a CPU group of its own, so it never syncs the device.
+    stop.group = dist.new_group(backend="gloo") if trainer.device.type == "cuda" else None
+    first_step = state.step + 1
+    stopping = stop.stop_after_step()  # asked to stop while building: there is no step to save
+    with profiling(plan.config.profiling, plan.config.job.dump_folder, dist.get_rank()) as profiler:
+        while state.step < training.steps and not stopping:
+            state.step += 1
+            stats = train_step(trainer, state, local_tokens_per_step(plan))
+            metrics.log(stats)
+            check_skipped_steps(state, stats, training.max_consecutive_skipped_steps)
+            stopping = stop.stop_after_step()
+            checkpointer.maybe_save(state.step, stopping=stopping)
+            profiler.step(state.step)
+            if state.step == first_step:
+                timeouts.start_training([*trainer.meshes.groups(), *filter(None, [stop.group])])
+    if stopping:
+        logger.warning("stopped by %s after step %d", stop.signal_name or "a signal to another rank", state.step)
+
+
+def resume(plan: Plan, dataset: Dataset, trainer: Trainer) -> tuple[TrainState, CheckpointManager]:
+    """The train state and the checkpoint manager, restored from the newest checkpoint if any."""
+    config = plan.config
     state = TrainState()
     checkpointer = CheckpointManager(
         config.checkpoint,
@@ -71,28 +149,28 @@ def train(plan: Plan, dataset: Dataset) -> None:
         dataloader=trainer.loader,
         train_state=state,
         model_args=plan.model_args,
-        total_steps=training.steps,
+        total_steps=config.training.steps,
+        data_identity=getattr(dataset, "identity", None),
+        timeout_s=config.comm.init_timeout_seconds,
     )
-    checkpointer.load()
-    if rank == 0:
-        dump = Path(config.job.dump_folder)
-        dump.mkdir(parents=True, exist_ok=True)
-        (dump / "config.toml").write_text(to_toml(config))
-        logger.info("resolved config (saved to %s):\n%s", dump / "config.toml", to_toml(config))
-    metrics = build_metrics(plan, trainer, rank)
-    if rank == 0:
-        log_start(plan, trainer, metrics)
+    try:
+        checkpointer.load()
+    except (ValueError, FileNotFoundError) as e:  # a checkpoint that does not fit this run
+        raise JobError(str(e)) from e
+    return state, checkpointer
 
-    with profiling(config.profiling, config.job.dump_folder, rank) as profiler:
-        while state.step < training.steps:
-            state.step += 1
-            metrics.log(train_step(trainer, state, local_tokens_per_step(plan)))
-            checkpointer.maybe_save(state.step)
-            profiler.step(state.step)
-    checkpointer.close()
-    metrics.close()
-    dist.barrier()
-    dist.destroy_process_group()
+
+def check_skipped_steps(state: TrainState, stats: StepStats, limit: int) -> None:
+    """End the job after ``limit`` skipped steps in a row: it is not training any more."""
+    if limit and state.consecutive_skipped_steps >= limit:
+        raise JobError(
+            f"the last {state.consecutive_skipped_steps} optimizer steps (up to step {state.step}) were all "
+            f"skipped ({stats.skip_reason}): the run has diverged, or the data has no label to train "
+            "on. No checkpoint is written now and the existing ones are kept (any saved during the "
+            "streak holds the weights of its last step that was not skipped). Lower `optimizer.lr`, "
+            "check the data, and resume from a checkpoint before the divergence (`checkpoint.load_step`); "
+            "`training.max_consecutive_skipped_steps = 0` never stops a run for this."
+        )
 
 
 def train_step(trainer: Trainer, state: TrainState, local_tokens: int) -> StepStats:
@@ -102,8 +180,7 @@ def train_step(trainer: Trainer, state: TrainState, local_tokens: int) -> StepSt
     data_time = time.perf_counter() - step_start
     result = forward_backward(trainer, microbatches)
     lr = optimizer_step(trainer, result)
-    if result.skipped:
-        state.n_skipped_steps += 1
+    state.record_step(result.skipped)
     return StepStats(
         step=state.step,
         loss_avg=result.loss_avg,
@@ -113,6 +190,7 @@ def train_step(trainer: Trainer, state: TrainState, local_tokens: int) -> StepSt
         n_valid_tokens=result.n_valid_tokens,
         local_tokens=local_tokens,
         n_skipped_steps=state.n_skipped_steps,
+        skip_reason=result.skip_reason,
         data_time_s=data_time,
         step_time_s=time.perf_counter() - step_start,
     )
@@ -157,6 +235,18 @@ def optimizer_step(trainer: Trainer, result: StepResult) -> float:
 def local_tokens_per_step(plan: Plan) -> int:
     """Input tokens one rank's data-parallel replica processes per step (before CP sharding)."""
     return plan.microbatches * plan.config.training.local_batch_size * plan.config.training.seq_len
+
+
+def start_metrics(plan: Plan, trainer: Trainer) -> MetricsLogger:
+    """Save the resolved config, open the metrics, and say what is about to run (rank 0)."""
+    rank = dist.get_rank()
+    metrics = build_metrics(plan, trainer, rank)
+    if rank == 0:
+        config_file = Path(plan.config.job.dump_folder) / "config.toml"
+        config_file.write_text(to_toml(plan.config))
+        logger.info("resolved config (saved to %s):\n%s", config_file, to_toml(plan.config))
+        log_start(plan, trainer, metrics)
+    return metrics
 
 
 def build_metrics(plan: Plan, trainer: Trainer, rank: int) -> MetricsLogger:

@@ -35,6 +35,11 @@ STEP_FOLDER = re.compile(r"^step-(\d+)$")
 MODEL_ARGS_FILE = "model_args.json"
 """Written beside every checkpoint: the ``ModelArgs`` of the run, as JSON."""
 
+DATA_FILE = "data.json"
+"""Written beside every training checkpoint: fingerprints of the data and the tokenizer it was
+trained on, so that a resume on other data is noticed. Outside DCP's state on purpose: a new key
+in the DCP state would make every older checkpoint unloadable."""
+
 MODEL_KEY = "model"
 """The checkpoint state dict's entry holding the model; DCP stores its tensors as ``model.<name>``."""
 
@@ -45,6 +50,19 @@ def step_folders(folder: Path) -> list[tuple[int, Path]]:
         return []
     found = [(int(m.group(1)), p) for p in folder.iterdir() if p.is_dir() and (m := STEP_FOLDER.match(p.name))]
     return sorted(found)
+
+
+def remove_partial_folders(folder: Path) -> list[Path]:
+    """Delete the ``step-N.partial`` folders of saves that never finished; return them.
+
+    Only safe while no other job writes into ``folder``: the caller holds the dump-folder lock.
+    """
+    if not folder.is_dir():
+        return []
+    partials = sorted(p for p in folder.iterdir() if p.is_dir() and p.name.endswith(PARTIAL_SUFFIX))
+    for partial in partials:
+        shutil.rmtree(partial, ignore_errors=True)
+    return partials
 
 
 def checkpoint_problem(path: Path) -> str | None:
@@ -76,12 +94,23 @@ def is_model_only(path: Path) -> bool:
     return all(key.startswith(MODEL_KEY + ".") for key in keys)
 
 
-def publish(partial: Path, final: Path, model_args: ModelArgs) -> None:
-    """Add the model's shape for converters, then rename: the checkpoint appears whole or not at all."""
+def publish(partial: Path, final: Path, model_args: ModelArgs, data_identity: dict[str, str] | None = None) -> None:
+    """Add the model's shape (for converters) and the data's fingerprints, then rename: the
+    checkpoint appears whole or not at all."""
     write_model_args(partial, model_args)
+    if data_identity:
+        (partial / DATA_FILE).write_text(json.dumps(data_identity))
     if final.exists():
         shutil.rmtree(final)
     os.replace(partial, final)
+
+
+def read_data_identity(folder: Path) -> dict[str, str] | None:
+    """The fingerprints of the data a checkpoint was trained on; None when not recorded."""
+    try:
+        return json.loads((folder / DATA_FILE).read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def write_model_args(folder: Path, model_args: ModelArgs) -> None:

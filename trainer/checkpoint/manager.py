@@ -7,21 +7,30 @@ loads on any other: FSDP, HSDP, TP, CP, another world size. Because the global b
 depends only on the step (see ``trainer/data/loader.py``), training then continues with the same
 data, and in float32 on CPU with the same losses as a run that never stopped.
 
-Crash safety: every rank writes into ``step-N.partial``; DCP writes its metadata last, after
-all ranks have written; then rank 0 renames the folder to ``step-N`` (one atomic rename). A
-kill during a save leaves a ``.partial`` folder, which is never loaded and is removed by the
-next save of that step. Loading also checks every ``step-N`` before trusting it: metadata
-readable, every file it references present and long enough. A failing checkpoint is skipped
-with a warning naming it and the next older one is tried. The folder itself (its layout, the
-whole-or-not check, ``model_args.json``) is ``trainer/checkpoint/folders.py``'s.
+Crash safety: every rank writes into ``step-N.partial``; DCP writes its metadata after all
+ranks have written, then the checksum manifest, then rank 0 renames the folder to ``step-N``
+(one atomic rename). A kill during a save leaves a ``.partial`` folder, which is never loaded
+and is removed when the next job starts on the folder (the dump-folder lock guarantees that no
+live job is writing it). Loading checks every ``step-N`` before trusting it: metadata readable,
+every file present, as long as recorded and matching its checksum (each rank verifies a share
+of the files). A failing checkpoint is skipped with a warning naming it and the file, and the
+next older one is tried.
+
+Nothing non-finite is published: before a save every rank checks its weights and optimizer
+state, and a NaN or infinity fails the job with the older checkpoints left alone. A save that
+fails for lack of disk space says so, removes its partial folder and keeps the older
+checkpoints too. The folder itself (layout, the whole-or-not check, ``model_args.json``) is
+``trainer/checkpoint/folders.py``'s; checksums and the finite check are ``integrity.py``'s.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import shutil
 from collections.abc import Callable
 from concurrent.futures import Future
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -38,9 +48,19 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
-from trainer.checkpoint.folders import PARTIAL_SUFFIX, checkpoint_problem, is_model_only, publish, step_folders
+from trainer.checkpoint.folders import (
+    PARTIAL_SUFFIX,
+    checkpoint_problem,
+    is_model_only,
+    publish,
+    read_data_identity,
+    remove_partial_folders,
+    step_folders,
+)
 from trainer.checkpoint.hf_folders import load_hf_folder
+from trainer.checkpoint.integrity import ChecksummingWriter, checksum_problem, first_non_finite, read_manifest
 from trainer.config import Checkpoint
+from trainer.errors import JobError
 from trainer.model.hf_llama3 import from_hf_state_dict, model_args_from_hf_config
 from trainer.model.llama3 import ModelArgs, Transformer, local_slice
 from trainer.train_state import TrainState
@@ -92,11 +112,14 @@ class CheckpointManager:
         train_state: TrainState,
         model_args: ModelArgs,
         total_steps: int,
+        data_identity: dict[str, str] | None = None,
+        timeout_s: float = 1800.0,
     ):
         self.config = config
         self.folder = Path(dump_folder) / config.folder
         self.model, self.model_args = model, model_args
         self.total_steps = total_steps
+        self.data_identity = data_identity or {}
         self.states: dict[str, Stateful] = {
             "model": ModelState(model),
             "optimizer": OptimizerState(model, optimizer),
@@ -104,11 +127,14 @@ class CheckpointManager:
             "dataloader": dataloader,
             "train_state": train_state,
         }
-        self.rank = dist.get_rank()
-        # Async saves run collectives from a background thread: give them their own group so
-        # they never interleave with the training's collectives on the default group.
-        self.group = dist.new_group(backend="gloo") if config.async_mode == "async" else None
-        self._pending: tuple[Future, Path, Path] | None = None
+        self.optimizer = optimizer
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        # Checkpoint collectives get a CPU group of their own: async saves run them from a
+        # background thread, where they must not interleave with the training's collectives,
+        # and a save may take far longer than a training step, so it keeps its own timeout
+        # (`comm.init_timeout_seconds`) when the training groups get a shorter one.
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        self._pending: tuple[Future, Path, Path, int] | None = None
 
     # ----------------------------------------------------------------------------------- load
 
@@ -119,7 +145,7 @@ class CheckpointManager:
         (if set) provides the starting weights. Returns 0 when training starts from scratch or
         from weights only.
         """
-        choice = self._agree(self._choose_checkpoint) if self.config.enable else None
+        choice = self._choose_checkpoint() if self.config.enable else None
         if choice is not None:
             path = Path(choice)
             if is_model_only(path):
@@ -127,6 +153,8 @@ class CheckpointManager:
                 self._load(path, keys=("model",))
                 return 0
             keys = tuple(k for k in self.states if k not in self.config.exclude_from_loading)
+            if "dataloader" in keys:
+                self._check_same_data(path)
             logger.info("resuming from %s (%s)", path, ", ".join(keys))
             self._load(path, keys=keys)
             return self.states["train_state"].step
@@ -135,49 +163,91 @@ class CheckpointManager:
         return 0
 
     def _choose_checkpoint(self) -> str | None:
-        candidates = step_folders(self.folder)
-        if self.config.load_step >= 0:
-            wanted = [p for step, p in candidates if step == self.config.load_step]
-            if not wanted:
-                raise FileNotFoundError(
-                    f"`checkpoint.load_step` = {self.config.load_step}: no folder step-{self.config.load_step} "
-                    f"in {self.folder}; found {[p.name for _, p in candidates] or 'none'}."
-                )
-            problem = checkpoint_problem(wanted[0])
-            if problem:
-                raise ValueError(f"`checkpoint.load_step`: {wanted[0]} cannot be loaded: {problem}.")
-            return str(wanted[0])
-        for _, path in reversed(candidates):
-            problem = checkpoint_problem(path)
+        """The newest checkpoint that passes every check (or ``load_step``'s), the same on every rank."""
+        for path in map(Path, self._agree(self._candidates)):
+            problem = self._problem(path)
             if problem is None:
                 return str(path)
-            logger.warning("skipping checkpoint %s: %s", path, problem)
+            if self.config.load_step >= 0:
+                raise ValueError(f"`checkpoint.load_step`: {path} cannot be loaded: {problem}.")
+            if self.rank == 0:
+                logger.warning("skipping checkpoint %s: %s", path, problem)
         return None
 
-    def _agree(self, choose: Callable[[], str | None]) -> str | None:
-        """Every rank loads what rank 0 chose, even if their views of the file system differ.
+    def _candidates(self) -> list[str]:
+        """Rank 0: remove what dead jobs left half-written, then list the checkpoints, newest first."""
+        for stale in remove_partial_folders(self.folder):
+            logger.warning("removed %s, left by a save that never finished", stale)
+        candidates = step_folders(self.folder)
+        if self.config.load_step < 0:
+            return [str(p) for _, p in reversed(candidates)]
+        wanted = [str(p) for step, p in candidates if step == self.config.load_step]
+        if not wanted:
+            raise FileNotFoundError(
+                f"`checkpoint.load_step` = {self.config.load_step}: no folder step-{self.config.load_step} "
+                f"in {self.folder}; found {[p.name for _, p in candidates] or 'none'}."
+            )
+        return wanted
+
+    def _problem(self, path: Path) -> str | None:
+        """Why ``path`` must not be loaded, agreed by every rank: rank 0 checks its structure,
+        then each rank verifies the checksums of its share of the files."""
+        problem = self._agree(lambda: checkpoint_problem(path))
+        if problem is not None:
+            return problem
+        found: list[str | None] = [None] * self.world_size
+        dist.all_gather_object(found, checksum_problem(path, self.rank, self.world_size), group=self.group)
+        problem = next((p for p in found if p is not None), None)
+        if problem is None and self.rank == 0 and read_manifest(path) is None:
+            logger.warning("%s has no checksums (written before they existed): its contents are not verified", path)
+        return problem
+
+    def _check_same_data(self, path: Path) -> None:
+        """Refuse to continue a checkpoint's data stream on other data (files, tokenizer,
+        ``seq_len``): the run would silently train on something else from its next step on."""
+        saved = self._agree(lambda: read_data_identity(path)) or {}
+        differ = [
+            f"{key} {saved[key][:16]} in the checkpoint, {value[:16]} now"
+            for key, value in self.data_identity.items()
+            if key in saved and saved[key] != value
+        ]
+        if not differ:
+            return
+        if self.config.allow_data_change:
+            if self.rank == 0:
+                logger.warning("resuming %s on changed data (`checkpoint.allow_data_change`): %s", path, "; ".join(differ))
+            return
+        raise ValueError(
+            f"{path} was trained on other data than this run's ({'; '.join(differ)}). Point "
+            "`training.dataset`, `training.dataset_path`, `training.seq_len` and `model.tokenizer_path` "
+            "at the data it was trained on, or set `checkpoint.allow_data_change = true` to resume on "
+            "the new data deliberately (or exclude `dataloader` from loading to start its order afresh)."
+        )
+
+    def _agree(self, decide: Callable[[], Any]) -> Any:
+        """Rank 0's answer on every rank, even if their views of the file system differ.
 
         Rank 0's error is raised on every rank, so no rank is left waiting in a collective.
         """
         box: list[Any] = [None, None]
         if self.rank == 0:
             try:
-                box[0] = choose()
+                box[0] = decide()
             except (FileNotFoundError, ValueError) as e:
                 box[1] = e
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=self.group)
         if box[1] is not None:
             raise box[1]
         return box[0]
 
     def _load(self, path: Path, keys: tuple[str, ...]) -> None:
-        dcp.load({k: self.states[k] for k in keys}, checkpoint_id=str(path))
+        dcp.load({k: self.states[k] for k in keys}, checkpoint_id=str(path), process_group=self.group)
 
     def _initial_load(self, path: Path) -> int:
         if self.config.initial_load_in_hf:
             self._load_hf(path)
             return 0
-        problem = checkpoint_problem(path)
+        problem = self._problem(path)
         if problem:
             raise ValueError(f"`checkpoint.initial_load_path` = {path} cannot be loaded: {problem}.")
         if self.config.initial_load_model_only or is_model_only(path):
@@ -210,44 +280,91 @@ class CheckpointManager:
 
     # ----------------------------------------------------------------------------------- save
 
-    def maybe_save(self, step: int) -> None:
-        """Save at every ``interval`` steps and at the last step; finish a completed async save."""
+    def maybe_save(self, step: int, *, stopping: bool = False) -> None:
+        """Save every ``interval`` steps, at the last step, and when the job is stopping
+        (SIGTERM, Ctrl-C); publish a finished async save."""
         if not self.config.enable:
             return
         self._finish_pending(wait=False)
         last = step == self.total_steps
-        if step % self.config.interval and not last:
+        if step % self.config.interval and not last and not stopping:
             return
         self.save(step, model_only=last and self.config.last_save_model_only)
 
     def save(self, step: int, *, model_only: bool = False) -> None:
         self._finish_pending(wait=True)  # at most one save in flight
+        self._check_finite(step, include_optimizer=not model_only)
         final = self.folder / f"step-{step}"
         partial = final.with_name(final.name + PARTIAL_SUFFIX)
         if self.rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)  # left by a save that was killed
+            shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(parents=True)
-        dist.barrier()
+        dist.barrier(group=self.group)
         if model_only:
             dtype = getattr(torch, self.config.export_dtype)
             state: dict[str, Any] = {"model": ModelState(self.model, dtype)}
         else:
             state = dict(self.states)
-        if self.config.async_mode == "async":
-            future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self.group)
-            self._pending = (future, partial, final)
-        else:
-            dcp.save(state, checkpoint_id=str(partial))
-            self._publish(partial, final)
+        writer = ChecksummingWriter(str(partial))
+        try:
+            if self.config.async_mode == "async":
+                future = dcp.async_save(state, storage_writer=writer, process_group=self.group)
+                self._pending = (future, partial, final, step)
+            else:
+                dcp.save(state, storage_writer=writer, process_group=self.group)
+                self._publish(partial, final)
+        except (Exception, CheckpointException) as error:
+            self._save_failed(error, partial, step)
+
+    def _check_finite(self, step: int, include_optimizer: bool) -> None:
+        """Refuse, on every rank alike, to write a state holding a NaN or an infinity."""
+        names = {id(p): name for name, p in self.model.named_parameters()}
+        named = [(f"weight {name}", _local(p)) for name, p in self.model.named_parameters()]
+        if include_optimizer:
+            for param, slots in self.optimizer.state.items():
+                for slot, value in slots.items():
+                    if isinstance(value, torch.Tensor):
+                        named.append((f"optimizer state `{slot}` of {names.get(id(param), '?')}", _local(value)))
+        found: list[str | None] = [None] * self.world_size
+        dist.all_gather_object(found, first_non_finite(named), group=self.group)
+        bad = next(((rank, what) for rank, what in enumerate(found) if what is not None), None)
+        if bad is not None:
+            kept = ", ".join(p.name for _, p in step_folders(self.folder)) or "none"
+            raise JobError(
+                f"not saving checkpoint step-{step}: the {bad[1]} is not finite on rank {bad[0]}: the "
+                f"run has diverged. Nothing was written; the older checkpoints are kept ({kept}). Lower "
+                "`optimizer.lr` (or `training.max_norm`), check the data, and rerun: it resumes from "
+                "the newest checkpoint (`checkpoint.load_step` picks an older one)."
+            )
+
+    def _save_failed(self, error: BaseException, partial: Path, step: int) -> None:
+        """Remove the half-written folder, name a full disk as such, and raise."""
+        if self.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        if not _out_of_space(error):
+            raise error
+        kept = step_folders(self.folder)
+        free = shutil.disk_usage(self.folder).free
+        needed = f"; the newest checkpoint, {kept[-1][1].name}, takes {_folder_bytes(kept[-1][1]):,} bytes" if kept else ""
+        raise JobError(
+            f"checkpoint step-{step} could not be written: no space left on the device of "
+            f"{self.folder} ({free:,} bytes free{needed}). The partial folder was removed and the "
+            f"older checkpoints are kept ({', '.join(p.name for _, p in kept) or 'none'}). Free some "
+            "space, lower `checkpoint.keep_latest_k`, or point `job.dump_folder` at a larger disk; "
+            "then rerun to resume."
+        ) from error
 
     def _finish_pending(self, wait: bool) -> None:
         if self._pending is None:
             return
-        future, partial, final = self._pending
+        future, partial, final, step = self._pending
         if not wait and not future.done():
             return
-        future.result()
         self._pending = None
+        try:
+            future.result()
+        except (Exception, CheckpointException) as error:
+            self._save_failed(error, partial, step)
         self._publish(partial, final)
 
     def _publish(self, partial: Path, final: Path) -> None:
@@ -258,7 +375,7 @@ class CheckpointManager:
         """
         if self.rank != 0:
             return
-        publish(partial, final, self.model_args)
+        publish(partial, final, self.model_args, self.data_identity)
         logger.info("saved checkpoint %s", final)
         if self.config.keep_latest_k > 0:
             for _, old in step_folders(self.folder)[: -self.config.keep_latest_k]:
@@ -267,6 +384,38 @@ class CheckpointManager:
     def close(self) -> None:
         """Wait for an async save still in flight."""
         self._finish_pending(wait=True)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _out_of_space(error: BaseException) -> bool:
+    """Whether a failed save ran out of disk space, anywhere in its chain of causes.
+
+    DCP wraps each rank's failure in a ``CheckpointException`` (a ``BaseException``), and
+    torch's zip writer reports a short write as ``unexpected pos`` rather than ``ENOSPC``, so the
+    text is searched too.
+    """
+    seen: set[int] = set()
+    pending: list[BaseException] = [error]
+    while pending:
+        e = pending.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if any(text in str(e) for text in ("No space left on device", "unexpected pos", "Disk quota exceeded")):
+            return True
+        pending.extend(x for x in (e.__cause__, e.__context__) if x is not None)
+        if isinstance(e, CheckpointException):
+            pending.extend(exc for exc, _ in e.failures.values())
+    return False
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
 
 def load_full_weights(model: Transformer, state: dict[str, torch.Tensor]) -> None:
@@ -289,6 +438,6 @@ def create_seed_checkpoint(config: Checkpoint, dump_folder: str, model: Transfor
     final = Path(dump_folder) / config.folder / "step-0"
     partial = final.with_name(final.name + PARTIAL_SUFFIX)
     shutil.rmtree(partial, ignore_errors=True)
-    dcp.save({"model": ModelState(model)}, checkpoint_id=str(partial))
+    dcp.save({"model": ModelState(model)}, storage_writer=ChecksummingWriter(str(partial)))
     publish(partial, final, model_args)
     return final

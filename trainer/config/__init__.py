@@ -18,6 +18,7 @@ from trainer.config.schema import (
     MESH_DIMS,
     ActivationCheckpoint,
     Checkpoint,
+    Comm,
     Compile,
     ConfigError,
     Debug,
@@ -38,7 +39,7 @@ from trainer.config.validate import validate
 __all__ = [
     "CONFIG_DIR", "DEFAULT_CONFIG", "REPO_ROOT", "help_text", "load_config", "load_toml", "parse_mesh",
     "resolve_config_path", "resolve_path", "to_toml", "type_name", "FIELDS", "MESH_DIMS",
-    "ActivationCheckpoint", "Checkpoint", "Compile", "ConfigError", "Debug", "Job", "JobConfig",
+    "ActivationCheckpoint", "Checkpoint", "Comm", "Compile", "ConfigError", "Debug", "Job", "JobConfig",
     "LRScheduler", "Metrics", "Model", "Optimizer", "Parallelism", "Profiling", "StrList", "Training",
     "validate",
 ]

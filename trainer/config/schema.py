@@ -29,7 +29,11 @@ def _field(default: Any, doc: str, choices: tuple[str, ...] | None = None) -> An
 
 @dataclass
 class Job:
-    dump_folder: str = _field("./outputs", "Folder for everything the job writes: resolved config, TensorBoard logs.")
+    dump_folder: str = _field(
+        "./outputs",
+        "Folder for everything the job writes: resolved config, TensorBoard logs, checkpoints. "
+        "One job at a time: a running job holds a lock on it.",
+    )
     description: str = _field("", "Free text describing the run; printed at start-up.")
 
 
@@ -97,6 +101,12 @@ class Training:
     seq_len: int = _field(2048, "Tokens per sequence.")
     max_norm: float = _field(1.0, "Gradient clipping threshold on the true global grad norm; <= 0 disables clipping.")
     steps: int = _field(10000, "Optimizer steps to train.")
+    max_consecutive_skipped_steps: int = _field(
+        20,
+        "End the job (non-zero exit) after this many optimizer steps in a row were skipped "
+        "(non-finite gradient norm, or no valid label token): the run has diverged or the data "
+        "has no labels. 0 never ends it.",
+    )
     mixed_precision_param: str = _field(
         "auto",
         "Dtype of the parameters FSDP gathers for compute: `bfloat16`, `float32`, or `auto` "
@@ -161,6 +171,21 @@ class Parallelism:
         False,
         "Overlap tensor-parallel communication with the matmuls (CUDA only; needs "
         "`compile.enable`, since async TP is a torch.compile graph rewrite).",
+    )
+
+
+@dataclass
+class Comm:
+    init_timeout_seconds: int = _field(
+        300,
+        "Collective timeout until the first step has finished (process-group start-up, building, "
+        "loading a checkpoint, the first step) and for checkpoint saves.",
+    )
+    train_timeout_seconds: int = _field(
+        100,
+        "Collective timeout from the second step on: a rank that stalls for longer (hung, "
+        "stopped, dead) ends the job with an error naming this key instead of a silent hang. "
+        "Must exceed the longest step.",
     )
 
 
@@ -248,6 +273,12 @@ class Checkpoint:
         "flight); `disabled` blocks until written.",
         ("disabled", "async"),
     )
+    allow_data_change: bool = _field(
+        False,
+        "Resume although the data or the tokenizer differ from those the checkpoint was trained "
+        "on (their fingerprints are compared at resume); the data order then continues at the "
+        "checkpoint's step on the new data.",
+    )
     create_seed_checkpoint: bool = _field(
         False,
         "Write the initial weights as `step-0` (model only) on one process and exit; runs on any "
@@ -269,6 +300,7 @@ class JobConfig:
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)
+    comm: Comm = field(default_factory=Comm)
     metrics: Metrics = field(default_factory=Metrics)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)

@@ -6,18 +6,31 @@ parallelisms' own constraints beside them, in ``parallelisms/parallelize.py``).
 
 from __future__ import annotations
 
-from trainer.config.schema import ConfigError, JobConfig
+import math
+
+from trainer.config.schema import FIELDS, ConfigError, JobConfig
 
 
 def validate(config: JobConfig) -> None:
     """Checks that need no world size (the mesh is checked by ``trainer/plan.py``)."""
+    _finite(config)
     _training(config)
     _lr_scheduler(config)
     _optimizer(config)
     _activation_checkpoint(config)
     _checkpoint(config)
+    _comm(config)
     if config.profiling.profile_freq < 2:
         raise ConfigError("`profiling.profile_freq` must be >= 2 (one warm-up step, then the traced step).")
+
+
+def _finite(config: JobConfig) -> None:
+    """An infinite or NaN float (``--optimizer.lr inf``) would train and checkpoint garbage."""
+    for key, (typ, _) in FIELDS.items():
+        section, name = key.split(".")
+        value = getattr(getattr(config, section), name)
+        if typ is float and not math.isfinite(value):
+            raise ConfigError(f"`{key}` must be a finite number, got {value}.")
 
 
 def _training(config: JobConfig) -> None:
@@ -34,8 +47,13 @@ def _training(config: JobConfig) -> None:
             raise ConfigError(f"`{key}` must be >= 1, got {value}.")
     if training.global_batch_size != -1 and training.global_batch_size < 1:
         raise ConfigError(f"`training.global_batch_size` must be >= 1 or -1, got {training.global_batch_size}.")
-    if training.num_workers < 0:
-        raise ConfigError(f"`training.num_workers` must be >= 0, got {training.num_workers}.")
+    non_negative = {
+        "training.num_workers": training.num_workers,
+        "training.max_consecutive_skipped_steps": training.max_consecutive_skipped_steps,
+    }
+    for key, value in non_negative.items():
+        if value < 0:
+            raise ConfigError(f"`{key}` must be >= 0, got {value}.")
 
 
 def _lr_scheduler(config: JobConfig) -> None:
@@ -90,3 +108,13 @@ def _checkpoint(config: JobConfig) -> None:
         raise ConfigError(
             "`checkpoint.initial_load_in_hf` loads weights only; set `checkpoint.initial_load_model_only` to true."
         )
+
+
+def _comm(config: JobConfig) -> None:
+    comm = config.comm
+    for key, value in {
+        "comm.init_timeout_seconds": comm.init_timeout_seconds,
+        "comm.train_timeout_seconds": comm.train_timeout_seconds,
+    }.items():
+        if value < 1:
+            raise ConfigError(f"`{key}` must be >= 1 second, got {value}.")

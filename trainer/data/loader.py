@@ -90,10 +90,15 @@ class MicroBatchLoader:
     """
 
     def __init__(
-        self, order: GlobalOrder, microbatches: int, open_at: Callable[[int], Iterable[list[torch.Tensor]]]
+        self,
+        order: GlobalOrder,
+        microbatches: int,
+        open_at: Callable[[int], Iterable[list[torch.Tensor]]],
+        allow_data_change: bool = False,
     ) -> None:
         self._order = order
         self._open_at = open_at
+        self._allow_data_change = allow_data_change
         self._iterator: Iterator[list[torch.Tensor]] | None = None
         self._step = 0
         self.microbatches_per_step = microbatches
@@ -127,10 +132,13 @@ class MicroBatchLoader:
             ("seed", "debug.seed"),
             ("num_samples", "training.dataset / training.dataset_path / training.seq_len"),
         ):
+            if key == "num_samples" and self._allow_data_change:
+                continue
             if state_dict[key] != expected[key]:
+                deliberate = " (or set `checkpoint.allow_data_change` to resume on new data)" if key == "num_samples" else ""
                 raise ValueError(
                     f"The checkpoint's data order was made with {key} = {state_dict[key]}, this run has "
-                    f"{expected[key]}; restore `{config_key}` as it was to resume the same sample stream."
+                    f"{expected[key]}; restore `{config_key}` as it was to resume the same sample stream{deliberate}."
                 )
         self._step = int(state_dict["step"])
         self._iterator = None  # the next next_step() restarts the workers from the loaded step
@@ -147,13 +155,15 @@ def build_dataloader(
     num_workers: int = 0,
     pin_memory: bool = False,
     prefetch_factor: int | None = None,
+    allow_data_change: bool = False,
 ) -> MicroBatchLoader:
     """This rank's loader, handing out ``microbatches`` micro-batches per step.
 
     The global batch is ``microbatches x local_batch_size x dp_degree`` samples; which samples
     depends on the step, dataset, global batch size and seed only, never on ``dp_degree``,
     ``dp_rank`` or ``local_batch_size``. ``prefetch_factor`` is ignored without workers
-    (``num_workers = 0``), where PyTorch rejects it.
+    (``num_workers = 0``), where PyTorch rejects it. ``allow_data_change`` lets a checkpoint made
+    on a dataset of another size resume (``checkpoint.allow_data_change``).
     """
     if not 0 <= dp_rank < dp_degree:
         raise ValueError(f"data-parallel rank {dp_rank} is outside the data-parallel degree {dp_degree}.")
@@ -174,4 +184,4 @@ def build_dataloader(
                 prefetch_factor=prefetch_factor if num_workers > 0 else None,
             )
 
-    return MicroBatchLoader(order, microbatches, open_at)
+    return MicroBatchLoader(order, microbatches, open_at, allow_data_change)

@@ -14,6 +14,7 @@ A change here that alters the samples made from the same text must bump
 
 from __future__ import annotations
 
+import hashlib
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -114,14 +115,20 @@ class SampleDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     """Map-style dataset of ``(input_ids, labels)``, both ``LongTensor[seq_len]``.
 
     Padding and masking happen on access, so storage holds each sample's real tokens only.
+    ``identity`` fingerprints what the samples are made of (their tokens and the tokenizer): a
+    checkpoint records it, so a resume on other data is noticed.
     """
 
-    def __init__(self, arrays: TokenArrays, seq_len: int, pad_id: int) -> None:
+    def __init__(self, arrays: TokenArrays, seq_len: int, pad_id: int, tokenizer_sha256: str = "") -> None:
         self._tokens = torch.frombuffer(arrays.tokens, dtype=torch.int32)  # shares the array's memory
         self._offsets = arrays.offsets
         self._num_masked = arrays.num_masked
         self.seq_len = seq_len
         self.pad_id = pad_id
+        data = hashlib.sha256()
+        for part in arrays.parts():
+            data.update(part)
+        self.identity = {"data_sha256": data.hexdigest(), "tokenizer_sha256": tokenizer_sha256}
 
     def __len__(self) -> int:
         return len(self._offsets) - 1
@@ -172,4 +179,4 @@ def build_dataset(kind: str, path: str | None, tokenizer: Tokenizer, seq_len: in
         TokenArrays.TYPECODES,
         lambda: _build_arrays(kind, sources, tokenizer, seq_len).parts(),
     )
-    return SampleDataset(TokenArrays(*parts), seq_len, tokenizer.pad_id)
+    return SampleDataset(TokenArrays(*parts), seq_len, tokenizer.pad_id, tokenizer.sha256)

@@ -1,0 +1,277 @@
+"""Faults a long run meets, injected one at a time. Each ends the job loudly, with a message that
+says what happened and what to do, or is recovered from; none publishes broken state, clobbers
+another job or hangs silently. (Corrupt checkpoints, non-finite states and SIGTERM are tested
+with the other checkpoint tests in ``test_checkpoint.py``.)"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness import ROOT, Launched, run_train
+from trainer.checkpoint.folders import read_dcp_model, step_folders
+from trainer.config import ConfigError, load_config
+from trainer.dump_folder import LOCK_FILE, STALE_AFTER_S, DumpFolderLock, read_lock
+from trainer.errors import JobError
+from trainer.plan import plan
+from trainer.train import main
+
+QUICK = [
+    "--training.seq_len", "64",
+    "--training.local_batch_size", "2",
+    "--training.global_batch_size", "8",
+    "--metrics.log_freq", "1",
+    "--metrics.disable_color_printing",
+]
+
+
+def python_train(args: list[str], *prefix: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python -m trainer.train args`` as one process without torchrun (``prefix`` wraps it)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONPATH": str(ROOT)}
+    env.pop("RANK", None)
+    return subprocess.run(
+        [*prefix, sys.executable, "-m", "trainer.train", *args],
+        env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Bad values and folders, before any process group
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key", ["optimizer.lr", "optimizer.eps", "optimizer.beta2", "training.max_norm",
+                                 "lr_scheduler.min_lr_factor"])
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan"])
+def test_non_finite_values_are_config_errors(key, value, tmp_path):
+    with pytest.raises(ConfigError, match=f"`{key}` must be a finite number"):
+        load_config([f"--{key}", value])
+    section, name = key.split(".")
+    toml = tmp_path / "job.toml"
+    toml.write_text(f"[{section}]\n{name} = {value}\n")
+    with pytest.raises(ConfigError, match=f"`{key}` must be a finite number"):
+        load_config(["--config", str(toml)])
+
+
+def test_a_dump_folder_that_is_a_file_is_refused_before_any_process_group(tmp_path):
+    file = tmp_path / "outputs"
+    file.write_text("")
+    for folder in (file, file / "run1"):
+        with pytest.raises(ConfigError, match="job.dump_folder"):
+            plan(load_config(["--job.dump_folder", str(folder)]), 1)
+
+
+def can_mount_tmpfs() -> bool:
+    """A tiny or read-only file system needs a private mount namespace (``unshare``)."""
+    if not shutil.which("unshare"):
+        return False
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /mnt"], capture_output=True)
+    return probe.returncode == 0
+
+
+needs_tmpfs = pytest.mark.skipif(not can_mount_tmpfs(), reason="no user namespaces here to mount a small tmpfs")
+
+
+@needs_tmpfs
+@pytest.mark.launcher
+def test_a_read_only_dump_folder_is_refused_before_launch(tmp_path):
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    script = f"mount -t tmpfs -o ro,size=1m tmpfs {mount} && exec {ROOT / 'run_train.sh'} --job.dump_folder {mount / 'out'}"
+    start = time.monotonic()
+    proc = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "NGPU": "2"})
+    assert proc.returncode == 2
+    assert "`job.dump_folder`" in proc.stderr and "not a writable folder" in proc.stderr
+    assert "torch.distributed" not in proc.stderr + proc.stdout  # refused before torchrun started
+    assert time.monotonic() - start < 30
+
+
+# --------------------------------------------------------------------------------------------
+# One job per dump folder
+# --------------------------------------------------------------------------------------------
+
+
+def write_lock(folder: Path, host: str, pid: int, pid_start: str | None, age_s: float) -> None:
+    lock = folder / LOCK_FILE
+    lock.write_text(f'{{"host": "{host}", "pid": {pid}, "pid_start": {"null" if pid_start is None else repr(pid_start).replace(chr(39), chr(34))}, "started": 0}}')
+    os.utime(lock, (time.time() - age_s, time.time() - age_s))
+
+
+def dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_a_live_lock_is_refused_naming_its_owner(tmp_path):
+    write_lock(tmp_path, "node-7", 4242, None, age_s=5)
+    with pytest.raises(JobError, match="in use by another job: pid 4242 on host node-7"):
+        DumpFolderLock(tmp_path).acquire()
+    write_lock(tmp_path, socket.gethostname(), os.getpid(), None, age_s=STALE_AFTER_S * 10)
+    with pytest.raises(JobError, match=f"pid {os.getpid()}"):  # alive here: a stopped job keeps its lock
+        DumpFolderLock(tmp_path).acquire()
+
+
+@pytest.mark.parametrize("owner", ["dead process here", "recycled pid here", "silent other host"])
+def test_a_stale_lock_is_taken_over(owner, tmp_path):
+    if owner == "dead process here":
+        write_lock(tmp_path, socket.gethostname(), dead_pid(), None, age_s=1)
+    elif owner == "recycled pid here":
+        write_lock(tmp_path, socket.gethostname(), os.getpid(), "1", age_s=1)
+    else:
+        write_lock(tmp_path, "node-7", 4242, None, age_s=STALE_AFTER_S + 10)
+    lock = DumpFolderLock(tmp_path)
+    lock.acquire()
+    try:
+        holder, age = read_lock(tmp_path)
+        assert holder["pid"] == os.getpid() and holder["host"] == socket.gethostname() and age < 5
+        with pytest.raises(JobError, match="in use"):
+            DumpFolderLock(tmp_path).acquire()
+    finally:
+        lock.release()
+    assert read_lock(tmp_path) is None
+
+
+def test_the_entry_point_refuses_a_locked_folder_before_any_process_group(tmp_path, capsys):
+    lock = DumpFolderLock(tmp_path)
+    lock.acquire()
+    try:
+        assert main(["--job.dump_folder", str(tmp_path), "--training.steps", "1"]) == 2
+    finally:
+        lock.release()
+    assert "is in use by another job" in capsys.readouterr().err
+    assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.launcher
+def test_a_second_job_on_the_same_folder_is_refused(tmp_path):
+    first = Launched(1, QUICK + ["--training.steps", "200", "--job.dump_folder", str(tmp_path)], tmp_path / "first.log")
+    try:
+        first.wait_for("step: 1/200")
+        start = time.monotonic()
+        second = run_train(2, QUICK + ["--training.steps", "2", "--job.dump_folder", str(tmp_path)])
+        assert second.returncode == 2
+        assert time.monotonic() - start < 30
+        owner = first.workers()[0]
+        assert f"is in use by another job: pid {owner} on host {socket.gethostname()}" in second.stderr
+        assert "torch.distributed" not in second.stderr + second.stdout  # refused before torchrun
+        # Without the launcher's check, the job's rank 0 refuses before its process group exists.
+        direct = python_train(QUICK + ["--training.steps", "2", "--job.dump_folder", str(tmp_path)])
+        assert direct.returncode == 2 and f"pid {owner}" in direct.stderr
+        first.proc.send_signal(signal.SIGTERM)
+        assert first.finish() == 128 + signal.SIGTERM
+    finally:
+        first.finish(timeout=60)
+    assert not (tmp_path / LOCK_FILE).exists()
+
+
+# --------------------------------------------------------------------------------------------
+# Divergence, stalls, restarts, a full disk, other data
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.launcher
+def test_divergence_ends_the_job_and_every_checkpoint_stays_finite(tmp_path):
+    """lr 1e6: from step 3 on every step is skipped (non-finite gradient norm)."""
+    args = QUICK + ["--optimizer.lr", "1e6", "--lr_scheduler.warmup_steps", "0", "--training.steps", "20",
+                    "--training.max_consecutive_skipped_steps", "3", "--checkpoint.enable",
+                    "--checkpoint.interval", "1", "--job.dump_folder", str(tmp_path)]
+    proc = run_train(2, args)
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert "the last 3 optimizer steps (up to step 5) were all skipped (non-finite gradient norm)" in out, out[-3000:]
+    assert "training.max_consecutive_skipped_steps" in out and "step: 6/20" not in out
+    saved = step_folders(tmp_path / "checkpoint")
+    assert [step for step, _ in saved] == [1, 2, 3, 4]
+    for _, folder in saved:
+        assert all(torch.isfinite(w).all() for w in read_dcp_model(str(folder)).values())
+
+
+@pytest.mark.launcher
+def test_a_stalled_rank_ends_the_job_within_the_timeout(tmp_path):
+    timeout = 5
+    job = Launched(2, QUICK + ["--training.steps", "500", "--comm.train_timeout_seconds", str(timeout),
+                               "--job.dump_folder", str(tmp_path)], tmp_path / "job.log")
+    try:
+        job.wait_for("step: 3/500")
+        stalled = job.workers()[-1]
+        os.kill(stalled, signal.SIGSTOP)
+        start = time.monotonic()
+        code = job.finish(timeout=timeout + 120)
+        elapsed = time.monotonic() - start
+    finally:
+        for pid in job.workers():
+            os.kill(pid, signal.SIGKILL)
+    assert code != 0
+    # The timeout, then torchrun's 30 s grace before it SIGKILLs the stopped process.
+    assert elapsed < timeout + 45, elapsed
+    assert f"a collective waited more than `comm.train_timeout_seconds` = {timeout} s" in job.output()
+
+
+@pytest.mark.launcher
+def test_restarts_recover_from_kill_9_of_any_rank(tmp_path):
+    """Three kills in one job, each recovered by a torchrun restart that resumes the checkpoint."""
+    steps = 12
+    job = Launched(2, QUICK + ["--training.steps", str(steps), "--checkpoint.enable", "--checkpoint.interval", "1",
+                               "--job.dump_folder", str(tmp_path)], tmp_path / "job.log", MAX_RESTARTS="3")
+    pick = random.Random(0)
+    try:
+        for kill_after in (2, 5, 8):
+            job.wait_for(f"step: {kill_after}/{steps}")
+            os.kill(pick.choice(job.workers()), signal.SIGKILL)
+            job.wait_for(f"step: {kill_after + 2}/{steps}")  # only reached after a restart and resume
+        assert job.finish() == 0, job.output()[-3000:]
+    finally:
+        job.finish(timeout=60)
+    out = job.output()
+    assert out.count("resuming from") == 3 and f"step: {steps}/{steps}" in out
+    assert "connectFullMesh" not in out
+
+
+@needs_tmpfs
+@pytest.mark.launcher
+def test_a_full_disk_is_named_and_the_previous_checkpoint_kept(tmp_path):
+    """The debug model's full state takes about 70 MB: the first save fits a 100 MB disk, the second not."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    args = QUICK + ["--training.steps", "4", "--checkpoint.enable", "--checkpoint.interval", "2",
+                    "--metrics.enable_tensorboard=false", "--job.dump_folder", str(mount / "out")]
+    command = " ".join([sys.executable, "-m", "trainer.train", *args])
+    proc = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=100m tmpfs {mount} && exec {command}"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "2"},
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "checkpoint step-4 could not be written: no space left on the device" in proc.stderr
+    assert "older checkpoints are kept (step-2)" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.launcher
+def test_resuming_on_other_data_of_the_same_size_is_refused(tmp_path):
+    def pairs(name: str, word: str) -> Path:
+        file = tmp_path / name
+        file.write_text("".join(f'{{"prompt": "{word} {i}?", "response": "{word} {i}."}}\n' for i in range(40)))
+        return file
+
+    args = QUICK + ["--training.dataset", "shakespeare_dialogue", "--checkpoint.enable",
+                    "--checkpoint.interval", "2", "--job.dump_folder", str(tmp_path / "out")]
+    first = python_train(args + ["--training.dataset_path", str(pairs("a.jsonl", "Why")), "--training.steps", "2"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    other = args + ["--training.dataset_path", str(pairs("b.jsonl", "How")), "--training.steps", "4"]
+    refused = python_train(other)
+    assert refused.returncode == 1
+    assert "was trained on other data than this run's (data_sha256" in refused.stderr
+    assert "checkpoint.allow_data_change" in refused.stderr and "Traceback" not in refused.stderr
+    allowed = python_train(other + ["--checkpoint.allow_data_change"])
+    assert allowed.returncode == 0 and "resuming" in allowed.stderr and "on changed data" in allowed.stderr

@@ -1,0 +1,146 @@
+"""What makes a checkpoint trustworthy: a checksum for every file, and a finite state.
+
+**Checksums.** :class:`ChecksummingWriter` is DCP's file-system writer plus one step: right
+after a rank has written its data files it reads them back and computes their CRC-32 (in the
+background thread with async saves, so off the training's critical path). The checksums travel
+to the coordinator with DCP's own write results, and after DCP has written ``.metadata`` the
+coordinator writes them, with every file's size and the metadata's own checksum, into
+``checksums.json``: the last file of the folder before it is published by a rename. At load,
+:func:`checksum_problem` recomputes them (each rank a share of the files), so a checkpoint with
+a flipped byte is skipped instead of silently loading garbage. CRC-32 detects accidental
+corruption (bad disk, torn copy), which is the threat here, at about twice SHA-256's speed.
+
+**Finite state.** :func:`first_non_finite` finds a NaN or an infinity among tensors: the
+checkpoint manager refuses to publish such a state, so a diverged run never replaces good
+checkpoints with garbage.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+MANIFEST_FILE = "checksums.json"
+METADATA_FILE = ".metadata"
+_CHUNK = 8 << 20
+
+
+def file_crc32(path: Path) -> str:
+    """CRC-32 of a file's bytes, as 8 hex digits."""
+    crc = 0
+    with open(path, "rb") as fh:
+        while chunk := fh.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
+@dataclass(frozen=True)
+class _Checksummed:
+    """A write result's storage info, carrying the checksum of the file it points into."""
+
+    storage_data: Any
+    crc32: str
+    size: int
+
+
+class ChecksummingWriter(FileSystemWriter):
+    """``FileSystemWriter`` that records every file's CRC-32 in ``checksums.json`` (see above)."""
+
+    def write_data(self, plan, planner) -> Future[list[WriteResult]]:
+        written = super().write_data(plan, planner)
+        written.wait()
+        results = written.value()
+        sums: dict[str, tuple[str, int]] = {}
+        for result in results:
+            name = result.storage_data.relative_path
+            if name not in sums:
+                file = Path(self.path) / name
+                sums[name] = (file_crc32(file), file.stat().st_size)
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(
+            [
+                WriteResult(r.index, r.size_in_bytes, _Checksummed(r.storage_data, *sums[r.storage_data.relative_path]))
+                for r in results
+            ]
+        )
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        files: dict[str, dict[str, Any]] = {}
+        plain: list[list[WriteResult]] = []
+        for rank_results in results:
+            plain.append([])
+            for r in rank_results:
+                checked: _Checksummed = r.storage_data
+                files[checked.storage_data.relative_path] = {"size": checked.size, "crc32": checked.crc32}
+                plain[-1].append(WriteResult(r.index, r.size_in_bytes, checked.storage_data))
+        super().finish(metadata, plain)
+        folder = Path(self.path)
+        meta = folder / METADATA_FILE
+        files[METADATA_FILE] = {"size": meta.stat().st_size, "crc32": file_crc32(meta)}
+        write_manifest(folder, files)
+
+
+def write_manifest(folder: Path, files: dict[str, dict[str, Any]]) -> None:
+    manifest = {"format": 1, "algorithm": "crc32", "files": dict(sorted(files.items()))}
+    (folder / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1))
+
+
+def read_manifest(folder: Path) -> dict[str, dict[str, Any]] | None:
+    """``{file: {"size", "crc32"}}``, or None for a checkpoint written without checksums."""
+    try:
+        return json.loads((folder / MANIFEST_FILE).read_text())["files"]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return {MANIFEST_FILE: {"unreadable": f"{type(e).__name__}: {e}"}}
+
+
+def checksum_problem(folder: Path, share: int = 0, shares: int = 1) -> str | None:
+    """Why ``folder``'s files do not match its manifest, checking the ``share``-th of
+    ``shares`` slices of the files (so the ranks of a job divide the reading); None if they
+    match or the checkpoint has no manifest (written before checksums existed)."""
+    manifest = read_manifest(folder)
+    if manifest is None:
+        return None
+    if "unreadable" in manifest.get(MANIFEST_FILE, {}):
+        return f"its checksum manifest is damaged ({manifest[MANIFEST_FILE]['unreadable']})"
+    for name in sorted(manifest)[share::shares]:
+        expected, file = manifest[name], folder / name
+        if not file.is_file():
+            return f"its file {name} is missing"
+        size = file.stat().st_size
+        if size != expected["size"]:
+            return f"its file {name} has {size} bytes, {expected['size']} when written"
+        if file_crc32(file) != expected["crc32"]:
+            return f"its file {name} does not match its checksum (corrupted after it was written)"
+    return None
+
+
+def first_non_finite(named: Iterable[tuple[str, torch.Tensor]]) -> str | None:
+    """The name of the first tensor holding a NaN or an infinity, or None.
+
+    Each tensor's minimum and maximum (NaN propagates through both) in one pass without a
+    temporary, then one transfer to the host per device: on CPU ``aminmax`` reads about 20 GB/s,
+    ten times an infinity norm and thirty times ``isfinite().all()``.
+    """
+    by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+    for name, tensor in named:
+        if tensor.is_floating_point() and tensor.numel():
+            by_device.setdefault(tensor.device, []).append((name, tensor))
+    for members in by_device.values():
+        extremes = torch.stack([torch.stack(torch.aminmax(t)).float() for _, t in members])
+        finite = torch.isfinite(extremes).all(dim=1).cpu()
+        if not bool(finite.all()):
+            return members[int((~finite).nonzero()[0])][0]
+    return None

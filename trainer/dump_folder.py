@@ -1,0 +1,201 @@
+"""The dump folder: checked before any process group exists, and held by one job at a time.
+
+Everything a job writes (resolved config, TensorBoard logs, checkpoints) goes into
+``job.dump_folder``. Two jobs writing into one folder overwrite each other's checkpoints and
+mix their logs, and both would exit 0, so the job's rank 0 takes an exclusive lock on the
+folder before the process group is created: the file ``.meshtrain.lock``, created with
+``O_EXCL`` (atomic on local file systems and on NFSv3+, unlike ``flock``), holding the owner's
+host, pid and start time. A heartbeat thread touches it every ``HEARTBEAT_S`` seconds.
+
+A lock left behind by a job that died (``kill -9``, a lost node) must not block the folder
+forever. It is *stale*, and taken over with a warning, when
+
+* its owner ran on this host and that process no longer exists (checked at once, with the
+  process start time guarding against a recycled pid), or
+* its owner ran on another host and its heartbeat is older than ``STALE_AFTER_S`` seconds
+  (another host's processes cannot be asked; clocks are assumed to agree within a minute).
+
+A job stopped with ``kill -STOP`` on the same host keeps its lock: it can still be continued.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from trainer.config import ConfigError
+from trainer.errors import JobError
+
+logger = logging.getLogger("meshtrain")
+
+LOCK_FILE = ".meshtrain.lock"
+HEARTBEAT_S = 10.0
+STALE_AFTER_S = 120.0
+
+
+def check_dump_folder(path: str) -> None:
+    """Raise :class:`ConfigError` unless ``path`` is, or can be made, a writable folder.
+
+    Runs on every rank before any process group exists, so a folder that is a file or not
+    writable fails in seconds instead of after the model is built.
+    """
+    folder = Path(path)
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"`job.dump_folder` = {path!r} is a file, not a folder; point it at a folder.")
+    probe = folder / f".write-probe-{socket.gethostname()}-{os.getpid()}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(
+            f"`job.dump_folder` = {path!r} is not a writable folder ({e.strerror or e}); "
+            "point it at a folder this job can write to."
+        ) from None
+
+
+def _process_start(pid: int) -> str | None:
+    """The start time of process ``pid`` in clock ticks since boot (Linux), to tell a live
+    owner from an unrelated process that got its recycled pid; None where unknown."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return fields[19] if len(fields) > 19 else None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def describe_holder(holder: dict[str, Any], heartbeat_age_s: float) -> str:
+    started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("started", 0)))
+    return (
+        f"pid {holder.get('pid')} on host {holder.get('host')} (started {started}, "
+        f"last heartbeat {heartbeat_age_s:.0f} s ago)"
+    )
+
+
+def read_lock(folder: str | Path) -> tuple[dict[str, Any], float] | None:
+    """``(owner, heartbeat age in seconds)`` of the lock on ``folder``, or None without one."""
+    path = Path(folder) / LOCK_FILE
+    try:
+        text = path.read_text()
+        age = time.time() - path.stat().st_mtime
+    except FileNotFoundError:
+        return None
+    try:
+        holder = json.loads(text)
+    except json.JSONDecodeError:
+        holder = {}  # being written right now, or damaged: judged by its age alone
+    return holder, age
+
+
+def is_stale(holder: dict[str, Any], heartbeat_age_s: float) -> bool:
+    """Whether the lock's owner is gone (see the module docstring)."""
+    if holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int):
+        pid = holder["pid"]
+        if not _pid_alive(pid):
+            return True
+        recorded, current = holder.get("pid_start"), _process_start(pid)
+        return recorded is not None and current is not None and recorded != current
+    return heartbeat_age_s > STALE_AFTER_S
+
+
+def busy_message(folder: str | Path, holder: dict[str, Any], heartbeat_age_s: float) -> str:
+    return (
+        f"`job.dump_folder` = {str(folder)!r} is in use by another job: {describe_holder(holder, heartbeat_age_s)}. "
+        "Wait for it or stop it, or give this job another `--job.dump_folder`. A lock left by a job "
+        f"that died ({Path(folder) / LOCK_FILE}) is taken over automatically: at once on the same "
+        f"host, after {STALE_AFTER_S:.0f} s without a heartbeat from another host."
+    )
+
+
+class DumpFolderLock:
+    """The exclusive claim of one job on its dump folder; ``acquire`` before the process group."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        self.path = self.folder / LOCK_FILE
+        self._owner = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "pid_start": _process_start(os.getpid()),
+            "started": time.time(),
+            "command": " ".join(sys.argv),
+        }
+        self._stop = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+
+    def acquire(self) -> None:
+        """Take the lock, or raise :class:`JobError` naming the job that holds it."""
+        for _ in range(5):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                self._take_over_if_stale()
+                continue
+            with os.fdopen(fd, "w") as fh:
+                json.dump(self._owner, fh)
+                fh.flush()
+                os.fsync(fh.fileno())
+            self._heartbeat = threading.Thread(target=self._beat, name="dump-folder-lock", daemon=True)
+            self._heartbeat.start()
+            return
+        raise JobError(f"could not take the lock {self.path}: other jobs keep claiming it; try again.")
+
+    def _take_over_if_stale(self) -> None:
+        found = read_lock(self.folder)
+        if found is None:
+            return  # released meanwhile: try again
+        holder, age = found
+        if not is_stale(holder, age):
+            raise JobError(busy_message(self.folder, holder, age))
+        # Move the stale lock aside, then check that what moved is what was judged stale: a job
+        # racing for the same stale lock may have replaced it with its own live one.
+        aside = self.path.with_name(f"{LOCK_FILE}.stale-{socket.gethostname()}-{os.getpid()}")
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return
+        try:
+            moved = json.loads(aside.read_text())
+        except (OSError, json.JSONDecodeError):
+            moved = {}
+        if moved != holder:
+            os.rename(aside, self.path)
+            raise JobError(busy_message(self.folder, moved, 0.0))
+        aside.unlink(missing_ok=True)
+        logger.warning(
+            "took over the lock on %s from a job that is gone: %s", self.folder, describe_holder(holder, age)
+        )
+
+    def _beat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                os.utime(self.path)
+            except OSError as e:
+                logger.error("cannot refresh the dump-folder lock %s (%s)", self.path, e)
+
+    def release(self) -> None:
+        """Remove the lock if it is still this job's."""
+        self._stop.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join()
+            self._heartbeat = None
+        found = read_lock(self.folder)
+        if found is not None and found[0].get("pid") == self._owner["pid"] and found[0].get("host") == self._owner["host"]:
+            self.path.unlink(missing_ok=True)
