@@ -1,10 +1,11 @@
 """``./run_train.sh``: check the job once, start one training process per device, stop them well.
 
 1. **Check before launching.** The config, the mesh for the world size about to be launched
-   (``NGPU x NNODES``), the tokenizer, the data and the dump folder (writable, not held by a
-   running job) are checked in this one process. A mistake prints one message and exits 2 in
-   seconds, before torchrun starts any worker. The dataset is tokenized here, so the workers
-   find it in the token cache.
+   (``NGPU x NNODES``), the memory estimate, the tokenizer, the data and the dump folder
+   (writable, not held by a running job) are checked in this one process. A mistake prints one
+   message and exits 2 in seconds, before torchrun starts any worker. The dataset is tokenized
+   here, so the workers find it in the token cache. ``--dry-run`` prints the plan and the
+   memory estimate and exits.
 2. **Launch.** torchrun (``python -m torch.distributed.run`` of this interpreter) runs in a
    session of its own, so Ctrl-C in the terminal reaches this launcher only.
 3. **Stop well.** On SIGTERM or SIGINT the launcher sends SIGTERM to the training processes
@@ -67,15 +68,22 @@ def training_argv(argv: list[str]) -> list[str]:
     return ["--config", config_file, *argv]
 
 
-def preflight(argv: list[str], world_size: int) -> None:
-    """Everything the workers would check, once, here; raise ConfigError (or ValueError, ...)."""
+def preflight(argv: list[str], nproc: int, nnodes: int, dry_run: bool = False) -> None:
+    """Everything the workers would check, once, here; raise ConfigError (or ValueError, ...).
+
+    With ``dry_run``, print what the job would be (plan and memory estimate) too.
+    """
     from trainer.build import load_dataset
     from trainer.config import load_config
     from trainer.dump_folder import busy_message, is_stale, read_lock
-    from trainer.plan import plan
+    from trainer.plan import check_memory, describe, memory_limit, plan
 
     config = load_config(argv)
-    job_plan = plan(config, world_size)
+    job_plan = plan(config, nproc * nnodes)
+    limit, where = memory_limit(nproc, None, started=False)
+    if dry_run:
+        print(describe(job_plan, limit, where))
+    check_memory(job_plan, limit, where)
     load_dataset(job_plan)
     found = read_lock(config.job.dump_folder)
     if found is not None and not is_stale(*found):
@@ -124,8 +132,11 @@ def _children(pid: int) -> list[int]:
 def run(argv: list[str]) -> int:
     """Launch and wait; the exit code of the job (see the module docstring)."""
     nproc, nnodes = _env_int("NGPU", 0) or local_device_count(), _env_int("NNODES", 1)
+    if "--dry-run" in argv:
+        preflight([a for a in argv if a != "--dry-run"], nproc, nnodes, dry_run=True)
+        return 0
     command = torchrun_command(argv, nproc, nnodes)
-    preflight(argv, nproc * nnodes)
+    preflight(argv, nproc, nnodes)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
     torchrun = subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=_die_with_parent)
     received: list[int] = []
@@ -156,13 +167,14 @@ def run(argv: list[str]) -> int:
 
 
 def main(argv: list[str]) -> int:
-    if "--help" in argv or "-h" in argv:
-        from trainer.config import help_text
-
-        print(help_text())
-        return 0
     try:
-        return run(training_argv(argv))
+        argv = training_argv(argv)
+        if "--help" in argv or "-h" in argv:
+            from trainer.config import help_text
+
+            print(help_text(argv))
+            return 0
+        return run(argv)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"meshtrain: config error: {e}", file=sys.stderr)
         return 2

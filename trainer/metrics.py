@@ -163,7 +163,7 @@ _TAG_DATA_PCT = "time_metrics/data_loading(%)"
 _TAG_SKIPPED = "n_skipped_steps"
 
 
-def _format_duration(seconds: float) -> str:
+def format_duration(seconds: float) -> str:
     """h:mm:ss, with hours allowed past 24 so long runs stay readable at a glance."""
     minutes, secs = divmod(round(seconds), 60)
     hours, minutes = divmod(minutes, 60)
@@ -350,7 +350,7 @@ class MetricsLogger:
         ]
         if mfu is not None:
             fields.append(f"{c['magenta']}mfu: {mfu:.2f}%")
-        fields.append(f"{c['white']}eta: {_format_duration(eta_s)}")
+        fields.append(f"{c['white']}eta: {format_duration(eta_s)}")
         if self._n_skipped_steps:
             fields.append(f"{c['red']}skipped steps: {self._n_skipped_steps}")
         return "  ".join(fields) + c["reset"]

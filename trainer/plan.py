@@ -14,9 +14,11 @@ from dataclasses import dataclass
 import torch
 
 from parallelisms.parallel_dims import ParallelDims, ParallelismError, device_type
+from parallelisms.context_parallel import resolve_backend
 from parallelisms.parallelize import ModelShape, ParallelSettings, check
 from trainer.config import ConfigError, JobConfig, resolve_path
 from trainer.dump_folder import check_dump_folder
+from trainer.memory_plan import Estimate, Workload, cpu_limit_per_rank, estimate, fixes, gib, gpu_limit
 from trainer.model.llama3 import ModelArgs, model_args
 from trainer.data.tokenizer import Tokenizer
 
@@ -48,6 +50,12 @@ class Plan:
     global_batch_size: int
     model_args: ModelArgs
     tokenizer: Tokenizer
+    workload: Workload
+    """What the per-rank memory estimate is made of."""
+
+    @property
+    def memory(self) -> Estimate:
+        return estimate(self.workload)
 
 
 def plan(config: JobConfig, world_size: int) -> Plan:
@@ -89,7 +97,77 @@ def plan(config: JobConfig, world_size: int) -> Plan:
         raise ConfigError(
             f"`checkpoint.create_seed_checkpoint` runs on one process, not {world_size}: launch it with NGPU=1."
         )
-    return Plan(config, dims, settings, global_batch // per_microbatch, global_batch, args, tokenizer)
+    workload = memory_workload(config, dims, settings, args)
+    return Plan(config, dims, settings, global_batch // per_microbatch, global_batch, args, tokenizer, workload)
+
+
+def memory_workload(config: JobConfig, dims: ParallelDims, settings: ParallelSettings, args: ModelArgs) -> Workload:
+    training = config.training
+    return Workload(
+        dim=args.dim,
+        n_layers=args.n_layers,
+        n_heads=args.n_heads,
+        kv_heads=args.kv_heads,
+        ffn_dim=args.ffn_hidden_dim,
+        vocab_size=args.vocab_size,
+        local_batch_size=training.local_batch_size,
+        seq_len=training.seq_len,
+        dp_shard=dims.dp_shard,
+        cp=dims.cp,
+        tp=dims.tp,
+        compute_bytes=settings.param_dtype.itemsize,
+        ac_mode=settings.ac_mode,
+        ac_option=settings.ac_option,
+        loss_parallel=settings.loss_parallel,
+        defer_gradient_reduction=training.defer_gradient_reduction,
+        reshard_after_forward=settings.reshard_after_forward,
+        cp_allgather_kv=resolve_backend(settings.cp_backend, device_type()) == "allgather_kv",
+        device=device_type(),
+    )
+
+
+def describe(plan: Plan, limit: int | None, where: str) -> str:
+    """What the job will be, in a few lines (``--dry-run``)."""
+    config, dims, training, w = plan.config, plan.dims, plan.config.training, plan.workload
+    fits = f" (limit {gib(limit)}: {where})" if limit is not None else ""
+    return "\n".join([
+        f"model: {config.model.name} {config.model.flavor}, {w.params:,} parameters "
+        f"({w.n_layers} layers, dim {w.dim}, vocabulary {w.vocab_size})",
+        f"mesh: dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} cp={dims.cp} tp={dims.tp} "
+        f"({dims.world_size} processes)",
+        f"batch: {plan.global_batch_size} x {training.seq_len} tokens per step = {plan.microbatches} "
+        f"micro-batch(es) of {training.local_batch_size} per data-parallel rank; {training.steps} steps",
+        f"memory: {plan.memory.line()}{fits}",
+        f"output: {config.job.dump_folder}",
+    ])
+
+
+def memory_limit(local_ranks: int, device_index: int | None, started: bool) -> tuple[int | None, str]:
+    """The memory one rank may use, and what it is, on this machine (see ``trainer/memory_plan.py``)."""
+    if device_type() == "cuda":
+        return gpu_limit(device_index), "the GPU's memory"
+    return cpu_limit_per_rank(local_ranks, started), f"this machine's available memory shared by {local_ranks} rank(s)"
+
+
+def check_memory(plan: Plan, limit: int | None, where: str) -> None:
+    """Raise :class:`ConfigError` when the per-rank estimate exceeds ``limit`` (bytes; None: unknown).
+
+    ``where`` says what the limit is ("the GPU's memory", ...), for the message.
+    """
+    needed = plan.memory.total
+    if limit is None or needed <= limit or not plan.config.training.check_memory:
+        return
+    how, changes = fixes(plan.workload, limit, plan.dims.world_size)
+    if not changes:
+        advice = "Nothing the mesh or the batch can change fits it: use larger machines or a smaller `model.flavor`"
+    elif how == "any":
+        advice = "Any one of these would fit: " + "; or ".join(changes)
+    else:
+        advice = "These together would fit: " + ", ".join(changes)
+    raise ConfigError(
+        f"this job needs about {plan.memory.line()}, more than {where} ({gib(limit)}). {advice}. "
+        "The estimate is printed by `--dry-run`; `--training.check_memory false` runs anyway."
+    )
 
 
 def parallel_settings(config: JobConfig, dims: ParallelDims) -> ParallelSettings:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import textwrap
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -28,15 +29,16 @@ from torch.utils.data import Dataset
 
 from parallelisms.tensor_parallel import loss_context
 from trainer.build import Trainer, build_trainer, load_dataset
+from trainer.checkpoint.folders import step_folders
 from trainer.checkpoint.manager import CheckpointManager, create_seed_checkpoint
-from trainer.config import ConfigError, help_text, load_config, to_toml
+from trainer.config import ConfigError, changed_settings, help_text, load_config, to_toml
 from trainer.distributed import CollectiveTimeouts
 from trainer.dump_folder import DumpFolderLock
 from trainer.errors import JobError
 from trainer.grad_accumulator import StepResult
-from trainer.metrics import MetricsLogger, StepStats, flops_per_token, peak_flops
+from trainer.metrics import MetricsLogger, StepStats, flops_per_token, format_duration, peak_flops
 from trainer.model.llama3 import num_params
-from trainer.plan import Plan, plan
+from trainer.plan import Plan, check_memory, describe, memory_limit, plan
 from trainer.profiling import profiling
 from trainer.stop_requests import StopRequests
 from trainer.train_state import TrainState
@@ -49,8 +51,10 @@ def main(argv: list[str]) -> int:
         level=logging.INFO, format="[%(name)s] %(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S"
     )
     if "--help" in argv or "-h" in argv:
-        print(help_text())
+        print(help_text(argv))
         return 0
+    if "--dry-run" in argv:
+        return dry_run([a for a in argv if a != "--dry-run"], int(os.environ.get("WORLD_SIZE", 1)))
     stop = StopRequests()
     with stop.installed():
         return _main(argv, stop)
@@ -60,6 +64,12 @@ def _main(argv: list[str], stop: StopRequests) -> int:
     try:
         config = load_config(argv)
         job_plan = plan(config, int(os.environ.get("WORLD_SIZE", 1)))
+        limit, where = memory_limit(
+            int(os.environ.get("LOCAL_WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0)), started=True
+        )
+        if int(os.environ.get("RANK", 0)) == 0:
+            logger.info("memory estimate: %s", job_plan.memory.line())
+        check_memory(job_plan, limit, where)
         dataset = load_dataset(job_plan)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"meshtrain: config error: {e}", file=sys.stderr)
@@ -85,6 +95,24 @@ def _main(argv: list[str], stop: StopRequests) -> int:
     return 0
 
 
+def dry_run(argv: list[str], world_size: int) -> int:
+    """Check everything and print what the job would be, without training (``--dry-run``)."""
+    try:
+        job_plan = plan(load_config(argv), world_size)
+        load_dataset(job_plan)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print(f"meshtrain: config error: {e}", file=sys.stderr)
+        return 2
+    limit, where = memory_limit(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), None, started=False)
+    print(describe(job_plan, limit, where))
+    try:
+        check_memory(job_plan, limit, where)
+    except ConfigError as e:
+        print(f"meshtrain: config error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def train(plan: Plan, dataset: Dataset, stop: StopRequests | None = None) -> None:
     """Build, resume, loop. ``stop`` carries SIGTERM / Ctrl-C requests into the loop."""
     config = plan.config
@@ -99,9 +127,12 @@ def train(plan: Plan, dataset: Dataset, stop: StopRequests | None = None) -> Non
             return
         state, checkpointer = resume(plan, dataset, trainer)
         metrics = start_metrics(plan, trainer)
-        loop(plan, trainer, state, checkpointer, metrics, stop, timeouts)
+        first_step, start = state.step + 1, time.monotonic()
+        last = loop(plan, trainer, state, checkpointer, metrics, stop, timeouts)
         checkpointer.close()
         metrics.close()
+        if dist.get_rank() == 0 and last is not None:
+            log_end(plan, state, last, state.step - first_step + 1, time.monotonic() - start, checkpointer, metrics)
         dist.barrier()
         dist.destroy_process_group()
 
@@ -114,12 +145,13 @@ def loop(
     metrics: MetricsLogger,
     stop: StopRequests,
     timeouts: CollectiveTimeouts,
-) -> None:
-    """Step, log, stop if asked, checkpoint; until the last step or a stop request."""
+) -> StepStats | None:
+    """Step, log, stop if asked, checkpoint; until the last step or a stop request. Returns the
+    last step's stats (None if no step ran)."""
     training = plan.config.training
     # On GPUs the stop flag travels on a CPU group of its own, so it never syncs the device.
     stop.group = dist.new_group(backend="gloo") if trainer.device.type == "cuda" else None
-    first_step = state.step + 1
+    first_step, stats = state.step + 1, None
     stopping = stop.stop_after_step()  # asked to stop while building: there is no step to save
     with profiling(plan.config.profiling, plan.config.job.dump_folder, dist.get_rank()) as profiler:
         while state.step < training.steps and not stopping:
@@ -134,6 +166,7 @@ def loop(
                 timeouts.start_training([*trainer.meshes.groups(), *filter(None, [stop.group])])
     if stopping:
         logger.warning("stopped by %s after step %d", stop.signal_name or "a signal to another rank", state.step)
+    return stats
 
 
 def resume(plan: Plan, dataset: Dataset, trainer: Trainer) -> tuple[TrainState, CheckpointManager]:
@@ -244,7 +277,9 @@ def start_metrics(plan: Plan, trainer: Trainer) -> MetricsLogger:
     if rank == 0:
         config_file = Path(plan.config.job.dump_folder) / "config.toml"
         config_file.write_text(to_toml(plan.config))
-        logger.info("resolved config (saved to %s):\n%s", config_file, to_toml(plan.config))
+        changed = changed_settings(plan.config)
+        summary = textwrap.fill(" ".join(changed), width=110, initial_indent="  ", subsequent_indent="  ")
+        logger.info("config: %d settings differ from the code's defaults (all in %s):\n%s", len(changed), config_file, summary)
         log_start(plan, trainer, metrics)
     return metrics
 
@@ -281,6 +316,23 @@ def log_start(plan: Plan, trainer: Trainer, metrics: MetricsLogger) -> None:
     )
     if metrics.tb_dir:
         logger.info("TensorBoard: tensorboard --logdir %s", metrics.tb_dir)
+
+
+def log_end(
+    plan: Plan, state: TrainState, last: StepStats, steps: int, seconds: float,
+    checkpointer: CheckpointManager, metrics: MetricsLogger,
+) -> None:
+    """What the run did and where its results are, in a few lines (rank 0)."""
+    tokens = steps * plan.global_batch_size * plan.config.training.seq_len
+    saved = step_folders(checkpointer.folder) if plan.config.checkpoint.enable else []
+    logger.info(
+        "done: steps %d-%d of %d (%d skipped in all) in %s, %s tokens (%s tokens/s); final loss %.4f\n"
+        "  checkpoint: %s\n  TensorBoard: %s",
+        state.step - steps + 1, state.step, plan.config.training.steps, state.n_skipped_steps,
+        format_duration(seconds), f"{tokens:,}", f"{tokens / max(seconds, 1e-9):,.0f}", last.loss_avg,
+        saved[-1][1] if saved else "none (`--checkpoint.enable` saves them)",
+        f"tensorboard --logdir {metrics.tb_dir}" if metrics.tb_dir else "off",
+    )
 
 
 if __name__ == "__main__":

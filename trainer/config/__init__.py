@@ -5,6 +5,7 @@ from trainer.config.parser import (
     CONFIG_DIR,
     DEFAULT_CONFIG,
     REPO_ROOT,
+    changed_settings,
     help_text,
     load_config,
     load_toml,
@@ -37,7 +38,7 @@ from trainer.config.schema import (
 from trainer.config.validate import validate
 
 __all__ = [
-    "CONFIG_DIR", "DEFAULT_CONFIG", "REPO_ROOT", "help_text", "load_config", "load_toml", "parse_mesh",
+    "CONFIG_DIR", "DEFAULT_CONFIG", "REPO_ROOT", "changed_settings", "help_text", "load_config", "load_toml", "parse_mesh",
     "resolve_config_path", "resolve_path", "to_toml", "type_name", "FIELDS", "MESH_DIMS",
     "ActivationCheckpoint", "Checkpoint", "Comm", "Compile", "ConfigError", "Debug", "Job", "JobConfig",
     "LRScheduler", "Metrics", "Model", "Optimizer", "Parallelism", "Profiling", "StrList", "Training",

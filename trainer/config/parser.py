@@ -184,27 +184,48 @@ def _split_cli(argv: list[str]) -> tuple[str | None, str | None, list[tuple[str,
     return config_name, mesh, overrides
 
 
-def help_text() -> str:
+def help_text(argv: list[str] | None = None) -> str:
+    """Every key, with the value the run would take from ``argv`` (the config file it names,
+    ``debug_model.toml`` by default, and any overrides) and the code's default beside it.
+
+    A user about to run ``./run_train.sh`` wants to see what *that* run does, not the dataclass
+    defaults; when ``argv`` has an error, the error is shown and the file's values are left out.
+    """
+    argv = [arg for arg in (argv or []) if arg not in ("--help", "-h")]
+    source = "the code"
+    try:
+        values = load_config(argv)
+        config_name, _, _ = _split_cli(argv)
+        source = (resolve_config_path(config_name) if config_name else DEFAULT_CONFIG).name
+    except ConfigError as e:
+        values, source = JobConfig(), f"the code (the command line has an error: {e})"
     lines = [
-        "usage: ./run_train.sh [--config FILE] [--mesh dp_replicate=R,dp_shard=S,tp=T,cp=C] [--section.key VALUE ...]",
+        "usage: ./run_train.sh [--config FILE] [--mesh dp_replicate=R,dp_shard=S,tp=T,cp=C] [--dry-run] [--section.key VALUE ...]",
         "",
         "  --config FILE   TOML file, a path or a name inside train_configs/ (default: debug_model.toml)",
         "  --mesh SPEC     the whole mesh at once; unnamed dimensions are 1, dp_shard is inferred",
+        "  --dry-run       check everything, print the plan and the per-rank memory estimate, and exit",
         "",
         "Every key can be set in the TOML file ([section] key = value) or as --section.key VALUE,",
         "--section.key=VALUE; a bare boolean flag means true.",
+        f"Values shown: what this command line gives, from {source}; the code's default beside where it differs.",
     ]
     section = None
     for key, (typ, f) in FIELDS.items():
-        sec = key.split(".")[0]
+        sec, name = key.split(".")
         if sec != section:
             section = sec
             lines += ["", f"[{sec}]"]
         choices = f" {{{'|'.join(f.metadata['choices'])}}}" if f.metadata["choices"] else ""
-        default = ",".join(f.default) if typ is StrList else repr(f.default)
-        lines.append(f"  --{key} ({type_name(typ)}{choices}, default {default})")
+        value, default = getattr(getattr(values, sec), name), f.default
+        shown = _shown(typ, value) + ("" if value == default else f"; code default {_shown(typ, default)}")
+        lines.append(f"  --{key} ({type_name(typ)}{choices}) = {shown}")
         lines.append(f"      {f.metadata['doc']}")
     return "\n".join(lines)
+
+
+def _shown(typ: type, value: Any) -> str:
+    return ",".join(value) if typ is StrList else repr(value)
 
 
 def load_config(argv: list[str]) -> JobConfig:
@@ -229,6 +250,18 @@ def load_config(argv: list[str]) -> JobConfig:
         _set(config, key, _coerce(key, value, from_cli=True))
     validate(config)
     return config
+
+
+def changed_settings(config: JobConfig) -> list[str]:
+    """``key=value`` for every setting that differs from the code's default: a run's config in
+    a few lines (the whole of it is in the saved ``config.toml``)."""
+    changed = []
+    for key, (typ, f) in FIELDS.items():
+        section, name = key.split(".")
+        value = getattr(getattr(config, section), name)
+        if value != f.default:
+            changed.append(f"{key}={_shown(typ, value)}")
+    return changed
 
 
 def to_toml(config: JobConfig) -> str:

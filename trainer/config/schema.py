@@ -121,6 +121,12 @@ class Training:
         "Skip FSDP's reduce-scatter on all but the last micro-batch: gradients accumulate "
         "unsharded (more memory) and are communicated once per step (less communication).",
     )
+    check_memory: bool = _field(
+        True,
+        "Before building the model, estimate each rank's memory and stop (with the settings that "
+        "would fit) when it exceeds the GPU's memory, or on CPU the machine's available memory "
+        "shared by its ranks; false only prints the estimate.",
+    )
     num_workers: int = _field(0, "Data loader worker processes per rank (0 loads in the training process).")
     prefetch_factor: int = _field(2, "Micro-batches each data loader worker prepares ahead (workers > 0 only).")
     peak_flops: float = _field(
