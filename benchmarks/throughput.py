@@ -70,7 +70,7 @@ def main() -> None:
     tps = tokens_per_second_per_device(local_tokens_per_step(job_plan), statistics.median(times), dims.tp * dims.cp)
     fpt = flops_per_token(num_params(job.model, exclude_embedding=True), margs.n_layers, margs.dim, training.seq_len)
     peak = peak_flops(job.device, override=training.peak_flops or None)
-    active, reserved = device_memory(job.device)
+    memory = device_memory(job.device)
     out = {
         "config": args.config,
         "flavor": config.model.flavor,
@@ -87,8 +87,8 @@ def main() -> None:
         "tokens_per_s_per_device": round(tps, 1),
         "tflops_per_device": round(fpt * tps / 1e12, 2),
         "mfu_pct": round(100 * fpt * tps / peak, 2) if peak else None,
-        "peak_memory_active_gib": round(active, 2),
-        "peak_memory_reserved_gib": round(reserved, 2) if reserved is not None else None,
+        "peak_memory_active_gib": round(memory.active_gib, 2),
+        "peak_memory_reserved_gib": round(memory.reserved_gib, 2) if memory.reserved_gib is not None else None,
         "step_time_median_s": round(statistics.median(times), 4),
         "step_time_min_s": round(min(times), 4),
         "step_time_max_s": round(max(times), 4),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import logging
 import math
 import os
@@ -16,7 +17,15 @@ from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.util import tensor_util
 
 from trainer import metrics
-from trainer.metrics import MetricsLogger, StepStats, flops_per_token, peak_flops
+from trainer.metrics import (
+    CONSOLE_TTY_ENV,
+    DASHBOARD_ALIASES,
+    MetricsLogger,
+    StepStats,
+    flops_per_token,
+    peak_flops,
+    use_color,
+)
 
 CPU_TAGS = {
     "loss_metrics/global_avg_loss",
@@ -32,7 +41,28 @@ CPU_TAGS = {
     "time_metrics/data_loading(%)",
     "n_skipped_steps",
 }
-GPU_ONLY_TAGS = {"mfu(%)", "memory/max_reserved(GiB)"}
+CPU_ALIASES = {
+    "dashboard/throughput_tps",
+    "dashboard/memory_max_active_GiB",
+    "dashboard/end_to_end_s",
+    "dashboard/data_loading_pct",
+}
+GPU_ONLY_TAGS = {
+    "mfu(%)",
+    "memory/max_reserved(GiB)",
+    "memory/max_active(%)",
+    "memory/max_reserved(%)",
+    "memory/num_alloc_retries",
+    "memory/num_ooms",
+}
+GPU_ONLY_ALIASES = {
+    "dashboard/mfu_pct",
+    "dashboard/memory_max_reserved_GiB",
+    "dashboard/memory_max_active_pct",
+    "dashboard/memory_max_reserved_pct",
+}
+GPU_ONLY_CHARTS = {"MFU %", "peak memory (% of device)", "allocator retries and OOMs"}
+GIB = 1024**3
 
 FLOPS_PER_TOKEN = 1_000_000
 GLOBAL_TOKENS = 512
@@ -94,9 +124,46 @@ def test_peak_flops_rejects_non_positive_override() -> None:
 
 
 def test_device_memory_cpu_reports_rss_only() -> None:
-    active, reserved = metrics.device_memory(torch.device("cpu"))
-    assert 0 < active < 1024
-    assert reserved is None
+    memory = metrics.device_memory(torch.device("cpu"))
+    assert 0 < memory.active_gib < 1024
+    # No device total, allocator or counters on CPU: nothing is made up.
+    assert memory == metrics.MemoryStats(active_gib=memory.active_gib)
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """Fakes the CUDA memory API so the GPU-only branches run on a CPU-only machine; returns the resets."""
+    resets: list[object] = []
+    monkeypatch.setattr(
+        torch.cuda,
+        "memory_stats",
+        lambda device=None: {
+            "active_bytes.all.peak": 2 * GIB,
+            "reserved_bytes.all.peak": 4 * GIB,
+            "num_alloc_retries": 3,
+            "num_ooms": 1,
+        },
+    )
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", resets.append)
+    monkeypatch.setattr(
+        torch.cuda,
+        "get_device_properties",
+        lambda device=None: types.SimpleNamespace(total_memory=80 * GIB),
+    )
+    return resets
+
+
+def test_device_memory_cuda_reports_torchtitan_memory_stats(fake_cuda: list[object]) -> None:
+    memory = metrics.device_memory(torch.device("cuda", 0))
+    assert memory == metrics.MemoryStats(
+        active_gib=2.0,
+        reserved_gib=4.0,
+        active_pct=2.5,
+        reserved_pct=5.0,
+        num_alloc_retries=3,
+        num_ooms=1,
+    )
+    assert fake_cuda == [torch.device("cuda", 0)]
 
 
 def _stats(step: int, **overrides: object) -> StepStats:
@@ -161,10 +228,12 @@ def test_tensorboard_scalars_on_cpu(tmp_path: os.PathLike[str]) -> None:
     _run(logger, steps)
 
     acc = _read_events(logger.tb_dir)
-    assert set(acc.Tags()["scalars"]) == CPU_TAGS
+    assert set(acc.Tags()["scalars"]) == CPU_TAGS | CPU_ALIASES
     # log_freq=2 with total_steps=5: first step, multiples of 2, last step.
-    for tag in CPU_TAGS:
+    for tag in CPU_TAGS | CPU_ALIASES:
         assert sorted(_scalars(acc, tag)) == [1, 2, 4, 5], tag
+    for tag in CPU_TAGS & DASHBOARD_ALIASES.keys():
+        assert _scalars(acc, DASHBOARD_ALIASES[tag]) == _scalars(acc, tag), tag
 
     assert _scalars(acc, "n_tokens_seen") == {s: GLOBAL_TOKENS * s for s in (1, 2, 4, 5)}
     assert _scalars(acc, "n_skipped_steps") == {1: 0, 2: 0, 4: 1, 5: 1}
@@ -184,27 +253,74 @@ def test_tensorboard_scalars_on_cpu(tmp_path: os.PathLike[str]) -> None:
     assert all(v > 0 for v in _scalars(acc, "memory/max_active(GiB)").values())
 
 
-def test_custom_scalars_layout_covers_exactly_the_written_tags(tmp_path: os.PathLike[str]) -> None:
-    logger = _make_logger(tmp_path, console=False)
+def _layout_charts(acc: EventAccumulator) -> dict[str, list[str]]:
+    """Chart title -> tag regexes of the Custom Scalars layout written to the events file."""
+    (event,) = acc.Tensors("custom_scalars__config__")
+    layout = layout_pb2.Layout.FromString(tensor_util.make_ndarray(event.tensor_proto).item())
+    return {
+        chart.title: list(chart.multiline.tag) for category in layout.category for chart in category.chart
+    }
+
+
+def _frontend_run_name(tag: str, run: str) -> str:
+    """The run TensorBoard's Custom Scalars chart card reads back from its series name for the colour.
+
+    Mirrors tf-custom-scalar-multi-line-chart-card: the series is named ``f"{tag} ({run})"`` and
+    the run is parsed with ``/\\((.*)\\)$/``; a run that is not a run throws in the colour scale
+    and the chart draws nothing.
+    """
+    found = re.search(r"\((.*)\)$", f"{tag} ({run})")
+    return found[1] if found else ""
+
+
+def test_frontend_model_reproduces_the_parentheses_bug() -> None:
+    assert _frontend_run_name("tflops", ".") == "."
+    assert _frontend_run_name("throughput(tps)", ".") == "tps) (."
+    assert _frontend_run_name("memory/max_active(GiB)", "20260101-000000") != "20260101-000000"
+
+
+@pytest.mark.parametrize("on_gpu", [False, True], ids=["cpu", "cuda"])
+def test_custom_scalars_layout_charts_every_written_tag_drawably(
+    request: pytest.FixtureRequest, tmp_path: os.PathLike[str], on_gpu: bool
+) -> None:
+    if on_gpu:
+        request.getfixturevalue("fake_cuda")
+        logger = _make_logger(tmp_path, console=False, device=torch.device("cuda", 0), peak_flops=1e12)
+    else:
+        logger = _make_logger(tmp_path, console=False)
     assert logger.tb_dir is not None
     _run(logger, [_stats(1)])
 
     acc = _read_events(logger.tb_dir)
-    (event,) = acc.Tensors("custom_scalars__config__")
-    layout = layout_pb2.Layout.FromString(tensor_util.make_ndarray(event.tensor_proto).item())
-    categories = {category.title for category in layout.category}
-    assert {"loss", "throughput", "memory", "data"} <= categories
-    patterns = [
-        pattern
-        for category in layout.category
-        for chart in category.chart
-        for pattern in chart.multiline.tag
-    ]
+    charts = _layout_charts(acc)
     written = set(acc.Tags()["scalars"])
-    # TensorBoard matches these as regexes from the start of the tag name.
-    covered = {tag for tag in written for p in patterns if re.match(p, tag)}
-    assert covered == written
-    assert all(sum(bool(re.match(p, tag)) for tag in written) == 1 for p in patterns)
+    assert written == (CPU_TAGS | CPU_ALIASES | (GPU_ONLY_TAGS | GPU_ONLY_ALIASES if on_gpu else set()))
+    # Every chart is there that has data on this device, and no other.
+    assert set(charts) == {
+        title for category in metrics._DASHBOARD.values() for title in category
+    } - (set() if on_gpu else GPU_ONLY_CHARTS)
+
+    # TensorBoard matches each layout tag as a regex from the start of the tag name.
+    charted: set[str] = set()
+    for title, patterns in charts.items():
+        for pattern in patterns:
+            matches = {tag for tag in written if re.match(pattern, tag)}
+            assert len(matches) == 1, (title, pattern, matches)
+            charted |= matches
+    # Every torchtitan tag is on the dashboard, itself or through its alias.
+    assert charted == {DASHBOARD_ALIASES.get(tag, tag) for tag in written - set(DASHBOARD_ALIASES.values())}
+    assert {"dashboard/throughput_tps", "n_tokens_seen"} <= charted
+    for tag in charted:
+        assert "(" not in tag and ")" not in tag, tag
+        assert _frontend_run_name(tag, ".") == ".", tag
+
+
+def test_dashboard_aliases_have_no_parentheses_and_keep_the_name() -> None:
+    assert set(DASHBOARD_ALIASES) == {t for t in CPU_TAGS | GPU_ONLY_TAGS if "(" in t}
+    for tag, alias in DASHBOARD_ALIASES.items():
+        assert re.fullmatch(r"dashboard/[A-Za-z0-9_]+", alias), alias
+        assert re.sub(r"\W", "", tag.split("(")[0].split("/")[-1]) in alias, (tag, alias)
+    assert len(set(DASHBOARD_ALIASES.values())) == len(DASHBOARD_ALIASES)
 
 
 def test_devices_per_replica_scales_throughput(tmp_path: os.PathLike[str]) -> None:
@@ -278,36 +394,56 @@ def test_console_disabled_emits_nothing(
     assert _console_lines(caplog, logger, [_stats(1), _stats(2)]) == []
 
 
-def test_gpu_path_reports_mfu_and_reserved_memory(
-    monkeypatch: pytest.MonkeyPatch,
+def test_gpu_path_reports_mfu_and_torchtitan_memory_tags(
+    fake_cuda: list[object],
     tmp_path: os.PathLike[str],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """Fakes the CUDA memory API so the GPU-only branches run on a CPU-only machine."""
-    gib = 1024**3
-    resets: list[object] = []
-    monkeypatch.setattr(
-        torch.cuda,
-        "memory_stats",
-        lambda device=None: {"active_bytes.all.peak": 2 * gib, "reserved_bytes.all.peak": 4 * gib},
-    )
-    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", resets.append)
-    monkeypatch.setattr(
-        torch.cuda,
-        "get_device_properties",
-        lambda device=None: types.SimpleNamespace(total_memory=80 * gib),
-    )
     peak = 1e9
     logger = _make_logger(tmp_path, device=torch.device("cuda", 0), peak_flops=peak, total_steps=2)
     assert logger.tb_dir is not None
     lines = _console_lines(caplog, logger, [_stats(1), _stats(2)])
 
-    assert len(resets) == 2
+    assert len(fake_cuda) == 2
     assert "memory: 4.00GiB (5.0%)" in lines[0]
     assert "mfu: " in lines[0]
     acc = _read_events(logger.tb_dir)
-    assert set(acc.Tags()["scalars"]) == CPU_TAGS | GPU_ONLY_TAGS
+    assert set(acc.Tags()["scalars"]) == CPU_TAGS | CPU_ALIASES | GPU_ONLY_TAGS | GPU_ONLY_ALIASES
     tflops = _scalars(acc, "tflops")[1]
-    assert _scalars(acc, "mfu(%)")[1] == pytest.approx(100 * tflops * 1e12 / peak)
-    assert _scalars(acc, "memory/max_active(GiB)")[1] == pytest.approx(2.0)
-    assert _scalars(acc, "memory/max_reserved(GiB)")[1] == pytest.approx(4.0)
+    expected = {
+        "mfu(%)": 100 * tflops * 1e12 / peak,
+        "memory/max_active(GiB)": 2.0,
+        "memory/max_reserved(GiB)": 4.0,
+        "memory/max_active(%)": 2.5,
+        "memory/max_reserved(%)": 5.0,
+        "memory/num_alloc_retries": 3,
+        "memory/num_ooms": 1,
+    }
+    for tag, value in expected.items():
+        assert _scalars(acc, tag) == {1: pytest.approx(value), 2: pytest.approx(value)}, tag
+        if tag in DASHBOARD_ALIASES:
+            assert _scalars(acc, DASHBOARD_ALIASES[tag]) == _scalars(acc, tag), tag
+
+
+class _Stream(io.StringIO):
+    def __init__(self, tty: bool) -> None:
+        super().__init__()
+        self._tty = tty
+
+    def isatty(self) -> bool:
+        return self._tty
+
+
+@pytest.mark.parametrize(
+    ("disabled", "tty", "environ", "expected"),
+    [
+        (False, True, {}, True),
+        (False, False, {}, False),  # a file or a pipe: plain text
+        (True, True, {}, False),  # the flag forces plain text on a terminal too
+        (False, False, {CONSOLE_TTY_ENV: "1"}, True),  # run_train.sh's tee file, launcher on a terminal
+        (False, True, {CONSOLE_TTY_ENV: "0"}, False),  # launcher piped to a file
+        (True, False, {CONSOLE_TTY_ENV: "1"}, False),
+    ],
+)
+def test_color_only_on_a_terminal(disabled: bool, tty: bool, environ: dict[str, str], expected: bool) -> None:
+    assert use_color(disabled, _Stream(tty), environ) is expected

@@ -137,7 +137,14 @@ def run(argv: list[str]) -> int:
         return 0
     command = torchrun_command(argv, nproc, nnodes)
     preflight(argv, nproc, nnodes)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    from trainer.metrics import CONSOLE_TTY_ENV
+
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+        # Workers write into torchrun's --tee files; their lines reach this process's stderr.
+        CONSOLE_TTY_ENV: "1" if sys.stderr.isatty() else "0",
+    }
     torchrun = subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=_die_with_parent)
     received: list[int] = []
 

@@ -1,10 +1,25 @@
-"""Training metrics: throughput/MFU accounting, console lines and TensorBoard.
+r"""Training metrics: throughput/MFU accounting, console lines and TensorBoard.
 
 The trainer hands one :class:`StepStats` per optimizer step to
 :class:`MetricsLogger`, which owns every decision about *when* and *where*
 metrics go. Keeping that out of the training loop means the loop never pays for
 formatting or I/O on steps that are not logged, and every rank can call
 ``log`` unconditionally while only the configured ranks actually emit.
+
+TensorBoard tags are torchtitan's, so runs of the two compare tag by tag. Eight
+of them carry a unit in parentheses (``throughput(tps)``, ``mfu(%)``,
+``memory/max_active(GiB)``, ...), and TensorBoard's Custom Scalars tab cannot
+draw a tag with a ``(`` in it. The data endpoint (``plugins/custom_scalar``)
+matches and returns such a tag; the chart card in the browser then names each
+series ``"<tag> (<run>)"`` and reads the run back, for the series colour, with
+the regex ``/\((.*)\)$/``, whose greedy group starts at the tag's own ``(``.
+The colour scale throws "String tps) (. was not in the domain." and the chart
+stays empty although its data arrived ("Matches (1)"). No layout regex can
+avoid that, because the series name is built from the tag itself. So each of
+those tags is also written under an alias without parentheses in the
+``dashboard/`` group (:data:`DASHBOARD_ALIASES`), and the Custom Scalars layout
+points at the aliases. The Scalars tab shows both; the torchtitan names stay
+the ones to compare runs by.
 """
 
 from __future__ import annotations
@@ -14,9 +29,10 @@ import os
 import re
 import resource
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 
 import torch
 
@@ -89,26 +105,80 @@ def tokens_per_second_per_device(tokens: int, seconds: float, devices_per_replic
     return tokens / (seconds * devices_per_replica) if seconds > 0 else 0.0
 
 
-def device_memory(device: torch.device) -> tuple[float, float | None]:
-    """Peak memory in GiB since the previous call: ``(active, reserved)``.
+@dataclass(frozen=True, slots=True)
+class MemoryStats:
+    """Peak memory since the previous :func:`device_memory` call, as torchtitan reports it.
+
+    Only ``active_gib`` exists on every device; the rest is None where the device
+    cannot tell (CPU), so nothing is logged that would have to be made up.
+    """
+
+    active_gib: float
+    reserved_gib: float | None = None
+    active_pct: float | None = None
+    """``active_gib`` as a share of the device's total memory."""
+    reserved_pct: float | None = None
+    num_alloc_retries: int | None = None
+    """Times the caching allocator freed its cache and retried (cumulative): the sign of a run near OOM."""
+    num_ooms: int | None = None
+    """Out-of-memory errors the allocator raised (cumulative), including caught ones."""
+
+
+def device_memory(device: torch.device) -> MemoryStats:
+    """Peak memory since the previous call.
 
     On CUDA the peaks are reset after reading so each logged line reflects the
-    steps since the last line, not the whole run. ``reserved`` (what the caching
-    allocator holds) is the number that predicts OOMs, ``active`` is what the
-    tensors actually need. On CPU there is no allocator to ask, so this falls
-    back to the process peak RSS, which is a lifetime peak and cannot be reset.
+    steps since the last line, not the whole run; the retry and OOM counts are
+    cumulative (``reset_peak_memory_stats`` leaves them), as in torchtitan.
+    ``reserved`` (what the caching allocator holds) is the number that predicts
+    OOMs, ``active`` is what the tensors actually need.
+
+    On CPU there is no allocator to ask, so ``active`` falls back to the process
+    peak RSS, a lifetime peak that cannot be reset, and there is no percentage:
+    the "device" is the host's RAM, shared with the other ranks and processes on
+    it, so one process's share of it would suggest headroom that is not there.
     """
     if device.type == "cuda":
         stats = torch.cuda.memory_stats(device)
         torch.cuda.reset_peak_memory_stats(device)
-        return (
-            stats.get("active_bytes.all.peak", 0) / _GIB,
-            stats.get("reserved_bytes.all.peak", 0) / _GIB,
+        total = torch.cuda.get_device_properties(device).total_memory
+        active = stats.get("active_bytes.all.peak", 0)
+        reserved = stats.get("reserved_bytes.all.peak", 0)
+        return MemoryStats(
+            active_gib=active / _GIB,
+            reserved_gib=reserved / _GIB,
+            active_pct=100 * active / total,
+            reserved_pct=100 * reserved / total,
+            num_alloc_retries=stats.get("num_alloc_retries", 0),
+            num_ooms=stats.get("num_ooms", 0),
         )
     max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     # Linux reports ru_maxrss in KiB, macOS in bytes.
     rss_bytes = max_rss if sys.platform == "darwin" else max_rss * 1024
-    return rss_bytes / _GIB, None
+    return MemoryStats(active_gib=rss_bytes / _GIB)
+
+
+CONSOLE_TTY_ENV = "MESHTRAIN_CONSOLE_TTY"
+"""Set by ``./run_train.sh`` for the workers: "1" when its own stderr is a terminal, else "0"."""
+
+
+def use_color(disabled: bool, stream: TextIO, environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether the console line gets ANSI colours.
+
+    Escape codes help a terminal only; in a file or a pipe (CI logs, ``| tee``)
+    they are noise, so colour needs the stream to be a TTY, and
+    ``--metrics.disable_color_printing`` turns it off whatever the stream. Under
+    ``./run_train.sh`` a worker's stderr is torchrun's ``--tee`` log file, whose
+    lines torchrun copies to the launcher's stderr: the launcher says in
+    :data:`CONSOLE_TTY_ENV` whether that one is a terminal, and that answer
+    stands for the worker's own stream.
+    """
+    if disabled:
+        return False
+    inherited = environ.get(CONSOLE_TTY_ENV)
+    if inherited is not None:
+        return inherited == "1"
+    return stream.isatty()
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,9 +228,51 @@ _TAG_TFLOPS = "tflops"
 _TAG_MFU = "mfu(%)"
 _TAG_MEM_ACTIVE = "memory/max_active(GiB)"
 _TAG_MEM_RESERVED = "memory/max_reserved(GiB)"
+_TAG_MEM_ACTIVE_PCT = "memory/max_active(%)"
+_TAG_MEM_RESERVED_PCT = "memory/max_reserved(%)"
+_TAG_ALLOC_RETRIES = "memory/num_alloc_retries"
+_TAG_OOMS = "memory/num_ooms"
 _TAG_STEP_TIME = "time_metrics/end_to_end(s)"
 _TAG_DATA_PCT = "time_metrics/data_loading(%)"
 _TAG_SKIPPED = "n_skipped_steps"
+
+DASHBOARD_ALIASES: dict[str, str] = {
+    _TAG_TPS: "dashboard/throughput_tps",
+    _TAG_MFU: "dashboard/mfu_pct",
+    _TAG_MEM_ACTIVE: "dashboard/memory_max_active_GiB",
+    _TAG_MEM_RESERVED: "dashboard/memory_max_reserved_GiB",
+    _TAG_MEM_ACTIVE_PCT: "dashboard/memory_max_active_pct",
+    _TAG_MEM_RESERVED_PCT: "dashboard/memory_max_reserved_pct",
+    _TAG_STEP_TIME: "dashboard/end_to_end_s",
+    _TAG_DATA_PCT: "dashboard/data_loading_pct",
+}
+"""torchtitan tag -> the copy the Custom Scalars layout charts (see the module docstring)."""
+
+_DASHBOARD: dict[str, dict[str, tuple[str, ...]]] = {
+    "loss": {"loss": (_TAG_LOSS_AVG, _TAG_LOSS_MAX)},
+    "optimizer": {
+        "grad norm": (_TAG_GRAD_NORM,),
+        "learning rate": (_TAG_LR,),
+        "skipped steps": (_TAG_SKIPPED,),
+    },
+    "throughput": {
+        "tokens/s per device": (_TAG_TPS,),
+        "TFLOP/s": (_TAG_TFLOPS,),
+        "MFU %": (_TAG_MFU,),
+    },
+    "memory": {
+        "peak memory (GiB)": (_TAG_MEM_ACTIVE, _TAG_MEM_RESERVED),
+        "peak memory (% of device)": (_TAG_MEM_ACTIVE_PCT, _TAG_MEM_RESERVED_PCT),
+        "allocator retries and OOMs": (_TAG_ALLOC_RETRIES, _TAG_OOMS),
+    },
+    "data": {
+        "tokens": (_TAG_TOKENS_SEEN,),
+        "valid tokens per step": (_TAG_VALID_TOKENS,),
+        "step time (s)": (_TAG_STEP_TIME,),
+        "data loading %": (_TAG_DATA_PCT,),
+    },
+}
+"""Categories and charts of the Custom Scalars tab, by torchtitan tag."""
 
 
 def format_duration(seconds: float) -> str:
@@ -206,11 +318,6 @@ class MetricsLogger:
         self._peak_flops = peak_flops
         self._global_tokens_per_step = global_tokens_per_step
         self._devices_per_replica = devices_per_replica
-        self._device_total_gib = (
-            torch.cuda.get_device_properties(device).total_memory / _GIB
-            if device.type == "cuda"
-            else None
-        )
 
         self._window_steps = 0
         self._window_tokens = 0
@@ -231,39 +338,46 @@ class MetricsLogger:
             self._writer = SummaryWriter(log_dir=self.tb_dir)
             self._writer.add_custom_scalars(self._dashboard_layout())
 
+    def _written_tags(self) -> set[str]:
+        """The torchtitan tags :meth:`log` writes on this device: MFU needs a peak, the rest of memory CUDA."""
+        tags = {
+            _TAG_LOSS_AVG,
+            _TAG_LOSS_MAX,
+            _TAG_GRAD_NORM,
+            _TAG_LR,
+            _TAG_VALID_TOKENS,
+            _TAG_TOKENS_SEEN,
+            _TAG_TPS,
+            _TAG_TFLOPS,
+            _TAG_MEM_ACTIVE,
+            _TAG_STEP_TIME,
+            _TAG_DATA_PCT,
+            _TAG_SKIPPED,
+        }
+        if self._peak_flops is not None:
+            tags.add(_TAG_MFU)
+        if self._device.type == "cuda":
+            tags |= {_TAG_MEM_RESERVED, _TAG_MEM_ACTIVE_PCT, _TAG_MEM_RESERVED_PCT, _TAG_ALLOC_RETRIES, _TAG_OOMS}
+        return tags
+
     def _dashboard_layout(self) -> dict[str, dict[str, list[str | list[str]]]]:
         """Custom-scalars layout so related curves share one chart.
 
-        TensorBoard treats each tag in the layout as a regex matched from the
-        start of the tag name; escaping and anchoring keeps tags such as
-        ``mfu(%)`` from being read as regex groups or matching longer names.
-        Charts for GPU-only tags are left out on CPU to avoid empty panels.
+        Only tags this logger writes are charted, so no panel stays empty on
+        CPU (no MFU, reserved memory, percentages or allocator counts there),
+        and a chart or category left with no tag is dropped. Tags with
+        parentheses are charted through their :data:`DASHBOARD_ALIASES`.
+        TensorBoard treats each layout tag as a regex matched from the start of
+        the tag name; escaping and anchoring keeps one from matching longer names.
         """
-
-        def chart(*tags: str) -> list[str | list[str]]:
-            return ["Multiline", [re.escape(t) + "$" for t in tags]]
-
-        on_gpu = self._device.type == "cuda"
-        throughput = {"tokens/s per device": chart(_TAG_TPS), "TFLOP/s": chart(_TAG_TFLOPS)}
-        if self._peak_flops is not None:
-            throughput["MFU %"] = chart(_TAG_MFU)
-        memory_tags = [_TAG_MEM_ACTIVE, _TAG_MEM_RESERVED] if on_gpu else [_TAG_MEM_ACTIVE]
-        return {
-            "loss": {"loss": chart(_TAG_LOSS_AVG, _TAG_LOSS_MAX)},
-            "optimizer": {
-                "grad norm": chart(_TAG_GRAD_NORM),
-                "learning rate": chart(_TAG_LR),
-                "skipped steps": chart(_TAG_SKIPPED),
-            },
-            "throughput": throughput,
-            "memory": {"peak memory (GiB)": chart(*memory_tags)},
-            "data": {
-                "tokens": chart(_TAG_TOKENS_SEEN),
-                "valid tokens per step": chart(_TAG_VALID_TOKENS),
-                "step time (s)": chart(_TAG_STEP_TIME),
-                "data loading %": chart(_TAG_DATA_PCT),
-            },
-        }
+        written = self._written_tags()
+        layout: dict[str, dict[str, list[str | list[str]]]] = {}
+        for category, charts in _DASHBOARD.items():
+            for title, tags in charts.items():
+                shown = [DASHBOARD_ALIASES.get(t, t) for t in tags if t in written]
+                if shown:
+                    layout.setdefault(category, {})[title] = ["Multiline", [re.escape(t) + "$" for t in shown]]
+        return layout
 
     def log(self, stats: StepStats) -> None:
         """Record one step; emit a console line / TensorBoard point on log steps."""
@@ -286,11 +400,11 @@ class MetricsLogger:
         mfu = 100 * tflops * 1e12 / self._peak_flops if self._peak_flops is not None else None
         mean_step_time = window_time / self._window_steps
         data_pct = 100 * self._window_data_time / window_time if window_time > 0 else 0.0
-        mem_active, mem_reserved = device_memory(self._device)
+        memory = device_memory(self._device)
 
         if self._console:
             eta = mean_step_time * (self._total_steps - stats.step)
-            logger.info(self._console_line(stats, mem_active, mem_reserved, tps, tflops, mfu, eta))
+            logger.info(self._console_line(stats, memory, tps, tflops, mfu, eta))
         if self._writer is not None:
             scalars: dict[str, float] = {
                 _TAG_LOSS_AVG: stats.loss_avg,
@@ -301,17 +415,24 @@ class MetricsLogger:
                 _TAG_TOKENS_SEEN: self._global_tokens_per_step * stats.step,
                 _TAG_TPS: tps,
                 _TAG_TFLOPS: tflops,
-                _TAG_MEM_ACTIVE: mem_active,
+                _TAG_MEM_ACTIVE: memory.active_gib,
                 _TAG_STEP_TIME: mean_step_time,
                 _TAG_DATA_PCT: data_pct,
                 _TAG_SKIPPED: self._n_skipped_steps,
             }
-            if mfu is not None:
-                scalars[_TAG_MFU] = mfu
-            if mem_reserved is not None:
-                scalars[_TAG_MEM_RESERVED] = mem_reserved
+            optional: dict[str, float | None] = {
+                _TAG_MFU: mfu,
+                _TAG_MEM_RESERVED: memory.reserved_gib,
+                _TAG_MEM_ACTIVE_PCT: memory.active_pct,
+                _TAG_MEM_RESERVED_PCT: memory.reserved_pct,
+                _TAG_ALLOC_RETRIES: memory.num_alloc_retries,
+                _TAG_OOMS: memory.num_ooms,
+            }
+            scalars.update({tag: value for tag, value in optional.items() if value is not None})
             for tag, value in scalars.items():
                 self._writer.add_scalar(tag, value, stats.step)
+                if tag in DASHBOARD_ALIASES:
+                    self._writer.add_scalar(DASHBOARD_ALIASES[tag], value, stats.step)
             # Flushing per emitted step keeps the curves up to date for a run
             # that gets killed (OOM, preemption) before close().
             self._writer.flush()
@@ -324,8 +445,7 @@ class MetricsLogger:
     def _console_line(
         self,
         stats: StepStats,
-        mem_active: float,
-        mem_reserved: float | None,
+        memory: MemoryStats,
         tps: float,
         tflops: float,
         mfu: float | None,
@@ -333,18 +453,17 @@ class MetricsLogger:
     ) -> str:
         """One human-readable line; ``:.4f`` etc. render non-finite values as nan/inf."""
         c = self._colors
-        if mem_reserved is not None and self._device_total_gib is not None:
+        if memory.reserved_gib is not None and memory.reserved_pct is not None:
             # Reserved memory is what runs out first, so that is the headline number.
-            pct = 100 * mem_reserved / self._device_total_gib
-            memory = f"{mem_reserved:.2f}GiB ({pct:.1f}%)"
+            shown_memory = f"{memory.reserved_gib:.2f}GiB ({memory.reserved_pct:.1f}%)"
         else:
-            memory = f"{mem_active:.2f}GiB"
+            shown_memory = f"{memory.active_gib:.2f}GiB"
         fields = [
             f"{c['cyan']}step: {stats.step}/{self._total_steps}",
             f"{c['green']}loss: {stats.loss_avg:.4f}",
             f"{c['green']}max loss: {stats.loss_max:.4f}",
             f"{c['yellow']}grad norm: {stats.grad_norm:.4f}",
-            f"{c['blue']}memory: {memory}",
+            f"{c['blue']}memory: {shown_memory}",
             f"{c['magenta']}tps: {tps:,.0f}",
             f"{c['magenta']}tflops: {tflops:.2f}",
         ]

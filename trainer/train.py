@@ -36,7 +36,7 @@ from trainer.distributed import CollectiveTimeouts
 from trainer.dump_folder import DumpFolderLock
 from trainer.errors import JobError
 from trainer.grad_accumulator import StepResult
-from trainer.metrics import MetricsLogger, StepStats, flops_per_token, format_duration, peak_flops
+from trainer.metrics import MetricsLogger, StepStats, flops_per_token, format_duration, peak_flops, use_color
 from trainer.model.llama3 import num_params
 from trainer.plan import Plan, check_memory, describe, memory_limit, plan
 from trainer.profiling import profiling
@@ -293,7 +293,8 @@ def build_metrics(plan: Plan, trainer: Trainer, rank: int) -> MetricsLogger:
         tb_folder=config.metrics.save_tb_folder,
         enable_tensorboard=config.metrics.enable_tensorboard,
         log_freq=config.metrics.log_freq,
-        color=not config.metrics.disable_color_printing,
+        # main()'s logging.basicConfig sends the console line to stderr.
+        color=use_color(config.metrics.disable_color_printing, sys.stderr),
         device=trainer.device,
         total_steps=training.steps,
         flops_per_token=flops_per_token(

@@ -200,7 +200,7 @@ class Metrics:
     log_freq: int = _field(10, "Log every N steps (and the first and last step).")
     enable_tensorboard: bool = _field(True, "Write TensorBoard scalars (rank 0).")
     save_tb_folder: str = _field("tb", "TensorBoard folder inside `job.dump_folder`; each run gets a timestamped subfolder.")
-    disable_color_printing: bool = _field(False, "Plain console output without ANSI colors.")
+    disable_color_printing: bool = _field(False, "Plain console output without ANSI colors (colors are only used on a terminal).")
 
 
 @dataclass
