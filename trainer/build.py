@@ -2,16 +2,20 @@
 
 The dataset is read and tokenized before any process group exists (a bad file fails in seconds);
 then the process group, the mesh, the sharded model, the optimizer, the loader and the gradient
-accumulator are built.
+accumulator are built. Building a large model takes a while, so rank 0 says which phase it is in
+and how far the initialisation has got: a silent minute looks like a hang.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from parallelisms.context_parallel import ContextParallel
 from parallelisms.parallel_dims import Meshes, device_type
@@ -22,9 +26,17 @@ from trainer.data.samples import SampleDataset, build_dataset
 from trainer.distributed import init_distributed
 from trainer.grad_accumulator import GradAccumulator
 from trainer.loss import cross_entropy_sum
-from trainer.model.llama3 import Transformer
+from trainer.model.llama3 import Transformer, num_params
 from trainer.optimizer import build_lr_scheduler, build_optimizer
 from trainer.plan import Plan
+
+logger = logging.getLogger("meshtrain")
+
+PROGRESS_MIN_PARAMS = 100_000_000
+"""Models at least this big report how far their initialisation has got; smaller ones (the
+debug model) initialise in about a second and only log the phases."""
+PROGRESS_EVERY_PERCENT = 10
+PROGRESS_EVERY_S = 10.0
 
 
 @dataclass
@@ -54,12 +66,48 @@ def load_dataset(plan: Plan) -> SampleDataset:
 
 def build_model(plan: Plan, meshes: Meshes, device: torch.device) -> tuple[Transformer, ContextParallel | None]:
     """Build on the meta device, parallelise, then materialise and initialise only the local shards."""
+    start = time.monotonic()
+    rank0 = dist.get_rank() == 0
     with torch.device("meta"):
         model = Transformer(plan.model_args)
+    total = num_params(model)
+    if rank0:
+        logger.info("parallelising the model (%s parameters) on the meta device", f"{total:,}")
     context_parallel = parallelize(model, meshes, plan.dims, plan.parallel, device.type)
+    if rank0:
+        logger.info("allocating this rank's shards on %s", device.type)
     model.to_empty(device=device)
-    model.init_weights(plan.config.debug.seed)
+    seed = plan.config.debug.seed
+    if rank0:
+        logger.info("initialising the weights (seed %d)", seed)
+    model.init_weights(seed, progress=InitProgress(total) if rank0 and total >= PROGRESS_MIN_PARAMS else None)
+    if rank0:
+        logger.info("model built and initialised in %.1f s", time.monotonic() - start)
     return model, context_parallel
+
+
+class InitProgress:
+    """Told each parameter's size as it is initialised, logs a line when another
+    ``PROGRESS_EVERY_PERCENT`` of the parameters is done or ``PROGRESS_EVERY_S`` have passed
+    since the last line, whichever comes first, with the time since initialisation began."""
+
+    def __init__(self, total: int, clock: Callable[[], float] = time.monotonic):
+        self.total, self.done, self.clock = total, 0, clock
+        self.start = self.last = clock()
+        self.next_percent = PROGRESS_EVERY_PERCENT
+
+    def __call__(self, numel: int) -> None:
+        self.done += numel
+        now = self.clock()
+        percent = 100 * self.done // self.total
+        if percent < self.next_percent and now - self.last < PROGRESS_EVERY_S:
+            return
+        logger.info(
+            "initialised %d%% of the parameters (%s of %s) in %.1f s",
+            percent, f"{self.done:,}", f"{self.total:,}", now - self.start,
+        )
+        self.last = now
+        self.next_percent = (percent // PROGRESS_EVERY_PERCENT + 1) * PROGRESS_EVERY_PERCENT
 
 
 def build_trainer(plan: Plan, dataset: SampleDataset) -> Trainer:

@@ -62,7 +62,8 @@ from trainer.checkpoint.integrity import ChecksummingWriter, checksum_problem, f
 from trainer.config import Checkpoint
 from trainer.errors import JobError
 from trainer.model.hf_llama3 import from_hf_state_dict, model_args_from_hf_config
-from trainer.model.llama3 import ModelArgs, Transformer, local_slice
+from trainer.model.llama3 import ModelArgs, Transformer
+from trainer.model.tiled_init import local_slice
 from trainer.train_state import TrainState
 
 logger = logging.getLogger("meshtrain")

@@ -2,14 +2,13 @@
 
 Parameter names are torchtitan's, so checkpoints and parallelism plans map one to one. The
 model is built on the meta device and materialised after sharding; ``init_weights`` then fills
-every parameter from a generator seeded per parameter with the *full* tensor's values, so the
-initial weights are the same whatever mesh the parameters are sharded over.
+each rank's shards from tile-seeded generators (``tiled_init``), so the initial weights are the
+same whatever mesh the parameters are sharded over, and a rank draws only what it holds.
 """
 
 from __future__ import annotations
 
 import math
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -17,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from trainer.model.tiled_init import fill_local_, local_box
 
 
 @dataclass(frozen=True)
@@ -267,37 +267,26 @@ class Transformer(nn.Module):
         raise ValueError(f"no initialisation rule for parameter {name}")
 
     @torch.no_grad()
-    def init_weights(self, seed: int) -> None:
+    def init_weights(self, seed: int, progress: Callable[[int], None] | None = None) -> None:
         """Fill every parameter (plain or DTensor) and recompute the RoPE table.
 
-        Each parameter's full value comes from its own generator, seeded from ``seed`` and the
-        parameter's name, on the parameter's device; a sharded parameter keeps its slice. The
-        result is independent of the mesh, the sharding and the order of initialisation.
+        Each value comes from the generator of the tile it lies in, seeded from ``seed``, the
+        parameter's name and the tile's place (see ``tiled_init``), on the parameter's device;
+        a rank draws only the tiles its shards overlap. The result is independent of the mesh,
+        the sharding and the order of initialisation. ``progress`` is told each parameter's
+        global size once it is filled.
         """
         for name, param in self.named_parameters():
             kind, std = self.init_std(name)
             local = param.to_local() if isinstance(param, DTensor) else param
             if kind == "ones":
                 local.fill_(1.0)
-                continue
-            gen = torch.Generator(device=local.device)
-            gen.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-            full = torch.empty(param.shape, dtype=torch.float32, device=local.device)
-            if kind == "normal":
-                nn.init.normal_(full, 0.0, std, generator=gen)
             else:
-                nn.init.trunc_normal_(full, 0.0, std, -3 * std, 3 * std, generator=gen)
-            local.copy_(local_slice(full, param))
+                offset, _ = local_box(param)
+                fill_local_(local, tuple(param.shape), offset, kind, std, seed, name)
+            if progress is not None:
+                progress(param.numel())
         self.freqs_cis = rope_frequencies(self.args, device=self.freqs_cis.device)
-
-
-def local_slice(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """The part of ``full`` that this rank's shard of ``param`` holds."""
-    if not isinstance(param, DTensor):
-        return full
-    shape, offset = compute_local_shape_and_global_offset(full.shape, param.device_mesh, param.placements)
-    index = tuple(slice(o, o + s) for o, s in zip(offset, shape))
-    return full[index]
 
 
 def num_params(model: nn.Module, exclude_embedding: bool = False) -> int:

@@ -1,0 +1,117 @@
+"""Random initialisation that is the same on every mesh yet costs a rank only its own shard.
+
+Each parameter is cut into fixed tiles of ``TILE`` (rows x columns, over its last two
+dimensions; edge tiles are smaller), and every tile is drawn whole from a generator of its
+own, seeded from ``(seed, parameter name, tile index)``. A value thus depends only on where it
+lies in the global tensor, never on the mesh, the sharding or the order of initialisation. A
+rank draws the tiles that overlap the part of the tensor it holds and copies out the overlap.
+
+That part is one contiguous box of the global tensor for every layout the trainer makes: FSDP's
+``Shard(0)`` in uneven ``torch.chunk`` pieces, HSDP, TP's column-wise ``Shard(0)`` and row-wise
+``Shard(1)`` (the embedding's rows too), and FSDP over TP DTensors (``_StridedShard``: FSDP
+chunks a TP rank's contiguous slice again). ``local_box`` reads it from
+``compute_local_shape_and_global_offset``; the tests check every one of these layouts bitwise
+against one process drawing the whole tensor.
+
+The tile shape, 32 x 1024 (32 Ki values, 128 KiB in float32), follows the cuts. Rows are cut by
+FSDP at ``torch.chunk`` boundaries, after column-wise TP has cut them ``tp`` ways, so at scale a
+rank holds few rows (405B's ``wq`` over tp 8 x dp_shard 128: 16 rows): tiles are short. Columns
+are cut only by row-wise TP, into at most ``tp`` (<= 8) pieces of ``dim / tp`` or
+``hidden / tp`` columns, 512 or more for 8B and larger: tiles can be wide. A rank holding an
+``h x w`` box draws at most ``(h + 62) x (w + 2046)`` values, never more than the tensor, and
+no slack where the cuts fall on tile edges (1B over 4 FSDP ranks: each draws exactly a
+quarter). Drawing 32 Ki values takes several times a tile's fixed cost (seeding, one kernel,
+one copy: ~40 us on CPU, a few kernel launches on GPU), so the tiling costs one process little
+(``benchmarks/startup.py``).
+
+Truncated normals are drawn by inversion: each tile draws uniforms over the truncated range of
+``erf``, and the rank then maps only its own values through ``erfinv`` in one elementwise pass
+(the same function of each value wherever it lies, so still mesh-independent). That is one
+uniform per value, and none of the host syncs and whole-tensor redraws of torch 2.13's
+``trunc_normal_``, a rejection sampler. Plain normals are drawn per tile with ``normal_``.
+
+The CPU generator (mt19937) keeps the low 32 bits of a seed, so among millions of tiles two may
+share a stream there; CUDA's Philox keeps all 64.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import math
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+TILE: tuple[int, int] = (32, 1024)
+TRUNCATE_AT_STD = 3.0
+"""Truncated normals are cut at +-3 std."""
+
+KINDS = ("normal", "trunc_normal")
+
+
+def local_box(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(offset, shape)`` of the part of ``param``'s global tensor that this rank holds."""
+    if not isinstance(param, DTensor):
+        return (0,) * param.ndim, tuple(param.shape)
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    if tuple(shape) != tuple(param.to_local().shape):
+        raise RuntimeError(
+            f"a {tuple(param.shape)} DTensor placed {param.placements} holds {tuple(param.to_local().shape)} "
+            f"locally, not the {tuple(shape)} box its placements describe"
+        )
+    return tuple(offset), tuple(shape)
+
+
+def local_slice(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """The part of ``full`` that this rank's shard of ``param`` holds."""
+    offset, shape = local_box(param)
+    return full[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
+
+
+def tile_shape(ndim: int) -> tuple[int, ...]:
+    """Tiles span ``TILE`` over the last two dimensions and one index of any before them."""
+    return (1,) * max(0, ndim - len(TILE)) + TILE[max(0, len(TILE) - ndim):]
+
+
+def tile_seed(seed: int, name: str, index: tuple[int, ...]) -> int:
+    """A 64-bit seed from the run's seed, the parameter's name and the tile's grid index."""
+    key = f"{seed}/{name}/{','.join(map(str, index))}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
+
+
+@torch.no_grad()
+def fill_local_(local: torch.Tensor, global_shape: tuple[int, ...], offset: tuple[int, ...],
+                kind: str, std: float, seed: int, name: str) -> None:
+    """Fill ``local``, the box of ``global_shape`` starting at ``offset``, with the values the
+    tiles of parameter ``name`` give it: ``normal(0, std)`` or ``trunc_normal(0, std)`` cut at
+    ``TRUNCATE_AT_STD`` std."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown initialisation {kind!r}; expected one of {KINDS}")
+    if local.numel() == 0:
+        return
+    values = local if local.dtype == torch.float32 else torch.empty(local.shape, dtype=torch.float32, device=local.device)
+    gen = torch.Generator(device=local.device)
+    tile = tile_shape(len(global_shape))
+    edge = math.erf(TRUNCATE_AT_STD / math.sqrt(2.0))
+    grid = [range(o // t, (o + s - 1) // t + 1) for o, s, t in zip(offset, local.shape, tile)]
+    for index in itertools.product(*grid):
+        start = [i * t for i, t in zip(index, tile)]
+        stop = [min(a + t, n) for a, t, n in zip(start, tile, global_shape)]
+        block = torch.empty([b - a for a, b in zip(start, stop)], dtype=torch.float32, device=local.device)
+        gen.manual_seed(tile_seed(seed, name, index))
+        if kind == "normal":
+            block.normal_(0.0, std, generator=gen)
+        else:
+            block.uniform_(-edge, edge, generator=gen)
+        lo = [max(a, o) for a, o in zip(start, offset)]
+        hi = [min(b, o + s) for b, o, s in zip(stop, offset, local.shape)]
+        values[tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, offset))] = block[
+            tuple(slice(l - a, h - a) for l, h, a in zip(lo, hi, start))
+        ]
+    if kind == "trunc_normal":
+        bound = TRUNCATE_AT_STD * std
+        values.erfinv_().mul_(std * math.sqrt(2.0)).clamp_(-bound, bound)
+    if values is not local:
+        local.copy_(values)
