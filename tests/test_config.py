@@ -365,6 +365,27 @@ def test_help_mentions_every_key_with_its_doc():
     assert "--mesh" in text and "--config" in text
 
 
+def test_help_shows_what_this_command_line_gives_and_the_code_default():
+    text = help_text(["--config", "llama3_8b.toml", "--training.steps", "7"])
+    assert "from llama3_8b.toml" in text
+    assert "--model.flavor (str {debugmodel|1B|3B|8B|70B|405B}) = '8B'; code default 'debugmodel'" in text
+    assert "--training.steps (int) = 7; code default 10000" in text
+    assert "--training.seq_len (int) = 128" in help_text([])  # the default file's, not the code's 2048
+    assert "training.stepz" in help_text(["--training.stepz", "1"])  # the error is shown, not raised
+
+
+def test_config_file_from_the_environment(monkeypatch):
+    from trainer.launch import training_argv
+
+    monkeypatch.setenv("CONFIG_FILE", "llama3_8b.toml")
+    assert training_argv(["--training.steps", "2"]) == ["--config", "llama3_8b.toml", "--training.steps", "2"]
+    assert load_config(training_argv([])).model.flavor == "8B"
+    with pytest.raises(ConfigError, match="both CONFIG_FILE=llama3_8b.toml and --config"):
+        training_argv(["--config", "debug_model.toml"])
+    monkeypatch.delenv("CONFIG_FILE")
+    assert training_argv(["--config=x.toml"]) == ["--config=x.toml"]
+
+
 def test_fields_cover_every_dataclass_field():
     config = JobConfig()
     expected = {
