@@ -16,7 +16,7 @@ from trainer.config import ConfigError, load_config
 from trainer.data import cache, samples, sources
 from trainer.data.loader import GlobalOrder, build_dataloader
 from trainer.data.samples import DATASET_KINDS, TURN_SEPARATOR, SampleDataset, build_dataset
-from trainer.data.tokenizer import Tokenizer
+from trainer.data.tokenizer import load_tokenizer
 from trainer.loss import IGNORE_INDEX
 
 TOKENIZER_PATH = Path(__file__).resolve().parent.parent / "assets" / "tokenizer" / "shakespeare.model"
@@ -37,7 +37,7 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
-    return Tokenizer(str(TOKENIZER_PATH))
+    return load_tokenizer(str(TOKENIZER_PATH))
 
 
 @pytest.fixture(scope="module")
@@ -117,9 +117,9 @@ def test_tokenizer_round_trip(tokenizer: Tokenizer) -> None:
 
 def test_tokenizer_errors(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="model.tokenizer_path"):
-        Tokenizer(str(tmp_path / "missing.model"))
+        load_tokenizer(str(tmp_path / "missing.model"))
     with pytest.raises(FileNotFoundError, match="model.tokenizer_path"):
-        Tokenizer(str(write(tmp_path / "bad.model", "not a model")))
+        load_tokenizer(str(write(tmp_path / "bad.model", "not a model")))
 
 
 # ------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from harness import run_ranks
 from trainer.build import PROGRESS_MIN_PARAMS, InitProgress
 from trainer.model.llama3 import FLAVORS, ModelArgs, Transformer, model_args, num_params, rope_frequencies
 from trainer.model.tiled_init import TILE, fill_local_, local_box, tile_shape
-from trainer.data.tokenizer import Tokenizer
+from trainer.data.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENIZER = str(ROOT / "assets" / "tokenizer" / "shakespeare.model")
@@ -34,7 +34,7 @@ LLAMA3_VOCAB = 128256
 
 @pytest.fixture(scope="module")
 def vocab_size() -> int:
-    return Tokenizer(TOKENIZER).vocab_size
+    return load_tokenizer(TOKENIZER).vocab_size
 
 
 @pytest.fixture(scope="module")

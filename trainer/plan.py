@@ -20,7 +20,7 @@ from trainer.config import ConfigError, JobConfig, resolve_path
 from trainer.dump_folder import check_dump_folder
 from trainer.memory_plan import Estimate, Workload, cpu_limit_per_rank, estimate, fixes, gib, gpu_limit
 from trainer.model.llama3 import ModelArgs, model_args
-from trainer.data.tokenizer import Tokenizer
+from trainer.data.tokenizer import Tokenizer, load_tokenizer
 
 SETTING_KEYS = {
     "dp_replicate": "`parallelism.data_parallel_replicate_degree`",
@@ -80,7 +80,7 @@ def plan(config: JobConfig, world_size: int) -> Plan:
             f"{per_microbatch}; gradient accumulation needs a whole number of micro-batches. "
             f"Use a multiple of {per_microbatch}."
         )
-    tokenizer = Tokenizer(resolve_path(config.model.tokenizer_path))
+    tokenizer = load_tokenizer(resolve_path(config.model.tokenizer_path))
     try:
         args = model_args(config.model.flavor, tokenizer.vocab_size, training.seq_len)
     except ValueError as e:
