@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 
 from trainer.build import Trainer, build_trainer, load_dataset
 from trainer.config import load_config
-from trainer.data.loader import GlobalOrder
+from trainer.data.loader import global_order
 from trainer.loss import IGNORE_INDEX, cross_entropy_sum
 from trainer.model.llama3 import Transformer
 from trainer.plan import plan
@@ -113,7 +113,7 @@ def reference(argv: list[str]) -> dict[str, Any]:
     dataset = load_dataset(p)
     model = Transformer(p.model_args)
     model.init_weights(p.config.debug.seed)
-    order = GlobalOrder(len(dataset), GLOBAL_BATCH, p.config.debug.seed)
+    order = global_order(dataset, GLOBAL_BATCH, p.config.debug.seed)
     samples = [dataset[i] for i in order.batch(0)]
     inputs = torch.stack([s[0] for s in samples])
     labels = torch.stack([s[1] for s in samples])

@@ -16,7 +16,7 @@ from trainer.config import ConfigError, load_config
 from trainer.data import cache, samples, sources
 from trainer.data.loader import GlobalOrder, build_dataloader
 from trainer.data.samples import DATASET_KINDS, TURN_SEPARATOR, SampleDataset, build_dataset
-from trainer.data.tokenizer import load_tokenizer
+from trainer.data.tokenizer import Tokenizer, load_tokenizer
 from trainer.loss import IGNORE_INDEX
 
 TOKENIZER_PATH = Path(__file__).resolve().parent.parent / "assets" / "tokenizer" / "shakespeare.model"
@@ -281,7 +281,7 @@ def test_cache_is_used_and_damage_is_rebuilt(
 
 def test_cache_key_depends_on_what_the_tokens_depend_on(monkeypatch: pytest.MonkeyPatch) -> None:
     files = [(Path("a.txt"), b"To be."), (Path("b.txt"), b"Or not.")]
-    inputs = dict(kind="shakespeare", seq_len=8, tokenizer_sha256="0" * 64, files=files)
+    inputs = dict(kind="shakespeare", seq_len=8, tokenizer_sha256="0" * 64, tokenizer_library="sentencepiece 0.2.0", files=files)
     key = cache.cache_key(**inputs)
     # Editing code (the loader, a docstring) must keep every cache: no module's source counts.
     read_bytes, read_text = Path.read_bytes, Path.read_text
@@ -292,6 +292,7 @@ def test_cache_key_depends_on_what_the_tokens_depend_on(monkeypatch: pytest.Monk
         dict(kind="shakespeare_dialogue"),
         dict(seq_len=9),
         dict(tokenizer_sha256="1" * 64),
+        dict(tokenizer_library="sentencepiece 0.2.1"),
         dict(files=[(Path("c.txt"), b"To be."), files[1]]),  # a file's name
         dict(files=[(Path("a.txt"), b"To be!"), files[1]]),  # its bytes
         dict(files=[(Path("a.txt"), b"To be.Or"), (Path("b.txt"), b" not.")]),  # where one file ends
@@ -301,7 +302,6 @@ def test_cache_key_depends_on_what_the_tokens_depend_on(monkeypatch: pytest.Monk
     assert len({key, *keys}) == len(changed) + 1
     for module, name, value in [
         (cache, "FORMAT_VERSION", cache.FORMAT_VERSION + 1),
-        (cache.sentencepiece, "__version__", "0.0.0"),
         (cache.sys, "byteorder", {"little": "big", "big": "little"}[cache.sys.byteorder]),
     ]:
         with monkeypatch.context() as patch:

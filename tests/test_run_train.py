@@ -1,10 +1,11 @@
 """Through the real entry point: ``./run_train.sh`` on different meshes logs the same curve.
 
-Several optimizer steps of ``shakespeare_dialogue`` (uneven valid tokens) with a fixed global
-batch; the logged global loss, valid-token count and grad norm of every step must agree. Every
-mesh is compared with the reference in-process (``test_grad_accumulator.py`` and the TP, CP
-tests); here the launcher itself is under test, so two meshes suffice: one process with
-accumulation 4, and data x context parallel over four processes.
+Several optimizer steps of chat fine-tuning with a Llama-3-style ``tokenizer.json`` (uneven
+valid tokens: only the assistant's are labels) with a fixed global batch; the logged global
+loss, valid-token count and grad norm of every step must agree. Every mesh is compared with the
+reference in-process (``test_grad_accumulator.py`` and the TP, CP, chat tests); here the
+launcher itself is under test, so two meshes suffice: one process with accumulation 4, and data
+x context parallel over four processes.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from harness import run_train, tensorboard_scalars
+from hf_tokenizer import build
 
 pytestmark = pytest.mark.launcher
 
@@ -21,7 +23,7 @@ STEPS = 4
 TAGS = ("loss_metrics/global_avg_loss", "grad_norm", "n_valid_tokens", "loss_metrics/global_max_loss")
 
 COMMON = [
-    "--training.dataset", "shakespeare_dialogue",
+    "--training.dataset", "chat",
     "--training.seq_len", "64",
     "--training.global_batch_size", "8",
     "--training.steps", str(STEPS),
@@ -48,10 +50,11 @@ def logged_scalars(dump: Path) -> dict[str, list[float]]:
 
 @pytest.fixture(scope="module")
 def curves(tmp_path_factory) -> dict[str, dict[str, list[float]]]:
+    tokenizer = build(tmp_path_factory.mktemp("llama3_style"))
     results = {}
     for name, (ngpu, local_batch, extra) in MESHES.items():
         dump = tmp_path_factory.mktemp(name)
-        proc = run_train(ngpu, COMMON + ["--training.local_batch_size", str(local_batch),
+        proc = run_train(ngpu, COMMON + ["--model.tokenizer_path", str(tokenizer), "--training.local_batch_size", str(local_batch),
                                          "--job.dump_folder", str(dump)] + extra)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert f"step: {STEPS}/{STEPS}" in proc.stdout + proc.stderr

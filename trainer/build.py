@@ -13,16 +13,19 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.utils.data import Dataset
 
 from parallelisms.context_parallel import ContextParallel
 from parallelisms.parallel_dims import Meshes, device_type
 from parallelisms.parallelize import parallelize
 from trainer.config import resolve_path
 from trainer.data.loader import MicroBatchLoader, build_dataloader
-from trainer.data.samples import SampleDataset, build_dataset
+from trainer.data.mixture import MixtureDataset
+from trainer.data.samples import build_dataset
 from trainer.distributed import init_distributed
 from trainer.grad_accumulator import GradAccumulator
 from trainer.loss import cross_entropy_sum
@@ -57,11 +60,32 @@ class Trainer:
     """Sequence positions of this rank's tokens under context parallelism (else 0..seq-1)."""
 
 
-def load_dataset(plan: Plan) -> SampleDataset:
-    """The samples of ``training.dataset`` (tokenized once, then read from the token cache)."""
+def load_dataset(plan: Plan) -> Dataset:
+    """The samples of ``training.dataset``: from the bundled plays, one path, or the mixture of
+    several (``training.dataset_path``, ``training.dataset_weights``)."""
     training = plan.config.training
-    path = resolve_path(training.dataset_path) if training.dataset_path else None
-    return build_dataset(training.dataset, path, plan.tokenizer, training.seq_len)
+    paths = [resolve_path(path) for path in training.dataset_path]
+    if len(paths) <= 1:
+        return build_dataset(training.dataset, paths[0] if paths else None, plan.tokenizer, training.seq_len)
+    members = [build_dataset(training.dataset, path, plan.tokenizer, training.seq_len) for path in paths]
+    names = [Path(path).name for path in paths]
+    if len(set(names)) < len(names):
+        names = list(training.dataset_path)
+    return MixtureDataset(members, names, training.dataset_weights or [1.0] * len(paths))
+
+
+def describe_data(plan: Plan, dataset: Dataset) -> str:
+    """What the run trains on, in a line or two (logged at start, printed by ``--dry-run``)."""
+    training = plan.config.training
+    text = f"{len(dataset):,} samples of {training.seq_len} tokens ({training.dataset})"
+    if isinstance(dataset, MixtureDataset):
+        text += "; mixture over the run: " + dataset.describe_shares(
+            training.steps, plan.global_batch_size, plan.config.debug.seed
+        )
+        stats = [m.chat_stats for m in dataset.members if getattr(m, "chat_stats", None)]
+    else:
+        stats = [dataset.chat_stats] if getattr(dataset, "chat_stats", None) else []
+    return "; ".join([text] + [s.describe(training.seq_len) for s in stats])
 
 
 def build_model(plan: Plan, meshes: Meshes, device: torch.device) -> tuple[Transformer, ContextParallel | None]:
@@ -110,7 +134,7 @@ class InitProgress:
         self.next_percent = (percent // PROGRESS_EVERY_PERCENT + 1) * PROGRESS_EVERY_PERCENT
 
 
-def build_trainer(plan: Plan, dataset: SampleDataset) -> Trainer:
+def build_trainer(plan: Plan, dataset: Dataset) -> Trainer:
     """Join the process group and build the sharded model, optimizer, data and accumulator."""
     config, training = plan.config, plan.config.training
     dev_type = device_type()

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch.utils.data import Dataset
 
 from parallelisms.tensor_parallel import loss_context
-from trainer.build import Trainer, build_trainer, load_dataset
+from trainer.build import Trainer, build_trainer, describe_data, load_dataset
 from trainer.checkpoint.folders import step_folders
 from trainer.checkpoint.manager import CheckpointManager, create_seed_checkpoint
 from trainer.config import ConfigError, changed_settings, help_text, load_config, to_toml
@@ -99,12 +99,13 @@ def dry_run(argv: list[str], world_size: int) -> int:
     """Check everything and print what the job would be, without training (``--dry-run``)."""
     try:
         job_plan = plan(load_config(argv), world_size)
-        load_dataset(job_plan)
+        dataset = load_dataset(job_plan)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"meshtrain: config error: {e}", file=sys.stderr)
         return 2
     limit, where = memory_limit(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), None, started=False)
     print(describe(job_plan, limit, where))
+    print(f"data: {describe_data(job_plan, dataset)}")
     try:
         check_memory(job_plan, limit, where)
     except ConfigError as e:
@@ -126,7 +127,7 @@ def train(plan: Plan, dataset: Dataset, stop: StopRequests | None = None) -> Non
             dist.destroy_process_group()
             return
         state, checkpointer = resume(plan, dataset, trainer)
-        metrics = start_metrics(plan, trainer)
+        metrics = start_metrics(plan, trainer, dataset)
         first_step, start = state.step + 1, time.monotonic()
         last = loop(plan, trainer, state, checkpointer, metrics, stop, timeouts)
         checkpointer.close()
@@ -270,7 +271,7 @@ def local_tokens_per_step(plan: Plan) -> int:
     return plan.microbatches * plan.config.training.local_batch_size * plan.config.training.seq_len
 
 
-def start_metrics(plan: Plan, trainer: Trainer) -> MetricsLogger:
+def start_metrics(plan: Plan, trainer: Trainer, dataset: Dataset) -> MetricsLogger:
     """Save the resolved config, open the metrics, and say what is about to run (rank 0)."""
     rank = dist.get_rank()
     metrics = build_metrics(plan, trainer, rank)
@@ -280,7 +281,7 @@ def start_metrics(plan: Plan, trainer: Trainer) -> MetricsLogger:
         changed = changed_settings(plan.config)
         summary = textwrap.fill(" ".join(changed), width=110, initial_indent="  ", subsequent_indent="  ")
         logger.info("config: %d settings differ from the code's defaults (all in %s):\n%s", len(changed), config_file, summary)
-        log_start(plan, trainer, metrics)
+        log_start(plan, trainer, metrics, dataset)
     return metrics
 
 
@@ -306,7 +307,7 @@ def build_metrics(plan: Plan, trainer: Trainer, rank: int) -> MetricsLogger:
     )
 
 
-def log_start(plan: Plan, trainer: Trainer, metrics: MetricsLogger) -> None:
+def log_start(plan: Plan, trainer: Trainer, metrics: MetricsLogger, dataset: Dataset) -> None:
     config, dims, training = plan.config, plan.dims, plan.config.training
     logger.info(
         "%s %s: %s parameters | mesh dp_replicate=%d dp_shard=%d cp=%d tp=%d on %s | "
@@ -315,6 +316,7 @@ def log_start(plan: Plan, trainer: Trainer, metrics: MetricsLogger) -> None:
         dims.dp_shard, dims.cp, dims.tp, trainer.device.type, plan.global_batch_size,
         training.seq_len, plan.microbatches, training.local_batch_size,
     )
+    logger.info("data: %s", describe_data(plan, dataset))
     if metrics.tb_dir:
         logger.info("TensorBoard: tensorboard --logdir %s", metrics.tb_dir)
 

@@ -23,6 +23,7 @@ from trainer.config.schema import (
     Compile,
     ConfigError,
     Debug,
+    FloatList,
     Job,
     JobConfig,
     LRScheduler,
@@ -40,7 +41,7 @@ from trainer.config.validate import validate
 __all__ = [
     "CONFIG_DIR", "DEFAULT_CONFIG", "REPO_ROOT", "changed_settings", "help_text", "load_config", "load_toml", "parse_mesh",
     "resolve_config_path", "resolve_path", "to_toml", "type_name", "FIELDS", "MESH_DIMS",
-    "ActivationCheckpoint", "Checkpoint", "Comm", "Compile", "ConfigError", "Debug", "Job", "JobConfig",
+    "ActivationCheckpoint", "Checkpoint", "Comm", "Compile", "ConfigError", "Debug", "FloatList", "Job", "JobConfig",
     "LRScheduler", "Metrics", "Model", "Optimizer", "Parallelism", "Profiling", "StrList", "Training",
     "validate",
 ]

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from trainer.config.schema import FIELDS, MESH_DIMS, ConfigError, JobConfig, StrList, type_name
+from trainer.config.schema import FIELDS, MESH_DIMS, ConfigError, FloatList, JobConfig, StrList, type_name
 from trainer.config.validate import validate
 
 if sys.version_info >= (3, 11):
@@ -77,11 +77,22 @@ def _coerce(key: str, value: Any, from_cli: bool) -> Any:
         else:
             raise bad
     elif typ is StrList:
-        if from_cli and isinstance(value, str):
-            value = [item.strip() for item in value.split(",") if item.strip()]
+        if isinstance(value, str):  # comma-separated on the command line; one item in a file
+            value = [item.strip() for item in value.split(",") if item.strip()] if from_cli else [value]
         if not isinstance(value, (list, tuple)) or not all(isinstance(item, str) for item in value):
             raise bad
-        result = tuple(value)
+        result = StrList(value)
+    elif typ is FloatList:
+        if from_cli and isinstance(value, str):
+            try:
+                value = [float(item) for item in value.split(",") if item.strip()]
+            except ValueError:
+                raise bad from None
+        if not isinstance(value, (list, tuple)) or not all(
+            isinstance(item, (int, float)) and not isinstance(item, bool) for item in value
+        ):
+            raise bad
+        result = FloatList(float(item) for item in value)
     else:
         if not isinstance(value, str):
             raise bad
@@ -225,7 +236,9 @@ def help_text(argv: list[str] | None = None) -> str:
 
 
 def _shown(typ: type, value: Any) -> str:
-    return ",".join(value) if typ is StrList else repr(value)
+    if typ is StrList:
+        return ",".join(value)
+    return ",".join(map(repr, value)) if typ is FloatList else repr(value)
 
 
 def load_config(argv: list[str]) -> JobConfig:

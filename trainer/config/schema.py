@@ -23,6 +23,10 @@ class StrList(tuple):
     """A list of strings: a TOML array, or comma-separated on the command line."""
 
 
+class FloatList(tuple):
+    """A list of numbers: a TOML array, or comma-separated on the command line."""
+
+
 def _field(default: Any, doc: str, choices: tuple[str, ...] | None = None) -> Any:
     return field(default=default, metadata={"doc": doc, "choices": choices})
 
@@ -85,12 +89,21 @@ class LRScheduler:
 class Training:
     dataset: str = _field(
         "shakespeare",
-        "`shakespeare` (packed pre-training text) or `shakespeare_dialogue` (prompt/response "
-        "pairs with masked prompts and padding).",
+        "`shakespeare` (packed pre-training text), `shakespeare_dialogue` (prompt/response "
+        "pairs with masked prompts and padding) or `chat` (multi-turn `messages`, loss on the "
+        "assistant's tokens only).",
         DATASET_KINDS,
     )
-    dataset_path: str = _field(
-        "", "Your own .txt/.jsonl file or folder for the chosen dataset kind; empty uses the bundled plays."
+    dataset_path: StrList = _field(
+        StrList(),
+        "Your own data for the chosen kind: a .txt/.jsonl file, a folder of them, or a folder written "
+        "by scripts/prepare_data.py (memory-mapped); empty uses the bundled plays. Several paths (a "
+        "TOML array, or comma-separated) train on their mixture, see `training.dataset_weights`.",
+    )
+    dataset_weights: FloatList = _field(
+        FloatList(),
+        "With several `training.dataset_path`s: each one's share of every global batch, in the same "
+        "order (normalised to sum to 1); empty gives every dataset the same share.",
     )
     local_batch_size: int = _field(8, "Sequences per micro-batch on each data-parallel rank.")
     global_batch_size: int = _field(
@@ -338,4 +351,6 @@ FIELDS = _fields()
 
 
 def type_name(typ: type) -> str:
-    return "comma-separated list" if typ is StrList else typ.__name__
+    if typ is StrList:
+        return "comma-separated list"
+    return "comma-separated numbers" if typ is FloatList else typ.__name__

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from trainer.config.schema import FIELDS, ConfigError, JobConfig
+from trainer.config.schema import FIELDS, ConfigError, FloatList, JobConfig
 
 
 def validate(config: JobConfig) -> None:
@@ -31,6 +31,8 @@ def _finite(config: JobConfig) -> None:
         value = getattr(getattr(config, section), name)
         if typ is float and not math.isfinite(value):
             raise ConfigError(f"`{key}` must be a finite number, got {value}.")
+        if typ is FloatList and not all(math.isfinite(item) for item in value):
+            raise ConfigError(f"`{key}` must hold finite numbers, got {list(value)}.")
 
 
 def _training(config: JobConfig) -> None:
@@ -47,6 +49,7 @@ def _training(config: JobConfig) -> None:
             raise ConfigError(f"`{key}` must be >= 1, got {value}.")
     if training.global_batch_size != -1 and training.global_batch_size < 1:
         raise ConfigError(f"`training.global_batch_size` must be >= 1 or -1, got {training.global_batch_size}.")
+    _mixture(training)
     non_negative = {
         "training.num_workers": training.num_workers,
         "training.max_consecutive_skipped_steps": training.max_consecutive_skipped_steps,
@@ -54,6 +57,21 @@ def _training(config: JobConfig) -> None:
     for key, value in non_negative.items():
         if value < 0:
             raise ConfigError(f"`{key}` must be >= 0, got {value}.")
+
+
+def _mixture(training) -> None:
+    paths, weights = training.dataset_path, training.dataset_weights
+    if weights and len(weights) != len(paths):
+        raise ConfigError(
+            f"`training.dataset_weights` has {len(weights)} weight(s) for {len(paths)} `training.dataset_path`(s); "
+            "give one weight per path, in the same order (or none for equal shares)."
+        )
+    if any(weight <= 0 for weight in weights):
+        raise ConfigError(
+            f"`training.dataset_weights` must all be > 0, got {list(weights)}; drop a dataset's path to leave it out."
+        )
+    if len(set(paths)) != len(paths):
+        raise ConfigError(f"`training.dataset_path` names a path twice: {list(paths)}; give each dataset once.")
 
 
 def _lr_scheduler(config: JobConfig) -> None:

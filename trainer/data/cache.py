@@ -23,11 +23,10 @@ from array import array
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-import sentencepiece
 
 logger = logging.getLogger("meshtrain")
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 """The version of the code that turns files into tokens: the cleaning in ``sources``, the
 packing and dialogue pairing in ``samples``. The key sees every other input but not that code,
 so bump this with any change there that alters the samples made from the same files; otherwise
@@ -44,12 +43,14 @@ def cache_dir() -> Path:
     return Path(os.environ.get("MESHTRAIN_CACHE_DIR") or Path.home() / ".cache" / "meshtrain")
 
 
-def cache_key(kind: str, seq_len: int, tokenizer_sha256: str, files: Sequence[tuple[Path, bytes]]) -> str:
+def cache_key(
+    kind: str, seq_len: int, tokenizer_sha256: str, tokenizer_library: str, files: Sequence[tuple[Path, bytes]]
+) -> str:
     """Everything the tokens depend on: the code's :data:`FORMAT_VERSION`, the dataset kind,
-    ``seq_len``, the tokenizer, the SentencePiece version that runs it, the byte order the
+    ``seq_len``, the tokenizer file, the library and version that runs it, the byte order the
     arrays are stored in, and each source file's name, size and bytes."""
     h = hashlib.sha256()
-    for part in (str(FORMAT_VERSION), kind, str(seq_len), tokenizer_sha256, sentencepiece.__version__, sys.byteorder):
+    for part in (str(FORMAT_VERSION), kind, str(seq_len), tokenizer_sha256, tokenizer_library, sys.byteorder):
         h.update(part.encode() + b"\0")
     for file, data in files:
         h.update(f"{file.name}\0{len(data)}\0".encode())
@@ -61,12 +62,13 @@ def load_or_build(
     kind: str,
     seq_len: int,
     tokenizer_sha256: str,
+    tokenizer_library: str,
     files: Sequence[tuple[Path, bytes]],
     typecodes: Sequence[str],
     build: Callable[[], Sequence[array]],
 ) -> list[array]:
     """The arrays (of ``typecodes``) cached for these inputs, or ``build()``'s, then cached."""
-    key = cache_key(kind, seq_len, tokenizer_sha256, files)
+    key = cache_key(kind, seq_len, tokenizer_sha256, tokenizer_library, files)
     file = cache_dir() / "datasets" / f"{kind}-{seq_len}-{key[:32]}.bin"
     with _lock(file.with_suffix(".lock")):
         arrays = _load(file, key, typecodes)

@@ -42,14 +42,24 @@ class GlobalOrder:
 
     def batch(self, step: int) -> list[int]:
         """Dataset indices of step ``step``'s global batch, in global order."""
+        return self.stream(step * self.global_batch_size, self.global_batch_size)
+
+    def stream(self, start: int, count: int) -> list[int]:
+        """Dataset indices at stream positions ``[start, start + count)``."""
         indices: list[int] = []
-        position, end = step * self.global_batch_size, (step + 1) * self.global_batch_size
+        position, end = start, start + count
         while position < end:
             epoch, offset = divmod(position, self.num_samples)
             take = min(self.num_samples - offset, end - position)
             indices.extend(self._epoch_order(epoch)[offset : offset + take].tolist())
             position += take
         return indices
+
+
+def global_order(dataset: Dataset, global_batch_size: int, seed: int) -> GlobalOrder:
+    """The dataset's global order: its own (a mixture's ``order``), or a :class:`GlobalOrder`."""
+    own = getattr(dataset, "order", None)
+    return own(global_batch_size, seed) if own else GlobalOrder(len(dataset), global_batch_size, seed)
 
 
 class _RankBatchSampler(Sampler[list[int]]):
@@ -169,7 +179,7 @@ def build_dataloader(
         raise ValueError(f"data-parallel rank {dp_rank} is outside the data-parallel degree {dp_degree}.")
     if microbatches < 1:
         raise ValueError(f"microbatches = {microbatches}: a step needs at least one micro-batch.")
-    order = GlobalOrder(len(dataset), microbatches * local_batch_size * dp_degree, seed)
+    order = global_order(dataset, microbatches * local_batch_size * dp_degree, seed)
 
     def open_at(start_step: int) -> StatefulDataLoader:
         sampler = _RankBatchSampler(order, microbatches, local_batch_size, dp_rank, dp_degree, start_step)

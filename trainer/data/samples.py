@@ -7,6 +7,9 @@
   ``[bos] + prompt + TURN_SEPARATOR + response + [eos]``, truncated and padded to
   ``seq_len + 1``; labels that predict the prompt and labels of padding are ``IGNORE_INDEX``, so
   the number of valid labels varies from sample to sample.
+* ``chat``: multi-turn chat fine-tuning (``trainer.data.chat``). A sample is one conversation,
+  rendered with the tokenizer's chat format, cut on the right at ``seq_len + 1`` tokens and
+  padded; only the assistant's tokens are labels.
 
 A change here that alters the samples made from the same text must bump
 ``trainer.data.cache.FORMAT_VERSION``, or runs would keep the samples cached by the old code.
@@ -17,13 +20,14 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 from torch.utils.data import Dataset
 
 from trainer.data import cache
+from trainer.data.chat import ChatStats, render
 from trainer.data.sources import Sources, read_sources
 from trainer.data.tokenizer import Tokenizer
 from trainer.loss import IGNORE_INDEX
@@ -37,7 +41,10 @@ the pre-training kind, so fine-tuning continues the layout the model was pre-tra
 class TokenArrays:
     """Samples as token ranges: sample i is ``tokens[offsets[i]:offsets[i + 1]]`` (at most
     ``seq_len + 1`` tokens, padded on access), of which the first ``num_masked[i]`` labels are
-    ignored.
+    ignored. Kinds whose masked tokens are not a prefix (chat) also give ``targets``: one byte per
+    token, 1 where the token is a label; ``stats`` holds what the kind counted while building
+    (for chat, :class:`~trainer.data.chat.ChatStats`). Both are empty for the other kinds, which
+    leaves their data fingerprint as it was before the two arrays existed.
 
     Both dataset kinds are stored this way: compact, cheap to send to loader workers, and
     written to disk as-is by the token cache. Plain ``array.array``s rather than tensors:
@@ -46,15 +53,17 @@ class TokenArrays:
     hash and write for the cache.
     """
 
-    TYPECODES: ClassVar[tuple[str, str, str]] = ("i", "q", "i")
-    """The arrays' element types, in :meth:`parts` order: int32, int64, int32."""
+    TYPECODES: ClassVar[tuple[str, ...]] = ("i", "q", "i", "B", "q")
+    """The arrays' element types, in :meth:`parts` order: int32, int64, int32, uint8, int64."""
 
     tokens: array  # "i": int32
     offsets: array  # "q": int64, n + 1 entries
     num_masked: array  # "i": int32, n entries
+    targets: array = field(default_factory=lambda: array("B"))  # "B": one per token, or empty
+    stats: array = field(default_factory=lambda: array("q"))  # "q": the kind's counters, or empty
 
-    def parts(self) -> tuple[array, array, array]:
-        return self.tokens, self.offsets, self.num_masked
+    def parts(self) -> tuple[array, ...]:
+        return self.tokens, self.offsets, self.num_masked, self.targets, self.stats
 
 
 def _packed(kind: str, sources: Sources, tokenizer: Tokenizer, seq_len: int) -> TokenArrays:
@@ -96,6 +105,29 @@ def _dialogue(kind: str, sources: Sources, tokenizer: Tokenizer, seq_len: int) -
     return arrays
 
 
+def _chat(kind: str, sources: Sources, tokenizer: Tokenizer, seq_len: int) -> TokenArrays:
+    arrays = TokenArrays(array("i"), array("q", [0]), array("i"))
+    stats = ChatStats()
+    for conversation in sources.conversations(kind):
+        tokens, targets = render(conversation.messages, tokenizer)
+        stats.conversations += 1
+        if not any(targets):
+            stats.without_assistant += 1
+            continue
+        if len(tokens) > seq_len + 1:
+            stats.truncated += 1
+            tokens, targets = tokens[: seq_len + 1], targets[: seq_len + 1]
+            if not any(targets[1:]):  # the first token is never a label
+                stats.dropped_by_truncation += 1
+                continue
+        arrays.tokens.extend(tokens)
+        arrays.targets.extend(targets)
+        arrays.offsets.append(len(arrays.tokens))
+        arrays.num_masked.append(0)
+    arrays.stats.extend(stats.as_tuple())
+    return arrays
+
+
 @dataclass(frozen=True)
 class _Kind:
     build: Callable[[str, Sources, Tokenizer, int], TokenArrays]
@@ -106,6 +138,7 @@ class _Kind:
 _KINDS: dict[str, _Kind] = {
     "shakespeare": _Kind(_packed, ""),
     "shakespeare_dialogue": _Kind(_dialogue, " (a pair needs a prompt and a response)"),
+    "chat": _Kind(_chat, " (a conversation needs an assistant turn within `training.seq_len` tokens)"),
 }
 DATASET_KINDS: tuple[str, ...] = tuple(_KINDS)
 """The values ``training.dataset`` accepts."""
@@ -123,6 +156,8 @@ class SampleDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         self._tokens = torch.frombuffer(arrays.tokens, dtype=torch.int32)  # shares the array's memory
         self._offsets = arrays.offsets
         self._num_masked = arrays.num_masked
+        self._targets = torch.frombuffer(arrays.targets, dtype=torch.uint8) if arrays.targets else None
+        self.chat_stats = ChatStats(*arrays.stats) if arrays.stats else None
         self.seq_len = seq_len
         self.pad_id = pad_id
         data = hashlib.sha256()
@@ -141,6 +176,8 @@ class SampleDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         sequence[: end - start] = self._tokens[start:end]
         labels = sequence[1:].clone()
         labels[: self._num_masked[index]] = IGNORE_INDEX
+        if self._targets is not None:
+            labels[: end - start - 1][self._targets[start + 1 : end] == 0] = IGNORE_INDEX
         labels[end - start - 1 :] = IGNORE_INDEX  # the labels of padding
         return sequence[:-1], labels
 
@@ -150,7 +187,7 @@ def _build_arrays(kind: str, sources: Sources, tokenizer: Tokenizer, seq_len: in
     if not arrays.num_masked:
         raise ValueError(
             f"{sources.describe()} yields no {kind} samples of `training.seq_len` = {seq_len} tokens"
-            f"{_KINDS[kind].sample_needs}; add data or lower `training.seq_len`."
+            f"{_KINDS[kind].sample_needs}; add data or {'raise' if kind == 'chat' else 'lower'} `training.seq_len`."
         )
     return arrays
 
@@ -165,6 +202,8 @@ def build_dataset(kind: str, path: str | None, tokenizer: Tokenizer, seq_len: in
       ``{"text": ...}``.
     * ``shakespeare_dialogue``: a ``.jsonl`` line is a pair ``{"prompt": ..., "response": ...}``;
       a ``.txt`` file holds turns separated by blank lines, each turn answering the previous one.
+    * ``chat``: a ``.jsonl`` line is ``{"messages": [{"role": ..., "content": ...}, ...]}``; the
+      bundled plays give conversations of consecutive speeches of a scene.
 
     The result depends only on these inputs, never on rank or world size, so every process
     builds the same samples; tokenized arrays are cached under ``MESHTRAIN_CACHE_DIR`` (default
@@ -175,6 +214,7 @@ def build_dataset(kind: str, path: str | None, tokenizer: Tokenizer, seq_len: in
         kind,
         seq_len,
         tokenizer.sha256,
+        tokenizer.library,
         sources.files,
         TokenArrays.TYPECODES,
         lambda: _build_arrays(kind, sources, tokenizer, seq_len).parts(),

@@ -15,6 +15,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainer.data.chat import ASSISTANT, Conversation
+
 _LOCAL_SUFFIXES = (".txt", ".jsonl")
 _PARAGRAPH_BREAK = re.compile(r"\n[ \t]*\n")
 _HEADING = re.compile(r"#+\s+(.*)")
@@ -174,6 +176,38 @@ def _jsonl_records(file: Path, text: str, keys: tuple[str, ...], kind: str) -> I
         yield tuple(record[key] for key in keys)
 
 
+def _alternating(turns: tuple[str, ...] | list[str]) -> tuple[tuple[str, str], ...]:
+    return tuple(("user" if i % 2 == 0 else ASSISTANT, turn) for i, turn in enumerate(turns))
+
+
+def _jsonl_conversations(file: Path, text: str, kind: str) -> Iterator[Conversation]:
+    hint = (
+        f"with `training.dataset` = {kind!r}, every line of a .jsonl file under `training.dataset_path` "
+        'must be {"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}, ...]}'
+    )
+    for lineno, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{file}:{lineno}: invalid JSON ({exc.msg}); {hint}.") from None
+        messages = record.get("messages") if isinstance(record, dict) else None
+        if not isinstance(messages, list) or not messages:
+            raise ValueError(f'{file}:{lineno}: no "messages" list; {hint}.')
+        for number, message in enumerate(messages, start=1):
+            if not (
+                isinstance(message, dict)
+                and isinstance(message.get("role"), str)
+                and message["role"].strip()
+                and isinstance(message.get("content"), str)
+            ):
+                raise ValueError(
+                    f'{file}:{lineno}: message {number} needs a non-empty string "role" and a string "content"; {hint}.'
+                )
+        yield Conversation(tuple((m["role"].strip(), m["content"]) for m in messages), f"{file}:{lineno}")
+
+
 # --------------------------------------------------------------------------------------------
 # Sources: either of the two, read
 # --------------------------------------------------------------------------------------------
@@ -209,6 +243,27 @@ class Sources:
             elif text.strip():
                 documents.append(text)
         return documents
+
+    def conversations(self, kind: str) -> list[Conversation]:
+        """Chat conversations: a ``.jsonl`` line's ``"messages"``, a ``.txt`` file's blocks
+        (alternately user and assistant), or runs of four consecutive speeches of a play's scene
+        (user, assistant, user, assistant)."""
+        if not self.path:
+            return [
+                Conversation(_alternating(scene[start : start + 4]), f"the bundled plays, scene {number}")
+                for number, scene in enumerate((s for play in self.plays() for s in play.scenes), start=1)
+                for start in range(0, len(scene) - 1, 4)
+            ]
+        conversations: list[Conversation] = []
+        for file, data in self.files:
+            text = _decode(file, data)
+            if file.suffix.lower() == ".jsonl":
+                conversations.extend(_jsonl_conversations(file, text, kind))
+            else:
+                turns = [block.strip() for block in _PARAGRAPH_BREAK.split(text) if block.strip()]
+                if len(turns) > 1:
+                    conversations.append(Conversation(_alternating(turns), str(file)))
+        return conversations
 
     def pairs(self, kind: str) -> list[tuple[str, str]]:
         """Prompt/response pairs: consecutive speeches of a scene, consecutive blocks of a

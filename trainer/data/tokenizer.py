@@ -42,6 +42,11 @@ class Tokenizer(ABC):
 
     @property
     @abstractmethod
+    def library(self) -> str:
+        """The library and version that runs the file: a new version may tokenize differently."""
+
+    @property
+    @abstractmethod
     def vocab_size(self) -> int:
         """Every id the tokenizer can produce is below this (special tokens included)."""
 
@@ -112,6 +117,12 @@ class SentencePieceTokenizer(Tokenizer):
             )
 
     @property
+    def library(self) -> str:
+        import sentencepiece
+
+        return f"sentencepiece {sentencepiece.__version__}"
+
+    @property
     def vocab_size(self) -> int:
         return self._sp.vocab_size()
 
@@ -179,6 +190,12 @@ class HuggingFaceTokenizer(Tokenizer):
             if token is not None:
                 return token
         return None
+
+    @property
+    def library(self) -> str:
+        import tokenizers
+
+        return f"tokenizers {tokenizers.__version__}"
 
     @property
     def vocab_size(self) -> int:
