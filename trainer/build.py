@@ -59,6 +59,12 @@ class Trainer:
     positions: torch.Tensor | None
     """Sequence positions of this rank's tokens under context parallelism (else 0..seq-1)."""
 
+    def place(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A micro-batch as this rank computes it: its sequence shard under CP, on the device."""
+        if self.context_parallel:
+            inputs, labels = self.context_parallel.shard(inputs), self.context_parallel.shard(labels)
+        return inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
+
 
 def load_dataset(plan: Plan) -> Dataset:
     """The samples of ``training.dataset``: from the bundled plays, one path, or the mixture of
@@ -74,10 +80,27 @@ def load_dataset(plan: Plan) -> Dataset:
     return MixtureDataset(members, names, training.dataset_weights or [1.0] * len(paths))
 
 
-def describe_data(plan: Plan, dataset: Dataset) -> str:
-    """What the run trains on, in a line or two (logged at start, printed by ``--dry-run``)."""
+def load_validation_dataset(plan: Plan) -> Dataset | None:
+    """The validation samples (``[validation]``), or None when validation is off."""
+    validation, training = plan.config.validation, plan.config.training
+    if not validation.enable:
+        return None
+    return build_dataset(
+        validation.dataset or training.dataset,
+        resolve_path(validation.dataset_path) if validation.dataset_path else None,
+        plan.tokenizer,
+        plan.validation_seq_len,
+        split="validation",
+    )
+
+
+def describe_data(plan: Plan, dataset: Dataset, validation: bool = False) -> str:
+    """What the run trains (or validates) on, in a line or two (logged at start, printed by
+    ``--dry-run``)."""
     training = plan.config.training
-    text = f"{len(dataset):,} samples of {training.seq_len} tokens ({training.dataset})"
+    kind = (plan.config.validation.dataset or training.dataset) if validation else training.dataset
+    seq_len = plan.validation_seq_len if validation else training.seq_len
+    text = f"{len(dataset):,} samples of {seq_len} tokens ({kind})"
     if isinstance(dataset, MixtureDataset):
         text += "; mixture over the run: " + dataset.describe_shares(
             training.steps, plan.global_batch_size, plan.config.debug.seed
@@ -85,7 +108,7 @@ def describe_data(plan: Plan, dataset: Dataset) -> str:
         stats = [m.chat_stats for m in dataset.members if getattr(m, "chat_stats", None)]
     else:
         stats = [dataset.chat_stats] if getattr(dataset, "chat_stats", None) else []
-    return "; ".join([text] + [s.describe(training.seq_len) for s in stats])
+    return "; ".join([text] + [s.describe(seq_len) for s in stats])
 
 
 def build_model(plan: Plan, meshes: Meshes, device: torch.device) -> tuple[Transformer, ContextParallel | None]:

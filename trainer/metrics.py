@@ -39,6 +39,8 @@ import torch
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
 
+    from trainer.validation import ValidationResult
+
 logger = logging.getLogger("meshtrain")
 
 _GIB = 1024**3
@@ -235,6 +237,9 @@ _TAG_OOMS = "memory/num_ooms"
 _TAG_STEP_TIME = "time_metrics/end_to_end(s)"
 _TAG_DATA_PCT = "time_metrics/data_loading(%)"
 _TAG_SKIPPED = "n_skipped_steps"
+_TAG_VAL_LOSS = "validation/loss"
+_TAG_VAL_PERPLEXITY = "validation/perplexity"
+_TAG_VAL_TIME = "validation/seconds"
 
 DASHBOARD_ALIASES: dict[str, str] = {
     _TAG_TPS: "dashboard/throughput_tps",
@@ -264,6 +269,11 @@ _DASHBOARD: dict[str, dict[str, tuple[str, ...]]] = {
         "peak memory (GiB)": (_TAG_MEM_ACTIVE, _TAG_MEM_RESERVED),
         "peak memory (% of device)": (_TAG_MEM_ACTIVE_PCT, _TAG_MEM_RESERVED_PCT),
         "allocator retries and OOMs": (_TAG_ALLOC_RETRIES, _TAG_OOMS),
+    },
+    "validation": {
+        "training and validation loss": (_TAG_LOSS_AVG, _TAG_VAL_LOSS),
+        "validation perplexity": (_TAG_VAL_PERPLEXITY,),
+        "validation time (s)": (_TAG_VAL_TIME,),
     },
     "data": {
         "tokens": (_TAG_TOKENS_SEEN,),
@@ -308,6 +318,7 @@ class MetricsLogger:
         peak_flops: float | None,
         global_tokens_per_step: int,
         devices_per_replica: int = 1,
+        validation: bool = False,
     ) -> None:
         self._console = console
         self._log_freq = log_freq
@@ -318,6 +329,7 @@ class MetricsLogger:
         self._peak_flops = peak_flops
         self._global_tokens_per_step = global_tokens_per_step
         self._devices_per_replica = devices_per_replica
+        self._validation = validation
 
         self._window_steps = 0
         self._window_tokens = 0
@@ -356,6 +368,8 @@ class MetricsLogger:
         }
         if self._peak_flops is not None:
             tags.add(_TAG_MFU)
+        if self._validation:
+            tags |= {_TAG_VAL_LOSS, _TAG_VAL_PERPLEXITY, _TAG_VAL_TIME}
         if self._device.type == "cuda":
             tags |= {_TAG_MEM_RESERVED, _TAG_MEM_ACTIVE_PCT, _TAG_MEM_RESERVED_PCT, _TAG_ALLOC_RETRIES, _TAG_OOMS}
         return tags
@@ -441,6 +455,21 @@ class MetricsLogger:
         self._window_tokens = 0
         self._window_data_time = 0.0
         self._window_step_time = 0.0
+
+    def log_validation(self, step: int, result: ValidationResult) -> None:
+        """One validation pass: a console line and its TensorBoard points."""
+        if self._console:
+            c = self._colors
+            logger.info(
+                f"{c['cyan']}validation: step {step}  {c['green']}loss: {result.loss:.4f}  "
+                f"perplexity: {result.perplexity:.2f}  {c['white']}({result.n_valid_tokens:,} tokens, "
+                f"{result.batches} batches, {result.seconds:.1f}s){c['reset']}"
+            )
+        if self._writer is not None:
+            self._writer.add_scalar(_TAG_VAL_LOSS, result.loss, step)
+            self._writer.add_scalar(_TAG_VAL_PERPLEXITY, result.perplexity, step)
+            self._writer.add_scalar(_TAG_VAL_TIME, result.seconds, step)
+            self._writer.flush()
 
     def _console_line(
         self,

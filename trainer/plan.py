@@ -57,6 +57,11 @@ class Plan:
     def memory(self) -> Estimate:
         return estimate(self.workload)
 
+    @property
+    def validation_seq_len(self) -> int:
+        seq_len = self.config.validation.seq_len
+        return self.config.training.seq_len if seq_len == -1 else seq_len
+
 
 def plan(config: JobConfig, world_size: int) -> Plan:
     """Validate ``config`` against ``world_size``; raise :class:`ConfigError` naming the key."""
@@ -90,6 +95,13 @@ def plan(config: JobConfig, world_size: int) -> Plan:
         check(dims, settings, ModelShape(args.n_heads, args.kv_heads, args.vocab_size), device_type())
     except ParallelismError as e:
         raise ConfigError(e.render(SETTING_KEYS)) from None
+    validation = config.validation
+    if validation.enable and dims.cp > 1 and validation.seq_len not in (-1, training.seq_len):
+        raise ConfigError(
+            f"`validation.seq_len` = {validation.seq_len} differs from `training.seq_len` = {training.seq_len}, "
+            f"but context parallelism (`parallelism.context_parallel_degree` = {dims.cp}) shards sequences of "
+            "the training length only; set `validation.seq_len = -1`."
+        )
     if config.profiling.enable_memory_snapshot and device_type() != "cuda":
         raise ConfigError("`profiling.enable_memory_snapshot` records the CUDA allocator: it needs a GPU.")
     check_dump_folder(config.job.dump_folder)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch.utils.data import Dataset
 
 from parallelisms.tensor_parallel import loss_context
-from trainer.build import Trainer, build_trainer, describe_data, load_dataset
+from trainer.build import Trainer, build_trainer, describe_data, load_dataset, load_validation_dataset
 from trainer.checkpoint.folders import step_folders
 from trainer.checkpoint.manager import CheckpointManager, create_seed_checkpoint
 from trainer.config import ConfigError, changed_settings, help_text, load_config, to_toml
@@ -42,6 +42,7 @@ from trainer.plan import Plan, check_memory, describe, memory_limit, plan
 from trainer.profiling import profiling
 from trainer.stop_requests import StopRequests
 from trainer.train_state import TrainState
+from trainer.validation import Validator
 
 logger = logging.getLogger("meshtrain")
 
@@ -71,6 +72,7 @@ def _main(argv: list[str], stop: StopRequests) -> int:
             logger.info("memory estimate: %s", job_plan.memory.line())
         check_memory(job_plan, limit, where)
         dataset = load_dataset(job_plan)
+        validation_dataset = load_validation_dataset(job_plan)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"meshtrain: config error: {e}", file=sys.stderr)
         return 2
@@ -82,7 +84,7 @@ def _main(argv: list[str], stop: StopRequests) -> int:
         print(f"meshtrain: {e}", file=sys.stderr)
         return 2
     try:
-        train(job_plan, dataset, stop)
+        train(job_plan, dataset, stop, validation_dataset)
     except JobError as e:
         print(f"meshtrain: error: {e}", file=sys.stderr)
         return 1
@@ -100,12 +102,15 @@ def dry_run(argv: list[str], world_size: int) -> int:
     try:
         job_plan = plan(load_config(argv), world_size)
         dataset = load_dataset(job_plan)
+        validation_dataset = load_validation_dataset(job_plan)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"meshtrain: config error: {e}", file=sys.stderr)
         return 2
     limit, where = memory_limit(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), None, started=False)
     print(describe(job_plan, limit, where))
     print(f"data: {describe_data(job_plan, dataset)}")
+    if validation_dataset is not None:
+        print(f"validation data: {describe_data(job_plan, validation_dataset, validation=True)}")
     try:
         check_memory(job_plan, limit, where)
     except ConfigError as e:
@@ -114,8 +119,11 @@ def dry_run(argv: list[str], world_size: int) -> int:
     return 0
 
 
-def train(plan: Plan, dataset: Dataset, stop: StopRequests | None = None) -> None:
-    """Build, resume, loop. ``stop`` carries SIGTERM / Ctrl-C requests into the loop."""
+def train(
+    plan: Plan, dataset: Dataset, stop: StopRequests | None = None, validation_dataset: Dataset | None = None
+) -> None:
+    """Build, resume, loop. ``stop`` carries SIGTERM / Ctrl-C requests into the loop;
+    ``validation_dataset`` (``[validation]``) is evaluated every ``validation.freq`` steps."""
     config = plan.config
     stop = stop or StopRequests()
     timeouts = CollectiveTimeouts(config.comm.init_timeout_seconds, config.comm.train_timeout_seconds)
@@ -127,9 +135,10 @@ def train(plan: Plan, dataset: Dataset, stop: StopRequests | None = None) -> Non
             dist.destroy_process_group()
             return
         state, checkpointer = resume(plan, dataset, trainer)
-        metrics = start_metrics(plan, trainer, dataset)
+        metrics = start_metrics(plan, trainer, dataset, validation_dataset)
+        validator = build_validator(plan, trainer, validation_dataset)
         first_step, start = state.step + 1, time.monotonic()
-        last = loop(plan, trainer, state, checkpointer, metrics, stop, timeouts)
+        last = loop(plan, trainer, state, checkpointer, metrics, stop, timeouts, validator)
         checkpointer.close()
         metrics.close()
         if dist.get_rank() == 0 and last is not None:
@@ -146,9 +155,10 @@ def loop(
     metrics: MetricsLogger,
     stop: StopRequests,
     timeouts: CollectiveTimeouts,
+    validator: Validator | None = None,
 ) -> StepStats | None:
-    """Step, log, stop if asked, checkpoint; until the last step or a stop request. Returns the
-    last step's stats (None if no step ran)."""
+    """Step, log, validate when due, stop if asked, checkpoint; until the last step or a stop
+    request. Returns the last step's stats (None if no step ran)."""
     training = plan.config.training
     # On GPUs the stop flag travels on a CPU group of its own, so it never syncs the device.
     stop.group = dist.new_group(backend="gloo") if trainer.device.type == "cuda" else None
@@ -159,6 +169,8 @@ def loop(
             state.step += 1
             stats = train_step(trainer, state, local_tokens_per_step(plan))
             metrics.log(stats)
+            if validator is not None and validator.due(state.step, training.steps):
+                metrics.log_validation(state.step, validator.run(trainer))
             check_skipped_steps(state, stats, training.max_consecutive_skipped_steps)
             stopping = stop.stop_after_step()
             checkpointer.maybe_save(state.step, stopping=stopping)
@@ -232,14 +244,7 @@ def train_step(trainer: Trainer, state: TrainState, local_tokens: int) -> StepSt
 
 def fetch_step(trainer: Trainer) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """This rank's micro-batches of the next step (its sequence shard under CP), on the device."""
-    microbatches = []
-    for inputs, labels in trainer.loader.next_step():
-        if trainer.context_parallel:
-            inputs, labels = trainer.context_parallel.shard(inputs), trainer.context_parallel.shard(labels)
-        microbatches.append(
-            (inputs.to(trainer.device, non_blocking=True), labels.to(trainer.device, non_blocking=True))
-        )
-    return microbatches
+    return [trainer.place(inputs, labels) for inputs, labels in trainer.loader.next_step()]
 
 
 def forward_backward(trainer: Trainer, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
@@ -266,12 +271,27 @@ def optimizer_step(trainer: Trainer, result: StepResult) -> float:
     return lr
 
 
+def build_validator(plan: Plan, trainer: Trainer, dataset: Dataset | None) -> Validator | None:
+    if dataset is None:
+        return None
+    validation = plan.config.validation
+    return Validator(
+        dataset,
+        local_batch_size=validation.local_batch_size,
+        dp_rank=trainer.meshes.batch.get_local_rank(),
+        dp_degree=plan.dims.dp,
+        steps=validation.steps,
+        freq=validation.freq,
+        seed=plan.config.debug.seed,
+    )
+
+
 def local_tokens_per_step(plan: Plan) -> int:
     """Input tokens one rank's data-parallel replica processes per step (before CP sharding)."""
     return plan.microbatches * plan.config.training.local_batch_size * plan.config.training.seq_len
 
 
-def start_metrics(plan: Plan, trainer: Trainer, dataset: Dataset) -> MetricsLogger:
+def start_metrics(plan: Plan, trainer: Trainer, dataset: Dataset, validation_dataset: Dataset | None) -> MetricsLogger:
     """Save the resolved config, open the metrics, and say what is about to run (rank 0)."""
     rank = dist.get_rank()
     metrics = build_metrics(plan, trainer, rank)
@@ -281,7 +301,7 @@ def start_metrics(plan: Plan, trainer: Trainer, dataset: Dataset) -> MetricsLogg
         changed = changed_settings(plan.config)
         summary = textwrap.fill(" ".join(changed), width=110, initial_indent="  ", subsequent_indent="  ")
         logger.info("config: %d settings differ from the code's defaults (all in %s):\n%s", len(changed), config_file, summary)
-        log_start(plan, trainer, metrics, dataset)
+        log_start(plan, trainer, metrics, dataset, validation_dataset)
     return metrics
 
 
@@ -304,10 +324,13 @@ def build_metrics(plan: Plan, trainer: Trainer, rank: int) -> MetricsLogger:
         peak_flops=peak_flops(trainer.device, override=training.peak_flops or None),
         global_tokens_per_step=plan.global_batch_size * training.seq_len,
         devices_per_replica=plan.dims.tp * plan.dims.cp,
+        validation=config.validation.enable,
     )
 
 
-def log_start(plan: Plan, trainer: Trainer, metrics: MetricsLogger, dataset: Dataset) -> None:
+def log_start(
+    plan: Plan, trainer: Trainer, metrics: MetricsLogger, dataset: Dataset, validation_dataset: Dataset | None
+) -> None:
     config, dims, training = plan.config, plan.dims, plan.config.training
     logger.info(
         "%s %s: %s parameters | mesh dp_replicate=%d dp_shard=%d cp=%d tp=%d on %s | "
@@ -317,6 +340,11 @@ def log_start(plan: Plan, trainer: Trainer, metrics: MetricsLogger, dataset: Dat
         training.seq_len, plan.microbatches, training.local_batch_size,
     )
     logger.info("data: %s", describe_data(plan, dataset))
+    if validation_dataset is not None:
+        logger.info(
+            "validation every %d steps and at the end: %s",
+            plan.config.validation.freq, describe_data(plan, validation_dataset, validation=True),
+        )
     if metrics.tb_dir:
         logger.info("TensorBoard: tensorboard --logdir %s", metrics.tb_dir)
 

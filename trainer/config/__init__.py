@@ -34,6 +34,7 @@ from trainer.config.schema import (
     Profiling,
     StrList,
     Training,
+    Validation,
     type_name,
 )
 from trainer.config.validate import validate
@@ -42,6 +43,6 @@ __all__ = [
     "CONFIG_DIR", "DEFAULT_CONFIG", "REPO_ROOT", "changed_settings", "help_text", "load_config", "load_toml", "parse_mesh",
     "resolve_config_path", "resolve_path", "to_toml", "type_name", "FIELDS", "MESH_DIMS",
     "ActivationCheckpoint", "Checkpoint", "Comm", "Compile", "ConfigError", "Debug", "FloatList", "Job", "JobConfig",
-    "LRScheduler", "Metrics", "Model", "Optimizer", "Parallelism", "Profiling", "StrList", "Training",
+    "LRScheduler", "Metrics", "Model", "Optimizer", "Parallelism", "Profiling", "StrList", "Training", "Validation",
     "validate",
 ]

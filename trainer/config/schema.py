@@ -306,6 +306,25 @@ class Checkpoint:
 
 
 @dataclass
+class Validation:
+    enable: bool = _field(False, "Evaluate the validation loss during training (`validation/loss`, `validation/perplexity`).")
+    dataset: str = _field(
+        "", "Dataset kind of the validation set; empty uses `training.dataset`.", ("",) + DATASET_KINDS
+    )
+    dataset_path: str = _field(
+        "",
+        "Validation data (a file or folder as for `training.dataset_path`); empty uses the bundled "
+        "held-out plays, which training on the bundled plays never sees.",
+    )
+    freq: int = _field(10, "Validate every this many steps, and after the last step.")
+    steps: int = _field(-1, "Validation batches per evaluation; -1 evaluates the whole validation set.")
+    local_batch_size: int = _field(8, "Validation sequences per batch on each data-parallel rank.")
+    seq_len: int = _field(
+        -1, "Tokens per validation sequence; -1 uses `training.seq_len` (at most `training.seq_len`)."
+    )
+
+
+@dataclass
 class Debug:
     seed: int = _field(0, "Seed of the weight initialisation and the data order; same seed, same run on any mesh.")
     deterministic: bool = _field(False, "Use deterministic kernels (`torch.use_deterministic_algorithms`).")
@@ -325,6 +344,7 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
     profiling: Profiling = field(default_factory=Profiling)
+    validation: Validation = field(default_factory=Validation)
     debug: Debug = field(default_factory=Debug)
 
 

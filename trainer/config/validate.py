@@ -20,6 +20,7 @@ def validate(config: JobConfig) -> None:
     _activation_checkpoint(config)
     _checkpoint(config)
     _comm(config)
+    _validation(config)
     if config.profiling.profile_freq < 2:
         raise ConfigError("`profiling.profile_freq` must be >= 2 (one warm-up step, then the traced step).")
 
@@ -136,3 +137,28 @@ def _comm(config: JobConfig) -> None:
     }.items():
         if value < 1:
             raise ConfigError(f"`{key}` must be >= 1 second, got {value}.")
+
+
+def _validation(config: JobConfig) -> None:
+    validation, training = config.validation, config.training
+    if not validation.enable:
+        return
+    for key, value in {
+        "validation.freq": validation.freq,
+        "validation.local_batch_size": validation.local_batch_size,
+    }.items():
+        if value < 1:
+            raise ConfigError(f"`{key}` must be >= 1, got {value}.")
+    if validation.steps == 0 or validation.steps < -1:
+        raise ConfigError(f"`validation.steps` must be >= 1, or -1 for the whole set; got {validation.steps}.")
+    if validation.seq_len != -1 and not 1 <= validation.seq_len <= training.seq_len:
+        raise ConfigError(
+            f"`validation.seq_len` = {validation.seq_len} must be in [1, `training.seq_len` = {training.seq_len}] "
+            "(the model's RoPE table is sized for training), or -1 for the training length."
+        )
+    if training.dataset_path and not validation.dataset_path:
+        raise ConfigError(
+            "`validation.dataset_path` is empty while training reads `training.dataset_path`: the held-out "
+            "plays are a split of the bundled corpus only. Point `validation.dataset_path` at held-out data "
+            "of yours, or set `validation.enable = false`."
+        )

