@@ -55,6 +55,8 @@ class Trainer:
     context_parallel: ContextParallel | None
     positions: torch.Tensor | None
     """Sequence positions of this rank's tokens under context parallelism (else 0..seq-1)."""
+    document_bos_id: int | None = None
+    """With ``training.document_mask``: the BOS that opens each packed document (else None)."""
 
 
 def load_dataset(plan: Plan) -> SampleDataset:
@@ -154,4 +156,5 @@ def build_trainer(plan: Plan, dataset: SampleDataset) -> Trainer:
         loss_fn=torch.compile(cross_entropy_sum) if plan.parallel.compile_loss else cross_entropy_sum,
         context_parallel=context_parallel,
         positions=context_parallel.positions.to(device) if context_parallel else None,
+        document_bos_id=plan.tokenizer.bos_id if training.document_mask else None,
     )

@@ -22,6 +22,7 @@ import textwrap
 import time
 from contextlib import nullcontext
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,7 @@ from trainer.build import Trainer, build_trainer, load_dataset
 from trainer.checkpoint.folders import step_folders
 from trainer.checkpoint.manager import CheckpointManager, create_seed_checkpoint
 from trainer.config import ConfigError, changed_settings, help_text, load_config, to_toml
+from trainer.data.documents import split_documents
 from trainer.distributed import CollectiveTimeouts
 from trainer.dump_folder import DumpFolderLock
 from trainer.errors import JobError
@@ -229,27 +231,48 @@ def train_step(trainer: Trainer, state: TrainState, local_tokens: int) -> StepSt
     )
 
 
-def fetch_step(trainer: Trainer) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """This rank's micro-batches of the next step (its sequence shard under CP), on the device."""
-    microbatches = []
-    for inputs, labels in trainer.loader.next_step():
-        if trainer.context_parallel:
-            inputs, labels = trainer.context_parallel.shard(inputs), trainer.context_parallel.shard(labels)
-        microbatches.append(
-            (inputs.to(trainer.device, non_blocking=True), labels.to(trainer.device, non_blocking=True))
-        )
-    return microbatches
+class MicroBatch(NamedTuple):
+    """What one forward/backward takes: this rank's tokens, labels and their RoPE positions
+    (None: ``0..seq-1``), and the tokens' document ids under document masking (else None)."""
+
+    inputs: torch.Tensor
+    labels: torch.Tensor
+    positions: torch.Tensor | None
+    document_ids: torch.Tensor | None
 
 
-def forward_backward(trainer: Trainer, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
+def fetch_step(trainer: Trainer) -> list[MicroBatch]:
+    """This rank's micro-batches of the next step, on the device."""
+    return [microbatch(trainer, inputs, labels) for inputs, labels in trainer.loader.next_step()]
+
+
+def microbatch(trainer: Trainer, inputs: torch.Tensor, labels: torch.Tensor) -> MicroBatch:
+    """Whole samples -> this rank's micro-batch (its sequence shard under CP), on the device.
+
+    Documents are split on the whole sequences, before CP takes its shard: a shard alone cannot
+    tell where the document of its first token began.
+    """
+    positions, document_ids = trainer.positions, None
+    if trainer.document_bos_id is not None:
+        labels, positions, document_ids = split_documents(inputs, labels, trainer.document_bos_id)
+    cp = trainer.context_parallel
+    if cp:
+        inputs, labels = cp.shard(inputs), cp.shard(labels)
+        if document_ids is not None:
+            positions, document_ids = cp.shard(positions), cp.shard(document_ids)
+    tensors = (inputs, labels, positions, document_ids)
+    return MicroBatch(*(t if t is None else t.to(trainer.device, non_blocking=True) for t in tensors))
+
+
+def forward_backward(trainer: Trainer, microbatches: list[MicroBatch]) -> StepResult:
     """Accumulate summed-loss gradients over the micro-batches; finalize normalises and clips."""
     accumulator = trainer.accumulator
-    accumulator.begin_step([labels for _, labels in microbatches])
+    accumulator.begin_step([mb.labels for mb in microbatches])
     cp = trainer.context_parallel
     with loss_context(trainer.loss_parallel), cp.attention_context() if cp else nullcontext():
-        for i, (inputs, labels) in enumerate(microbatches):
+        for i, (inputs, labels, positions, document_ids) in enumerate(microbatches):
             accumulator.prepare_backward(i)
-            loss = trainer.loss_fn(trainer.model(inputs, trainer.positions), labels)
+            loss = trainer.loss_fn(trainer.model(inputs, positions, document_ids), labels)
             loss.backward()
             accumulator.record_loss(loss)
     return accumulator.finalize()

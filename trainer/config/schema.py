@@ -99,6 +99,12 @@ class Training:
         "Gradient accumulation = global / (local x data-parallel degree). -1 means no accumulation.",
     )
     seq_len: int = _field(2048, "Tokens per sequence.")
+    document_mask: bool = _field(
+        False,
+        "In packed samples (`shakespeare`), a token attends only to earlier tokens of its own "
+        "document, RoPE positions restart at each document's BOS, and the label predicting a "
+        "document's BOS from the previous document is ignored (see README, Document masking).",
+    )
     max_norm: float = _field(1.0, "Gradient clipping threshold on the true global grad norm; <= 0 disables clipping.")
     steps: int = _field(10000, "Optimizer steps to train.")
     max_consecutive_skipped_steps: int = _field(
