@@ -57,7 +57,7 @@ def check(seq: int, cp: int, dtype: torch.dtype, heads: int, kv_heads: int, head
     def rank(r: int) -> tuple[torch.Tensor, ...]:
         pos = head_tail_positions(seq, r, cp).to(device)
         q_local = q[:, :, pos]
-        out = attend_local_chunks(q_local, k, v, r, cp)
+        out = attend_local_chunks(causal_attention, q_local, k, v, r, cp)
         return (out, pos, *torch.autograd.grad(out, (q, k, v), upstream[:, :, pos]))
 
     want_out, want_dq, want_dk, want_dv = full()

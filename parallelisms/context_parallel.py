@@ -19,6 +19,12 @@ Attention has one interface and two backends:
 
 Every CP rank holds different tokens, so the gradient accumulator counts valid labels over
 data-parallel ranks *and* CP shards, and the loss needs no CP correction.
+
+Document masking (``training.document_mask``) works with ``allgather_kv``: the document ids,
+derived on the whole sequence and sharded like the tokens, are all-gathered once per forward
+(``AllGatherKVMask``), so every gathered key carries its document and each local query chunk
+gets a mask that is causal *and* same-document. The ring backend takes no mask and is refused
+with document masking (``auto`` then picks ``allgather_kv``).
 """
 
 from __future__ import annotations
@@ -72,7 +78,13 @@ with grouped-query key/value heads; without a mask it is causal."""
 
 
 def attend_local_chunks(
-    attention: AttentionFn, xq: torch.Tensor, xk_full: torch.Tensor, xv_full: torch.Tensor, rank: int, degree: int
+    attention: AttentionFn,
+    xq: torch.Tensor,
+    xk_full: torch.Tensor,
+    xv_full: torch.Tensor,
+    rank: int,
+    degree: int,
+    chunk_masks: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal attention of rank ``rank``'s two query chunks against the whole sequence's K/V.
 
@@ -80,7 +92,8 @@ def attend_local_chunks(
     ``xv_full`` are ``(batch, kv_heads, seq, head_dim)`` in natural order. Query chunk ``j``
     only needs keys ``[0, (j + 1) * chunk)``, and the causal mask is aligned so that its last
     query sees its last key. ``attention`` is the model's own (it handles grouped-query heads),
-    given that bottom-right-aligned mask.
+    given that bottom-right-aligned mask, or ``chunk_masks`` (:func:`local_chunk_masks`) under
+    document masking.
     """
     # Imported here: torch.nn.attention.bias imports torch._dynamo, about a second of start-up
     # for every process, and only context parallelism needs it.
@@ -95,7 +108,7 @@ def attend_local_chunks(
                 xq[:, :, half * chunk : (half + 1) * chunk],
                 xk_full[:, :, :end],
                 xv_full[:, :, :end],
-                attn_mask=causal_lower_right(chunk, end),
+                attn_mask=causal_lower_right(chunk, end) if chunk_masks is None else chunk_masks[half],
             )
         )
     return torch.cat(outputs, dim=2)
@@ -112,16 +125,57 @@ def natural_order(gathered: torch.Tensor) -> torch.Tensor:
     return chunks.index_select(2, index).reshape(batch, heads, degree * local, dim)
 
 
+def local_chunk_masks(
+    document_ids: torch.Tensor, rank: int, degree: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Additive masks of rank ``rank``'s two query chunks against the keys before their ends.
+
+    ``document_ids`` is ``(batch, seq)`` for the whole sequence in natural order. A query sees a
+    key at or before its own position in the same document; each mask is ``(batch, 1, chunk,
+    end)``, as :func:`attend_local_chunks` cuts the keys; additive, as the model's own
+    document mask is (``trainer.model.llama3.document_causal_mask``).
+    """
+    chunk = document_ids.shape[1] // (2 * degree)
+    masks = []
+    for global_chunk in (rank, 2 * degree - 1 - rank):
+        start, end = global_chunk * chunk, (global_chunk + 1) * chunk
+        query = torch.arange(start, end, device=document_ids.device)
+        causal = torch.arange(end, device=document_ids.device)[None, :] <= query[:, None]
+        same = document_ids[:, None, start:end, None] == document_ids[:, None, None, :end]
+        allowed = causal & same
+        masks.append(torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf")))
+    return masks[0], masks[1]
+
+
+class AllGatherKVMask:
+    """The model's ``attention_mask`` under ``allgather_kv``: this rank's document ids are all-
+    gathered once per forward (the keys of every rank carry their documents), then cut into
+    the masks of the two local query chunks, shared by every block."""
+
+    def __init__(self, group: dist.ProcessGroup, rank: int, degree: int):
+        self.group, self.rank, self.degree = group, rank, degree
+
+    def __call__(self, document_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        batch, local = document_ids.shape
+        gathered = document_ids.new_empty((self.degree * batch, local))
+        _all_gather(gathered, document_ids.contiguous(), group=self.group)
+        whole = natural_order(gathered.view(self.degree, batch, 1, local, 1)).view(batch, self.degree * local)
+        return local_chunk_masks(whole, self.rank, self.degree, dtype)
+
+
 class AllGatherKVAttention:
     """The ``allgather_kv`` backend: wraps a block's ``attention_fn`` (the model's attention)."""
 
     def __init__(self, attention: AttentionFn, group: dist.ProcessGroup, rank: int, degree: int):
         self.attention, self.group, self.rank, self.degree = attention, group, rank, degree
 
-    def __call__(self, xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor,
+        chunk_masks: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         xk_full = natural_order(_AllGatherSequence.apply(xk, self.group, self.degree))
         xv_full = natural_order(_AllGatherSequence.apply(xv, self.group, self.degree))
-        return attend_local_chunks(self.attention, xq, xk_full, xv_full, self.rank, self.degree)
+        return attend_local_chunks(self.attention, xq, xk_full, xv_full, self.rank, self.degree, chunk_masks)
 
 
 class ContextParallel:
@@ -137,13 +191,15 @@ class ContextParallel:
         self.positions = head_tail_positions(seq_len, self.rank, self.degree)
 
     def apply(self, model: nn.Module) -> None:
-        """Give every block's attention the K/V of the whole sequence (``allgather_kv``).
+        """Give every block's attention the K/V of the whole sequence (``allgather_kv``), and
+        the model the document masks that go with it.
 
         Expects torchtitan's Llama names: ``model.layers[i].attention.attention_fn``.
         """
         if self.backend != "allgather_kv":
             return
         group = self.mesh.get_group()
+        model.attention_mask = AllGatherKVMask(group, self.rank, self.degree)
         for block in model.layers.values():
             inner = block.attention.attention_fn
             block.attention.attention_fn = AllGatherKVAttention(inner, group, self.rank, self.degree)
@@ -173,8 +229,9 @@ class ContextParallel:
             yield
 
 
-def resolve_backend(backend: str, device_type: str) -> str:
-    """``auto`` is PyTorch's ring attention on CUDA and the all-gather-K/V attention elsewhere."""
+def resolve_backend(backend: str, device_type: str, document_mask: bool = False) -> str:
+    """``auto`` is PyTorch's ring attention on CUDA and the all-gather-K/V attention elsewhere,
+    or wherever documents are masked (the ring backend takes no mask)."""
     if backend == "auto":
-        return "ring" if device_type == "cuda" else "allgather_kv"
+        return "ring" if device_type == "cuda" and not document_mask else "allgather_kv"
     return backend

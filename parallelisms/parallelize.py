@@ -42,6 +42,8 @@ class ParallelSettings:
     async_tp: bool = False
     cp_backend: str = "auto"
     cp_rotate_method: str = "allgather"
+    document_mask: bool = False
+    """Attention is masked at the documents packed into a sample (the CP backend must take a mask)."""
     ac_mode: str = "none"
     ac_option: str = "op"
     compile_model: bool = False
@@ -101,7 +103,7 @@ def _check_context_parallel(dims: ParallelDims, settings: ParallelSettings, devi
     """Head-tail sharding needs 2 x cp equal chunks, each split again by sequence-parallel TP."""
     if dims.cp == 1:
         return
-    backend = resolve_backend(settings.cp_backend, device_type)
+    backend = resolve_backend(settings.cp_backend, device_type, settings.document_mask)
     multiple = 2 * dims.cp * dims.tp
     if settings.seq_len % multiple:
         raise ParallelismError(
@@ -113,6 +115,12 @@ def _check_context_parallel(dims: ParallelDims, settings: ParallelSettings, devi
         raise ParallelismError(
             '{cp_backend} = "ring" needs CUDA (PyTorch\'s context parallelism has no CPU kernels); '
             'use "allgather_kv" or "auto".'
+        )
+    if backend == "ring" and settings.document_mask:
+        raise ParallelismError(
+            '{cp_backend} = "ring" (PyTorch\'s ring attention) takes no attention mask, so it '
+            'cannot keep packed documents apart under {document_mask}; use "allgather_kv" or '
+            '"auto" (which picks it), or turn document masking off.'
         )
     if backend == "allgather_kv" and settings.cp_rotate_method != "allgather":
         raise ParallelismError(
@@ -133,7 +141,7 @@ def parallelize(
         context_parallel = ContextParallel(
             meshes.cp,
             settings.seq_len,
-            backend=resolve_backend(settings.cp_backend, device_type),
+            backend=resolve_backend(settings.cp_backend, device_type, settings.document_mask),
             rotate_method=settings.cp_rotate_method,
         )
         context_parallel.apply(model)

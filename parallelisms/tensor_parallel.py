@@ -53,8 +53,8 @@ def llama3_tp_plan(loss_parallel: bool) -> dict[str, ParallelStyle]:
         "tok_embeddings": EmbeddingParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "layers.*.attention_norm": SequenceParallel(),
         "layers.*.attention": PrepareModuleInput(
-            input_layouts=(Shard(1), None),  # (hidden states, RoPE table)
-            desired_input_layouts=(Replicate(), None),
+            input_layouts=(Shard(1), None, None),  # (hidden states, RoPE table, document mask)
+            desired_input_layouts=(Replicate(), None, None),
         ),
         "layers.*.attention.wq": ColwiseParallel(),
         "layers.*.attention.wk": ColwiseParallel(),

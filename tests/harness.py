@@ -189,7 +189,7 @@ def step_worker(argv: list[str]) -> dict | None:
     microbatches = fetch_step(trainer)
     result = forward_backward(trainer, microbatches)
     grads = {name: full(prm.grad) for name, prm in trainer.model.named_parameters()}
-    counts = [int((labels != IGNORE_INDEX).sum()) for _, labels in microbatches]
+    counts = [int((mb.labels != IGNORE_INDEX).sum()) for mb in microbatches]
     out = {
         "loss": result.loss_avg,
         "loss_max": result.loss_max,
@@ -207,10 +207,11 @@ def step_worker(argv: list[str]) -> dict | None:
 def per_rank_mean_then_average(trainer: Trainer, microbatches) -> dict[str, torch.Tensor]:
     """The DDP/FSDP-default bug: each rank normalises by its own tokens, ranks are averaged."""
     trainer.model.zero_grad(set_to_none=True)
-    local_n = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in microbatches)
-    for i, (inputs, labels) in enumerate(microbatches):
+    local_n = sum(int((mb.labels != IGNORE_INDEX).sum()) for mb in microbatches)
+    for i, (inputs, labels, positions, document_ids) in enumerate(microbatches):
         trainer.model.set_is_last_backward(i == len(microbatches) - 1)
-        (cross_entropy_sum(trainer.model(inputs), labels) / local_n / dist.get_world_size()).backward()
+        logits = trainer.model(inputs, positions, document_ids)
+        (cross_entropy_sum(logits, labels) / local_n / dist.get_world_size()).backward()
     return {name: full(prm.grad) for name, prm in trainer.model.named_parameters()}
 
 

@@ -112,7 +112,7 @@ def test_context_parallel_matches_single_process_reference(mesh, ref):
 
 def cp_shard_counts_worker(argv: list[str]) -> list[int]:
     p, job = trainer_for(argv)
-    return [int((labels != IGNORE_INDEX).sum()) for _, labels in fetch_step(job)]
+    return [int((mb.labels != IGNORE_INDEX).sum()) for mb in fetch_step(job)]
 
 
 @pytest.mark.slow

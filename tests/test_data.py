@@ -149,10 +149,11 @@ def test_packed_demo_corpus(packed: SampleDataset, tokenizer: Tokenizer) -> None
     labels = torch.stack([packed[i][1] for i in range(len(packed))])
     assert (labels != IGNORE_INDEX).all()
     assert torch.equal(labels[:, :-1], inputs[:, 1:])
-    # 38 plays; a BOS may fall on a chunk's last token, where it is a label only.
+    # 38 plays less the held-out ones; a BOS may fall on a chunk's last token, where it is a label only.
+    plays = 38 - len(sources.HELD_OUT_PLAYS)
     bos = (inputs == tokenizer.bos_id).sum() + (labels[:, -1] == tokenizer.bos_id).sum()
-    assert 36 <= bos <= 38
-    assert ((labels == tokenizer.eos_id).sum() - 38).abs() <= 1  # the dropped tail may hold the last EOS
+    assert plays - 2 <= bos <= plays
+    assert ((labels == tokenizer.eos_id).sum() - plays).abs() <= 1  # the dropped tail may hold the last EOS
 
 
 def test_dialogue_masking(tokenizer: Tokenizer, tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.util import tensor_util
 
 from trainer import metrics
+from trainer.validation import ValidationResult
 from trainer.metrics import (
     CONSOLE_TTY_ENV,
     DASHBOARD_ALIASES,
@@ -62,6 +63,7 @@ GPU_ONLY_ALIASES = {
     "dashboard/memory_max_reserved_pct",
 }
 GPU_ONLY_CHARTS = {"MFU %", "peak memory (% of device)", "allocator retries and OOMs"}
+VALIDATION_TAGS = {"validation/loss", "validation/perplexity", "validation/seconds"}
 GIB = 1024**3
 
 FLOPS_PER_TOKEN = 1_000_000
@@ -279,25 +281,31 @@ def test_frontend_model_reproduces_the_parentheses_bug() -> None:
     assert _frontend_run_name("memory/max_active(GiB)", "20260101-000000") != "20260101-000000"
 
 
-@pytest.mark.parametrize("on_gpu", [False, True], ids=["cpu", "cuda"])
+@pytest.mark.parametrize(("on_gpu", "validation"), [(False, False), (True, False), (False, True)], ids=["cpu", "cuda", "validation"])
 def test_custom_scalars_layout_charts_every_written_tag_drawably(
-    request: pytest.FixtureRequest, tmp_path: os.PathLike[str], on_gpu: bool
+    request: pytest.FixtureRequest, tmp_path: os.PathLike[str], on_gpu: bool, validation: bool
 ) -> None:
     if on_gpu:
         request.getfixturevalue("fake_cuda")
         logger = _make_logger(tmp_path, console=False, device=torch.device("cuda", 0), peak_flops=1e12)
     else:
-        logger = _make_logger(tmp_path, console=False)
+        logger = _make_logger(tmp_path, console=False, validation=validation)
     assert logger.tb_dir is not None
+    if validation:
+        logger.log_validation(1, ValidationResult(loss=2.0, n_valid_tokens=100, batches=2, seconds=0.5))
     _run(logger, [_stats(1)])
 
     acc = _read_events(logger.tb_dir)
     charts = _layout_charts(acc)
     written = set(acc.Tags()["scalars"])
-    assert written == (CPU_TAGS | CPU_ALIASES | (GPU_ONLY_TAGS | GPU_ONLY_ALIASES if on_gpu else set()))
+    assert written == (
+        CPU_TAGS | CPU_ALIASES | (GPU_ONLY_TAGS | GPU_ONLY_ALIASES if on_gpu else set())
+        | (VALIDATION_TAGS if validation else set())
+    )
     # Every chart is there that has data on this device, and no other.
     assert set(charts) == {
-        title for category in metrics._DASHBOARD.values() for title in category
+        title for name, category in metrics._DASHBOARD.items() for title in category
+        if validation or name != "validation"
     } - (set() if on_gpu else GPU_ONLY_CHARTS)
 
     # TensorBoard matches each layout tag as a regex from the start of the tag name.
@@ -313,6 +321,17 @@ def test_custom_scalars_layout_charts_every_written_tag_drawably(
     for tag in charted:
         assert "(" not in tag and ")" not in tag, tag
         assert _frontend_run_name(tag, ".") == ".", tag
+
+
+def test_validation_is_logged_to_console_and_tensorboard(tmp_path: os.PathLike[str], caplog) -> None:
+    logger = _make_logger(tmp_path, validation=True)
+    with caplog.at_level(logging.INFO, logger="meshtrain"):
+        logger.log_validation(10, ValidationResult(loss=math.log(50.0), n_valid_tokens=1234, batches=3, seconds=1.25))
+    assert "validation: step 10  loss: 3.9120  perplexity: 50.00  (1,234 tokens, 3 batches, 1.2s)" in caplog.text
+    logger.close()
+    scalars = _read_events(logger.tb_dir)
+    assert scalars.Scalars("validation/perplexity")[0].value == pytest.approx(50.0)
+    assert [e.step for e in scalars.Scalars("validation/loss")] == [10]
 
 
 def test_dashboard_aliases_have_no_parentheses_and_keep_the_name() -> None:

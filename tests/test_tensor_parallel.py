@@ -47,7 +47,7 @@ def logits_worker(argv: list[str]) -> dict:
         seen.setdefault("wq_weight", module.weight.dtype)
 
     wq.register_forward_pre_hook(record_dtype)
-    inputs, _ = fetch_step(job)[0]
+    inputs = fetch_step(job)[0].inputs
     logits = job.model(inputs)
     local = logits.to_local() if isinstance(logits, DTensor) else logits
     return {

@@ -13,6 +13,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 from pathlib import Path
 
 import torch
@@ -23,6 +24,7 @@ from parallelisms.context_parallel import ContextParallel
 from parallelisms.parallel_dims import Meshes, device_type
 from parallelisms.parallelize import parallelize
 from trainer.config import resolve_path
+from trainer.data.documents import split_documents
 from trainer.data.loader import MicroBatchLoader, build_dataloader
 from trainer.data.mixture import MixtureDataset
 from trainer.data.samples import build_dataset
@@ -42,6 +44,16 @@ PROGRESS_EVERY_PERCENT = 10
 PROGRESS_EVERY_S = 10.0
 
 
+class MicroBatch(NamedTuple):
+    """What one forward takes: this rank's tokens, labels and their RoPE positions (None:
+    ``0..seq-1``), and the tokens' document ids under document masking (else None)."""
+
+    inputs: torch.Tensor
+    labels: torch.Tensor
+    positions: torch.Tensor | None
+    document_ids: torch.Tensor | None
+
+
 @dataclass
 class Trainer:
     """Everything the loop uses, built once with every parallelism already applied."""
@@ -58,12 +70,25 @@ class Trainer:
     context_parallel: ContextParallel | None
     positions: torch.Tensor | None
     """Sequence positions of this rank's tokens under context parallelism (else 0..seq-1)."""
+    document_bos_id: int | None = None
+    """With ``training.document_mask``: the BOS that opens each packed document (else None)."""
 
-    def place(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A micro-batch as this rank computes it: its sequence shard under CP, on the device."""
-        if self.context_parallel:
-            inputs, labels = self.context_parallel.shard(inputs), self.context_parallel.shard(labels)
-        return inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
+    def place(self, inputs: torch.Tensor, labels: torch.Tensor) -> MicroBatch:
+        """Whole samples -> this rank's micro-batch (its sequence shard under CP), on the device.
+
+        Documents are split on the whole sequences, before CP takes its shard: a shard alone
+        cannot tell where the document of its first token began.
+        """
+        positions, document_ids = self.positions, None
+        if self.document_bos_id is not None:
+            labels, positions, document_ids = split_documents(inputs, labels, self.document_bos_id)
+        cp = self.context_parallel
+        if cp:
+            inputs, labels = cp.shard(inputs), cp.shard(labels)
+            if document_ids is not None:
+                positions, document_ids = cp.shard(positions), cp.shard(document_ids)
+        tensors = (inputs, labels, positions, document_ids)
+        return MicroBatch(*(t if t is None else t.to(self.device, non_blocking=True) for t in tensors))
 
 
 def load_dataset(plan: Plan) -> Dataset:
@@ -201,4 +226,5 @@ def build_trainer(plan: Plan, dataset: Dataset) -> Trainer:
         loss_fn=torch.compile(cross_entropy_sum) if plan.parallel.compile_loss else cross_entropy_sum,
         context_parallel=context_parallel,
         positions=context_parallel.positions.to(device) if context_parallel else None,
+        document_bos_id=plan.tokenizer.bos_id if training.document_mask else None,
     )

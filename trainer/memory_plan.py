@@ -18,7 +18,8 @@ make it fit, instead of spending minutes initialising and then dying of an out-o
   Activation checkpointing keeps only each checkpointed block's input plus one block being
   recomputed; ``op`` keeps the matmul and attention outputs. Context parallelism's
   ``allgather_kv`` attention also keeps the gathered keys and values of the whole sequence, and
-  their repeats for grouped-query attention up to each local chunk's end;
+  their repeats for grouped-query attention up to each local chunk's end; document masking
+  keeps one additive attention mask (queries x keys, in the compute dtype) shared by all blocks;
 * **logits and loss**: the logits of one micro-batch (vocabulary-sharded under loss parallel),
   their float32 copy, the log-softmax kept for backward and the gradient;
 * **allocator slack**: memory freed by backward that the allocator cannot hand back or reuse
@@ -72,6 +73,7 @@ class Workload:
     defer_gradient_reduction: bool = False
     reshard_after_forward: str = "default"
     cp_allgather_kv: bool = True
+    document_mask: bool = False
     device: str = "cpu"
 
     @property
@@ -120,7 +122,7 @@ def estimate(w: Workload) -> Estimate:
     gathered_blocks = w.n_layers if w.reshard_after_forward == "never" else 2
     gathered = (gathered_blocks * w.block_params + w.vocab_size * w.dim) * w.compute_bytes / w.tp
     fsdp_buffers = gathered + w.block_params * (w.compute_bytes + 4) / w.tp
-    activations = _activations(w)
+    activations = _activations(w) + _document_mask(w)
     device = w.device if w.device in RUNTIME_BYTES else "cpu"
     return Estimate(
         model_state=int(model_state),
@@ -157,6 +159,17 @@ def _activations(w: Workload) -> float:
         checkpointed = (w.n_layers + every - 1) // every
         return checkpointed * block_input + (w.n_layers - checkpointed + 1) * full_block
     return w.n_layers * full_block
+
+
+def _document_mask(w: Workload) -> float:
+    """The attention mask, kept once for every block: queries x keys per sample, or under CP
+    its two query chunks of ``seq / 2cp`` tokens against the keys up to each chunk's end."""
+    if not w.document_mask:
+        return 0.0
+    if w.cp == 1:
+        return w.local_batch_size * w.seq_len**2 * w.compute_bytes
+    chunk = w.seq_len / (2 * w.cp)
+    return w.local_batch_size * chunk**2 * (2 * w.cp + 1) * w.compute_bytes
 
 
 def _logits(w: Workload) -> float:

@@ -387,6 +387,8 @@ class MetricsLogger:
         written = self._written_tags()
         layout: dict[str, dict[str, list[str | list[str]]]] = {}
         for category, charts in _DASHBOARD.items():
+            if category == "validation" and not self._validation:
+                continue  # its loss chart would only repeat the training loss
             for title, tags in charts.items():
                 shown = [DASHBOARD_ALIASES.get(t, t) for t in tags if t in written]
                 if shown:

@@ -34,6 +34,7 @@ SETTING_KEYS = {
     "compile_loss": "`compile.components` including `loss`",
     "cp_backend": "`parallelism.context_parallel_backend`",
     "cp_rotate_method": "`parallelism.context_parallel_rotate_method`",
+    "document_mask": "`training.document_mask`",
 }
 """How the parallelisms' setting names read to a user: the config keys that set them."""
 
@@ -133,7 +134,8 @@ def memory_workload(config: JobConfig, dims: ParallelDims, settings: ParallelSet
         loss_parallel=settings.loss_parallel,
         defer_gradient_reduction=training.defer_gradient_reduction,
         reshard_after_forward=settings.reshard_after_forward,
-        cp_allgather_kv=resolve_backend(settings.cp_backend, device_type()) == "allgather_kv",
+        cp_allgather_kv=resolve_backend(settings.cp_backend, device_type(), settings.document_mask) == "allgather_kv",
+        document_mask=settings.document_mask,
         device=device_type(),
     )
 
@@ -190,6 +192,7 @@ def parallel_settings(config: JobConfig, dims: ParallelDims) -> ParallelSettings
         async_tp=parallelism.enable_async_tensor_parallel,
         cp_backend=parallelism.context_parallel_backend,
         cp_rotate_method=parallelism.context_parallel_rotate_method,
+        document_mask=config.training.document_mask,
         ac_mode=config.activation_checkpoint.mode,
         ac_option=config.activation_checkpoint.selective_ac_option,
         compile_model=compile_config.enable and "model" in compile_config.components,

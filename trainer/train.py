@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch.utils.data import Dataset
 
 from parallelisms.tensor_parallel import loss_context
-from trainer.build import Trainer, build_trainer, describe_data, load_dataset, load_validation_dataset
+from trainer.build import MicroBatch, Trainer, build_trainer, describe_data, load_dataset, load_validation_dataset
 from trainer.checkpoint.folders import step_folders
 from trainer.checkpoint.manager import CheckpointManager, create_seed_checkpoint
 from trainer.config import ConfigError, changed_settings, help_text, load_config, to_toml
@@ -242,20 +242,20 @@ def train_step(trainer: Trainer, state: TrainState, local_tokens: int) -> StepSt
     )
 
 
-def fetch_step(trainer: Trainer) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """This rank's micro-batches of the next step (its sequence shard under CP), on the device."""
+def fetch_step(trainer: Trainer) -> list[MicroBatch]:
+    """This rank's micro-batches of the next step, on the device."""
     return [trainer.place(inputs, labels) for inputs, labels in trainer.loader.next_step()]
 
 
-def forward_backward(trainer: Trainer, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
+def forward_backward(trainer: Trainer, microbatches: list[MicroBatch]) -> StepResult:
     """Accumulate summed-loss gradients over the micro-batches; finalize normalises and clips."""
     accumulator = trainer.accumulator
-    accumulator.begin_step([labels for _, labels in microbatches])
+    accumulator.begin_step([mb.labels for mb in microbatches])
     cp = trainer.context_parallel
     with loss_context(trainer.loss_parallel), cp.attention_context() if cp else nullcontext():
-        for i, (inputs, labels) in enumerate(microbatches):
+        for i, (inputs, labels, positions, document_ids) in enumerate(microbatches):
             accumulator.prepare_backward(i)
-            loss = trainer.loss_fn(trainer.model(inputs, trainer.positions), labels)
+            loss = trainer.loss_fn(trainer.model(inputs, positions, document_ids), labels)
             loss.backward()
             accumulator.record_loss(loss)
     return accumulator.finalize()

@@ -9,11 +9,13 @@ It runs in the training layout (FSDP shards, TP, CP as they are; nothing is re-s
 ``torch.no_grad()``, from its own fixed list of samples: the training loader, its position and
 every RNG are untouched, so a run with validation logs the same training losses as one without.
 
-The samples of a pass: the validation set in a fixed shuffled order (seeded by ``debug.seed``),
-``validation.local_batch_size x data-parallel degree`` per batch, ``validation.steps`` batches or
-(-1) all of them. Every rank runs the same number of forwards (FSDP's collectives need that):
-where the last batch has no sample left for a rank, it runs a sample whose labels are all
-ignored, which adds nothing to the sum or the count.
+The samples of a pass: the first ``validation.steps x validation.local_batch_size`` of the
+validation set in a fixed shuffled order (seeded by ``debug.seed``), or (-1) all of them; the
+same samples on every mesh, shared among the data-parallel ranks in batches of
+``validation.local_batch_size`` (with dp ranks, each runs about ``steps / dp`` batches). Every
+rank runs the same number of forwards (FSDP's collectives need that): where the last batch has
+no sample left for a rank, it runs a sample whose labels are all ignored, which adds nothing to
+the sum or the count.
 """
 
 from __future__ import annotations
@@ -54,13 +56,15 @@ class Validator:
     ) -> None:
         self.dataset = dataset
         self.freq = freq
+        # The evaluated samples depend on the settings only, never on the mesh: ``steps`` batches
+        # of ``local_batch_size`` in all, shared among the data-parallel ranks.
+        count = len(dataset) if steps == -1 else min(len(dataset), steps * local_batch_size)
+        chosen = GlobalOrder(len(dataset), local_batch_size, seed).stream(0, count)
         global_batch = local_batch_size * dp_degree
-        available = math.ceil(len(dataset) / global_batch)
-        self.batches = available if steps == -1 else min(steps, available)
-        order = GlobalOrder(len(dataset), global_batch, seed).stream(0, len(dataset))
+        self.batches = math.ceil(count / global_batch)
         mine = []
         for batch in range(self.batches):
-            share = order[batch * global_batch + dp_rank * local_batch_size :][:local_batch_size]
+            share = chosen[batch * global_batch + dp_rank * local_batch_size :][:local_batch_size]
             # -1: a filler sample, so this rank runs as many forwards as the others.
             mine.append(share + [-1] * (local_batch_size - len(share)))
         self._indices = mine
@@ -83,12 +87,13 @@ class Validator:
         with loss_context(trainer.loss_parallel), cp.attention_context() if cp else nullcontext():
             for indices in self._indices:
                 samples = [self._sample(i) for i in indices]
-                inputs, labels = trainer.place(torch.stack([s[0] for s in samples]), torch.stack([s[1] for s in samples]))
-                loss = trainer.loss_fn(trainer.model(inputs, trainer.positions), labels)
+                batch = trainer.place(torch.stack([s[0] for s in samples]), torch.stack([s[1] for s in samples]))
+                logits = trainer.model(batch.inputs, batch.positions, batch.document_ids)
+                loss = trainer.loss_fn(logits, batch.labels)
                 if isinstance(loss, DTensor):  # loss parallel: replicated over TP, counted once
                     loss = loss.to_local()
                 totals[0] += loss.double()
-                totals[1] += (labels != IGNORE_INDEX).sum()
+                totals[1] += (batch.labels != IGNORE_INDEX).sum()
         dist.all_reduce(totals, group=trainer.meshes.loss.get_group())
         loss_sum, count = totals.tolist()
         return ValidationResult(

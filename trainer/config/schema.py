@@ -112,6 +112,12 @@ class Training:
         "Gradient accumulation = global / (local x data-parallel degree). -1 means no accumulation.",
     )
     seq_len: int = _field(2048, "Tokens per sequence.")
+    document_mask: bool = _field(
+        False,
+        "In packed samples (`shakespeare`), a token attends only to earlier tokens of its own "
+        "document, RoPE positions restart at each document's BOS, and the label predicting a "
+        "document's BOS from the previous document is ignored (see README, Document masking).",
+    )
     max_norm: float = _field(1.0, "Gradient clipping threshold on the true global grad norm; <= 0 disables clipping.")
     steps: int = _field(10000, "Optimizer steps to train.")
     max_consecutive_skipped_steps: int = _field(
@@ -317,7 +323,11 @@ class Validation:
         "held-out plays, which training on the bundled plays never sees.",
     )
     freq: int = _field(10, "Validate every this many steps, and after the last step.")
-    steps: int = _field(-1, "Validation batches per evaluation; -1 evaluates the whole validation set.")
+    steps: int = _field(
+        -1,
+        "Validation batches of `validation.local_batch_size` per evaluation, in all (shared among the "
+        "data-parallel ranks, so every mesh evaluates the same samples); -1 evaluates the whole set.",
+    )
     local_batch_size: int = _field(8, "Validation sequences per batch on each data-parallel rank.")
     seq_len: int = _field(
         -1, "Tokens per validation sequence; -1 uses `training.seq_len` (at most `training.seq_len`)."

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 from trainer.config.schema import FIELDS, ConfigError, FloatList, JobConfig
+from trainer.data.samples import PACKED_KINDS
 
 
 def validate(config: JobConfig) -> None:
@@ -58,6 +59,13 @@ def _training(config: JobConfig) -> None:
     for key, value in non_negative.items():
         if value < 0:
             raise ConfigError(f"`{key}` must be >= 0, got {value}.")
+    if training.document_mask and training.dataset not in PACKED_KINDS:
+        raise ConfigError(
+            f"`training.document_mask` separates the documents packed into a sample, but "
+            f"`training.dataset` = {training.dataset!r} holds one example per sample: there is "
+            f"nothing to mask. Turn `training.document_mask` off, or use a packed kind "
+            f"({', '.join(PACKED_KINDS)})."
+        )
 
 
 def _mixture(training) -> None:

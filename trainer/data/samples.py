@@ -133,15 +133,20 @@ class _Kind:
     build: Callable[[str, Sources, Tokenizer, int], TokenArrays]
     sample_needs: str
     """Appended to the error for sources that yield no sample."""
+    packed: bool
+    """A sample packs several documents, each opened by BOS, which ``training.document_mask``
+    can keep apart (``trainer/data/documents.py``); false for one example per sample."""
 
 
 _KINDS: dict[str, _Kind] = {
-    "shakespeare": _Kind(_packed, ""),
-    "shakespeare_dialogue": _Kind(_dialogue, " (a pair needs a prompt and a response)"),
-    "chat": _Kind(_chat, " (a conversation needs an assistant turn within the first seq_len tokens)"),
+    "shakespeare": _Kind(_packed, "", packed=True),
+    "shakespeare_dialogue": _Kind(_dialogue, " (a pair needs a prompt and a response)", packed=False),
+    "chat": _Kind(_chat, " (a conversation needs an assistant turn within the first seq_len tokens)", packed=False),
 }
 DATASET_KINDS: tuple[str, ...] = tuple(_KINDS)
 """The values ``training.dataset`` accepts."""
+PACKED_KINDS: tuple[str, ...] = tuple(kind for kind, spec in _KINDS.items() if spec.packed)
+"""The kinds whose samples hold several documents (``training.document_mask`` applies)."""
 
 
 class SampleDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):

@@ -146,10 +146,11 @@ def _llama31_scaling(freqs: torch.Tensor, scale_factor: float) -> torch.Tensor:
 
 
 def apply_rotary_emb(xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate query and key pairs; ``freqs_cis`` is ``(seqlen, head_dim // 2)``."""
+    """Rotate query and key pairs; ``freqs_cis`` is ``(seqlen, head_dim // 2)``, or
+    ``(batch, seqlen, head_dim // 2)`` when every sample has its own positions."""
     xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
     xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
-    freqs = freqs_cis.view(1, xq_.shape[1], 1, xq_.shape[-1])
+    freqs = freqs_cis.view(-1, xq_.shape[1], 1, xq_.shape[-1])
     xq_out = torch.view_as_real(xq_ * freqs).flatten(3)
     xk_out = torch.view_as_real(xk_ * freqs).flatten(3)
     return xq_out.type_as(xq), xk_out.type_as(xk)
@@ -160,8 +161,9 @@ def causal_attention(
 ) -> torch.Tensor:
     """SDPA over ``(batch, heads, seq, head_dim)``, key/value heads repeated for GQA.
 
-    Causal, unless ``attn_mask`` says otherwise (context parallelism passes a causal mask
-    aligned to the bottom right when a query chunk attends to a longer run of keys).
+    Causal, unless ``attn_mask`` says otherwise: context parallelism passes a causal mask
+    aligned to the bottom right when a query chunk attends to a longer run of keys, and document
+    masking an additive mask from :func:`document_causal_mask`.
     """
     n_rep = xq.shape[1] // xk.shape[1]
     if n_rep > 1:
@@ -170,6 +172,24 @@ def causal_attention(
     if attn_mask is None:
         return F.scaled_dot_product_attention(xq, xk, xv, is_causal=True)
     return F.scaled_dot_product_attention(xq, xk, xv, attn_mask=attn_mask)
+
+
+def document_causal_mask(document_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask ``(batch, 1, seq, seq)``: 0 where a query may see a key (an earlier or the
+    same token of its own document), ``-inf`` elsewhere.
+
+    Built once per forward and shared by every block. Additive in the compute dtype rather than
+    boolean because SDPA converts a boolean mask to this form on every call, and each block's
+    backward would then keep its own copy.
+    """
+    seq = document_ids.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=document_ids.device).tril()
+    return additive_mask(causal & (document_ids[:, None, :, None] == document_ids[:, None, None, :]), dtype)
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where ``allowed``, ``-inf`` elsewhere."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
 class Attention(nn.Module):
@@ -183,7 +203,8 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: object = None) -> torch.Tensor:
+        """``mask``: what ``attention_fn`` takes besides q, k, v (document masking), or None (causal)."""
         bsz, seqlen, _ = x.shape
         # -1 head counts: under tensor parallelism each rank holds a slice of the heads.
         xq = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
@@ -191,7 +212,7 @@ class Attention(nn.Module):
         xv = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
         xq, xk = apply_rotary_emb(xq, xk, freqs_cis)
         xq, xk, xv = (t.transpose(1, 2) for t in (xq, xk, xv))
-        out = self.attention_fn(xq, xk, xv)
+        out = self.attention_fn(xq, xk, xv) if mask is None else self.attention_fn(xq, xk, xv, mask)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
@@ -221,13 +242,13 @@ class TransformerBlock(nn.Module):
         # A function rather than a wrapper module keeps the parameter names unchanged.
         self.checkpoint_fn: Callable[..., torch.Tensor] | None = None
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: object = None) -> torch.Tensor:
         if self.checkpoint_fn is not None:
-            return self.checkpoint_fn(self._forward, x, freqs_cis)
-        return self._forward(x, freqs_cis)
+            return self.checkpoint_fn(self._forward, x, freqs_cis, mask)
+        return self._forward(x, freqs_cis, mask)
 
-    def _forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), freqs_cis)
+    def _forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: object = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs_cis, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -241,14 +262,25 @@ class Transformer(nn.Module):
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.register_buffer("freqs_cis", rope_frequencies(args, device=self.tok_embeddings.weight.device), persistent=False)
+        # Turns document ids into the blocks' attention mask, once per forward; context
+        # parallelism swaps in one that matches its attention (keys gathered from every rank).
+        self.attention_mask: Callable[[torch.Tensor, torch.dtype], object] = document_causal_mask
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits of ``tokens``; ``positions`` are the tokens' places in the sequence when they
-        are not ``0..seq-1`` (a context-parallel rank holds two separate chunks)."""
+    def forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor | None = None, document_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Logits of ``tokens`` (``batch, seq``).
+
+        ``positions`` are the tokens' RoPE positions when they are not ``0..seq-1``: ``(seq,)``
+        for every sample (a context-parallel rank holds two separate chunks) or ``(batch, seq)``
+        (positions that restart at each packed document). With ``document_ids`` (``batch,
+        seq``) a token attends only to earlier tokens of the same document.
+        """
         h = self.tok_embeddings(tokens)
         freqs_cis = self.freqs_cis[: tokens.shape[1]] if positions is None else self.freqs_cis[positions]
+        mask = None if document_ids is None else self.attention_mask(document_ids, h.dtype)
         for layer in self.layers.values():
-            h = layer(h, freqs_cis)
+            h = layer(h, freqs_cis, mask)
         return self.output(self.norm(h))
 
     def init_std(self, name: str) -> tuple[str, float]:
