@@ -16,13 +16,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.utils.data import Dataset
 
 from parallelisms.context_parallel import ContextParallel
 from parallelisms.parallel_dims import Meshes, device_type
 from parallelisms.parallelize import parallelize
 from trainer.config import resolve_path
 from trainer.data.loader import MicroBatchLoader, build_dataloader
-from trainer.data.samples import SampleDataset, build_dataset
+from trainer.data.samples import open_dataset
 from trainer.distributed import init_distributed
 from trainer.grad_accumulator import GradAccumulator
 from trainer.loss import cross_entropy_sum
@@ -57,11 +58,12 @@ class Trainer:
     """Sequence positions of this rank's tokens under context parallelism (else 0..seq-1)."""
 
 
-def load_dataset(plan: Plan) -> SampleDataset:
-    """The samples of ``training.dataset`` (tokenized once, then read from the token cache)."""
+def load_dataset(plan: Plan) -> Dataset:
+    """The samples of ``training.dataset``: a prepared folder memory-mapped, or files tokenized
+    once and then read from the token cache."""
     training = plan.config.training
     path = resolve_path(training.dataset_path) if training.dataset_path else None
-    return build_dataset(training.dataset, path, plan.tokenizer, training.seq_len)
+    return open_dataset(training.dataset, path, plan.tokenizer, training.seq_len)
 
 
 def build_model(plan: Plan, meshes: Meshes, device: torch.device) -> tuple[Transformer, ContextParallel | None]:
@@ -110,7 +112,7 @@ class InitProgress:
         self.next_percent = (percent // PROGRESS_EVERY_PERCENT + 1) * PROGRESS_EVERY_PERCENT
 
 
-def build_trainer(plan: Plan, dataset: SampleDataset) -> Trainer:
+def build_trainer(plan: Plan, dataset: Dataset) -> Trainer:
     """Join the process group and build the sharded model, optimizer, data and accumulator."""
     config, training = plan.config, plan.config.training
     dev_type = device_type()

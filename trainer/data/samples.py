@@ -24,6 +24,7 @@ import torch
 from torch.utils.data import Dataset
 
 from trainer.data import cache
+from trainer.data.prepared import PreparedDataset, is_prepared
 from trainer.data.sources import Sources, read_sources
 from trainer.data.tokenizer import Tokenizer
 from trainer.loss import IGNORE_INDEX
@@ -180,3 +181,20 @@ def build_dataset(kind: str, path: str | None, tokenizer: Tokenizer, seq_len: in
         lambda: _build_arrays(kind, sources, tokenizer, seq_len).parts(),
     )
     return SampleDataset(TokenArrays(*parts), seq_len, tokenizer.pad_id, tokenizer.sha256)
+
+
+def open_dataset(
+    kind: str, path: str | None, tokenizer: Tokenizer, seq_len: int
+) -> SampleDataset | PreparedDataset:
+    """The dataset ``training.dataset`` = ``kind`` and ``training.dataset_path`` = ``path`` name:
+    a prepared folder (``scripts/prepare_data.py``) is memory-mapped; files are tokenized
+    (:func:`build_dataset`)."""
+    if path and is_prepared(path):
+        if kind != "shakespeare":
+            raise ValueError(
+                f"`training.dataset_path` = {path!r} is a prepared folder of packed documents, which "
+                f"`training.dataset` = {kind!r} cannot read; set `training.dataset` to 'shakespeare', or point "
+                "`training.dataset_path` at .txt/.jsonl files."
+            )
+        return PreparedDataset(path, seq_len, tokenizer)
+    return build_dataset(kind, path, tokenizer, seq_len)

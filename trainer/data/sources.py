@@ -8,14 +8,17 @@ made from them: bump ``trainer.data.cache.FORMAT_VERSION`` with it.
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
 import json
+import zlib
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-_LOCAL_SUFFIXES = (".txt", ".jsonl")
+LOCAL_SUFFIXES = (".txt", ".jsonl", ".jsonl.gz")
+"""The file types ``training.dataset_path`` (and ``scripts/prepare_data.py``) read."""
 _PARAGRAPH_BREAK = re.compile(r"\n[ \t]*\n")
 _HEADING = re.compile(r"#+\s+(.*)")
 _SPEAKER = re.compile(r"\*\*(.+?)\*\*")
@@ -117,30 +120,50 @@ def read_shakespeare_plays() -> list[Play]:
 # --------------------------------------------------------------------------------------------
 
 
-def _local_files(path: str) -> list[Path]:
+def has_local_suffix(file: Path) -> bool:
+    return file.name.lower().endswith(LOCAL_SUFFIXES)
+
+
+def is_jsonl(file: Path) -> bool:
+    """A ``.jsonl`` or ``.jsonl.gz`` file: one record per line."""
+    return file.name.lower().endswith((".jsonl", ".jsonl.gz"))
+
+
+def local_files(path: str, key: str = "`training.dataset_path`") -> list[Path]:
+    """The file ``path``, or the ``.txt``/``.jsonl``/``.jsonl.gz`` files of the folder ``path``
+    found recursively, in sorted order. ``key`` names where the path came from in errors."""
     root = Path(path).expanduser()
     if root.is_file():
-        if root.suffix.lower() not in _LOCAL_SUFFIXES:
+        if not has_local_suffix(root):
             raise ValueError(
-                f"`training.dataset_path` = {path!r} is a {root.suffix or 'suffix-less'} file; "
-                "use a .txt or .jsonl file, or a folder of them."
+                f"{key} = {path!r} is a {root.suffix or 'suffix-less'} file; "
+                "use a .txt, .jsonl or .jsonl.gz file, a folder of them, or a folder made by "
+                "scripts/prepare_data.py."
             )
         return [root]
     if root.is_dir():
-        files = sorted(p for p in root.rglob("*") if p.suffix.lower() in _LOCAL_SUFFIXES and p.is_file())
+        files = sorted(p for p in root.rglob("*") if has_local_suffix(p) and p.is_file())
         if not files:
             raise FileNotFoundError(
-                f"`training.dataset_path` = {path!r} is a folder without .txt or .jsonl files; "
-                "add some, or point the key at another folder."
+                f"{key} = {path!r} is a folder without .txt or .jsonl(.gz) files; "
+                "add some, or point the key at another folder (or at one made by scripts/prepare_data.py)."
             )
         return files
     raise FileNotFoundError(
-        f"`training.dataset_path` = {path!r} does not exist; point it at a .txt/.jsonl file or a "
-        "folder of them, or leave it empty to train on the bundled plays."
+        f"{key} = {path!r} does not exist; point it at a .txt/.jsonl/.jsonl.gz file, a "
+        "folder of them or a folder made by scripts/prepare_data.py, or leave it empty to train "
+        "on the bundled plays."
     )
 
 
-def _decode(file: Path, data: bytes) -> str:
+def decode(file: Path, data: bytes) -> str:
+    """The text of ``data``, the bytes of ``file`` (or a line-aligned part of them), with
+    ``.gz`` files decompressed and Windows line ends made ``\\n``."""
+    if file.name.lower().endswith(".gz"):
+        try:
+            data = gzip.decompress(data)
+        except (OSError, EOFError, zlib.error) as exc:
+            raise ValueError(f"{file}: not a complete gzip file ({exc}).") from None
     try:
         return data.decode("utf-8").replace("\r\n", "\n")
     except UnicodeDecodeError as exc:
@@ -149,15 +172,18 @@ def _decode(file: Path, data: bytes) -> str:
         ) from None
 
 
-def _jsonl_records(file: Path, text: str, keys: tuple[str, ...], kind: str) -> Iterator[tuple[str, ...]]:
-    """The string fields ``keys`` of each non-blank line, with errors pointing at file:line."""
+def jsonl_records(
+    file: Path, text: str, keys: tuple[str, ...], kind: str, first_line: int = 1
+) -> Iterator[tuple[str, ...]]:
+    """The string fields ``keys`` of each non-blank line, with errors pointing at file:line
+    (``text`` starts at line ``first_line`` of ``file``)."""
     hint = (
         f"with `training.dataset` = {kind!r}, every line of a .jsonl file under "
         f"`training.dataset_path` must be a JSON object with string keys {', '.join(map(json.dumps, keys))}"
     )
     # JSONL separates records by "\n" only; str.splitlines would also split inside strings
     # holding U+2028 and friends, which JSON allows unescaped.
-    for lineno, line in enumerate(text.split("\n"), start=1):
+    for lineno, line in enumerate(text.split("\n"), start=first_line):
         if not line.strip():
             continue
         try:
@@ -194,7 +220,7 @@ class Sources:
         return f"`training.dataset_path` = {self.path!r}" if self.path else "the bundled plays"
 
     def plays(self) -> list[Play]:
-        return [parse_play(_decode(file, data)) for file, data in self.files]
+        return [parse_play(decode(file, data)) for file, data in self.files]
 
     def documents(self, kind: str) -> list[str]:
         """Pre-training documents: a whole play, a whole ``.txt`` file, or a ``.jsonl`` line's
@@ -203,11 +229,8 @@ class Sources:
             return [play.text for play in self.plays()]
         documents: list[str] = []
         for file, data in self.files:
-            text = _decode(file, data)
-            if file.suffix.lower() == ".jsonl":
-                documents.extend(text for (text,) in _jsonl_records(file, text, ("text",), kind))
-            elif text.strip():
-                documents.append(text)
+            text = decode(file, data)
+            documents.extend(file_documents(file, text, kind))
         return documents
 
     def pairs(self, kind: str) -> list[tuple[str, str]]:
@@ -218,9 +241,9 @@ class Sources:
             return [pair for scene in scenes for pair in zip(scene, scene[1:])]
         pairs: list[tuple[str, str]] = []
         for file, data in self.files:
-            text = _decode(file, data)
-            if file.suffix.lower() == ".jsonl":
-                pairs.extend(_jsonl_records(file, text, ("prompt", "response"), kind))
+            text = decode(file, data)
+            if is_jsonl(file):
+                pairs.extend(jsonl_records(file, text, ("prompt", "response"), kind))
             else:
                 # Like the plays: each block answers the one before it.
                 turns = [block.strip() for block in _PARAGRAPH_BREAK.split(text) if block.strip()]
@@ -228,8 +251,18 @@ class Sources:
         return pairs
 
 
+def file_documents(file: Path, text: str, kind: str, first_line: int = 1) -> list[str]:
+    """The pre-training documents in ``text`` (all or a line-aligned part of ``file``, starting
+    at line ``first_line``): each ``"text"`` of a JSON lines file, or the whole of a ``.txt``
+    file unless it is blank. Shared by the in-memory datasets and ``scripts/prepare_data.py``,
+    so both make the same token stream from the same files."""
+    if is_jsonl(file):
+        return [text for (text,) in jsonl_records(file, text, ("text",), kind, first_line)]
+    return [text] if text.strip() else []
+
+
 def read_sources(path: str | None) -> Sources:
-    """The bundled plays (``path`` empty or ``None``) or the ``.txt``/``.jsonl`` files at ``path``
+    """The bundled plays (``path`` empty or ``None``) or the ``.txt``/``.jsonl``/``.jsonl.gz`` files at ``path``
     (a file, or a folder searched recursively, in sorted order), read into memory."""
-    files = _local_files(path) if path else shakespeare_play_files()
+    files = local_files(path) if path else shakespeare_play_files()
     return Sources(path, tuple((file, file.read_bytes()) for file in files))
