@@ -90,7 +90,9 @@ class Training:
         DATASET_KINDS,
     )
     dataset_path: str = _field(
-        "", "Your own .txt/.jsonl file or folder for the chosen dataset kind; empty uses the bundled plays."
+        "",
+        "Your own .txt/.jsonl/.jsonl.gz file or folder for the chosen dataset kind, or a folder made by "
+        "scripts/prepare_data.py (memory-mapped; `shakespeare` kind); empty uses the bundled plays.",
     )
     local_batch_size: int = _field(8, "Sequences per micro-batch on each data-parallel rank.")
     global_batch_size: int = _field(

@@ -211,7 +211,7 @@ def _run_unit(task: _Task) -> tuple[dict[str, Any], bool]:
     for done, document in enumerate(documents, start=1):
         ids = tokenizer.encode(document, bos=True, eos=True)
         try:
-            tokens.extend(ids)
+            tokens.fromlist(ids)
         except OverflowError:
             raise ValueError(
                 f"{tokenizer.path} produced the id {max(ids)}, beyond its vocabulary of {tokenizer.vocab_size} "
