@@ -27,7 +27,7 @@ from trainer.config import resolve_path
 from trainer.data.documents import split_documents
 from trainer.data.loader import MicroBatchLoader, build_dataloader
 from trainer.data.mixture import MixtureDataset
-from trainer.data.samples import build_dataset
+from trainer.data.samples import open_dataset
 from trainer.distributed import init_distributed
 from trainer.grad_accumulator import GradAccumulator
 from trainer.loss import cross_entropy_sum
@@ -97,8 +97,8 @@ def load_dataset(plan: Plan) -> Dataset:
     training = plan.config.training
     paths = [resolve_path(path) for path in training.dataset_path]
     if len(paths) <= 1:
-        return build_dataset(training.dataset, paths[0] if paths else None, plan.tokenizer, training.seq_len)
-    members = [build_dataset(training.dataset, path, plan.tokenizer, training.seq_len) for path in paths]
+        return open_dataset(training.dataset, paths[0] if paths else None, plan.tokenizer, training.seq_len)
+    members = [open_dataset(training.dataset, path, plan.tokenizer, training.seq_len) for path in paths]
     names = [Path(path).name for path in paths]
     if len(set(names)) < len(names):
         names = list(training.dataset_path)
@@ -110,7 +110,7 @@ def load_validation_dataset(plan: Plan) -> Dataset | None:
     validation, training = plan.config.validation, plan.config.training
     if not validation.enable:
         return None
-    return build_dataset(
+    return open_dataset(
         validation.dataset or training.dataset,
         resolve_path(validation.dataset_path) if validation.dataset_path else None,
         plan.tokenizer,

@@ -96,7 +96,7 @@ class Training:
     )
     dataset_path: StrList = _field(
         StrList(),
-        "Your own data for the chosen kind: a .txt/.jsonl file, a folder of them, or a folder written "
+        "Your own data for the chosen kind: a .txt/.jsonl/.jsonl.gz file, a folder of them, or a folder written "
         "by scripts/prepare_data.py (memory-mapped); empty uses the bundled plays. Several paths (a "
         "TOML array, or comma-separated) train on their mixture, see `training.dataset_weights`.",
     )

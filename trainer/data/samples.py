@@ -28,6 +28,7 @@ from torch.utils.data import Dataset
 
 from trainer.data import cache
 from trainer.data.chat import ChatStats, render
+from trainer.data.prepared import PreparedDataset, is_prepared
 from trainer.data.sources import Sources, read_sources
 from trainer.data.tokenizer import Tokenizer
 from trainer.loss import IGNORE_INDEX
@@ -229,3 +230,21 @@ def build_dataset(kind: str, path: str | None, tokenizer: Tokenizer, seq_len: in
         lambda: _build_arrays(kind, sources, tokenizer, seq_len).parts(),
     )
     return SampleDataset(TokenArrays(*parts), seq_len, tokenizer.pad_id, tokenizer.sha256)
+
+
+def open_dataset(
+    kind: str, path: str | None, tokenizer: Tokenizer, seq_len: int, split: str = "train"
+) -> SampleDataset | PreparedDataset:
+    """The dataset ``training.dataset`` = ``kind`` and ``training.dataset_path`` = ``path`` name
+    (the ``validation.*`` keys for ``split = "validation"``): a prepared folder
+    (``scripts/prepare_data.py``) is memory-mapped; files are tokenized (:func:`build_dataset`)."""
+    if path and is_prepared(path):
+        section = "validation" if split == "validation" else "training"
+        if kind not in PACKED_KINDS:
+            raise ValueError(
+                f"`{section}.dataset_path` = {path!r} is a prepared folder of packed documents, which "
+                f"`{section}.dataset` = {kind!r} cannot read; set `{section}.dataset` to 'shakespeare', or point "
+                f"`{section}.dataset_path` at .txt/.jsonl files."
+            )
+        return PreparedDataset(path, seq_len, tokenizer)
+    return build_dataset(kind, path, tokenizer, seq_len, split)

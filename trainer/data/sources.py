@@ -8,8 +8,10 @@ made from them: bump ``trainer.data.cache.FORMAT_VERSION`` with it.
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
 import json
+import zlib
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,7 +19,8 @@ from pathlib import Path
 
 from trainer.data.chat import ASSISTANT, Conversation
 
-_LOCAL_SUFFIXES = (".txt", ".jsonl")
+LOCAL_SUFFIXES = (".txt", ".jsonl", ".jsonl.gz")
+"""The file types ``training.dataset_path`` (and ``scripts/prepare_data.py``) read."""
 _PARAGRAPH_BREAK = re.compile(r"\n[ \t]*\n")
 _HEADING = re.compile(r"#+\s+(.*)")
 _SPEAKER = re.compile(r"\*\*(.+?)\*\*")
@@ -124,31 +127,50 @@ def read_shakespeare_plays() -> list[Play]:
 # --------------------------------------------------------------------------------------------
 
 
-def _local_files(path: str, split: str = "train") -> list[Path]:
-    key = "validation.dataset_path" if split == "validation" else "training.dataset_path"
+def has_local_suffix(file: Path) -> bool:
+    return file.name.lower().endswith(LOCAL_SUFFIXES)
+
+
+def is_jsonl(file: Path) -> bool:
+    """A ``.jsonl`` or ``.jsonl.gz`` file: one record per line."""
+    return file.name.lower().endswith((".jsonl", ".jsonl.gz"))
+
+
+def local_files(path: str, key: str = "`training.dataset_path`") -> list[Path]:
+    """The file ``path``, or the ``.txt``/``.jsonl``/``.jsonl.gz`` files of the folder ``path``
+    found recursively, in sorted order. ``key`` names where the path came from in errors."""
     root = Path(path).expanduser()
     if root.is_file():
-        if root.suffix.lower() not in _LOCAL_SUFFIXES:
+        if not has_local_suffix(root):
             raise ValueError(
-                f"`{key}` = {path!r} is a {root.suffix or 'suffix-less'} file; "
-                "use a .txt or .jsonl file, or a folder of them."
+                f"{key} = {path!r} is a {root.suffix or 'suffix-less'} file; "
+                "use a .txt, .jsonl or .jsonl.gz file, a folder of them, or a folder made by "
+                "scripts/prepare_data.py."
             )
         return [root]
     if root.is_dir():
-        files = sorted(p for p in root.rglob("*") if p.suffix.lower() in _LOCAL_SUFFIXES and p.is_file())
+        files = sorted(p for p in root.rglob("*") if has_local_suffix(p) and p.is_file())
         if not files:
             raise FileNotFoundError(
-                f"`{key}` = {path!r} is a folder without .txt or .jsonl files; "
-                "add some, or point the key at another folder."
+                f"{key} = {path!r} is a folder without .txt or .jsonl(.gz) files; "
+                "add some, or point the key at another folder (or at one made by scripts/prepare_data.py)."
             )
         return files
     raise FileNotFoundError(
-        f"`{key}` = {path!r} does not exist; point it at a .txt/.jsonl file or a "
-        "folder of them, or leave it empty to train on the bundled plays."
+        f"{key} = {path!r} does not exist; point it at a .txt/.jsonl/.jsonl.gz file, a "
+        "folder of them or a folder made by scripts/prepare_data.py, or leave it empty to train "
+        "on the bundled plays."
     )
 
 
-def _decode(file: Path, data: bytes) -> str:
+def decode(file: Path, data: bytes) -> str:
+    """The text of ``data``, the bytes of ``file`` (or a line-aligned part of them), with
+    ``.gz`` files decompressed and Windows line ends made ``\\n``."""
+    if file.name.lower().endswith(".gz"):
+        try:
+            data = gzip.decompress(data)
+        except (OSError, EOFError, zlib.error) as exc:
+            raise ValueError(f"{file}: not a complete gzip file ({exc}).") from None
     try:
         return data.decode("utf-8").replace("\r\n", "\n")
     except UnicodeDecodeError as exc:
@@ -157,15 +179,18 @@ def _decode(file: Path, data: bytes) -> str:
         ) from None
 
 
-def _jsonl_records(file: Path, text: str, keys: tuple[str, ...], kind: str) -> Iterator[tuple[str, ...]]:
-    """The string fields ``keys`` of each non-blank line, with errors pointing at file:line."""
+def jsonl_records(
+    file: Path, text: str, keys: tuple[str, ...], kind: str, first_line: int = 1
+) -> Iterator[tuple[str, ...]]:
+    """The string fields ``keys`` of each non-blank line, with errors pointing at file:line
+    (``text`` starts at line ``first_line`` of ``file``)."""
     hint = (
         f"with `training.dataset` = {kind!r}, every line of a .jsonl file under "
         f"`training.dataset_path` must be a JSON object with string keys {', '.join(map(json.dumps, keys))}"
     )
     # JSONL separates records by "\n" only; str.splitlines would also split inside strings
     # holding U+2028 and friends, which JSON allows unescaped.
-    for lineno, line in enumerate(text.split("\n"), start=1):
+    for lineno, line in enumerate(text.split("\n"), start=first_line):
         if not line.strip():
             continue
         try:
@@ -237,7 +262,7 @@ class Sources:
         return "the bundled held-out plays" if self.split == "validation" else "the bundled plays"
 
     def plays(self) -> list[Play]:
-        return [parse_play(_decode(file, data)) for file, data in self.files]
+        return [parse_play(decode(file, data)) for file, data in self.files]
 
     def documents(self, kind: str) -> list[str]:
         """Pre-training documents: a whole play, a whole ``.txt`` file, or a ``.jsonl`` line's
@@ -246,11 +271,8 @@ class Sources:
             return [play.text for play in self.plays()]
         documents: list[str] = []
         for file, data in self.files:
-            text = _decode(file, data)
-            if file.suffix.lower() == ".jsonl":
-                documents.extend(text for (text,) in _jsonl_records(file, text, ("text",), kind))
-            elif text.strip():
-                documents.append(text)
+            text = decode(file, data)
+            documents.extend(file_documents(file, text, kind))
         return documents
 
     def conversations(self, kind: str) -> list[Conversation]:
@@ -265,8 +287,8 @@ class Sources:
             ]
         conversations: list[Conversation] = []
         for file, data in self.files:
-            text = _decode(file, data)
-            if file.suffix.lower() == ".jsonl":
+            text = decode(file, data)
+            if is_jsonl(file):
                 conversations.extend(_jsonl_conversations(file, text, kind))
             else:
                 turns = [block.strip() for block in _PARAGRAPH_BREAK.split(text) if block.strip()]
@@ -282,9 +304,9 @@ class Sources:
             return [pair for scene in scenes for pair in zip(scene, scene[1:])]
         pairs: list[tuple[str, str]] = []
         for file, data in self.files:
-            text = _decode(file, data)
-            if file.suffix.lower() == ".jsonl":
-                pairs.extend(_jsonl_records(file, text, ("prompt", "response"), kind))
+            text = decode(file, data)
+            if is_jsonl(file):
+                pairs.extend(jsonl_records(file, text, ("prompt", "response"), kind))
             else:
                 # Like the plays: each block answers the one before it.
                 turns = [block.strip() for block in _PARAGRAPH_BREAK.split(text) if block.strip()]
@@ -292,9 +314,20 @@ class Sources:
         return pairs
 
 
+def file_documents(file: Path, text: str, kind: str, first_line: int = 1) -> list[str]:
+    """The pre-training documents in ``text`` (all or a line-aligned part of ``file``, starting
+    at line ``first_line``): each ``"text"`` of a JSON lines file, or the whole of a ``.txt``
+    file unless it is blank. Shared by the in-memory datasets and ``scripts/prepare_data.py``,
+    so both make the same token stream from the same files."""
+    if is_jsonl(file):
+        return [text for (text,) in jsonl_records(file, text, ("text",), kind, first_line)]
+    return [text] if text.strip() else []
+
+
 def read_sources(path: str | None, split: str = "train") -> Sources:
-    """The bundled plays of ``split`` (``path`` empty or ``None``) or the ``.txt``/``.jsonl``
-    files at ``path`` (a file, or a folder searched recursively, in sorted order), read into
-    memory. ``split`` also names the key in messages about ``path``."""
-    files = _local_files(path, split) if path else shakespeare_play_files(split)
+    """The bundled plays of ``split`` (``path`` empty or ``None``) or the ``.txt``/``.jsonl``/
+    ``.jsonl.gz`` files at ``path`` (a file, or a folder searched recursively, in sorted order),
+    read into memory. ``split`` also names the key in messages about ``path``."""
+    key = "`validation.dataset_path`" if split == "validation" else "`training.dataset_path`"
+    files = local_files(path, key) if path else shakespeare_play_files(split)
     return Sources(path, tuple((file, file.read_bytes()) for file in files), split)
