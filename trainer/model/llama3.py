@@ -244,12 +244,17 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of ``tokens``; ``positions`` are the tokens' places in the sequence when they
-        are not ``0..seq-1`` (a context-parallel rank holds two separate chunks)."""
-        h = self.tok_embeddings(tokens)
+        are not ``0..seq-1`` (a context-parallel rank holds two separate chunks).
+
+        A pipeline stage holds some of the modules (the others are None, so parameter names
+        stay those of the whole model): without the embedding ``tokens`` are the previous
+        stage's hidden states, without norm and output the hidden states are returned.
+        """
+        h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
         freqs_cis = self.freqs_cis[: tokens.shape[1]] if positions is None else self.freqs_cis[positions]
         for layer in self.layers.values():
             h = layer(h, freqs_cis)
-        return self.output(self.norm(h))
+        return h if self.output is None else self.output(self.norm(h))
 
     def init_std(self, name: str) -> tuple[str, float]:
         """How parameter ``name`` is initialised: ``(kind, std)``."""
@@ -291,6 +296,6 @@ class Transformer(nn.Module):
 
 def num_params(model: nn.Module, exclude_embedding: bool = False) -> int:
     total = sum(p.numel() for p in model.parameters())
-    if exclude_embedding:
+    if exclude_embedding and model.tok_embeddings is not None:
         total -= model.tok_embeddings.weight.numel()
     return total
