@@ -4,7 +4,8 @@ Several optimizer steps of ``shakespeare_dialogue`` (uneven valid tokens) with a
 batch; the logged global loss, valid-token count and grad norm of every step must agree. Every
 mesh is compared with the reference in-process (``test_grad_accumulator.py`` and the TP, CP
 tests); here the launcher itself is under test, so two meshes suffice: one process with
-accumulation 4, and data x context parallel over four processes.
+accumulation 4, data x context parallel over four processes, and pipeline x data parallel
+(interleaved schedule) over four, whose loss is computed on the last stage only.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ COMMON = [
 MESHES = {
     "1x4": (1, 2, []),
     "dp_shard2xcp2x2": (4, 2, ["--mesh", "dp_shard=2,cp=2"]),
+    "pp2xdp_shard2_interleaved": (4, 2, ["--mesh", "pp=2,dp_shard=2", "--parallelism.pipeline_parallel_schedule",
+                                         "Interleaved1F1B", "--parallelism.pipeline_parallel_microbatch_size", "2"]),
 }
 
 
