@@ -134,7 +134,7 @@ def plan_split(
     blocks = list(sizes)
     blocks[0] -= first_less
     blocks[-1] -= last_less
-    if num_stages > 1 and min(blocks) < 0 or num_stages == 1 and blocks[0] < 0:
+    if min(blocks) < 0:
         raise ParallelismError(
             f"{num_stages} pipeline stages of {sizes[0]} units cannot hold the embedding "
             f"({{pp_first_stage_less_layers}} = {first_less}) or the output "

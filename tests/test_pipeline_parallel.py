@@ -19,7 +19,6 @@ from harness import (
     TOLERANCE,
     argv_for,
     assert_matches,
-    clipped,
     full,
     max_relative_error,
     passes_over,

@@ -37,7 +37,7 @@ from trainer.dump_folder import DumpFolderLock
 from trainer.errors import JobError
 from trainer.grad_accumulator import StepResult
 from trainer.metrics import MetricsLogger, StepStats, flops_per_token, format_duration, peak_flops, use_color
-from trainer.model.llama3 import Transformer, num_params
+from trainer.model.llama3 import ModelArgs, Transformer, num_params
 from trainer.plan import Plan, check_memory, describe, memory_limit, plan
 from trainer.profiling import profiling
 from trainer.stop_requests import StopRequests
@@ -324,7 +324,7 @@ def build_metrics(plan: Plan, trainer: Trainer, rank: int) -> MetricsLogger:
     )
 
 
-def whole_model(args) -> torch.nn.Module:
+def whole_model(args: ModelArgs) -> torch.nn.Module:
     """The unsplit model on the meta device (no memory): what FLOPs and parameter counts describe
     even when this rank holds only some pipeline stages."""
     with torch.device("meta"):
