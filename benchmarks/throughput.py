@@ -34,7 +34,7 @@ from trainer.config import load_config  # noqa: E402
 from trainer.metrics import device_memory, flops_per_token, peak_flops, tokens_per_second_per_device  # noqa: E402
 from trainer.model.llama3 import num_params  # noqa: E402
 from trainer.plan import plan  # noqa: E402
-from trainer.train import fetch_step, forward_backward, local_tokens_per_step, optimizer_step  # noqa: E402
+from trainer.train import fetch_step, forward_backward, local_tokens_per_step, optimizer_step, whole_model  # noqa: E402
 
 
 def synchronize(device: torch.device) -> None:
@@ -67,17 +67,17 @@ def main() -> None:
         if step > args.warmup:
             times.append(time.perf_counter() - start)
 
-    tps = tokens_per_second_per_device(local_tokens_per_step(job_plan), statistics.median(times), dims.tp * dims.cp)
-    fpt = flops_per_token(num_params(job.model, exclude_embedding=True), margs.n_layers, margs.dim, training.seq_len)
+    tps = tokens_per_second_per_device(local_tokens_per_step(job_plan), statistics.median(times), dims.pp * dims.tp * dims.cp)
+    fpt = flops_per_token(num_params(whole_model(margs), exclude_embedding=True), margs.n_layers, margs.dim, training.seq_len)
     peak = peak_flops(job.device, override=training.peak_flops or None)
     memory = device_memory(job.device)
     out = {
         "config": args.config,
         "flavor": config.model.flavor,
-        "params": num_params(job.model),
+        "params": num_params(whole_model(margs)),
         "device": torch.cuda.get_device_name(job.device) if job.device.type == "cuda" else "cpu",
         "world_size": dist.get_world_size(),
-        "mesh": {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp, "tp": dims.tp},
+        "mesh": {"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp, "tp": dims.tp},
         "global_batch": job_plan.global_batch_size,
         "seq_len": training.seq_len,
         "param_dtype": str(job_plan.parallel.param_dtype).removeprefix("torch."),

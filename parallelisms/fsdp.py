@@ -27,22 +27,31 @@ def apply_fsdp(
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
     reshard_after_forward: str,
+    block_units: bool = True,
 ) -> nn.Module:
-    """Shard ``model`` in place over ``mesh`` (1-D: FSDP, 2-D: HSDP) and return it."""
+    """Shard ``model`` in place over ``mesh`` (1-D: FSDP, 2-D: HSDP) and return it.
+
+    ``block_units=False`` leaves the blocks to the root unit: the zero-bubble pipeline
+    schedules' split backward (input gradients, later weight gradients) gives wrong weight
+    gradients for a block that is its own FSDP unit behind another one in the same stage
+    (measured with torch 2.13), and exact ones with one unit for all of a stage's blocks.
+    """
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
 
     def shard(module: nn.Module | list[nn.Module], reshard: bool) -> None:
         fully_shard(module, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
 
     never = reshard_after_forward == "never"
-    shard(model.tok_embeddings, not never)
+    if model.tok_embeddings is not None:  # a pipeline stage may hold neither end of the model
+        shard(model.tok_embeddings, not never)
     blocks = list(model.layers.values())
-    for i, block in enumerate(blocks):
+    for i, block in enumerate(blocks if block_units else []):
         # The last block's backward starts right after forward, so freeing it is wasted work.
         last = i == len(blocks) - 1
         shard(block, reshard_after_forward == "always" or (not never and not last))
     # norm and output run last in forward and first in backward: resharding them buys nothing.
-    shard([model.norm, model.output], reshard_after_forward == "always")
+    if model.output is not None:
+        shard([model.norm, model.output], reshard_after_forward == "always")
     shard(model, reshard_after_forward == "always")
     for module in model.modules():
         if isinstance(module, FSDPModule):

@@ -1,14 +1,19 @@
 """The device mesh: validated parallelism degrees and the named sub-meshes each part needs.
 
-One ``DeviceMesh`` with dimensions ``(dp_replicate, dp_shard, cp, tp)`` (size-1 dimensions
-included, so every sub-mesh exists on every run) is built once. The sub-meshes are:
+One ``DeviceMesh`` with dimensions ``(pp, dp_replicate, dp_shard, cp, tp)`` (size-1 dimensions
+included, so every sub-mesh exists on every run) is built once. Pipeline parallelism is the
+outermost dimension: its point-to-point traffic is the lightest, so it is the one that crosses
+hosts, while tensor parallelism (innermost) stays on the fastest links. The sub-meshes are:
 
 - ``batch``: ``dp_replicate x dp_shard`` - ranks that read different samples;
 - ``fsdp``: what ``fully_shard`` shards over - ``dp_shard x cp`` flattened (CP ranks hold the
   same parameters, so they shard them too), with ``dp_replicate`` in front under HSDP (2-D);
 - ``loss``: ``dp_replicate x dp_shard x cp`` - every rank that holds different label tokens, the
   group over which valid tokens are counted (tensor-parallel ranks hold the same tokens);
-- ``tp`` and ``cp``.
+- ``stats``: ``pp x loss`` - where the logged loss statistics are reduced: only the last
+  pipeline stage computes a loss, so its sum and maximum travel over the stages too (the token
+  count, which every stage knows, does not);
+- ``pp``, ``tp`` and ``cp``.
 
 This package knows nothing of the trainer's configuration. Its errors are
 :class:`ParallelismError` templates that name the *settings* (``{tp}``, ``{seq_len}``); the
@@ -25,7 +30,7 @@ import torch
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-MESH_DIM_NAMES = ("dp_replicate", "dp_shard", "cp", "tp")
+MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 class ParallelismError(ValueError):
@@ -65,26 +70,27 @@ class ParallelDims:
     cp: int
     tp: int
     world_size: int
+    pp: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("dp_replicate", "cp", "tp"):
+        for name in ("pp", "dp_replicate", "cp", "tp"):
             value = getattr(self, name)
             if value < 1:
                 raise ParallelismError(f"{{{name}}} must be >= 1, got {value}.")
         if self.dp_shard in (-1, 0):
-            others = self.dp_replicate * self.cp * self.tp
+            others = self.pp * self.dp_replicate * self.cp * self.tp
             if self.world_size % others:
                 raise ParallelismError(
                     f"cannot infer {{dp_shard}}: world size {self.world_size} is not divisible by "
-                    f"replicate x cp x tp = {others}; change the degrees or the number of processes (NGPU)."
+                    f"pp x replicate x cp x tp = {others}; change the degrees or the number of processes (NGPU)."
                 )
             self.dp_shard = self.world_size // others
         elif self.dp_shard < 1:
             raise ParallelismError(f"{{dp_shard}} must be >= 1 or -1 (infer), got {self.dp_shard}.")
-        product = self.dp_replicate * self.dp_shard * self.cp * self.tp
+        product = self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
         if product != self.world_size:
             raise ParallelismError(
-                f"mesh dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x cp={self.cp} x "
+                f"mesh pp={self.pp} x dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x cp={self.cp} x "
                 f"tp={self.tp} = {product} does not match the world size {self.world_size}; set "
                 f"{{dp_shard}} to -1 to infer it, or launch {product} processes (NGPU={product})."
             )
@@ -101,14 +107,15 @@ class ParallelDims:
     def build_mesh(self, device_type: str) -> Meshes:
         mesh = init_device_mesh(
             device_type,
-            (self.dp_replicate, self.dp_shard, self.cp, self.tp),
+            (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp),
             mesh_dim_names=MESH_DIM_NAMES,
         )
         batch = flatten_mesh(mesh, ("dp_replicate", "dp_shard"), "dp")
         shard = flatten_mesh(mesh, ("dp_shard", "cp"), "dp_shard_cp")
         loss = flatten_mesh(mesh, ("dp_replicate", "dp_shard", "cp"), "dp_cp")
+        stats = flatten_mesh(mesh, ("pp", "dp_replicate", "dp_shard", "cp"), "pp_dp_cp")
         fsdp = mesh["dp_replicate", "dp_shard_cp"] if self.hsdp else shard
-        return Meshes(batch=batch, fsdp=fsdp, loss=loss, tp=mesh["tp"], cp=mesh["cp"])
+        return Meshes(batch=batch, fsdp=fsdp, loss=loss, tp=mesh["tp"], cp=mesh["cp"], pp=mesh["pp"], stats=stats)
 
 
 @dataclass
@@ -120,11 +127,13 @@ class Meshes:
     loss: DeviceMesh
     tp: DeviceMesh
     cp: DeviceMesh
+    pp: DeviceMesh
+    stats: DeviceMesh
 
     def groups(self) -> list[ProcessGroup]:
         """Every process group of these meshes (for settings that apply per group, like timeouts)."""
         found: dict[int, ProcessGroup] = {}
-        for mesh in (self.batch, self.fsdp, self.loss, self.tp, self.cp):
+        for mesh in (self.batch, self.fsdp, self.loss, self.tp, self.cp, self.pp, self.stats):
             for dim in range(mesh.ndim):
                 group = mesh.get_group(dim)
                 found[id(group)] = group

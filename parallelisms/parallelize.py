@@ -2,6 +2,8 @@
 
 Applied once, to the model on the meta device, before the training loop:
 
+0. pipeline parallelism (the rank keeps its stages' modules; each stage is a view of them,
+   and every step below is applied to each stage);
 1. tensor parallelism (splits the parameters into TP DTensors);
 2. context parallelism's attention (each block's attention sees the whole sequence's K/V);
 3. activation checkpointing (per block);
@@ -29,6 +31,13 @@ from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.context_parallel import ContextParallel, resolve_backend
 from parallelisms.fsdp import apply_fsdp
 from parallelisms.parallel_dims import Meshes, ParallelDims, ParallelismError
+from parallelisms.pipeline_parallel import (
+    ZERO_BUBBLE_SCHEDULES,
+    PipelineSplit,
+    check_pipeline,
+    plan_split,
+    split_model,
+)
 from parallelisms.tensor_parallel import apply_tp
 
 
@@ -51,6 +60,13 @@ class ParallelSettings:
     param_dtype: torch.dtype = torch.float32
     reduce_dtype: torch.dtype = torch.float32
     reshard_after_forward: str = "default"
+    pp_schedule: str = "1F1B"
+    pp_microbatch_size: int = 1
+    pp_layers_per_stage: int = -1
+    pp_first_stage_less_layers: int = 1
+    pp_last_stage_less_layers: int = 1
+    pp_rank_batch: int = 1
+    """Samples one data-parallel rank trains on per step: the pipeline's batch."""
 
 
 @dataclass(frozen=True)
@@ -60,12 +76,23 @@ class ModelShape:
     n_heads: int
     n_kv_heads: int
     vocab_size: int
+    n_layers: int = 1
 
 
 def check(dims: ParallelDims, settings: ParallelSettings, shape: ModelShape, device_type: str) -> None:
     """Raise :class:`ParallelismError` for the first combination that cannot work."""
     _check_tensor_parallel(dims, settings, shape, device_type)
     _check_context_parallel(dims, settings, device_type)
+    if dims.pp > 1:
+        split = pipeline_split(dims, settings, shape.n_layers)
+        check_pipeline(dims.pp, settings.pp_schedule, settings.pp_microbatch_size, settings.pp_rank_batch, split,
+                       settings.compile_model)
+        if settings.document_mask:
+            raise ParallelismError(
+                "{document_mask} with {pp} > 1: the pipeline stages receive only the hidden states "
+                "and one set of RoPE positions for every micro-batch, not each sample's document ids "
+                "and restarting positions; turn one of them off."
+            )
     if settings.compile_loss and dims.tp > 1 and settings.loss_parallel:
         raise ParallelismError(
             "{compile_loss}: torch.compile does not trace the loss correctly inside "
@@ -129,13 +156,33 @@ def _check_context_parallel(dims: ParallelDims, settings: ParallelSettings, devi
         )
 
 
+def pipeline_split(dims: ParallelDims, settings: ParallelSettings, n_layers: int) -> PipelineSplit:
+    return plan_split(
+        n_layers, dims.pp, settings.pp_schedule, settings.pp_layers_per_stage,
+        settings.pp_first_stage_less_layers, settings.pp_last_stage_less_layers,
+    )
+
+
+@dataclass
+class Parallelized:
+    """What the loop needs besides the model: the context-parallel sharder (None without CP),
+    and under pipeline parallelism this rank's stage modules and the split (else None)."""
+
+    context_parallel: ContextParallel | None
+    stage_modules: list[nn.Module] | None = None
+    split: PipelineSplit | None = None
+
+
 def parallelize(
     model: nn.Module, meshes: Meshes, dims: ParallelDims, settings: ParallelSettings, device_type: str
-) -> ContextParallel | None:
-    """Apply every parallelism to ``model`` (on the meta device) in order; return the context-
-    parallel sharder the training loop needs for its inputs (None without CP)."""
-    if dims.tp > 1:
-        apply_tp(model, meshes.tp, loss_parallel=settings.loss_parallel, async_tp=settings.async_tp)
+) -> Parallelized:
+    """Apply every parallelism to ``model`` (on the meta device) in order.
+
+    Under pipeline parallelism ``model`` keeps only this rank's stages' modules, and each
+    stage view gets the steps below as a whole model would.
+    """
+    split = pipeline_split(dims, settings, len(model.layers)) if dims.pp > 1 else None
+    parts = split_model(model, split, meshes.pp.get_local_rank()) if split else [model]
     context_parallel = None
     if dims.cp > 1:
         context_parallel = ContextParallel(
@@ -144,16 +191,21 @@ def parallelize(
             backend=resolve_backend(settings.cp_backend, device_type, settings.document_mask),
             rotate_method=settings.cp_rotate_method,
         )
-        context_parallel.apply(model)
-    apply_activation_checkpointing(model, settings.ac_mode, settings.ac_option)
-    if settings.compile_model:
-        for block in model.layers.values():
-            block.compile()  # in place, so parameter names stay the same
-    apply_fsdp(
-        model,
-        meshes.fsdp,
-        param_dtype=settings.param_dtype,
-        reduce_dtype=settings.reduce_dtype,
-        reshard_after_forward=settings.reshard_after_forward,
-    )
-    return context_parallel
+    for part in parts:
+        if dims.tp > 1:
+            apply_tp(part, meshes.tp, loss_parallel=settings.loss_parallel, async_tp=settings.async_tp)
+        if context_parallel:
+            context_parallel.apply(part)
+        apply_activation_checkpointing(part, settings.ac_mode, settings.ac_option)
+        if settings.compile_model:
+            for block in part.layers.values():
+                block.compile()  # in place, so parameter names stay the same
+        apply_fsdp(
+            part,
+            meshes.fsdp,
+            param_dtype=settings.param_dtype,
+            reduce_dtype=settings.reduce_dtype,
+            reshard_after_forward=settings.reshard_after_forward,
+            block_units=dims.pp == 1 or settings.pp_schedule not in ZERO_BUBBLE_SCHEDULES,
+        )
+    return Parallelized(context_parallel, parts if split else None, split)

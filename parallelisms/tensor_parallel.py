@@ -85,7 +85,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, asyn
     it is a graph rewrite of ``torch.compile`` on CUDA symmetric memory, so it takes effect in
     the compiled blocks (``parallelize`` requires compiling the model with it).
     """
-    parallelize_module(model, tp_mesh, llama3_tp_plan(loss_parallel))
+    # A pipeline stage may lack the embedding or the norm and output (None): skip their entries.
+    plan = {k: v for k, v in llama3_tp_plan(loss_parallel).items() if getattr(model, k.split(".")[0]) is not None}
+    parallelize_module(model, tp_mesh, plan)
     if async_tp:
         import torch._inductor.config
         from torch.distributed._symmetric_memory import enable_symm_mem_for_group

@@ -152,6 +152,7 @@ def test_bundled_configs_load(name: str):
 
 def test_parse_mesh():
     assert parse_mesh("dp_replicate=2,dp_shard=2") == {
+        "parallelism.pipeline_parallel_degree": 1,
         "parallelism.data_parallel_replicate_degree": 2,
         "parallelism.data_parallel_shard_degree": 2,
         "parallelism.tensor_parallel_degree": 1,
@@ -159,6 +160,7 @@ def test_parse_mesh():
     }
     # Unnamed dimensions are 1, except dp_shard which is inferred (-1).
     assert parse_mesh("tp=2,cp=4") == {
+        "parallelism.pipeline_parallel_degree": 1,
         "parallelism.data_parallel_replicate_degree": 1,
         "parallelism.data_parallel_shard_degree": -1,
         "parallelism.tensor_parallel_degree": 2,

@@ -2,10 +2,11 @@
 
 Several optimizer steps of chat fine-tuning with a Llama-3-style ``tokenizer.json`` (uneven
 valid tokens: only the assistant's are labels) with a fixed global batch; the logged global
-loss, valid-token count and grad norm of every step must agree. Every mesh is compared with the
-reference in-process (``test_grad_accumulator.py`` and the TP, CP, chat tests); here the
-launcher itself is under test, so two meshes suffice: one process with accumulation 4, and data
-x context parallel over four processes.
+loss, valid-token count and grad norm of every step, and the validation loss, must agree. Every mesh is compared with the
+reference in-process (``test_grad_accumulator.py`` and the TP, CP, PP, chat tests); here the
+launcher itself is under test, so three meshes suffice: one process with accumulation 4, data x
+context parallel over four processes, and pipeline x data parallel (interleaved schedule) over
+four, whose loss is computed on the last stage only.
 """
 
 from __future__ import annotations
@@ -31,12 +32,17 @@ COMMON = [
     "--metrics.log_freq", "1",
     "--metrics.disable_color_printing",
     "--debug.seed", "3",
+    # Validation on the bundled held-out plays, at steps 2 and 4: 3 batches of 2 in all.
+    "--validation.enable", "--validation.freq", "2", "--validation.steps", "3", "--validation.local_batch_size", "2",
 ]
+VALIDATION_TAG = "validation/loss"
 
 # name: (NGPU, local batch size, extra args)
 MESHES = {
     "1x4": (1, 2, []),
     "dp_shard2xcp2x2": (4, 2, ["--mesh", "dp_shard=2,cp=2"]),
+    "pp2xdp_shard2_interleaved": (4, 2, ["--mesh", "pp=2,dp_shard=2", "--parallelism.pipeline_parallel_schedule",
+                                         "Interleaved1F1B", "--parallelism.pipeline_parallel_microbatch_size", "2"]),
 }
 
 
@@ -60,6 +66,9 @@ def curves(tmp_path_factory) -> dict[str, dict[str, list[float]]]:
         assert f"step: {STEPS}/{STEPS}" in proc.stdout + proc.stderr
         assert (dump / "config.toml").is_file()
         results[name] = logged_scalars(dump)
+        validation = tensorboard_scalars(dump, (VALIDATION_TAG,))[VALIDATION_TAG]
+        assert list(validation) == [2, 4]
+        results[name][VALIDATION_TAG] = list(validation.values())
     return results
 
 
@@ -69,6 +78,7 @@ def test_same_curve_on_every_mesh(curves, name):
     assert got["n_valid_tokens"] == expected["n_valid_tokens"]
     assert got["loss_metrics/global_avg_loss"] == pytest.approx(expected["loss_metrics/global_avg_loss"], rel=1e-5)
     assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5)
+    assert got[VALIDATION_TAG] == pytest.approx(expected[VALIDATION_TAG], rel=1e-5)
 
 
 def test_curve_is_not_trivial(curves):
@@ -77,5 +87,6 @@ def test_curve_is_not_trivial(curves):
     assert len(set(reference["n_valid_tokens"])) > 1
     loss = reference["loss_metrics/global_avg_loss"]
     assert loss[-1] < loss[0]
+    assert reference[VALIDATION_TAG][1] < reference[VALIDATION_TAG][0]
     sharded = curves["dp_shard2xcp2x2"]
     assert all(m > a for m, a in zip(sharded["loss_metrics/global_max_loss"], sharded["loss_metrics/global_avg_loss"]))

@@ -22,7 +22,8 @@ from torch.utils.data import Dataset
 
 from parallelisms.context_parallel import ContextParallel
 from parallelisms.parallel_dims import Meshes, device_type
-from parallelisms.parallelize import parallelize
+from parallelisms.parallelize import Parallelized, parallelize
+from parallelisms.pipeline_parallel import Pipeline
 from trainer.config import resolve_path
 from trainer.data.documents import split_documents
 from trainer.data.loader import MicroBatchLoader, build_dataloader
@@ -89,6 +90,9 @@ class Trainer:
                 positions, document_ids = cp.shard(positions), cp.shard(document_ids)
         tensors = (inputs, labels, positions, document_ids)
         return MicroBatch(*(t if t is None else t.to(self.device, non_blocking=True) for t in tensors))
+    pipeline: Pipeline | None = None
+    """This rank's pipeline stages and their schedule (None without pipeline parallelism);
+    ``model`` then holds only these stages' modules."""
 
 
 def load_dataset(plan: Plan) -> Dataset:
@@ -136,8 +140,9 @@ def describe_data(plan: Plan, dataset: Dataset, validation: bool = False) -> str
     return "; ".join([text] + [s.describe(seq_len) for s in stats])
 
 
-def build_model(plan: Plan, meshes: Meshes, device: torch.device) -> tuple[Transformer, ContextParallel | None]:
-    """Build on the meta device, parallelise, then materialise and initialise only the local shards."""
+def build_model(plan: Plan, meshes: Meshes, device: torch.device) -> tuple[Transformer, Parallelized]:
+    """Build on the meta device, parallelise, then materialise and initialise only the local shards
+    (under pipeline parallelism: of this rank's stages)."""
     start = time.monotonic()
     rank0 = dist.get_rank() == 0
     with torch.device("meta"):
@@ -145,17 +150,22 @@ def build_model(plan: Plan, meshes: Meshes, device: torch.device) -> tuple[Trans
     total = num_params(model)
     if rank0:
         logger.info("parallelising the model (%s parameters) on the meta device", f"{total:,}")
-    context_parallel = parallelize(model, meshes, plan.dims, plan.parallel, device.type)
+    parallelized = parallelize(model, meshes, plan.dims, plan.parallel, device.type)
+    parts = parallelized.stage_modules or [model]
+    local = num_params(model)
     if rank0:
         logger.info("allocating this rank's shards on %s", device.type)
-    model.to_empty(device=device)
+    for part in parts:
+        part.to_empty(device=device)
     seed = plan.config.debug.seed
     if rank0:
         logger.info("initialising the weights (seed %d)", seed)
-    model.init_weights(seed, progress=InitProgress(total) if rank0 and total >= PROGRESS_MIN_PARAMS else None)
+    progress = InitProgress(local) if rank0 and local >= PROGRESS_MIN_PARAMS else None
+    for part in parts:
+        part.init_weights(seed, progress=progress)
     if rank0:
         logger.info("model built and initialised in %.1f s", time.monotonic() - start)
-    return model, context_parallel
+    return model, parallelized
 
 
 class InitProgress:
@@ -192,7 +202,10 @@ def build_trainer(plan: Plan, dataset: Dataset) -> Trainer:
         torch.use_deterministic_algorithms(True)
     torch.manual_seed(config.debug.seed)
     meshes = plan.dims.build_mesh(dev_type)
-    model, context_parallel = build_model(plan, meshes, device)
+    model, parallelized = build_model(plan, meshes, device)
+    context_parallel = parallelized.context_parallel
+    loss_fn = torch.compile(cross_entropy_sum) if plan.parallel.compile_loss else cross_entropy_sum
+    positions = context_parallel.positions.to(device) if context_parallel else None
     optimizer = build_optimizer(model, config.optimizer, dev_type)
     loader = build_dataloader(
         dataset,
@@ -213,7 +226,21 @@ def build_trainer(plan: Plan, dataset: Dataset) -> Trainer:
         max_norm=training.max_norm,
         hsdp=plan.dims.hsdp,
         defer_gradient_reduction=training.defer_gradient_reduction,
+        stats_group=meshes.stats.get_group() if plan.dims.pp > 1 else None,
+        pp_degree=plan.dims.pp,
     )
+    pipeline = None
+    if parallelized.split is not None:
+        pipeline = Pipeline(
+            parallelized.stage_modules,
+            parallelized.split,
+            meshes.pp,
+            device,
+            loss_fn,
+            microbatches=plan.pipeline_microbatches,
+            microbatch_size=plan.parallel.pp_microbatch_size,
+            positions=positions if positions is not None else torch.arange(training.seq_len, device=device),
+        )
     return Trainer(
         device=device,
         meshes=meshes,
@@ -223,8 +250,9 @@ def build_trainer(plan: Plan, dataset: Dataset) -> Trainer:
         loader=loader,
         accumulator=accumulator,
         loss_parallel=plan.parallel.loss_parallel,
-        loss_fn=torch.compile(cross_entropy_sum) if plan.parallel.compile_loss else cross_entropy_sum,
+        loss_fn=loss_fn,
         context_parallel=context_parallel,
-        positions=context_parallel.positions.to(device) if context_parallel else None,
+        positions=positions,
         document_bos_id=plan.tokenizer.bos_id if training.document_mask else None,
+        pipeline=pipeline,
     )

@@ -16,6 +16,13 @@ passes over every gradient.
 
 Tensor-parallel ranks hold the same tokens, so the count runs over the *loss* mesh
 (``dp_replicate x dp_shard x cp``), never over TP.
+
+Under pipeline parallelism the schedule runs every forward and backward of the step on summed
+losses (``record_pipeline_losses`` replaces the per-micro-batch calls). Every stage reads the
+same labels, so every stage counts N itself over its own loss mesh (never over PP); only the
+last stage has losses, so the logged loss sum and maximum are reduced over ``stats_group``
+(the loss mesh times PP), where the other stages add nothing. The grad norm adds the squares of
+every stage's parameters (each held by one stage), and the one ``clip_coef / N`` scale follows.
 """
 
 from __future__ import annotations
@@ -65,6 +72,8 @@ class GradAccumulator:
         max_norm: float,
         hsdp: bool,
         defer_gradient_reduction: bool = False,
+        stats_group: dist.ProcessGroup | None = None,
+        pp_degree: int = 1,
     ):
         self.model = model
         self.fsdp = model if isinstance(model, FSDPModule) else None
@@ -74,6 +83,9 @@ class GradAccumulator:
         self.hsdp = hsdp
         self.defer_gradient_reduction = defer_gradient_reduction
         self._distributed = loss_group is not None
+        self.stats_group = stats_group or loss_group
+        self.pp_degree = pp_degree
+        self._holds_loss = True
         self._count: torch.Tensor | None = None
         self._count_work: dist.Work | None = None
         self._local_count: torch.Tensor | None = None
@@ -95,6 +107,7 @@ class GradAccumulator:
         )
         self._loss_sum = torch.zeros((), dtype=torch.float32, device=self._local_count.device)
         self._next_microbatch = 0
+        self._holds_loss = True
 
     def prepare_backward(self, microbatch: int) -> None:
         """Tell FSDP whether this is the step's last backward, before running it.
@@ -124,6 +137,17 @@ class GradAccumulator:
         self._loss_sum += loss_sum.detach().float()
         self._next_microbatch += 1
 
+    def record_pipeline_losses(self, losses: list[torch.Tensor]) -> None:
+        """Under pipeline parallelism, after the schedule ran the whole step: the last stage's
+        summed micro-batch losses, or nothing on the other stages (which then add 0 to the
+        logged sum and -inf to the logged maximum)."""
+        if self._next_microbatch != 0:
+            raise ValueError("record_pipeline_losses replaces record_loss: call it once, for the whole step")
+        for loss in losses:
+            self._loss_sum += (loss.to_local() if isinstance(loss, DTensor) else loss).detach().float()
+        self._holds_loss = bool(losses)
+        self._next_microbatch = self.num_microbatches
+
     def finalize(self) -> StepResult:
         """Normalise and clip the accumulated gradient sums in one pass; decide whether to step.
 
@@ -138,11 +162,13 @@ class GradAccumulator:
         loss_sum = self._loss_sum.clone().reshape(1)
         local_count = self._local_count.float()
         rank_mean = torch.where(local_count > 0, loss_sum / local_count.clamp(min=1), -math.inf)
+        if not self._holds_loss:
+            rank_mean.fill_(-math.inf)
         if self._distributed:
-            loss_work = dist.all_reduce(loss_sum, group=self.loss_group, async_op=True)
-            max_work = dist.all_reduce(rank_mean, op=dist.ReduceOp.MAX, group=self.loss_group, async_op=True)
+            loss_work = dist.all_reduce(loss_sum, group=self.stats_group, async_op=True)
+            max_work = dist.all_reduce(rank_mean, op=dist.ReduceOp.MAX, group=self.stats_group, async_op=True)
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        raw_norm = _total_norm(grads).reshape(1).to(loss_sum.device)
+        raw_norm = _total_norm(grads, self.pp_degree).reshape(1).to(loss_sum.device)
         if self._distributed:
             for work in (self._count_work, loss_work, max_work):
                 work.wait()
@@ -163,17 +189,18 @@ class GradAccumulator:
         return StepResult(loss_avg, loss_max, true_norm, n, skipped=False)
 
 
-def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+def _total_norm(grads: list[torch.Tensor], pp_degree: int = 1) -> torch.Tensor:
     """2-norm over all gradients, each shard counted once and each replica not repeated.
 
     Every rank adds up the squares of its local shards, weighting a gradient by one over the
     number of ranks holding the same values (the sizes of the mesh dimensions it is replicated
-    on, and the ranks outside its mesh); one all-reduce over all ranks then counts every
-    element exactly once. The result is the same, to float32 round-off, whatever the sharding,
-    which keeps the clip coefficient (and so every gradient) mesh-independent.
+    on, and the ranks outside its mesh, except the other pipeline stages, which hold other
+    parameters); one all-reduce over all ranks then counts every element exactly once. The
+    result is the same, to float32 round-off, whatever the sharding, which keeps the clip
+    coefficient (and so every gradient) mesh-independent.
     """
     groups: dict[int, list[torch.Tensor]] = {}
-    distributed = False
+    distributed = pp_degree > 1
     for g in grads:
         copies = 1
         if isinstance(g, DTensor):
@@ -181,15 +208,13 @@ def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
             if any(isinstance(p, Partial) for p in g.placements):
                 g = g.redistribute(placements=[Replicate() if isinstance(p, Partial) else p for p in g.placements])
             mesh = g.device_mesh
-            copies = dist.get_world_size() // mesh.size()
+            copies = dist.get_world_size() // (mesh.size() * pp_degree)
             for dim, placement in enumerate(g.placements):
                 if isinstance(placement, Replicate):
                     copies *= mesh.size(dim)
             g = g.to_local()
         groups.setdefault(copies, []).append(g)
-    if not groups:
-        return torch.zeros(())
-    total = sum(_sum_of_squares(tensors) / copies for copies, tensors in groups.items())
+    total = sum((_sum_of_squares(tensors) / copies for copies, tensors in groups.items()), torch.zeros(()))
     if distributed:
         dist.all_reduce(total)
     return total.sqrt()

@@ -35,6 +35,13 @@ SETTING_KEYS = {
     "cp_backend": "`parallelism.context_parallel_backend`",
     "cp_rotate_method": "`parallelism.context_parallel_rotate_method`",
     "document_mask": "`training.document_mask`",
+    "pp": "`parallelism.pipeline_parallel_degree`",
+    "pp_schedule": "`parallelism.pipeline_parallel_schedule`",
+    "pp_microbatch_size": "`parallelism.pipeline_parallel_microbatch_size`",
+    "pp_layers_per_stage": "`parallelism.pipeline_parallel_layers_per_stage`",
+    "pp_first_stage_less_layers": "`parallelism.pipeline_parallel_first_stage_less_layers`",
+    "pp_last_stage_less_layers": "`parallelism.pipeline_parallel_last_stage_less_layers`",
+    "pp_rank_batch": "a data-parallel rank's share of the batch (`training.global_batch_size` / data-parallel degree)",
 }
 """How the parallelisms' setting names read to a user: the config keys that set them."""
 
@@ -53,6 +60,12 @@ class Plan:
     tokenizer: Tokenizer
     workload: Workload
     """What the per-rank memory estimate is made of."""
+
+    @property
+    def pipeline_microbatches(self) -> int:
+        """Under pipeline parallelism, the schedule's micro-batches per step: a data-parallel
+        rank's share of the global batch cut into ``pipeline_parallel_microbatch_size`` pieces."""
+        return self.global_batch_size // self.dims.dp // self.parallel.pp_microbatch_size
 
     @property
     def memory(self) -> Estimate:
@@ -74,6 +87,7 @@ def plan(config: JobConfig, world_size: int) -> Plan:
             cp=parallelism.context_parallel_degree,
             tp=parallelism.tensor_parallel_degree,
             world_size=world_size,
+            pp=parallelism.pipeline_parallel_degree,
         )
     except ParallelismError as e:
         raise ConfigError(e.render(SETTING_KEYS)) from None
@@ -91,17 +105,21 @@ def plan(config: JobConfig, world_size: int) -> Plan:
         args = model_args(config.model.flavor, tokenizer.vocab_size, training.seq_len)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    settings = parallel_settings(config, dims)
+    settings = parallel_settings(config, dims, global_batch // dims.dp)
     try:
-        check(dims, settings, ModelShape(args.n_heads, args.kv_heads, args.vocab_size), device_type())
+        check(dims, settings, ModelShape(args.n_heads, args.kv_heads, args.vocab_size, args.n_layers), device_type())
     except ParallelismError as e:
         raise ConfigError(e.render(SETTING_KEYS)) from None
     validation = config.validation
-    if validation.enable and dims.cp > 1 and validation.seq_len not in (-1, training.seq_len):
+    if validation.enable and (dims.cp > 1 or dims.pp > 1) and validation.seq_len not in (-1, training.seq_len):
+        which = (
+            f"context parallelism (`parallelism.context_parallel_degree` = {dims.cp}) shards"
+            if dims.cp > 1
+            else f"the pipeline (`parallelism.pipeline_parallel_degree` = {dims.pp}) passes"
+        )
         raise ConfigError(
             f"`validation.seq_len` = {validation.seq_len} differs from `training.seq_len` = {training.seq_len}, "
-            f"but context parallelism (`parallelism.context_parallel_degree` = {dims.cp}) shards sequences of "
-            "the training length only; set `validation.seq_len = -1`."
+            f"but {which} sequences of the training length only; set `validation.seq_len = -1`."
         )
     if config.profiling.enable_memory_snapshot and device_type() != "cuda":
         raise ConfigError("`profiling.enable_memory_snapshot` records the CUDA allocator: it needs a GPU.")
@@ -147,7 +165,7 @@ def describe(plan: Plan, limit: int | None, where: str) -> str:
     return "\n".join([
         f"model: {config.model.name} {config.model.flavor}, {w.params:,} parameters "
         f"({w.n_layers} layers, dim {w.dim}, vocabulary {w.vocab_size})",
-        f"mesh: dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} cp={dims.cp} tp={dims.tp} "
+        f"mesh: pp={dims.pp} dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} cp={dims.cp} tp={dims.tp} "
         f"({dims.world_size} processes)",
         f"batch: {plan.global_batch_size} x {training.seq_len} tokens per step = {plan.microbatches} "
         f"micro-batch(es) of {training.local_batch_size} per data-parallel rank; {training.steps} steps",
@@ -184,7 +202,8 @@ def check_memory(plan: Plan, limit: int | None, where: str) -> None:
     )
 
 
-def parallel_settings(config: JobConfig, dims: ParallelDims) -> ParallelSettings:
+def parallel_settings(config: JobConfig, dims: ParallelDims, rank_batch: int) -> ParallelSettings:
+    """``rank_batch``: sequences one data-parallel rank trains on per step."""
     parallelism, compile_config = config.parallelism, config.compile
     return ParallelSettings(
         seq_len=config.training.seq_len,
@@ -200,6 +219,12 @@ def parallel_settings(config: JobConfig, dims: ParallelDims) -> ParallelSettings
         param_dtype=param_dtype(config.training.mixed_precision_param, device_type()),
         reduce_dtype=getattr(torch, config.training.mixed_precision_reduce),
         reshard_after_forward=parallelism.fsdp_reshard_after_forward,
+        pp_schedule=parallelism.pipeline_parallel_schedule,
+        pp_microbatch_size=parallelism.pipeline_parallel_microbatch_size,
+        pp_layers_per_stage=parallelism.pipeline_parallel_layers_per_stage,
+        pp_first_stage_less_layers=parallelism.pipeline_parallel_first_stage_less_layers,
+        pp_last_stage_less_layers=parallelism.pipeline_parallel_last_stage_less_layers,
+        pp_rank_batch=rank_batch,
     )
 
 

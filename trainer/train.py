@@ -37,7 +37,7 @@ from trainer.dump_folder import DumpFolderLock
 from trainer.errors import JobError
 from trainer.grad_accumulator import StepResult
 from trainer.metrics import MetricsLogger, StepStats, flops_per_token, format_duration, peak_flops, use_color
-from trainer.model.llama3 import num_params
+from trainer.model.llama3 import ModelArgs, Transformer, num_params
 from trainer.plan import Plan, check_memory, describe, memory_limit, plan
 from trainer.profiling import profiling
 from trainer.stop_requests import StopRequests
@@ -249,6 +249,8 @@ def fetch_step(trainer: Trainer) -> list[MicroBatch]:
 
 def forward_backward(trainer: Trainer, microbatches: list[MicroBatch]) -> StepResult:
     """Accumulate summed-loss gradients over the micro-batches; finalize normalises and clips."""
+    if trainer.pipeline is not None:
+        return pipeline_forward_backward(trainer, microbatches)
     accumulator = trainer.accumulator
     accumulator.begin_step([mb.labels for mb in microbatches])
     cp = trainer.context_parallel
@@ -258,6 +260,20 @@ def forward_backward(trainer: Trainer, microbatches: list[MicroBatch]) -> StepRe
             loss = trainer.loss_fn(trainer.model(inputs, positions, document_ids), labels)
             loss.backward()
             accumulator.record_loss(loss)
+    return accumulator.finalize()
+
+
+def pipeline_forward_backward(trainer: Trainer, microbatches: list[MicroBatch]) -> StepResult:
+    """The rank's micro-batches are one batch for the pipeline schedule, which cuts it into
+    pipeline micro-batches and runs every forward and backward on summed losses; finalize
+    normalises and clips as without PP."""
+    accumulator = trainer.accumulator
+    accumulator.begin_step([mb.labels for mb in microbatches])
+    inputs, labels = torch.cat([mb.inputs for mb in microbatches]), torch.cat([mb.labels for mb in microbatches])
+    cp = trainer.context_parallel
+    with loss_context(trainer.loss_parallel), cp.attention_context() if cp else nullcontext():
+        losses = trainer.pipeline.step(inputs, labels)
+    accumulator.record_pipeline_losses(losses)
     return accumulator.finalize()
 
 
@@ -319,13 +335,22 @@ def build_metrics(plan: Plan, trainer: Trainer, rank: int) -> MetricsLogger:
         device=trainer.device,
         total_steps=training.steps,
         flops_per_token=flops_per_token(
-            num_params(trainer.model, exclude_embedding=True), args.n_layers, args.dim, training.seq_len
+            num_params(whole_model(args), exclude_embedding=True), args.n_layers, args.dim, training.seq_len
         ),
         peak_flops=peak_flops(trainer.device, override=training.peak_flops or None),
         global_tokens_per_step=plan.global_batch_size * training.seq_len,
-        devices_per_replica=plan.dims.tp * plan.dims.cp,
+        # A data-parallel replica's tokens are processed by its pp x tp x cp devices (torchtitan's
+        # non-data-parallel size): tokens/s and MFU are per device of the whole job.
+        devices_per_replica=plan.dims.pp * plan.dims.tp * plan.dims.cp,
         validation=config.validation.enable,
     )
+
+
+def whole_model(args: ModelArgs) -> torch.nn.Module:
+    """The unsplit model on the meta device (no memory): what FLOPs and parameter counts describe
+    even when this rank holds only some pipeline stages."""
+    with torch.device("meta"):
+        return Transformer(args)
 
 
 def log_start(
@@ -333,9 +358,9 @@ def log_start(
 ) -> None:
     config, dims, training = plan.config, plan.dims, plan.config.training
     logger.info(
-        "%s %s: %s parameters | mesh dp_replicate=%d dp_shard=%d cp=%d tp=%d on %s | "
+        "%s %s: %s parameters | mesh pp=%d dp_replicate=%d dp_shard=%d cp=%d tp=%d on %s | "
         "global batch %d x %d tokens = %d micro-batch(es) of %d per rank",
-        config.model.name, config.model.flavor, f"{num_params(trainer.model):,}", dims.dp_replicate,
+        config.model.name, config.model.flavor, f"{num_params(whole_model(plan.model_args)):,}", dims.pp, dims.dp_replicate,
         dims.dp_shard, dims.cp, dims.tp, trainer.device.type, plan.global_batch_size,
         training.seq_len, plan.microbatches, training.local_batch_size,
     )

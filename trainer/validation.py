@@ -5,7 +5,8 @@ batches divided by their count, both summed over the data-parallel ranks and con
 shards (the loss mesh, as for training), so it is the token-weighted mean a single process would
 compute with ``no_grad`` on the same weights, whatever the mesh. Perplexity is its exponential.
 
-It runs in the training layout (FSDP shards, TP, CP as they are; nothing is re-sharded) under
+It runs in the training layout (FSDP shards, TP, CP, pipeline stages as they are; nothing is
+re-sharded; under PP the schedule's forward-only ``eval``) under
 ``torch.no_grad()``, from its own fixed list of samples: the training loader, its position and
 every RNG are untouched, so a run with validation logs the same training losses as one without.
 
@@ -88,8 +89,10 @@ class Validator:
             for indices in self._indices:
                 samples = [self._sample(i) for i in indices]
                 batch = trainer.place(torch.stack([s[0] for s in samples]), torch.stack([s[1] for s in samples]))
-                logits = trainer.model(batch.inputs, batch.positions, batch.document_ids)
-                loss = trainer.loss_fn(logits, batch.labels)
+                if trainer.pipeline is not None:  # the summed loss, known on every pipeline rank
+                    loss = trainer.pipeline.evaluate(batch.inputs, batch.labels)
+                else:
+                    loss = trainer.loss_fn(trainer.model(batch.inputs, batch.positions, batch.document_ids), batch.labels)
                 if isinstance(loss, DTensor):  # loss parallel: replicated over TP, counted once
                     loss = loss.to_local()
                 totals[0] += loss.double()

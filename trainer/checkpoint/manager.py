@@ -40,6 +40,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -86,16 +87,35 @@ class ModelState(Stateful):
 
 
 class OptimizerState(Stateful):
-    """Optimizer state keyed by parameter name, so it reshards like the parameters."""
+    """Optimizer state keyed by parameter name, so it reshards like the parameters.
+
+    The parameter groups' hyperparameters are saved per parameter name too (``flatten``):
+    a list of groups, each naming its parameters, would be saved once, from the rank that
+    wins DCP's deduplication, and a pipeline stage's groups name only its own parameters, so
+    a run on another pipeline degree would lose the others'. Checkpoints from before pipeline
+    parallelism hold the list form; ``flatten = False`` loads them.
+    """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
         self.model, self.optimizer = model, optimizer
+        self.flatten = True
 
     def state_dict(self) -> dict[str, Any]:
-        return get_optimizer_state_dict(self.model, self.optimizer)
+        return get_optimizer_state_dict(self.model, self.optimizer, options=self._options())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_optimizer_state_dict(self.model, self.optimizer, state_dict)
+        set_optimizer_state_dict(self.model, self.optimizer, state_dict, options=self._options())
+
+    def _options(self) -> StateDictOptions:
+        return StateDictOptions(flatten_optimizer_state_dict=self.flatten)
+
+
+def optimizer_groups_flattened(path: Path) -> bool:
+    """Whether the checkpoint at ``path`` keys parameter-group settings by parameter name
+    (``optimizer.param_groups.<fqn>.lr``) rather than by group index (``...param_groups.0.lr``)."""
+    keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    prefix = "optimizer.param_groups."
+    return not any(k.startswith(prefix) and k[len(prefix):].split(".")[0].isdigit() for k in keys)
 
 
 class CheckpointManager:
@@ -242,7 +262,12 @@ class CheckpointManager:
         return box[0]
 
     def _load(self, path: Path, keys: tuple[str, ...]) -> None:
-        dcp.load({k: self.states[k] for k in keys}, checkpoint_id=str(path), process_group=self.group)
+        if "optimizer" in keys:
+            self.states["optimizer"].flatten = optimizer_groups_flattened(path)
+        try:
+            dcp.load({k: self.states[k] for k in keys}, checkpoint_id=str(path), process_group=self.group)
+        finally:
+            self.states["optimizer"].flatten = True  # what this run saves
 
     def _initial_load(self, path: Path) -> int:
         if self.config.initial_load_in_hf:
@@ -420,9 +445,11 @@ def _folder_bytes(folder: Path) -> int:
 
 
 def load_full_weights(model: Transformer, state: dict[str, torch.Tensor]) -> None:
-    """Copy full (unsharded) tensors into a possibly sharded model, each rank its own slice."""
+    """Copy full (unsharded) tensors into a possibly sharded model, each rank its own slice
+    (under pipeline parallelism: of its stages' parameters; the others' are not unexpected)."""
     params = dict(model.named_parameters())
-    missing, unexpected = params.keys() - state.keys(), state.keys() - params.keys()
+    missing = params.keys() - state.keys()
+    unexpected = {name for name in state.keys() - params.keys() if not _held_by_another_stage(model, name)}
     if missing or unexpected:
         raise ValueError(f"weights do not fit the model: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
     with torch.no_grad():
@@ -432,6 +459,14 @@ def load_full_weights(model: Transformer, state: dict[str, torch.Tensor]) -> Non
                 raise ValueError(f"{name}: checkpoint shape {tuple(full.shape)} != model shape {tuple(param.shape)}")
             local = param.to_local() if isinstance(param, DTensor) else param
             local.copy_(local_slice(full.to(local.device, local.dtype), param))
+
+
+def _held_by_another_stage(model: Transformer, name: str) -> bool:
+    """Under pipeline parallelism a rank's model lacks the other stages' blocks and ends."""
+    top, _, rest = name.partition(".")
+    if top == "layers":
+        return rest.split(".")[0] not in model.layers
+    return hasattr(model, top) and getattr(model, top) is None
 
 
 def create_seed_checkpoint(config: Checkpoint, dump_folder: str, model: Transformer, model_args: ModelArgs) -> Path:

@@ -132,12 +132,12 @@ def load_toml(path: Path) -> dict[str, dict[str, Any]]:
 
 
 def parse_mesh(spec: str) -> dict[str, int]:
-    """``dp_replicate=2,dp_shard=2,tp=2`` -> the four parallelism degrees.
+    """``pp=2,dp_replicate=2,dp_shard=2,tp=2`` -> the five parallelism degrees.
 
     The shorthand describes the whole mesh: a dimension it does not name is 1, except dp_shard,
     which is then inferred from the world size.
     """
-    degrees = {"dp_replicate": 1, "dp_shard": -1, "tp": 1, "cp": 1}
+    degrees = {"pp": 1, "dp_replicate": 1, "dp_shard": -1, "tp": 1, "cp": 1}
     for part in filter(None, spec.split(",")):
         name, sep, value = part.partition("=")
         name = name.strip()
@@ -211,7 +211,7 @@ def help_text(argv: list[str] | None = None) -> str:
     except ConfigError as e:
         values, source = JobConfig(), f"the code (the command line has an error: {e})"
     lines = [
-        "usage: ./run_train.sh [--config FILE] [--mesh dp_replicate=R,dp_shard=S,tp=T,cp=C] [--dry-run] [--section.key VALUE ...]",
+        "usage: ./run_train.sh [--config FILE] [--mesh pp=P,dp_replicate=R,dp_shard=S,tp=T,cp=C] [--dry-run] [--section.key VALUE ...]",
         "",
         "  --config FILE   TOML file, a path or a name inside train_configs/ (default: debug_model.toml)",
         "  --mesh SPEC     the whole mesh at once; unnamed dimensions are 1, dp_shard is inferred",

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
 from parallelisms.context_parallel import BACKENDS as CONTEXT_PARALLEL_BACKENDS
+from parallelisms.pipeline_parallel import SCHEDULES as PIPELINE_SCHEDULES
 from trainer.data.samples import DATASET_KINDS
 
 
@@ -159,7 +160,7 @@ class Parallelism:
         1, "HSDP replicas: full model copies, each sharded over `data_parallel_shard_degree` ranks."
     )
     data_parallel_shard_degree: int = _field(
-        -1, "FSDP shard degree; -1 infers it as world size / (replicate x tp x cp)."
+        -1, "FSDP shard degree; -1 infers it as world size / (pp x replicate x tp x cp)."
     )
     tensor_parallel_degree: int = _field(
         1,
@@ -182,6 +183,36 @@ class Parallelism:
         "allgather",
         "How the ring backend moves key/value shards between ranks.",
         ("allgather", "alltoall"),
+    )
+    pipeline_parallel_degree: int = _field(
+        1,
+        "Pipeline-parallel degree (the outermost mesh dimension): the layers are split into "
+        "stages over this many ranks, embedding on the first, norm + output + loss on the last.",
+    )
+    pipeline_parallel_schedule: str = _field(
+        "1F1B",
+        "Pipeline schedule: `GPipe` and `1F1B` run one stage per rank; `Interleaved1F1B`, "
+        "`InterleavedZeroBubble` (looped) and `ZBVZeroBubble` (V-shaped, exactly 2) run several.",
+        PIPELINE_SCHEDULES,
+    )
+    pipeline_parallel_microbatch_size: int = _field(
+        1,
+        "Sequences per pipeline micro-batch: a data-parallel rank's share of the global batch "
+        "(global / data-parallel degree) is cut into micro-batches of this size, all run by one "
+        "schedule step.",
+    )
+    pipeline_parallel_layers_per_stage: int = _field(
+        -1,
+        "Stage units per stage (blocks, with the embedding and the output counted as the "
+        "less-layers below); the number of stages is the model's units divided by this, which "
+        "must be exact. -1: pp stages (2 x pp for multi-stage schedules), split as evenly as "
+        "possible.",
+    )
+    pipeline_parallel_first_stage_less_layers: int = _field(
+        1, "Blocks fewer on the first stage, which also runs the token embedding."
+    )
+    pipeline_parallel_last_stage_less_layers: int = _field(
+        1, "Blocks fewer on the last stage, which also runs the norm, the output projection and the loss."
     )
     fsdp_reshard_after_forward: str = _field(
         "default",
@@ -359,6 +390,7 @@ class JobConfig:
 
 
 MESH_DIMS = {
+    "pp": "pipeline_parallel_degree",
     "dp_replicate": "data_parallel_replicate_degree",
     "dp_shard": "data_parallel_shard_degree",
     "tp": "tensor_parallel_degree",

@@ -275,13 +275,17 @@ class Transformer(nn.Module):
         for every sample (a context-parallel rank holds two separate chunks) or ``(batch, seq)``
         (positions that restart at each packed document). With ``document_ids`` (``batch,
         seq``) a token attends only to earlier tokens of the same document.
+
+        A pipeline stage holds some of the modules (the others are None, so parameter names
+        stay those of the whole model): without the embedding ``tokens`` are the previous
+        stage's hidden states, without norm and output the hidden states are returned.
         """
-        h = self.tok_embeddings(tokens)
+        h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
         freqs_cis = self.freqs_cis[: tokens.shape[1]] if positions is None else self.freqs_cis[positions]
         mask = None if document_ids is None else self.attention_mask(document_ids, h.dtype)
         for layer in self.layers.values():
             h = layer(h, freqs_cis, mask)
-        return self.output(self.norm(h))
+        return h if self.output is None else self.output(self.norm(h))
 
     def init_std(self, name: str) -> tuple[str, float]:
         """How parameter ``name`` is initialised: ``(kind, std)``."""
@@ -323,6 +327,6 @@ class Transformer(nn.Module):
 
 def num_params(model: nn.Module, exclude_embedding: bool = False) -> int:
     total = sum(p.numel() for p in model.parameters())
-    if exclude_embedding:
+    if exclude_embedding and model.tok_embeddings is not None:
         total -= model.tok_embeddings.weight.numel()
     return total
