@@ -88,6 +88,28 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
 
 
+def _each(cases: list[tuple]) -> list[Any]:
+    return [fn(*args) for fn, *args in cases]
+
+
+def run_cases(world_size: int, cases: dict[str, tuple]) -> dict[str, list[Any]]:
+    """Several ``run_ranks`` in one launch: ``{name: [fn(*args) on rank r ...]}`` for ``cases``
+    ``{name: (fn, *args)}``, run one after the other by the same ranks. Starting a rank (torch,
+    a process group) costs seconds of the CI's two cores; a test file's cases of one world size
+    share that cost. Each case builds its own trainer, meshes and process groups."""
+    names = list(cases)
+    per_rank = run_ranks(_each, world_size, [cases[name] for name in names])
+    return {name: [per_rank[r][i] for r in range(world_size)] for i, name in enumerate(names)}
+
+
+def run_by_world(cases: dict[str, tuple[int, tuple]]) -> dict[str, list[Any]]:
+    """:func:`run_cases` for ``{name: (world_size, (fn, *args))}``: one launch per world size."""
+    out: dict[str, list[Any]] = {}
+    for world in sorted({world for world, _ in cases.values()}):
+        out.update(run_cases(world, {name: case for name, (w, case) in cases.items() if w == world}))
+    return out
+
+
 def trainer_for(argv: list[str]) -> tuple[Any, Trainer]:
     """``(plan, trainer)`` for ``argv`` on this process's world size, built as training builds it."""
     job_plan = plan(load_config(argv), int(os.environ.get("WORLD_SIZE", 1)))

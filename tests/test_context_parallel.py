@@ -15,7 +15,7 @@ from parallelisms.context_parallel import (
     head_tail_positions,
     natural_order,
 )
-from harness import BASE_ARGV, argv_for, assert_matches, full, run_ranks, step_worker, trainer_for
+from harness import BASE_ARGV, argv_for, assert_matches, full, run_by_world, step_worker, trainer_for
 from trainer.distributed import init_distributed
 from trainer.config import ConfigError, load_config
 from trainer.loss import IGNORE_INDEX
@@ -26,10 +26,8 @@ from trainer.train import fetch_step, forward_backward
 # name: (world size, local batch size, extra argv); global batch 8, seq_len 64
 MESHES = {
     "cp=2": (2, 8, ["--parallelism.context_parallel_degree", "2"]),
-    "cp=4": (4, 4, ["--parallelism.context_parallel_degree", "4"]),
     "dp_shard=2 x cp=2, 2 micro-batches": (4, 2, ["--mesh", "dp_shard=2,cp=2"]),
     "cp=2 x tp=2": (4, 8, ["--mesh", "cp=2,tp=2"]),
-    "dp_replicate=2 x cp=2 x tp=2": (8, 2, ["--mesh", "dp_replicate=2,cp=2,tp=2"]),
 }
 
 
@@ -86,10 +84,24 @@ def allgather_attention_worker(degree: int) -> dict:
             "q": q, "k": k, "v": v, "upstream": upstream}
 
 
+CP2_ARGV = argv_for(8, ["--parallelism.context_parallel_degree", "2"])
+
+
+@pytest.fixture(scope="module")
+def launched() -> dict[str, list]:
+    """Every multi-process case of this file, one launch per world size."""
+    cases = {mesh: (world, (step_worker, argv_for(local_batch, extra))) for mesh, (world, local_batch, extra) in MESHES.items()}
+    for degree in (2, 4):
+        cases[f"attention {degree}"] = (degree, (allgather_attention_worker, degree))
+    cases["shard counts"] = (2, (cp_shard_counts_worker, CP2_ARGV))
+    cases["bugs"] = (2, (cp_bug_worker, CP2_ARGV))
+    return run_by_world(cases)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("degree", [2, 4])
-def test_allgather_kv_attention_equals_full_attention(degree):
-    results = run_ranks(allgather_attention_worker, degree, degree)
+def test_allgather_kv_attention_equals_full_attention(degree, launched):
+    results = launched[f"attention {degree}"]
     q, k, v, upstream = (results[0][key] for key in ("q", "k", "v", "upstream"))
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     expected = causal_attention(q, k, v)
@@ -103,9 +115,8 @@ def test_allgather_kv_attention_equals_full_attention(degree):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh", list(MESHES))
-def test_context_parallel_matches_single_process_reference(mesh, ref):
-    world, local_batch, extra = MESHES[mesh]
-    results = run_ranks(step_worker, world, argv_for(local_batch, extra))
+def test_context_parallel_matches_single_process_reference(mesh, ref, launched):
+    results = launched[mesh]
     assert_matches(results[0], ref)
     assert set(results[0]["writes"]) == {1}
 
@@ -116,8 +127,8 @@ def cp_shard_counts_worker(argv: list[str]) -> list[int]:
 
 
 @pytest.mark.slow
-def test_padding_lands_unevenly_on_cp_shards():
-    counts = run_ranks(cp_shard_counts_worker, 2, argv_for(8, ["--parallelism.context_parallel_degree", "2"]))
+def test_padding_lands_unevenly_on_cp_shards(launched):
+    counts = launched["shard counts"]
     assert counts[0] != counts[1]
 
 
@@ -141,8 +152,8 @@ def _summary(result, grads: dict[str, torch.Tensor]) -> dict:
 
 
 @pytest.mark.slow
-def test_cp_bugs_are_caught(ref):
-    result = run_ranks(cp_bug_worker, 2, argv_for(8, ["--parallelism.context_parallel_degree", "2"]))[0]
+def test_cp_bugs_are_caught(ref, launched):
+    result = launched["bugs"][0]
     assert result["per_shard"]["n"] < ref["n"]
     with pytest.raises(AssertionError):
         assert_matches(result["per_shard"], ref)

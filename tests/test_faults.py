@@ -27,6 +27,7 @@ from trainer.plan import plan
 from trainer.train import main
 
 QUICK = [
+    "--validation.enable=false",  # validation is tested on its own (test_validation, test_run_train)
     "--training.seq_len", "64",
     "--training.local_batch_size", "2",
     "--training.global_batch_size", "8",
@@ -221,13 +222,14 @@ def test_a_stalled_rank_ends_the_job_within_the_timeout(tmp_path):
 
 @pytest.mark.launcher
 def test_restarts_recover_from_kill_9_of_any_rank(tmp_path):
-    """Three kills in one job, each recovered by a torchrun restart that resumes the checkpoint."""
-    steps = 12
+    """Two kills in one job, each recovered by a torchrun restart that resumes the checkpoint
+    (before the fix, two of three restarts failed to connect)."""
+    steps = 9
     job = Launched(2, QUICK + ["--training.steps", str(steps), "--checkpoint.enable", "--checkpoint.interval", "1",
-                               "--job.dump_folder", str(tmp_path)], tmp_path / "job.log", MAX_RESTARTS="3")
+                               "--job.dump_folder", str(tmp_path)], tmp_path / "job.log", MAX_RESTARTS="2")
     pick = random.Random(0)
     try:
-        for kill_after in (2, 5, 8):
+        for kill_after in (2, 5):
             job.wait_for(f"step: {kill_after}/{steps}")
             os.kill(pick.choice(job.workers()), signal.SIGKILL)
             job.wait_for(f"step: {kill_after + 2}/{steps}")  # only reached after a restart and resume
@@ -235,7 +237,7 @@ def test_restarts_recover_from_kill_9_of_any_rank(tmp_path):
     finally:
         job.finish(timeout=60)
     out = job.output()
-    assert out.count("resuming from") == 3 and f"step: {steps}/{steps}" in out
+    assert out.count("resuming from") == 2 and f"step: {steps}/{steps}" in out
     assert "connectFullMesh" not in out
 
 

@@ -19,7 +19,7 @@ from harness import (
     clipped,
     max_relative_error,
     passes_over,
-    run_ranks,
+    run_by_world,
     step_worker,
     trainer_for,
 )
@@ -37,11 +37,26 @@ MESHES = {
 }
 
 
+def hsdp_argv(defer: bool) -> list[str]:
+    argv = BASE_ARGV + ["--training.global_batch_size", "16", "--training.local_batch_size", "1",
+                        "--mesh", "dp_replicate=2,dp_shard=2"]
+    return argv + (["--training.defer_gradient_reduction"] if defer else [])
+
+
+@pytest.fixture(scope="module")
+def launched() -> dict[str, list]:
+    """Every multi-process case of this file, one launch per world size."""
+    cases = {mesh: (world, (step_worker, argv_for(local_batch, extra))) for mesh, (world, local_batch, extra) in MESHES.items()}
+    for defer in (False, True):
+        cases[f"hsdp counts, defer={defer}"] = (4, (collective_count_worker, hsdp_argv(defer)))
+    return run_by_world(cases)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh", list(MESHES))
-def test_every_mesh_matches_single_process_reference(mesh, ref):
-    world, local_batch, extra = MESHES[mesh]
-    results = run_ranks(step_worker, world, argv_for(local_batch, extra))
+def test_every_mesh_matches_single_process_reference(mesh, ref, launched):
+    world = MESHES[mesh][0]
+    results = launched[mesh]
     result = results[0]
     assert_matches(result, ref)
     # Each gradient is written exactly once by finalize: no second scaling pass.
@@ -175,11 +190,8 @@ def collective_count_worker(argv: list[str]) -> dict[str, int]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("defer", [False, True])
-def test_hsdp_all_reduces_once_per_step(defer):
-    argv = BASE_ARGV + ["--training.global_batch_size", "16", "--training.local_batch_size", "1",
-                        "--mesh", "dp_replicate=2,dp_shard=2"]
-    argv += ["--training.defer_gradient_reduction"] if defer else []
-    counts = run_ranks(collective_count_worker, 4, argv)[0]
+def test_hsdp_all_reduces_once_per_step(defer, launched):
+    counts = launched[f"hsdp counts, defer={defer}"][0]
     assert counts["microbatches"] == 4
     assert counts["units"] >= 8  # embedding, 6 blocks, norm+output
     assert counts["all_reduce_replicate"] == counts["units"]

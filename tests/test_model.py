@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import run_ranks
+from harness import run_by_world
 from trainer.build import PROGRESS_MIN_PARAMS, InitProgress
 from trainer.model.llama3 import FLAVORS, ModelArgs, Transformer, model_args, num_params, rope_frequencies
 from trainer.model.tiled_init import TILE, fill_local_, local_box, tile_shape
@@ -488,17 +488,25 @@ def assert_draws_only_local_tiles(results: list[dict]) -> None:
         assert r["tiles"] < r["full_random"], rank
 
 
+FSDP_INITS = {"FSDP-4": (4, 1, 4), "FSDP-3-uneven": (3, 1, 3), "HSDP-2x2": (4, 2, 2)}
+TP_INITS = {"TP-2": (2, 1, 2), "FSDP-2xTP-2": (4, 2, 2)}
+
+
+@pytest.fixture(scope="module")
+def sharded_inits(debug_args: ModelArgs) -> dict[str, list[dict]]:
+    """Every sharded initialisation of this file, one launch per world size."""
+    cases = {name: (world, (sharded_init_worker, replicate, shard, 1, debug_args, SEED))
+             for name, (world, replicate, shard) in FSDP_INITS.items()}
+    cases.update({name: (world, (sharded_init_worker, 1, shard, tp, TP_ARGS, SEED))
+                  for name, (world, shard, tp) in TP_INITS.items()})
+    return run_by_world(cases)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "world_size, dp_replicate, dp_shard",
-    [
-        pytest.param(4, 1, 4, id="FSDP-4"),
-        pytest.param(3, 1, 3, id="FSDP-3-uneven"),
-        pytest.param(4, 2, 2, id="HSDP-2x2"),
-    ],
-)
-def test_init_is_bitwise_mesh_independent(world_size, dp_replicate, dp_shard, single_process_reference, debug_args):
-    results = run_ranks(sharded_init_worker, world_size, dp_replicate, dp_shard, 1, debug_args, SEED)
+@pytest.mark.parametrize("case", list(FSDP_INITS))
+def test_init_is_bitwise_mesh_independent(case, sharded_inits, single_process_reference):
+    world_size, dp_replicate, dp_shard = FSDP_INITS[case]
+    results = sharded_inits[case]
     got = results[0]
     assert_matches_reference(got, single_process_reference)
     assert_draws_only_local_tiles(results)
@@ -520,14 +528,12 @@ def test_init_is_bitwise_mesh_independent(world_size, dp_replicate, dp_shard, si
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "world_size, dp_shard, tp",
-    [pytest.param(2, 1, 2, id="TP-2"), pytest.param(4, 2, 2, id="FSDP-2xTP-2")],
-)
-def test_init_with_tensor_parallel_is_bitwise_mesh_independent(world_size, dp_shard, tp):
+@pytest.mark.parametrize("case", list(TP_INITS))
+def test_init_with_tensor_parallel_is_bitwise_mesh_independent(case, sharded_inits):
     """Column-wise (``Shard(0)``) and row-wise (``Shard(1)``) TP, the row-wise embedding, and
     FSDP over those TP DTensors (``_StridedShard``): each rank's box comes from its placements."""
-    results = run_ranks(sharded_init_worker, world_size, 1, dp_shard, tp, TP_ARGS, SEED)
+    world_size, dp_shard, tp = TP_INITS[case]
+    results = sharded_inits[case]
     got = results[0]
     assert_matches_reference(got, reference_init(TP_ARGS))
     assert_draws_only_local_tiles(results)

@@ -170,7 +170,7 @@ def pp_step(argv: list[str], bug: bool = False) -> dict | None:
     grads = {name: full(prm.grad) for name, prm in trainer.model.named_parameters()}
     out = {"loss": result.loss_avg, "loss_max": result.loss_max, "norm": result.grad_norm, "n": result.n_valid_tokens}
     if bug:
-        inputs, labels = (torch.cat(parts) for parts in zip(*microbatches))
+        inputs, labels = torch.cat([mb.inputs for mb in microbatches]), torch.cat([mb.labels for mb in microbatches])
         out["evaluated"] = trainer.pipeline.evaluate(inputs, labels).item()
         out["evaluated_short"] = trainer.pipeline.evaluate(inputs[:3], labels[:3]).item()
         out["short_count"] = int((labels[:3] != IGNORE_INDEX).sum())

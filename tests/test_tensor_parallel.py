@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from harness import BASE_ARGV, argv_for, assert_matches, full, run_ranks, step_worker, trainer_for
+from harness import BASE_ARGV, argv_for, assert_matches, full, run_by_world, step_worker, trainer_for
 from parallelisms import parallelize
 from parallelisms.parallel_dims import ParallelDims, ParallelismError
 from parallelisms.parallelize import ModelShape, ParallelSettings
@@ -22,17 +22,30 @@ MESHES = {
     "tp=2": (2, 8, ["--parallelism.tensor_parallel_degree", "2"]),
     "tp=2, gathered logits": (2, 4, ["--parallelism.tensor_parallel_degree", "2",
                                      "--parallelism.disable_loss_parallel"]),
-    "tp=4": (4, 8, ["--parallelism.tensor_parallel_degree", "4"]),
     "dp_shard=2 x tp=2, 2 micro-batches": (4, 2, ["--mesh", "dp_shard=2,tp=2"]),
     "dp_replicate=2 x dp_shard=2 x tp=2": (8, 1, ["--mesh", "dp_replicate=2,dp_shard=2,tp=2"]),
 }
 
 
+LOGITS_ARGV = argv_for(4, ["--parallelism.tensor_parallel_degree", "2"])
+BF16_ARGV = argv_for(4, ["--parallelism.tensor_parallel_degree", "2", "--training.mixed_precision_param", "bfloat16"])
+
+
+@pytest.fixture(scope="module")
+def launched() -> dict[str, list]:
+    """Every multi-process case of this file, one launch per world size."""
+    cases = {mesh: (world, (step_worker, argv_for(local_batch, extra))) for mesh, (world, local_batch, extra) in MESHES.items()}
+    cases["logits sharded"] = (2, (logits_worker, LOGITS_ARGV))
+    cases["logits gathered"] = (2, (logits_worker, LOGITS_ARGV + ["--parallelism.disable_loss_parallel"]))
+    cases["bf16"] = (2, (logits_worker, BF16_ARGV))
+    cases["bugs"] = (4, (tp_bug_worker, argv_for(2, ["--mesh", "dp_shard=2,tp=2"])))
+    return run_by_world(cases)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh", list(MESHES))
-def test_tensor_parallel_matches_single_process_reference(mesh, ref):
-    world, local_batch, extra = MESHES[mesh]
-    results = run_ranks(step_worker, world, argv_for(local_batch, extra))
+def test_tensor_parallel_matches_single_process_reference(mesh, ref, launched):
+    results = launched[mesh]
     assert_matches(results[0], ref)
     assert set(results[0]["writes"]) == {1}  # one scaling pass, also over TP shards
 
@@ -61,10 +74,8 @@ def logits_worker(argv: list[str]) -> dict:
 
 
 @pytest.mark.slow
-def test_loss_parallel_keeps_one_vocabulary_slice_per_rank():
-    argv = argv_for(4, ["--parallelism.tensor_parallel_degree", "2"])
-    sharded = run_ranks(logits_worker, 2, argv)
-    gathered = run_ranks(logits_worker, 2, argv + ["--parallelism.disable_loss_parallel"])
+def test_loss_parallel_keeps_one_vocabulary_slice_per_rank(launched):
+    sharded, gathered = launched["logits sharded"], launched["logits gathered"]
     vocab = sharded[0]["vocab"]
     for rank in sharded:
         assert rank["is_dtensor"] and rank["placements"] == (Shard(2),)
@@ -75,12 +86,10 @@ def test_loss_parallel_keeps_one_vocabulary_slice_per_rank():
 
 
 @pytest.mark.slow
-def test_mixed_precision_applies_with_tensor_parallel_alone():
+def test_mixed_precision_applies_with_tensor_parallel_alone(launched):
     """FSDP always wraps the model (over a 1-rank mesh when dp = 1), so bf16 compute needs no
     fallback: parameters are stored in float32 and gathered in bfloat16 for the matmuls."""
-    argv = argv_for(4, ["--parallelism.tensor_parallel_degree", "2",
-                        "--training.mixed_precision_param", "bfloat16"])
-    for rank in run_ranks(logits_worker, 2, argv):
+    for rank in launched["bf16"]:
         assert rank["wq_dtype"] == torch.bfloat16
         assert rank["param_dtype"] == torch.float32
 
@@ -108,9 +117,8 @@ def tp_bug_worker(argv: list[str]) -> dict:
 
 
 @pytest.mark.slow
-def test_tp_bugs_are_caught(ref):
-    argv = argv_for(2, ["--mesh", "dp_shard=2,tp=2"])
-    result = run_ranks(tp_bug_worker, 4, argv)[0]
+def test_tp_bugs_are_caught(ref, launched):
+    result = launched["bugs"][0]
     assert result["right_norm"] == pytest.approx(ref["norm"], rel=5e-6)
     # Replicated parameters (the norms' weights) counted once per TP rank inflate the norm.
     assert result["naive_norm_after_step"] > result["true_norm_after_step"] * (1 + 1e-4)

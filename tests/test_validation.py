@@ -19,6 +19,7 @@ from trainer.loss import IGNORE_INDEX, cross_entropy_sum
 from trainer.model.llama3 import Transformer
 from trainer.plan import plan
 from trainer.train import build_validator, fetch_step, forward_backward, optimizer_step
+from trainer.validation import Validator
 
 
 def documents(path: Path, count: int) -> Path:
@@ -40,10 +41,18 @@ def argv_for(tmp_path: Path, *extra: str) -> list[str]:
     ]
 
 
-def validation_worker(argv: list[str]) -> dict:
+def validation_worker(argv: list[str], part_steps: int) -> list[dict]:
+    """The whole validation set, then its first ``part_steps`` batches, on the same weights."""
     p, trainer = trainer_for(argv)
-    result = build_validator(p, trainer, load_validation_dataset(p)).run(trainer)
-    return {"loss": result.loss, "n": result.n_valid_tokens, "batches": result.batches}
+    dataset = load_validation_dataset(p)
+    results = []
+    for steps in (-1, part_steps):
+        validator = Validator(dataset, local_batch_size=p.config.validation.local_batch_size,
+                              dp_rank=trainer.meshes.batch.get_local_rank(), dp_degree=p.dims.dp, steps=steps,
+                              freq=1, seed=p.config.debug.seed)
+        result = validator.run(trainer)
+        results.append({"loss": result.loss, "n": result.n_valid_tokens, "batches": result.batches})
+    return results
 
 
 def reference(argv: list[str]) -> dict:
@@ -69,13 +78,13 @@ def test_validation_loss_is_the_single_process_evaluation_on_any_mesh(tmp_path: 
     argv = argv_for(tmp_path, "--mesh", "dp_replicate=2,tp=2")
     expected = reference(argv_for(tmp_path))
     assert expected["samples"] % 4 != 0  # the last validation batch is partial
-    results = run_ranks(validation_worker, 4, argv)
-    assert len({r["loss"] for r in results}) == 1 and results[0]["n"] == expected["n"]
-    assert results[0]["batches"] == math.ceil(expected["samples"] / 4)
-    assert results[0]["loss"] == pytest.approx(expected["loss"], rel=1e-6)
+    results = run_ranks(validation_worker, 4, argv, 2)
+    assert len({r[0]["loss"] for r in results}) == 1
+    whole, part = results[0]
+    assert whole["n"] == expected["n"] and whole["batches"] == math.ceil(expected["samples"] / 4)
+    assert whole["loss"] == pytest.approx(expected["loss"], rel=1e-6)
     # A part of the set (2 batches of 2 in all): the same samples whatever the data-parallel degree.
-    part = run_ranks(validation_worker, 4, argv + ["--validation.steps", "2"])[0]
-    alone = run_ranks(validation_worker, 1, argv_for(tmp_path, "--validation.steps", "2"))[0]
+    alone = run_ranks(validation_worker, 1, argv_for(tmp_path), 2)[0][1]
     assert (part["batches"], alone["batches"]) == (1, 2)
     assert part["n"] == alone["n"] < expected["n"] and part["loss"] == pytest.approx(alone["loss"], rel=1e-6)
 
@@ -112,9 +121,11 @@ def test_bad_settings_name_the_key(tmp_path: Path, extra: list[str], match: str)
 
 
 def test_held_out_plays_and_their_errors(tmp_path: Path) -> None:
-    # Own training data needs own validation data: the held-out plays split the bundled corpus only.
-    with pytest.raises(ConfigError, match="`validation.dataset_path` is empty while training reads"):
-        load_config(["--training.dataset_path", str(tmp_path), "--validation.enable"])
+    # Own training data needs own validation data: the held-out plays split the bundled corpus
+    # only, so the run trains without validation (and says so at start).
+    own = plan(load_config(["--training.dataset_path", str(documents(tmp_path / "t.jsonl", 40)), "--validation.enable",
+                            "--training.seq_len", "32"]), 1)
+    assert not own.validates and load_validation_dataset(own) is None
     with pytest.raises(ConfigError, match="`validation.seq_len` = 16 differs from `training.seq_len` = 32.*context"):
         plan(load_config(["--validation.enable", "--validation.seq_len", "16", "--training.seq_len", "32",
                           "--mesh", "cp=2"]), 2)

@@ -110,9 +110,9 @@ def load_dataset(plan: Plan) -> Dataset:
 
 
 def load_validation_dataset(plan: Plan) -> Dataset | None:
-    """The validation samples (``[validation]``), or None when validation is off."""
+    """The validation samples (``[validation]``), or None when the run does not validate."""
     validation, training = plan.config.validation, plan.config.training
-    if not validation.enable:
+    if not plan.validates:
         return None
     return open_dataset(
         validation.dataset or training.dataset,
@@ -138,6 +138,23 @@ def describe_data(plan: Plan, dataset: Dataset, validation: bool = False) -> str
     else:
         stats = [dataset.chat_stats] if getattr(dataset, "chat_stats", None) else []
     return "; ".join([text] + [s.describe(seq_len) for s in stats])
+
+
+def data_lines(plan: Plan, dataset: Dataset, validation_dataset: Dataset | None) -> str:
+    """What the run trains and validates on (logged at start, printed by ``--dry-run``)."""
+    lines = [f"data: {describe_data(plan, dataset)}"]
+    if validation_dataset is not None:
+        lines.append(
+            f"validation every {plan.config.validation.freq} steps and at the end: "
+            f"{describe_data(plan, validation_dataset, validation=True)}"
+        )
+    elif plan.config.validation.enable:
+        lines.append(
+            "no validation: `validation.enable` is set but `validation.dataset_path` is empty, and the "
+            "bundled held-out plays are no validation set for `training.dataset_path`; point "
+            "`validation.dataset_path` at held-out data of yours to validate."
+        )
+    return "\n".join(lines)
 
 
 def build_model(plan: Plan, meshes: Meshes, device: torch.device) -> tuple[Transformer, Parallelized]:

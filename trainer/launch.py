@@ -73,7 +73,7 @@ def preflight(argv: list[str], nproc: int, nnodes: int, dry_run: bool = False) -
 
     With ``dry_run``, print what the job would be (plan and memory estimate) too.
     """
-    from trainer.build import load_dataset
+    from trainer.build import data_lines, load_dataset, load_validation_dataset
     from trainer.config import load_config
     from trainer.dump_folder import busy_message, is_stale, read_lock
     from trainer.plan import check_memory, describe, memory_limit, plan
@@ -84,7 +84,9 @@ def preflight(argv: list[str], nproc: int, nnodes: int, dry_run: bool = False) -
     if dry_run:
         print(describe(job_plan, limit, where))
     check_memory(job_plan, limit, where)
-    load_dataset(job_plan)
+    dataset, validation_dataset = load_dataset(job_plan), load_validation_dataset(job_plan)
+    if dry_run:
+        print(data_lines(job_plan, dataset, validation_dataset))
     found = read_lock(config.job.dump_folder)
     if found is not None and not is_stale(*found):
         raise ConfigError(busy_message(config.job.dump_folder, *found))

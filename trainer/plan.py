@@ -72,6 +72,14 @@ class Plan:
         return estimate(self.workload)
 
     @property
+    def validates(self) -> bool:
+        """Whether the run validates: ``validation.enable``, and data to validate on. The bundled
+        held-out plays only suit training on the bundled plays; training on one's own data
+        without ``validation.dataset_path`` trains without validation (and says so at start)."""
+        validation = self.config.validation
+        return validation.enable and bool(validation.dataset_path or not self.config.training.dataset_path)
+
+    @property
     def validation_seq_len(self) -> int:
         seq_len = self.config.validation.seq_len
         return self.config.training.seq_len if seq_len == -1 else seq_len

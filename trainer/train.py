@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch.utils.data import Dataset
 
 from parallelisms.tensor_parallel import loss_context
-from trainer.build import MicroBatch, Trainer, build_trainer, describe_data, load_dataset, load_validation_dataset
+from trainer.build import MicroBatch, Trainer, build_trainer, data_lines, load_dataset, load_validation_dataset
 from trainer.checkpoint.folders import step_folders
 from trainer.checkpoint.manager import CheckpointManager, create_seed_checkpoint
 from trainer.config import ConfigError, changed_settings, help_text, load_config, to_toml
@@ -108,9 +108,7 @@ def dry_run(argv: list[str], world_size: int) -> int:
         return 2
     limit, where = memory_limit(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), None, started=False)
     print(describe(job_plan, limit, where))
-    print(f"data: {describe_data(job_plan, dataset)}")
-    if validation_dataset is not None:
-        print(f"validation data: {describe_data(job_plan, validation_dataset, validation=True)}")
+    print(data_lines(job_plan, dataset, validation_dataset))
     try:
         check_memory(job_plan, limit, where)
     except ConfigError as e:
@@ -342,7 +340,7 @@ def build_metrics(plan: Plan, trainer: Trainer, rank: int) -> MetricsLogger:
         # A data-parallel replica's tokens are processed by its pp x tp x cp devices (torchtitan's
         # non-data-parallel size): tokens/s and MFU are per device of the whole job.
         devices_per_replica=plan.dims.pp * plan.dims.tp * plan.dims.cp,
-        validation=config.validation.enable,
+        validation=plan.validates,
     )
 
 
@@ -364,12 +362,7 @@ def log_start(
         dims.dp_shard, dims.cp, dims.tp, trainer.device.type, plan.global_batch_size,
         training.seq_len, plan.microbatches, training.local_batch_size,
     )
-    logger.info("data: %s", describe_data(plan, dataset))
-    if validation_dataset is not None:
-        logger.info(
-            "validation every %d steps and at the end: %s",
-            plan.config.validation.freq, describe_data(plan, validation_dataset, validation=True),
-        )
+    logger.info(data_lines(plan, dataset, validation_dataset))
     if metrics.tb_dir:
         logger.info("TensorBoard: tensorboard --logdir %s", metrics.tb_dir)
 

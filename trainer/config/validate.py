@@ -164,9 +164,3 @@ def _validation(config: JobConfig) -> None:
             f"`validation.seq_len` = {validation.seq_len} must be in [1, `training.seq_len` = {training.seq_len}] "
             "(the model's RoPE table is sized for training), or -1 for the training length."
         )
-    if training.dataset_path and not validation.dataset_path:
-        raise ConfigError(
-            "`validation.dataset_path` is empty while training reads `training.dataset_path`: the held-out "
-            "plays are a split of the bundled corpus only. Point `validation.dataset_path` at held-out data "
-            "of yours, or set `validation.enable = false`."
-        )
