@@ -9,13 +9,14 @@ counts differ between micro-batches and ranks, which is what makes the classic b
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -224,6 +225,36 @@ def step_worker(argv: list[str]) -> dict | None:
     if p.dims.dp_replicate == 1 and p.dims.dp > 1 and p.dims.tp == 1:
         out["rank_mean_grads"] = per_rank_mean_then_average(trainer, microbatches)
     return out if dist.get_rank() == 0 else {"counts": counts}
+
+
+@contextlib.contextmanager
+def counting_hsdp_collectives(trainer: Trainer) -> Iterator[dict[str, int]]:
+    """Count FSDP's reduce-scatters and its all-reduces over the replicate dimension (HSDP's
+    cross-replica reduction) while the block runs."""
+    replicate_group = trainer.meshes.fsdp["dp_replicate"].get_group()
+    counts = {"all_reduce_replicate": 0, "reduce_scatter": 0}
+    originals = {}
+
+    def wrap(name, key, predicate):
+        original = getattr(dist, name)
+        originals[name] = original
+
+        def counted(*args, **kwargs):
+            if predicate(kwargs):
+                counts[key] += 1
+            return original(*args, **kwargs)
+
+        setattr(dist, name, counted)
+
+    wrap("all_reduce", "all_reduce_replicate", lambda kw: kw.get("group") is replicate_group)
+    for name in ("reduce_scatter_single", "reduce_scatter_tensor"):
+        if hasattr(dist, name):
+            wrap(name, "reduce_scatter", lambda kw: True)
+    try:
+        yield counts
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
 
 
 def per_rank_mean_then_average(trainer: Trainer, microbatches) -> dict[str, torch.Tensor]:

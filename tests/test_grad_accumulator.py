@@ -9,7 +9,6 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from harness import (
     BASE_ARGV,
@@ -17,6 +16,7 @@ from harness import (
     argv_for,
     assert_matches,
     clipped,
+    counting_hsdp_collectives,
     max_relative_error,
     passes_over,
     run_by_world,
@@ -157,30 +157,8 @@ def test_degenerate_step_is_skipped_and_counted(bad, caplog):
 def collective_count_worker(argv: list[str]) -> dict[str, int]:
     """Count FSDP's reduce-scatters and cross-replica all-reduces over one HSDP step."""
     p, job = trainer_for(argv)
-    replicate_group = job.meshes.fsdp["dp_replicate"].get_group()
-    counts = {"all_reduce_replicate": 0, "reduce_scatter": 0}
-    originals = {}
-
-    def wrap(name, key, predicate):
-        original = getattr(dist, name)
-        originals[name] = original
-
-        def counted(*args, **kwargs):
-            if predicate(kwargs):
-                counts[key] += 1
-            return original(*args, **kwargs)
-
-        setattr(dist, name, counted)
-
-    wrap("all_reduce", "all_reduce_replicate", lambda kw: kw.get("group") is replicate_group)
-    for name in ("reduce_scatter_single", "reduce_scatter_tensor"):
-        if hasattr(dist, name):
-            wrap(name, "reduce_scatter", lambda kw: True)
-    try:
+    with counting_hsdp_collectives(job) as counts:
         forward_backward(job, fetch_step(job))
-    finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
     groups = {id(m._get_fsdp_state()._fsdp_param_group) for m in job.model.modules()
               if hasattr(m, "_get_fsdp_state") and m._get_fsdp_state()._fsdp_param_group is not None}
     counts["units"] = len(groups)

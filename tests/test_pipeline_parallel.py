@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from harness import (
     BASE_ARGV,
@@ -19,6 +18,7 @@ from harness import (
     TOLERANCE,
     argv_for,
     assert_matches,
+    counting_hsdp_collectives,
     full,
     max_relative_error,
     passes_over,
@@ -300,30 +300,8 @@ def test_checkpoint_reshards_across_pipeline_degrees(four_ranks):
 def hsdp_worker(argv: list[str]) -> dict:
     """The reference comparison and FSDP's collectives over one HSDP x PP step."""
     p, trainer = trainer_for(argv)
-    replicate_group = trainer.meshes.fsdp["dp_replicate"].get_group()
-    counts = {"all_reduce_replicate": 0, "reduce_scatter": 0}
-    originals = {}
-
-    def wrap(name, key, predicate):
-        original = getattr(dist, name)
-        originals[name] = original
-
-        def counted(*args, **kwargs):
-            if predicate(kwargs):
-                counts[key] += 1
-            return original(*args, **kwargs)
-
-        setattr(dist, name, counted)
-
-    wrap("all_reduce", "all_reduce_replicate", lambda kw: kw.get("group") is replicate_group)
-    for name in ("reduce_scatter_single", "reduce_scatter_tensor"):
-        if hasattr(dist, name):
-            wrap(name, "reduce_scatter", lambda kw: True)
-    try:
+    with counting_hsdp_collectives(trainer) as counts:
         result = forward_backward(trainer, fetch_step(trainer))
-    finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
     units = {id(m._get_fsdp_state()._fsdp_param_group) for stage in trainer.pipeline.stages for m in stage.submod.modules()
              if hasattr(m, "_get_fsdp_state") and m._get_fsdp_state()._fsdp_param_group is not None}
     counts.update(units=len(units), microbatches=p.pipeline_microbatches, accumulation=p.microbatches)

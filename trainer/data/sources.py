@@ -14,6 +14,7 @@ import json
 import zlib
 import re
 from collections.abc import Iterator
+from typing import Any
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -188,6 +189,19 @@ def jsonl_records(
         f"with `training.dataset` = {kind!r}, every line of a .jsonl file under "
         f"`training.dataset_path` must be a JSON object with string keys {', '.join(map(json.dumps, keys))}"
     )
+    for lineno, record in _json_lines(file, text, hint, first_line):
+        if not isinstance(record, dict):
+            raise ValueError(f"{file}:{lineno}: not a JSON object; {hint}.")
+        for key in keys:
+            if key not in record:
+                raise ValueError(f'{file}:{lineno}: missing key "{key}"; {hint}.')
+            if not isinstance(record[key], str):
+                raise ValueError(f'{file}:{lineno}: key "{key}" is not a string; {hint}.')
+        yield tuple(record[key] for key in keys)
+
+
+def _json_lines(file: Path, text: str, hint: str, first_line: int = 1) -> Iterator[tuple[int, Any]]:
+    """``(line number, decoded value)`` of each non-blank line; invalid JSON names file:line."""
     # JSONL separates records by "\n" only; str.splitlines would also split inside strings
     # holding U+2028 and friends, which JSON allows unescaped.
     for lineno, line in enumerate(text.split("\n"), start=first_line):
@@ -197,14 +211,7 @@ def jsonl_records(
             record = json.loads(line)
         except json.JSONDecodeError as exc:
             raise ValueError(f"{file}:{lineno}: invalid JSON ({exc.msg}); {hint}.") from None
-        if not isinstance(record, dict):
-            raise ValueError(f"{file}:{lineno}: not a JSON object; {hint}.")
-        for key in keys:
-            if key not in record:
-                raise ValueError(f'{file}:{lineno}: missing key "{key}"; {hint}.')
-            if not isinstance(record[key], str):
-                raise ValueError(f'{file}:{lineno}: key "{key}" is not a string; {hint}.')
-        yield tuple(record[key] for key in keys)
+        yield lineno, record
 
 
 def _alternating(turns: tuple[str, ...] | list[str]) -> tuple[tuple[str, str], ...]:
@@ -216,13 +223,7 @@ def _jsonl_conversations(file: Path, text: str, kind: str) -> Iterator[Conversat
         f"with `training.dataset` = {kind!r}, every line of a .jsonl file under `training.dataset_path` "
         'must be {"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}, ...]}'
     )
-    for lineno, line in enumerate(text.split("\n"), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{file}:{lineno}: invalid JSON ({exc.msg}); {hint}.") from None
+    for lineno, record in _json_lines(file, text, hint):
         messages = record.get("messages") if isinstance(record, dict) else None
         if not isinstance(messages, list) or not messages:
             raise ValueError(f'{file}:{lineno}: no "messages" list; {hint}.')
