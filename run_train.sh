@@ -10,11 +10,11 @@
 #   node (c10d rendezvous, no NODE_RANK); see README.md ("Multi-node").
 #
 # The config, the mesh and the data are checked once before any worker starts; SIGTERM and Ctrl-C
-# stop the job after the current step with a checkpoint (trainer/launch.py).
+# stop the job after the current step with a checkpoint (trainer/runtime/launch.py).
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 export PYTHONPATH="${here}${PYTHONPATH:+:${PYTHONPATH}}"
 
 # `python` is the interpreter on PATH: torchrun and the workers run with it and its packages.
-exec python -m trainer.launch "$@"
+exec python -m trainer.runtime.launch "$@"

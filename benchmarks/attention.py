@@ -83,8 +83,18 @@ def saved_bytes(fn) -> int:
     return sum(storages.values())
 
 
-def bench(seq: int, batch: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-          median: float, sigma: float, repeats: int, device: torch.device) -> dict:
+def bench(
+    seq: int,
+    batch: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    median: float,
+    sigma: float,
+    repeats: int,
+    device: torch.device,
+) -> dict:
     gen = torch.Generator(device=device).manual_seed(0)
     q, k, v = (
         torch.randn((batch, h, seq, head_dim), generator=gen, device=device, dtype=dtype, requires_grad=True)
@@ -123,7 +133,9 @@ def bench(seq: int, batch: int, heads: int, kv_heads: int, head_dim: int, dtype:
         "head_dim": head_dim,
         "dtype": str(dtype).removeprefix("torch."),
         "documents_per_window": round(len(lengths) / batch, 1),
-        "in_document_fraction_of_causal_work": round(sum(n * (n + 1) / 2 for n in lengths) / (batch * seq * (seq + 1) / 2), 3),
+        "in_document_fraction_of_causal_work": round(
+            sum(n * (n + 1) / 2 for n in lengths) / (batch * seq * (seq + 1) / 2), 3
+        ),
         "masked_vs_per_document_max_abs_diff": (out_masked - out_docs).abs().max().item(),
     }
     for name, fn in (("causal", causal), ("masked", masked), ("per_document", per_document)):
@@ -160,7 +172,9 @@ def main() -> None:
     kv_heads = args.kv_heads or (8 if cuda else 2)
     for seq in seqs:
         for dtype in (torch.float32, torch.bfloat16) if cuda else (torch.float32,):
-            row = bench(seq, args.batch, heads, kv_heads, args.head_dim, dtype, args.median, args.sigma, args.repeats, device)
+            row = bench(
+                seq, args.batch, heads, kv_heads, args.head_dim, dtype, args.median, args.sigma, args.repeats, device
+            )
             print(json.dumps(row), flush=True)
 
 

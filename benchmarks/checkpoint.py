@@ -38,8 +38,8 @@ from trainer.checkpoint.integrity import checksum_problem, file_crc32, first_non
 from trainer.checkpoint.manager import CheckpointManager
 from trainer.config import Checkpoint, LRScheduler, Optimizer
 from trainer.model.llama3 import FLAVORS, Transformer, num_params
-from trainer.distributed import init_distributed
 from trainer.optimizer import build_lr_scheduler, build_optimizer
+from trainer.runtime.distributed import init_distributed
 from trainer.train_state import TrainState
 
 
@@ -77,8 +77,15 @@ def measure(flavor: str, folder: Path, mesh) -> dict:
         shutil.rmtree(folder, ignore_errors=True)
         config = Checkpoint(enable=True, folder="checkpoint", async_mode=mode, keep_latest_k=0)
         manager = CheckpointManager(
-            config, str(folder), model=model, optimizer=optimizer, lr_scheduler=scheduler,
-            dataloader=Position(), train_state=TrainState(), model_args=model.args, total_steps=10,
+            config,
+            str(folder),
+            model=model,
+            optimizer=optimizer,
+            lr_scheduler=scheduler,
+            dataloader=Position(),
+            train_state=TrainState(),
+            model_args=model.args,
+            total_steps=10,
         )
         start = time.perf_counter()
         manager.save(1, model_only=not full_state)

@@ -42,7 +42,9 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
 
-def check(seq: int, cp: int, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, device: torch.device) -> dict:
+def check(
+    seq: int, cp: int, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, device: torch.device
+) -> dict:
     gen = torch.Generator(device=device).manual_seed(0)
     q, k, v = (
         torch.randn((1, h, seq, head_dim), generator=gen, device=device, dtype=dtype, requires_grad=True)

@@ -73,13 +73,18 @@ def bench_prepare(work: Path, megabytes: float) -> None:
     raw_tokens = sum(len(tokenizer.encode(d, bos=True, eos=True)) for d in documents)
     raw = raw_tokens / (time.perf_counter() - start)
     record = {
-        "figure": "prepare", "cores": cores(), "corpus_mb": round(corpus.stat().st_size / 1e6, 1),
-        "documents": len(documents), "tokens": raw_tokens, "raw_encode_tokens_per_s": round(raw),
+        "figure": "prepare",
+        "cores": cores(),
+        "corpus_mb": round(corpus.stat().st_size / 1e6, 1),
+        "documents": len(documents),
+        "tokens": raw_tokens,
+        "raw_encode_tokens_per_s": round(raw),
     }
     for workers in (1, 2):
         start = time.perf_counter()
-        manifest = prepare([str(corpus)], str(TOKENIZER), str(work / f"prepared-{workers}"), workers,
-                           unit_bytes=1 << 20, progress=None)
+        manifest = prepare(
+            [str(corpus)], str(TOKENIZER), str(work / f"prepared-{workers}"), workers, unit_bytes=1 << 20, progress=None
+        )
         seconds = time.perf_counter() - start
         assert manifest["total_tokens"] == raw_tokens
         record[f"workers_{workers}_tokens_per_s"] = round(raw_tokens / seconds)
@@ -101,12 +106,22 @@ def synthetic_folder(folder: Path, megabytes: float) -> Path:
     total, shards, generator = int(megabytes * 1e6) // 2, [], torch.Generator().manual_seed(0)
     for index, start in enumerate(range(0, total, SHARD_TOKENS)):
         count = min(SHARD_TOKENS, total - start)
-        data = torch.randint(0, tokenizer.vocab_size, (count,), generator=generator, dtype=torch.int16).numpy().tobytes()
+        data = (
+            torch.randint(0, tokenizer.vocab_size, (count,), generator=generator, dtype=torch.int16).numpy().tobytes()
+        )
         name = f"{SHARDS}/{index:06d}"
         (folder / f"{name}.bin").write_bytes(data)
         (folder / f"{name}.idx").write_bytes((0).to_bytes(8, "little") + count.to_bytes(8, "little"))
-        shards.append({"file": f"{name}.bin", "index": f"{name}.idx", "tokens": count, "documents": 1,
-                       "sha256": hashlib.sha256(data).hexdigest(), "max_token_id": tokenizer.vocab_size - 1})
+        shards.append(
+            {
+                "file": f"{name}.bin",
+                "index": f"{name}.idx",
+                "tokens": count,
+                "documents": 1,
+                "sha256": hashlib.sha256(data).hexdigest(),
+                "max_token_id": tokenizer.vocab_size - 1,
+            }
+        )
     write_manifest(folder, tokenizer, "uint16", shards)
     return folder
 
@@ -135,12 +150,22 @@ def startup_child(folder: str, seq_len: int) -> None:
     built = time.perf_counter()
     loader.next_step()
     first = time.perf_counter()
-    print(json.dumps({
-        "samples": len(dataset), "open_s": opened - start, "loader_s": built - opened, "first_batch_s": first - built,
-        "startup_s": first - start, "rss_mb": rss_mb(), "rss_growth_mb": rss_mb() - before,
-        "anon_growth_mb": rss_mb("RssAnon") - anon_before, "file_backed_mb": rss_mb("RssFile"),
-        "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-    }))
+    print(
+        json.dumps(
+            {
+                "samples": len(dataset),
+                "open_s": opened - start,
+                "loader_s": built - opened,
+                "first_batch_s": first - built,
+                "startup_s": first - start,
+                "rss_mb": rss_mb(),
+                "rss_growth_mb": rss_mb() - before,
+                "anon_growth_mb": rss_mb("RssAnon") - anon_before,
+                "file_backed_mb": rss_mb("RssFile"),
+                "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            }
+        )
+    )
 
 
 def bench_startup(work: Path, small_mb: float, large_mb: float, repeats: int = 3) -> None:
@@ -151,14 +176,20 @@ def bench_startup(work: Path, small_mb: float, large_mb: float, repeats: int = 3
             for size, folder in folders.items():
                 out = subprocess.run(
                     [sys.executable, __file__, "--startup-child", str(folder), "--seq-len", str(seq_len)],
-                    check=True, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                    env={**os.environ, "PYTHONPATH": str(ROOT)},
                 ).stdout
                 result = json.loads(out.strip().splitlines()[-1])
                 if size not in best or result["startup_s"] < best[size]["startup_s"]:
                     best[size] = result
         record = {"figure": "startup", "synthetic": True, "seq_len": seq_len, "repeats": repeats, "best_of": repeats}
         for size, megabytes in (("small", small_mb), ("large", large_mb)):
-            record[size] = {"corpus_mb": megabytes, **{k: round(v, 4) if isinstance(v, float) else v for k, v in best[size].items()}}
+            record[size] = {
+                "corpus_mb": megabytes,
+                **{k: round(v, 4) if isinstance(v, float) else v for k, v in best[size].items()},
+            }
         record["ratio"] = {
             key: round(best["large"][key] / best["small"][key], 2)
             for key in ("startup_s", "rss_mb", "rss_growth_mb", "anon_growth_mb")
@@ -179,9 +210,17 @@ def bench_data_loading(work: Path, steps: int) -> None:
     prepare([str(plays)], str(TOKENIZER), str(work / "plays-prepared"), 2, progress=None)
     dump = work / "run"
     command = [
-        str(ROOT / "run_train.sh"), "--training.dataset_path", str(work / "plays-prepared"),
-        "--training.num_workers", "2", "--training.steps", str(steps), "--metrics.log_freq", "10",
-        "--job.dump_folder", str(dump),
+        str(ROOT / "run_train.sh"),
+        "--training.dataset_path",
+        str(work / "plays-prepared"),
+        "--training.num_workers",
+        "2",
+        "--training.steps",
+        str(steps),
+        "--metrics.log_freq",
+        "10",
+        "--job.dump_folder",
+        str(dump),
     ]
     start = time.perf_counter()
     subprocess.run(command, check=True, capture_output=True, env={**os.environ, "NGPU": "1"}, cwd=ROOT)
@@ -190,11 +229,18 @@ def bench_data_loading(work: Path, steps: int) -> None:
     events.Reload()
     points = [(e.step, round(e.value, 3)) for e in events.Scalars("time_metrics/data_loading(%)")]
     after_first = [value for step, value in points if step > 1]
-    emit({
-        "figure": "data_loading", "model": "debugmodel", "processes": 1, "num_workers": 2, "steps": steps,
-        "run_s": round(seconds, 1), "data_loading_pct_by_log_step": points,
-        "mean_after_step_1_pct": round(sum(after_first) / len(after_first), 3) if after_first else None,
-    })
+    emit(
+        {
+            "figure": "data_loading",
+            "model": "debugmodel",
+            "processes": 1,
+            "num_workers": 2,
+            "steps": steps,
+            "run_s": round(seconds, 1),
+            "data_loading_pct_by_log_step": points,
+            "mean_after_step_1_pct": round(sum(after_first) / len(after_first), 3) if after_first else None,
+        }
+    )
 
 
 def main() -> None:

@@ -24,8 +24,18 @@ sys.path.insert(0, str(REPO_ROOT))
 from trainer.config import load_config  # noqa: E402
 from trainer.plan import plan  # noqa: E402
 
-COMMON = ["--training.local_batch_size", "4", "--training.global_batch_size", "8", "--training.steps", "2",
-          "--metrics.log_freq", "1", "--metrics.enable_tensorboard=false", "--metrics.disable_color_printing"]
+COMMON = [
+    "--training.local_batch_size",
+    "4",
+    "--training.global_batch_size",
+    "8",
+    "--training.steps",
+    "2",
+    "--metrics.log_freq",
+    "1",
+    "--metrics.enable_tensorboard=false",
+    "--metrics.disable_color_printing",
+]
 CONFIGS = {
     "1 rank, seq 1024": (1, ["--training.seq_len", "1024"]),
     "1 rank, seq 1024, AC full": (1, ["--training.seq_len", "1024", "--activation_checkpoint.mode", "full"]),
@@ -42,7 +52,8 @@ def measure(ngpu: int, args: list[str]) -> float:
         proc = subprocess.run(
             [str(REPO_ROOT / "run_train.sh"), *args, "--job.dump_folder", dump],
             env={**os.environ, "NGPU": str(ngpu), "OMP_NUM_THREADS": str(max(1, 2 // ngpu))},
-            capture_output=True, text=True,
+            capture_output=True,
+            text=True,
         )
     if proc.returncode:
         raise RuntimeError(proc.stderr[-2000:])
@@ -54,11 +65,18 @@ def main() -> None:
         args = COMMON + extra
         estimate = plan(load_config(args), ngpu).memory
         measured = measure(ngpu, args)
-        print(json.dumps({
-            "config": name, "estimate_gib": round(estimate.total / 1024**3, 2), "measured_gib": measured,
-            "estimate_over_measured": round(estimate.total / 1024**3 / measured, 2),
-            "activations_gib": round(estimate.activations / 1024**3, 2),
-        }), flush=True)
+        print(
+            json.dumps(
+                {
+                    "config": name,
+                    "estimate_gib": round(estimate.total / 1024**3, 2),
+                    "measured_gib": measured,
+                    "estimate_over_measured": round(estimate.total / 1024**3 / measured, 2),
+                    "activations_gib": round(estimate.activations / 1024**3, 2),
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

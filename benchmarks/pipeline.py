@@ -36,11 +36,11 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from parallelisms.pipeline_parallel import BUBBLE_FRACTION, SCHEDULES  # noqa: E402
-from trainer.build import build_trainer, load_dataset  # noqa: E402
-from trainer.config import load_config  # noqa: E402
-from trainer.plan import plan  # noqa: E402
-from trainer.train import fetch_step, forward_backward, optimizer_step  # noqa: E402
+from parallelisms.pipeline_parallel import BUBBLE_FRACTION, SCHEDULES
+from trainer.build import build_trainer, load_dataset
+from trainer.config import load_config
+from trainer.plan import plan
+from trainer.train import fetch_step, forward_backward, optimizer_step
 
 COMPUTE_METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 
@@ -66,8 +66,14 @@ def instrument(stage, clock: dict[str, float]) -> None:
 
 
 def rank_main(rank: int, world: int, port: int, argv: list[str], warmup: int, steps: int, out_dir: str) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     torch.set_num_threads(1)
     job_plan = plan(load_config(argv), world)
     job = build_trainer(job_plan, load_dataset(job_plan))
@@ -124,12 +130,18 @@ def main() -> None:
     parser.add_argument("--schedules", default=",".join(SCHEDULES))
     args = parser.parse_args(own)
     base = [
-        "--training.dataset", "shakespeare_dialogue",
-        "--training.seq_len", str(args.seq_len),
-        "--training.global_batch_size", str(args.global_batch),
-        "--training.local_batch_size", str(args.global_batch),
-        "--parallelism.pipeline_parallel_microbatch_size", str(args.microbatch_size),
-        "--mesh", f"pp={args.pp}",
+        "--training.dataset",
+        "shakespeare_dialogue",
+        "--training.seq_len",
+        str(args.seq_len),
+        "--training.global_batch_size",
+        str(args.global_batch),
+        "--training.local_batch_size",
+        str(args.global_batch),
+        "--parallelism.pipeline_parallel_microbatch_size",
+        str(args.microbatch_size),
+        "--mesh",
+        f"pp={args.pp}",
         "--metrics.enable_tensorboard=false",
         "--training.check_memory=false",
     ]
@@ -137,24 +149,35 @@ def main() -> None:
     for schedule in args.schedules.split(","):
         argv = base + ["--parallelism.pipeline_parallel_schedule", schedule] + trainer_args
         with tempfile.TemporaryDirectory() as out_dir:
-            mp.start_processes(rank_main, args=(args.pp, free_port(), argv, args.warmup, args.steps, out_dir),
-                               nprocs=args.pp, start_method="spawn")
+            mp.start_processes(
+                rank_main,
+                args=(args.pp, free_port(), argv, args.warmup, args.steps, out_dir),
+                nprocs=args.pp,
+                start_method="spawn",
+            )
             ranks = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(args.pp)]
         per_rank = len(ranks[0]["stages"])
-        print(json.dumps({
-            "schedule": schedule,
-            "pp": args.pp,
-            "stages_per_rank": per_rank,
-            "microbatches": microbatches,
-            "global_batch": args.global_batch,
-            "seq_len": args.seq_len,
-            "step_time_s": max(r["step_s"] for r in ranks),
-            "bubble_measured": round(statistics.mean(r["bubble"] for r in ranks), 3),
-            "bubble_theoretical": round(BUBBLE_FRACTION[schedule](args.pp, per_rank, microbatches), 3),
-            "loss": ranks[0]["loss"],
-            "ranks": [{k: r[k] for k in ("rank", "stages", "step_s", "compute_s", "bubble", "peak_rss_step_mib")}
-                      for r in ranks],
-        }), flush=True)
+        print(
+            json.dumps(
+                {
+                    "schedule": schedule,
+                    "pp": args.pp,
+                    "stages_per_rank": per_rank,
+                    "microbatches": microbatches,
+                    "global_batch": args.global_batch,
+                    "seq_len": args.seq_len,
+                    "step_time_s": max(r["step_s"] for r in ranks),
+                    "bubble_measured": round(statistics.mean(r["bubble"] for r in ranks), 3),
+                    "bubble_theoretical": round(BUBBLE_FRACTION[schedule](args.pp, per_rank, microbatches), 3),
+                    "loss": ranks[0]["loss"],
+                    "ranks": [
+                        {k: r[k] for k in ("rank", "stages", "step_s", "compute_s", "bubble", "peak_rss_step_mib")}
+                        for r in ranks
+                    ],
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -44,12 +44,12 @@ from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from parallelisms.fsdp import apply_fsdp  # noqa: E402
-from parallelisms.parallel_dims import ParallelDims  # noqa: E402
-from trainer.distributed import init_distributed  # noqa: E402
-from trainer.loss import cross_entropy_sum  # noqa: E402
-from trainer.model.llama3 import FLAVORS, Transformer, num_params, rope_frequencies  # noqa: E402
-from trainer.model.tiled_init import local_slice  # noqa: E402
+from parallelisms.fsdp import apply_fsdp
+from parallelisms.parallel_dims import ParallelDims
+from trainer.loss import cross_entropy_sum
+from trainer.model.llama3 import FLAVORS, Transformer, num_params, rope_frequencies
+from trainer.model.tiled_init import local_slice
+from trainer.runtime.distributed import init_distributed
 
 ALGORITHMS = ("before", "after")
 
@@ -117,8 +117,12 @@ def rank_run(algorithm: str, flavor: str, vocab: int) -> dict[str, float]:
     init_s = time.perf_counter() - init_start
     tokens = torch.randint(0, vocab, (1, 17), generator=torch.Generator().manual_seed(0))
     cross_entropy_sum(model(tokens[:, :-1]), tokens[:, 1:]).backward()
-    return {"init_s": init_s, "first_step_s": time.perf_counter() - start, "drawn": drawn.values,
-            "params": num_params(model)}
+    return {
+        "init_s": init_s,
+        "first_step_s": time.perf_counter() - start,
+        "drawn": drawn.values,
+        "params": num_params(model),
+    }
 
 
 def _free_port() -> int:
@@ -127,10 +131,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, out_dir: str, algorithm: str, flavor: str, vocab: int,
-           threads: int) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+def _entry(
+    rank: int, world: int, port: int, out_dir: str, algorithm: str, flavor: str, vocab: int, threads: int
+) -> None:
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     torch.set_num_threads(threads)
     init_distributed("cpu", timeout_s=1800)
     result = rank_run(algorithm, flavor, vocab)
@@ -143,8 +149,12 @@ def measure(world: int, algorithm: str, flavor: str, vocab: int) -> dict[str, fl
     """The slowest rank's times and the largest draw count of ``world`` processes."""
     threads = max(1, (os.cpu_count() or 1) // world)
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_entry, args=(world, _free_port(), out_dir, algorithm, flavor, vocab, threads),
-                           nprocs=world, start_method="spawn")
+        mp.start_processes(
+            _entry,
+            args=(world, _free_port(), out_dir, algorithm, flavor, vocab, threads),
+            nprocs=world,
+            start_method="spawn",
+        )
         ranks = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]
     return {key: max(r[key] for r in ranks) for key in ranks[0]} | {"threads": threads}
 
@@ -158,16 +168,26 @@ def main() -> None:
     for world in args.worlds:
         runs = {algorithm: measure(world, algorithm, args.flavor, args.vocab) for algorithm in ALGORITHMS}
         before, after = runs["before"], runs["after"]
-        print(json.dumps({
-            "model": args.flavor, "vocab": args.vocab, "params": after["params"], "processes": world,
-            "threads_per_process": after["threads"],
-            "before_init_s": round(before["init_s"], 2), "after_init_s": round(after["init_s"], 2),
-            "init_speedup": round(before["init_s"] / after["init_s"], 2),
-            "before_first_step_s": round(before["first_step_s"], 2),
-            "after_first_step_s": round(after["first_step_s"], 2),
-            "first_step_speedup": round(before["first_step_s"] / after["first_step_s"], 2),
-            "before_drawn_per_rank": before["drawn"], "after_drawn_per_rank": after["drawn"],
-        }), flush=True)
+        print(
+            json.dumps(
+                {
+                    "model": args.flavor,
+                    "vocab": args.vocab,
+                    "params": after["params"],
+                    "processes": world,
+                    "threads_per_process": after["threads"],
+                    "before_init_s": round(before["init_s"], 2),
+                    "after_init_s": round(after["init_s"], 2),
+                    "init_speedup": round(before["init_s"] / after["init_s"], 2),
+                    "before_first_step_s": round(before["first_step_s"], 2),
+                    "after_first_step_s": round(after["first_step_s"], 2),
+                    "first_step_speedup": round(before["first_step_s"] / after["first_step_s"], 2),
+                    "before_drawn_per_rank": before["drawn"],
+                    "after_drawn_per_rank": after["drawn"],
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -29,12 +29,12 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from trainer.build import build_trainer, load_dataset  # noqa: E402
-from trainer.config import load_config  # noqa: E402
-from trainer.metrics import device_memory, flops_per_token, peak_flops, tokens_per_second_per_device  # noqa: E402
-from trainer.model.llama3 import num_params  # noqa: E402
-from trainer.plan import plan  # noqa: E402
-from trainer.train import fetch_step, forward_backward, local_tokens_per_step, optimizer_step, whole_model  # noqa: E402
+from trainer.build import build_trainer, load_dataset
+from trainer.config import load_config
+from trainer.metrics import device_memory, flops_per_token, peak_flops, tokens_per_second_per_device
+from trainer.model.llama3 import num_params
+from trainer.plan import plan
+from trainer.train import fetch_step, forward_backward, local_tokens_per_step, optimizer_step, whole_model
 
 
 def synchronize(device: torch.device) -> None:
@@ -50,8 +50,9 @@ def main() -> None:
     args, trainer_args = parser.parse_known_args()
     trainer_args = [a for a in trainer_args if a != "--"]
     total = args.warmup + args.steps
-    config = load_config(["--config", args.config, "--training.steps", str(total),
-                          "--metrics.enable_tensorboard=false", *trainer_args])
+    config = load_config(
+        ["--config", args.config, "--training.steps", str(total), "--metrics.enable_tensorboard=false", *trainer_args]
+    )
     job_plan = plan(config, int(os.environ.get("WORLD_SIZE", 1)))
     job = build_trainer(job_plan, load_dataset(job_plan))
     training, dims, margs = config.training, job_plan.dims, job_plan.model_args
@@ -67,8 +68,12 @@ def main() -> None:
         if step > args.warmup:
             times.append(time.perf_counter() - start)
 
-    tps = tokens_per_second_per_device(local_tokens_per_step(job_plan), statistics.median(times), dims.pp * dims.tp * dims.cp)
-    fpt = flops_per_token(num_params(whole_model(margs), exclude_embedding=True), margs.n_layers, margs.dim, training.seq_len)
+    tps = tokens_per_second_per_device(
+        local_tokens_per_step(job_plan), statistics.median(times), dims.pp * dims.tp * dims.cp
+    )
+    fpt = flops_per_token(
+        num_params(whole_model(margs), exclude_embedding=True), margs.n_layers, margs.dim, training.seq_len
+    )
     peak = peak_flops(job.device, override=training.peak_flops or None)
     memory = device_memory(job.device)
     out = {
@@ -77,13 +82,23 @@ def main() -> None:
         "params": num_params(whole_model(margs)),
         "device": torch.cuda.get_device_name(job.device) if job.device.type == "cuda" else "cpu",
         "world_size": dist.get_world_size(),
-        "mesh": {"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp, "tp": dims.tp},
+        "mesh": {
+            "pp": dims.pp,
+            "dp_replicate": dims.dp_replicate,
+            "dp_shard": dims.dp_shard,
+            "cp": dims.cp,
+            "tp": dims.tp,
+        },
         "global_batch": job_plan.global_batch_size,
         "seq_len": training.seq_len,
         "param_dtype": str(job_plan.parallel.param_dtype).removeprefix("torch."),
         "compile": config.compile.enable,
         "activation_checkpoint": config.activation_checkpoint.mode
-        + (f":{config.activation_checkpoint.selective_ac_option}" if config.activation_checkpoint.mode == "selective" else ""),
+        + (
+            f":{config.activation_checkpoint.selective_ac_option}"
+            if config.activation_checkpoint.mode == "selective"
+            else ""
+        ),
         "tokens_per_s_per_device": round(tps, 1),
         "tflops_per_device": round(fpt * tps / 1e12, 2),
         "mfu_pct": round(100 * fpt * tps / peak, 2) if peak else None,

@@ -143,7 +143,9 @@ def local_chunk_masks(
         causal = torch.arange(end, device=document_ids.device)[None, :] <= query[:, None]
         same = document_ids[:, None, start:end, None] == document_ids[:, None, None, :end]
         allowed = causal & same
-        masks.append(torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf")))
+        masks.append(
+            torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+        )
     return masks[0], masks[1]
 
 
@@ -170,7 +172,10 @@ class AllGatherKVAttention:
         self.attention, self.group, self.rank, self.degree = attention, group, rank, degree
 
     def __call__(
-        self, xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor,
+        self,
+        xq: torch.Tensor,
+        xk: torch.Tensor,
+        xv: torch.Tensor,
         chunk_masks: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         xk_full = natural_order(_AllGatherSequence.apply(xk, self.group, self.degree))
@@ -224,7 +229,7 @@ class ContextParallel:
                 raise RuntimeError(
                     "PyTorch's context parallelism laid out the sequence differently from the "
                     "head-tail layout the inputs were sharded with; use "
-                    "`parallelism.context_parallel_backend = \"allgather_kv\"`."
+                    '`parallelism.context_parallel_backend = "allgather_kv"`.'
                 )
             yield
 

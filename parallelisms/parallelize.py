@@ -85,8 +85,14 @@ def check(dims: ParallelDims, settings: ParallelSettings, shape: ModelShape, dev
     _check_context_parallel(dims, settings, device_type)
     if dims.pp > 1:
         split = pipeline_split(dims, settings, shape.n_layers)
-        check_pipeline(dims.pp, settings.pp_schedule, settings.pp_microbatch_size, settings.pp_rank_batch, split,
-                       settings.compile_model)
+        check_pipeline(
+            dims.pp,
+            settings.pp_schedule,
+            settings.pp_microbatch_size,
+            settings.pp_rank_batch,
+            split,
+            settings.compile_model,
+        )
         if settings.document_mask:
             raise ParallelismError(
                 "{document_mask} with {pp} > 1: the pipeline stages receive only the hidden states "
@@ -158,8 +164,12 @@ def _check_context_parallel(dims: ParallelDims, settings: ParallelSettings, devi
 
 def pipeline_split(dims: ParallelDims, settings: ParallelSettings, n_layers: int) -> PipelineSplit:
     return plan_split(
-        n_layers, dims.pp, settings.pp_schedule, settings.pp_layers_per_stage,
-        settings.pp_first_stage_less_layers, settings.pp_last_stage_less_layers,
+        n_layers,
+        dims.pp,
+        settings.pp_schedule,
+        settings.pp_layers_per_stage,
+        settings.pp_first_stage_less_layers,
+        settings.pp_last_stage_less_layers,
     )
 
 

@@ -287,8 +287,13 @@ class Pipeline:
         """Forward and backward of every micro-batch; the last stage's summed micro-batch
         losses (other stages: an empty list). Gradients are left summed, not normalised."""
         losses: list[torch.Tensor] = []
-        self.schedule.step(*self._inputs(inputs), target=self._target(labels), losses=losses,
-                           positions=self.positions, **self._step_kwargs)
+        self.schedule.step(
+            *self._inputs(inputs),
+            target=self._target(labels),
+            losses=losses,
+            positions=self.positions,
+            **self._step_kwargs,
+        )
         return losses
 
     @torch.no_grad()
@@ -304,10 +309,13 @@ class Pipeline:
         step_batch = self.microbatches * self.microbatch_size
         total = torch.zeros((), dtype=torch.float32, device=inputs.device)
         for start in range(0, inputs.shape[0], step_batch):
-            chunk_inputs, chunk_labels = _padded(inputs[start : start + step_batch], labels[start : start + step_batch], step_batch)
+            chunk_inputs, chunk_labels = _padded(
+                inputs[start : start + step_batch], labels[start : start + step_batch], step_batch
+            )
             losses: list[torch.Tensor] = []
-            self.schedule.eval(*self._inputs(chunk_inputs), target=self._target(chunk_labels), losses=losses,
-                               positions=self.positions)
+            self.schedule.eval(
+                *self._inputs(chunk_inputs), target=self._target(chunk_labels), losses=losses, positions=self.positions
+            )
             for loss in losses:
                 total += (loss.to_local() if hasattr(loss, "to_local") else loss).float()
         dist.all_reduce(total, group=self.group)  # only the last stage holds a non-zero sum

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 from typing import ContextManager
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard

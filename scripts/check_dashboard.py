@@ -69,7 +69,9 @@ const deep = (root, selector, found) => {
 """
 # Every chart card with its title, the series whose data arrived, and the line paths Plottable
 # drew (a line with no data has an empty ``d``).
-CARDS_JS = DEEP_JS + """
+CARDS_JS = (
+    DEEP_JS
+    + """
 return deep(document, arguments[0], []).map(card => ({
   title: card.title,
   series: (card._seriesNames || []).length,
@@ -77,11 +79,15 @@ return deep(document, arguments[0], []).map(card => ({
     .filter(path => /[0-9]/.test(path.getAttribute('d') || '')).length,
 }));
 """
+)
 # The page scrolls inside an element, not the document: how much taller the window must be to
 # show it all in one screenshot.
-HIDDEN_HEIGHT_JS = DEEP_JS + """
+HIDDEN_HEIGHT_JS = (
+    DEEP_JS
+    + """
 return Math.max(0, ...deep(document, '*', []).map(el => el.scrollHeight - el.clientHeight));
 """
+)
 
 
 @dataclass

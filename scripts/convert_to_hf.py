@@ -30,7 +30,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("checkpoint_dir", type=Path, help="training checkpoint folder (.../checkpoint/step-N)")
     parser.add_argument("output_dir", type=Path, help="new or empty folder for the Hugging Face model")
     parser.add_argument(
-        "--dtype", choices=sorted(DTYPES), default="bfloat16",
+        "--dtype",
+        choices=sorted(DTYPES),
+        default="bfloat16",
         help="dtype of the exported weights (default: bfloat16, as published Llama 3 weights)",
     )
     opts = parser.parse_args(argv)

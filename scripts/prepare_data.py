@@ -19,17 +19,25 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from trainer.data.prepare import UNIT_BYTES, prepare, verify  # noqa: E402
+from trainer.data.prepare import UNIT_BYTES, prepare, verify
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("inputs", nargs="*", help=".txt / .jsonl / .jsonl.gz files or folders of them")
-    parser.add_argument("--tokenizer", help="SentencePiece .model or Hugging Face tokenizer.json (model.tokenizer_path)")
+    parser.add_argument(
+        "--tokenizer", help="SentencePiece .model or Hugging Face tokenizer.json (model.tokenizer_path)"
+    )
     parser.add_argument("--out", help="the prepared folder to write (new, empty, or prepared before)")
-    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizing processes (default: all cores)")
-    parser.add_argument("--unit-mb", type=int, default=UNIT_BYTES >> 20, help="big .jsonl files are cut into units of this size")
-    parser.add_argument("--verify", metavar="FOLDER", help="check every shard of a prepared folder against its manifest")
+    parser.add_argument(
+        "--workers", type=int, default=os.cpu_count() or 1, help="tokenizing processes (default: all cores)"
+    )
+    parser.add_argument(
+        "--unit-mb", type=int, default=UNIT_BYTES >> 20, help="big .jsonl files are cut into units of this size"
+    )
+    parser.add_argument(
+        "--verify", metavar="FOLDER", help="check every shard of a prepared folder against its manifest"
+    )
     args = parser.parse_args(argv)
     try:
         if args.verify:
@@ -45,7 +53,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"prepare_data: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("\nprepare_data: interrupted; rerun the same command to continue (finished shards are kept)", file=sys.stderr)
+        print(
+            "\nprepare_data: interrupted; rerun the same command to continue (finished shards are kept)",
+            file=sys.stderr,
+        )
         return 130
     print(
         f"prepare_data: {args.out}: {manifest['total_documents']:,} documents, {manifest['total_tokens']:,} tokens "

@@ -18,12 +18,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from trainer.build import describe_data, load_dataset  # noqa: E402
-from trainer.config import ConfigError, load_config  # noqa: E402
-from trainer.data.loader import global_order  # noqa: E402
-from trainer.data.tokenizer import Tokenizer  # noqa: E402
-from trainer.loss import IGNORE_INDEX  # noqa: E402
-from trainer.plan import plan  # noqa: E402
+from trainer.build import describe_data, load_dataset
+from trainer.config import ConfigError, load_config
+from trainer.data.loader import global_order
+from trainer.data.tokenizer import Tokenizer
+from trainer.loss import IGNORE_INDEX
+from trainer.plan import plan
 
 DIM, RESET = "\033[2m", "\033[0m"
 

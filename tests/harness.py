@@ -15,8 +15,9 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,12 +37,18 @@ MAX_NORM = 0.5  # below the debug model's initial true grad norm, so clipping is
 TOLERANCE = 5e-6
 
 BASE_ARGV = [
-    "--training.dataset", "shakespeare_dialogue",
-    "--training.seq_len", "64",
-    "--training.global_batch_size", str(GLOBAL_BATCH),
-    "--training.max_norm", str(MAX_NORM),
-    "--training.steps", "1",
-    "--debug.seed", "7",
+    "--training.dataset",
+    "shakespeare_dialogue",
+    "--training.seq_len",
+    "64",
+    "--training.global_batch_size",
+    str(GLOBAL_BATCH),
+    "--training.max_norm",
+    str(MAX_NORM),
+    "--training.steps",
+    "1",
+    "--debug.seed",
+    "7",
     "--metrics.enable_tensorboard=false",
 ]
 
@@ -188,8 +195,7 @@ def passes_over(tensors: list[torch.Tensor], versions_before: list[int]) -> list
     for t in tensors:
         sharing[t.untyped_storage().data_ptr()] = sharing.get(t.untyped_storage().data_ptr(), 0) + 1
     return [
-        (t._version - before) / sharing[t.untyped_storage().data_ptr()]
-        for t, before in zip(tensors, versions_before)
+        (t._version - before) / sharing[t.untyped_storage().data_ptr()] for t, before in zip(tensors, versions_before)
     ]
 
 
@@ -299,7 +305,9 @@ class Launched:
         """Until ``text`` appears in the output; fails if the job ends or the time runs out first."""
         deadline = time.monotonic() + timeout
         while text not in self.output():
-            assert self.proc.poll() is None, f"job ended (exit {self.proc.returncode}) before {text!r}:\n{self.output()[-3000:]}"
+            assert self.proc.poll() is None, (
+                f"job ended (exit {self.proc.returncode}) before {text!r}:\n{self.output()[-3000:]}"
+            )
             assert time.monotonic() < deadline, f"no {text!r} within {timeout} s:\n{self.output()[-3000:]}"
             time.sleep(0.2)
 

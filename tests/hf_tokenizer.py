@@ -16,9 +16,17 @@ LLAMA3_PATTERN = (
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 SPECIALS = [
-    "<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>", "<|reserved_special_token_1|>",
-    "<|finetune_right_pad_id|>", "<|step_id|>", "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>",
-    "<|eot_id|>", "<|python_tag|>",
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|reserved_special_token_0|>",
+    "<|reserved_special_token_1|>",
+    "<|finetune_right_pad_id|>",
+    "<|step_id|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eom_id|>",
+    "<|eot_id|>",
+    "<|python_tag|>",
 ]
 LLAMA3_CHAT_TEMPLATE = (
     "{% for message in messages %}{% set content = '<|start_header_id|>' + message['role'] + "
@@ -30,10 +38,12 @@ LLAMA3_CHAT_TEMPLATE = (
 def build(folder: Path, vocab_size: int = 700, eos: str = "<|end_of_text|>") -> Path:
     """Write ``tokenizer.json`` and ``tokenizer_config.json`` into ``folder``; return the former."""
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
@@ -42,7 +52,13 @@ def build(folder: Path, vocab_size: int = 700, eos: str = "<|end_of_text|>") -> 
     tokenizer.add_special_tokens(SPECIALS)
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<|begin_of_text|>", "eos_token": eos, "chat_template": LLAMA3_CHAT_TEMPLATE,
-    }))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<|begin_of_text|>",
+                "eos_token": eos,
+                "chat_template": LLAMA3_CHAT_TEMPLATE,
+            }
+        )
+    )
     return folder / "tokenizer.json"

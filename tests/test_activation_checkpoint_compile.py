@@ -7,8 +7,8 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from harness import BASE_ARGV, argv_for, assert_matches, run_ranks, step_worker
+
 from trainer.build import load_dataset
 from trainer.config import ConfigError, load_config
 from trainer.plan import plan
@@ -16,7 +16,12 @@ from trainer.train import train
 
 VARIANTS = {
     "AC full": ["--activation_checkpoint.mode", "full"],
-    "AC every 2nd block": ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2"],
+    "AC every 2nd block": [
+        "--activation_checkpoint.mode",
+        "selective",
+        "--activation_checkpoint.selective_ac_option",
+        "2",
+    ],
     "AC per op": ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"],
     "compile": ["--compile.enable"],
     "compile + AC per op": ["--compile.enable", "--activation_checkpoint.mode", "selective"],
@@ -51,8 +56,13 @@ def test_activation_checkpointing_and_compile_match_eager(mesh, ref):
 
 
 def test_compiled_loss_with_loss_parallel_is_refused():
-    argv = BASE_ARGV + ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2",
-                        "--compile.enable"]
+    argv = BASE_ARGV + [
+        "--training.local_batch_size",
+        "8",
+        "--parallelism.tensor_parallel_degree",
+        "2",
+        "--compile.enable",
+    ]
     with pytest.raises(ConfigError, match="compile.components"):
         plan(load_config(argv), 2)
 
@@ -69,8 +79,17 @@ def train_worker(argv: list[str]) -> None:
 
 @pytest.mark.slow
 def test_profiler_traces_per_rank(tmp_path):
-    argv = BASE_ARGV + ["--training.local_batch_size", "4", "--training.steps", "4", "--profiling.enable_profiling",
-                        "--profiling.profile_freq", "2", "--job.dump_folder", str(tmp_path)]
+    argv = BASE_ARGV + [
+        "--training.local_batch_size",
+        "4",
+        "--training.steps",
+        "4",
+        "--profiling.enable_profiling",
+        "--profiling.profile_freq",
+        "2",
+        "--job.dump_folder",
+        str(tmp_path),
+    ]
     run_ranks(train_worker, 2, argv)
     traces = sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "profile_traces").rglob("*.json"))
     assert traces == [f"profile_traces/iteration_{s}/rank{r}_trace.json" for s in (2, 4) for r in (0, 1)]

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from hf_tokenizer import LLAMA3_CHAT_TEMPLATE, build
+
 from trainer.data.chat import render, uses_llama3_format
 from trainer.data.samples import build_dataset
 from trainer.data.tokenizer import load_tokenizer
@@ -92,12 +92,15 @@ def test_labels_are_exactly_the_assistant_tokens(llama3, tmp_path: Path) -> None
 
 def test_truncation_keeps_a_label_or_drops_and_reports(llama3, tmp_path: Path) -> None:
     long_question = " ".join(["Speak"] * 80)
-    data = chats(tmp_path / "chat.jsonl", [
-        [("user", "Hi"), ("assistant", "Hail! " * 40)],  # cut inside the answer: kept
-        [("user", long_question), ("assistant", "Aye.")],  # the answer starts past the cut: dropped
-        [("user", "Anyone?"), ("system", "Silence.")],  # no assistant: dropped
-        [("user", "Bye"), ("assistant", "Farewell.")],
-    ])
+    data = chats(
+        tmp_path / "chat.jsonl",
+        [
+            [("user", "Hi"), ("assistant", "Hail! " * 40)],  # cut inside the answer: kept
+            [("user", long_question), ("assistant", "Aye.")],  # the answer starts past the cut: dropped
+            [("user", "Anyone?"), ("system", "Silence.")],  # no assistant: dropped
+            [("user", "Bye"), ("assistant", "Farewell.")],
+        ],
+    )
     dataset = build_dataset("chat", str(data), llama3, 32)
     assert len(dataset) == 2
     stats = dataset.chat_stats
@@ -109,17 +112,22 @@ def test_truncation_keeps_a_label_or_drops_and_reports(llama3, tmp_path: Path) -
     # The report survives the token cache.
     assert build_dataset("chat", str(data), llama3, 32).chat_stats == stats
     with pytest.raises(ValueError, match="yields no chat samples.*raise `training.seq_len`"):
-        build_dataset("chat", str(chats(tmp_path / "none.jsonl", [[("user", long_question), ("assistant", "Aye.")]])), llama3, 32)
+        build_dataset(
+            "chat", str(chats(tmp_path / "none.jsonl", [[("user", long_question), ("assistant", "Aye.")]])), llama3, 32
+        )
 
 
-@pytest.mark.parametrize(("line", "match"), [
-    ('{"messages": []}', 'no "messages" list'),
-    ('{"text": "hi"}', 'no "messages" list'),
-    ('{"messages": [{"role": "user"}]}', 'message 1 needs a non-empty string "role" and a string "content"'),
-    ('{"messages": [{"role": "", "content": "x"}]}', "message 1 needs"),
-    ("[1, 2]", 'no "messages" list'),
-    ("{oops", "invalid JSON"),
-])
+@pytest.mark.parametrize(
+    ("line", "match"),
+    [
+        ('{"messages": []}', 'no "messages" list'),
+        ('{"text": "hi"}', 'no "messages" list'),
+        ('{"messages": [{"role": "user"}]}', 'message 1 needs a non-empty string "role" and a string "content"'),
+        ('{"messages": [{"role": "", "content": "x"}]}', "message 1 needs"),
+        ("[1, 2]", 'no "messages" list'),
+        ("{oops", "invalid JSON"),
+    ],
+)
 def test_bad_lines_name_file_and_line(llama3, tmp_path: Path, line: str, match: str) -> None:
     good = json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]})
     data = tmp_path / "chat.jsonl"

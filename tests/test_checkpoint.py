@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from harness import Launched, run_ranks, run_train, tensorboard_scalars, trainer_for
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
-from harness import Launched, run_ranks, run_train, tensorboard_scalars, trainer_for
 from trainer.build import load_dataset
 from trainer.checkpoint.folders import checkpoint_problem, read_dcp_model, step_folders
 from trainer.checkpoint.manager import CheckpointManager
@@ -27,14 +27,21 @@ from trainer.train_state import TrainState
 # and the first 4 steps of an 8-step run take the same learning rates.
 COMMON = [
     "--validation.enable=false",  # validation is tested on its own (test_validation, test_run_train)
-    "--training.dataset", "shakespeare_dialogue",
-    "--training.seq_len", "64",
-    "--training.global_batch_size", "8",
-    "--lr_scheduler.warmup_steps", "2",
-    "--lr_scheduler.decay_ratio", "0",
-    "--metrics.log_freq", "1",
+    "--training.dataset",
+    "shakespeare_dialogue",
+    "--training.seq_len",
+    "64",
+    "--training.global_batch_size",
+    "8",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--lr_scheduler.decay_ratio",
+    "0",
+    "--metrics.log_freq",
+    "1",
     "--metrics.disable_color_printing",
-    "--debug.seed", "5",
+    "--debug.seed",
+    "5",
 ]
 
 
@@ -50,8 +57,9 @@ def newest_scalars(dump: Path, first_step: int) -> dict[str, list[float]]:
 def straight(tmp_path_factory) -> dict[str, list[float]]:
     """Steps 1-8 of a run that was never interrupted."""
     dump = tmp_path_factory.mktemp("straight")
-    proc = run_train(4, COMMON + ["--training.local_batch_size", "2", "--training.steps", "8",
-                                  "--job.dump_folder", str(dump)])
+    proc = run_train(
+        4, COMMON + ["--training.local_batch_size", "2", "--training.steps", "8", "--job.dump_folder", str(dump)]
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return newest_scalars(dump, 1)
 
@@ -61,8 +69,17 @@ def test_sigterm_saves_and_the_resume_continues_the_same_curve(straight, tmp_pat
     """What SLURM or Kubernetes do before killing a job: the step finishes, a checkpoint is
     saved, the exit is clean, and the next run, on another mesh (FSDP 4 -> dp_shard 2 x tp 2),
     logs the losses of a run never interrupted."""
-    args = COMMON + ["--training.local_batch_size", "2", "--checkpoint.enable", "--checkpoint.interval", "100",
-                     "--training.steps", "8", "--job.dump_folder", str(tmp_path)]
+    args = COMMON + [
+        "--training.local_batch_size",
+        "2",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "100",
+        "--training.steps",
+        "8",
+        "--job.dump_folder",
+        str(tmp_path),
+    ]
     job = Launched(4, args, tmp_path / "first.log")
     job.wait_for("step: 2/8")
     job.proc.send_signal(signal.SIGTERM)
@@ -76,7 +93,7 @@ def test_sigterm_saves_and_the_resume_continues_the_same_curve(straight, tmp_pat
     assert proc.returncode == 0, proc.stderr[-3000:]
     resumed = newest_scalars(tmp_path, saved[0] + 1)
     for tag, expected in straight.items():
-        assert resumed[tag] == pytest.approx(expected[saved[0]:], rel=1e-5), tag
+        assert resumed[tag] == pytest.approx(expected[saved[0] :], rel=1e-5), tag
 
 
 def train_worker(argv: list[str], kill_rank: int | None = None, kill_step: int | None = None) -> None:
@@ -105,20 +122,38 @@ def resume_worker(argv: list[str]) -> dict:
     p, job = trainer_for(argv)
     train_state = TrainState()
     manager = CheckpointManager(
-        p.config.checkpoint, p.config.job.dump_folder, model=job.model, optimizer=job.optimizer,
-        lr_scheduler=job.scheduler, dataloader=job.loader, train_state=train_state,
-        model_args=p.model_args, total_steps=p.config.training.steps,
+        p.config.checkpoint,
+        p.config.job.dump_folder,
+        model=job.model,
+        optimizer=job.optimizer,
+        lr_scheduler=job.scheduler,
+        dataloader=job.loader,
+        train_state=train_state,
+        model_args=p.model_args,
+        total_steps=p.config.training.steps,
     )
     start = manager.load()
-    weights = {name: (prm.full_tensor() if hasattr(prm, "full_tensor") else prm).detach().clone()
-               for name, prm in job.model.named_parameters()}
+    weights = {
+        name: (prm.full_tensor() if hasattr(prm, "full_tensor") else prm).detach().clone()
+        for name, prm in job.model.named_parameters()
+    }
     return {"start": start, "warnings": records, "loader": job.loader.state_dict(), "weights": weights}
 
 
 def small_argv(dump: Path, *extra: str) -> list[str]:
-    return COMMON + ["--training.local_batch_size", "4", "--training.steps", "6", "--checkpoint.enable",
-                     "--checkpoint.interval", "2", "--metrics.enable_tensorboard=false",
-                     "--job.dump_folder", str(dump), *extra]
+    return COMMON + [
+        "--training.local_batch_size",
+        "4",
+        "--training.steps",
+        "6",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "2",
+        "--metrics.enable_tensorboard=false",
+        "--job.dump_folder",
+        str(dump),
+        *extra,
+    ]
 
 
 @pytest.mark.slow
@@ -163,8 +198,12 @@ def test_corrupt_checkpoints_are_skipped_with_a_warning(tmp_path):
     resumed = run_ranks(resume_worker, 2, argv)[0]
     assert resumed["start"] == 1
     warned = "\n".join(resumed["warnings"])
-    for step, problem in ((5, f"{largest[5].name} does not match its checksum"),
-                          (4, f"{largest[4].name} does not match its checksum"), (3, "truncated"), (2, "metadata")):
+    for step, problem in (
+        (5, f"{largest[5].name} does not match its checksum"),
+        (4, f"{largest[4].name} does not match its checksum"),
+        (3, "truncated"),
+        (2, "metadata"),
+    ):
         assert f"step-{step}:" in warned and problem in warned, (step, warned)
     assert not (folder / "step-4.partial").exists() and "step-4.partial" in warned
 
@@ -174,7 +213,10 @@ def test_a_non_finite_state_is_never_published(tmp_path):
     """A NaN that reaches one rank's shard of the weights: every rank refuses the save, nothing is
     written, and the older checkpoints stay."""
     argv = small_argv(tmp_path, "--checkpoint.interval", "1")
-    with pytest.raises(Exception, match="not saving checkpoint step-3: the weight layers.1.feed_forward.w2.weight is not finite on rank 1"):
+    with pytest.raises(
+        Exception,
+        match="not saving checkpoint step-3: the weight layers.1.feed_forward.w2.weight is not finite on rank 1",
+    ):
         run_ranks(poisoned_worker, 2, argv, 3)
     folder = tmp_path / "checkpoint"
     assert [step for step, _ in step_folders(folder)] == [1, 2]
@@ -220,8 +262,14 @@ def test_async_save_writes_the_state_at_save_time(tmp_path):
 
 @pytest.mark.slow
 def test_keep_latest_k_and_model_only_export(tmp_path):
-    argv = small_argv(tmp_path, "--checkpoint.keep_latest_k", "2", "--checkpoint.last_save_model_only",
-                      "--checkpoint.export_dtype", "bfloat16")
+    argv = small_argv(
+        tmp_path,
+        "--checkpoint.keep_latest_k",
+        "2",
+        "--checkpoint.last_save_model_only",
+        "--checkpoint.export_dtype",
+        "bfloat16",
+    )
     run_ranks(train_worker, 2, argv)
     folder = tmp_path / "checkpoint"
     assert [step for step, _ in step_folders(folder)] == [4, 6]
@@ -264,8 +312,9 @@ def test_initial_load_from_hugging_face_folder(tmp_path):
     source.init_weights(99)
     weights = {name: param.detach().clone() for name, param in source.named_parameters()}
     save_hf_folder(str(tmp_path / "hf"), weights, p.model_args, torch.float32)
-    argv = small_argv(tmp_path, "--checkpoint.initial_load_path", str(tmp_path / "hf"),
-                      "--checkpoint.initial_load_in_hf")
+    argv = small_argv(
+        tmp_path, "--checkpoint.initial_load_path", str(tmp_path / "hf"), "--checkpoint.initial_load_in_hf"
+    )
     resumed = run_ranks(resume_worker, 2, argv)[0]
     assert resumed["start"] == 0
     for name, weight in resumed["weights"].items():

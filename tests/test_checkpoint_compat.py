@@ -25,11 +25,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from harness import run_ranks
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.data import Dataset
 
-from harness import run_ranks
 from parallelisms.fsdp import apply_fsdp
 from trainer.checkpoint.folders import read_dcp_model, read_model_args
 from trainer.checkpoint.manager import CheckpointManager
@@ -40,8 +40,9 @@ from trainer.optimizer import build_lr_scheduler, build_optimizer
 from trainer.train_state import TrainState
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "checkpoint_628a82d"
-ARGS = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16,
-                 rope_scaling=False, max_seq_len=16)
+ARGS = ModelArgs(
+    dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16, rope_scaling=False, max_seq_len=16
+)
 SEQ_LEN, NUM_SAMPLES, GLOBAL_BATCH, DATA_SEED, TOTAL_STEPS = 16, 8, 2, 3, 4
 
 
@@ -69,12 +70,24 @@ def load_fixture(dump_folder: str) -> dict[str, Any]:
     model.init_weights(seed=6)
     optimizer = build_optimizer(model, Optimizer(), "cpu")
     scheduler = build_lr_scheduler(optimizer, TOTAL_STEPS, LRScheduler(warmup_steps=1))
-    loader = build_dataloader(RandomTokens(), microbatches=1, local_batch_size=GLOBAL_BATCH // world,
-                              dp_rank=rank, dp_degree=world, seed=DATA_SEED)
+    loader = build_dataloader(
+        RandomTokens(),
+        microbatches=1,
+        local_batch_size=GLOBAL_BATCH // world,
+        dp_rank=rank,
+        dp_degree=world,
+        seed=DATA_SEED,
+    )
     train_state = TrainState()
     manager = CheckpointManager(
-        Checkpoint(enable=True, folder="checkpoint"), dump_folder, model=model, optimizer=optimizer,
-        lr_scheduler=scheduler, dataloader=loader, train_state=train_state, model_args=ARGS,
+        Checkpoint(enable=True, folder="checkpoint"),
+        dump_folder,
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        dataloader=loader,
+        train_state=train_state,
+        model_args=ARGS,
         total_steps=TOTAL_STEPS,
     )
     start = manager.load()

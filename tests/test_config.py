@@ -114,8 +114,18 @@ data_parallel_shard_degree = 3
     c = load_config(["--config", path, "--mesh", "dp_replicate=2"])  # mesh over file
     assert (c.parallelism.data_parallel_replicate_degree, c.parallelism.data_parallel_shard_degree) == (2, -1)
 
-    c = load_config(["--config", path, "--mesh", "dp_replicate=2", "--parallelism.data_parallel_replicate_degree", "2",
-                     "--training.steps", "5"])  # CLI over file (agreeing with the mesh is fine)
+    c = load_config(
+        [
+            "--config",
+            path,
+            "--mesh",
+            "dp_replicate=2",
+            "--parallelism.data_parallel_replicate_degree",
+            "2",
+            "--training.steps",
+            "5",
+        ]
+    )  # CLI over file (agreeing with the mesh is fine)
     assert c.training.steps == 5 and c.training.seq_len == 64
     assert c.parallelism.data_parallel_replicate_degree == 2
 
@@ -287,7 +297,11 @@ def test_int_in_toml_is_accepted_for_a_float(tmp_path: Path):
         (["--model.flavor", "9B"], "model.flavor", "9B"),
         (["--training.dataset", "wikitext"], "training.dataset", "wikitext"),
         (["--optimizer.implementation=fast"], "optimizer.implementation", "fast"),
-        (["--parallelism.fsdp_reshard_after_forward", "sometimes"], "parallelism.fsdp_reshard_after_forward", "sometimes"),
+        (
+            ["--parallelism.fsdp_reshard_after_forward", "sometimes"],
+            "parallelism.fsdp_reshard_after_forward",
+            "sometimes",
+        ),
     ],
 )
 def test_choices(argv, key, value):
@@ -377,7 +391,7 @@ def test_help_shows_what_this_command_line_gives_and_the_code_default():
 
 
 def test_config_file_from_the_environment(monkeypatch):
-    from trainer.launch import training_argv
+    from trainer.runtime.launch import training_argv
 
     monkeypatch.setenv("CONFIG_FILE", "llama3_8b.toml")
     assert training_argv(["--training.steps", "2"]) == ["--config", "llama3_8b.toml", "--training.steps", "2"]
@@ -416,9 +430,22 @@ def test_to_toml_roundtrips_defaults_and_overrides(tmp_path: Path):
     for argv in (
         [],
         ["--config", "llama3_8b.toml"],
-        ["--optimizer.lr", "1.25e-7", "--training.peak_flops", "9.89e14", "--metrics.enable_tensorboard=false",
-         "--mesh", "dp_replicate=2", "--training.global_batch_size", "-1", "--lr_scheduler.decay_ratio", "-1",
-         "--training.defer_gradient_reduction", "--debug.seed", "123456789012"],
+        [
+            "--optimizer.lr",
+            "1.25e-7",
+            "--training.peak_flops",
+            "9.89e14",
+            "--metrics.enable_tensorboard=false",
+            "--mesh",
+            "dp_replicate=2",
+            "--training.global_batch_size",
+            "-1",
+            "--lr_scheduler.decay_ratio",
+            "-1",
+            "--training.defer_gradient_reduction",
+            "--debug.seed",
+            "123456789012",
+        ],
     ):
         config = load_config(argv)
         back = roundtrip(config, tmp_path)
@@ -428,7 +455,15 @@ def test_to_toml_roundtrips_defaults_and_overrides(tmp_path: Path):
 
 @pytest.mark.parametrize(
     "text",
-    ['say "hi"', "C:\\path\\to\\dir", 'both \\" and \\\\"', "trailing backslash \\", "unicode: é ✓ 🎭", "tab\there", "'single'"],
+    [
+        'say "hi"',
+        "C:\\path\\to\\dir",
+        'both \\" and \\\\"',
+        "trailing backslash \\",
+        "unicode: é ✓ 🎭",
+        "tab\there",
+        "'single'",
+    ],
 )
 def test_to_toml_roundtrips_awkward_strings(tmp_path: Path, text: str):
     config = load_config(["--job.description", text, "--job.dump_folder", text])
@@ -491,10 +526,25 @@ def test_plan_non_dividing_global_batch():
         (["--training.global_batch_size", "16", "--training.local_batch_size", "2"], 1, 8, 16),
         (["--training.global_batch_size", "16", "--training.local_batch_size", "4"], 4, 1, 16),
         # HSDP: the replicas read different samples too, dp = 2 x 2 = 4.
-        (["--training.global_batch_size", "16", "--training.local_batch_size", "2", "--mesh", "dp_replicate=2"],
-         4, 2, 16),
-        (["--training.global_batch_size", "16", "--training.local_batch_size", "1", "--mesh",
-          "dp_replicate=2,dp_shard=2"], 4, 4, 16),
+        (
+            ["--training.global_batch_size", "16", "--training.local_batch_size", "2", "--mesh", "dp_replicate=2"],
+            4,
+            2,
+            16,
+        ),
+        (
+            [
+                "--training.global_batch_size",
+                "16",
+                "--training.local_batch_size",
+                "1",
+                "--mesh",
+                "dp_replicate=2,dp_shard=2",
+            ],
+            4,
+            4,
+            16,
+        ),
         # -1: no accumulation, global = local x dp.
         (["--training.global_batch_size", "-1", "--training.local_batch_size", "3"], 4, 1, 12),
     ],
@@ -532,7 +582,11 @@ def test_entry_point_exits_2_fast(argv, key):
     start = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "trainer.train", *argv],
-        cwd=ROOT, env=entry_env(WORLD_SIZE="4"), capture_output=True, text=True, timeout=60,
+        cwd=ROOT,
+        env=entry_env(WORLD_SIZE="4"),
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     elapsed = time.monotonic() - start
     assert proc.returncode == 2, proc.stderr
@@ -547,7 +601,11 @@ def test_run_train_sh_mesh_mismatch_fails_fast():
     start = time.monotonic()
     proc = subprocess.run(
         ["./run_train.sh", "--parallelism.data_parallel_shard_degree", "4"],
-        cwd=ROOT, env=entry_env(NGPU="2"), capture_output=True, text=True, timeout=120,
+        cwd=ROOT,
+        env=entry_env(NGPU="2"),
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     elapsed = time.monotonic() - start
     output = proc.stdout + proc.stderr

@@ -4,10 +4,10 @@ gradients; the CP-specific bugs are caught."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.distributed as dist
+from harness import BASE_ARGV, argv_for, assert_matches, full, run_by_world, step_worker, trainer_for
 
 from parallelisms.context_parallel import (
     AllGatherKVAttention,
@@ -15,12 +15,11 @@ from parallelisms.context_parallel import (
     head_tail_positions,
     natural_order,
 )
-from harness import BASE_ARGV, argv_for, assert_matches, full, run_by_world, step_worker, trainer_for
-from trainer.distributed import init_distributed
 from trainer.config import ConfigError, load_config
 from trainer.loss import IGNORE_INDEX
 from trainer.model.llama3 import causal_attention
 from trainer.plan import plan
+from trainer.runtime.distributed import init_distributed
 from trainer.train import fetch_step, forward_backward
 
 # name: (world size, local batch size, extra argv); global batch 8, seq_len 64
@@ -80,8 +79,15 @@ def allgather_attention_worker(degree: int) -> dict:
     attention = AllGatherKVAttention(causal_attention, dist.group.WORLD, rank, degree)
     out = attention(q_local, k_local, v_local)
     out.backward(upstream[:, :, pos])
-    return {"pos": pos, "out": out.detach(), "grads": [t.grad for t in (q_local, k_local, v_local)],
-            "q": q, "k": k, "v": v, "upstream": upstream}
+    return {
+        "pos": pos,
+        "out": out.detach(),
+        "grads": [t.grad for t in (q_local, k_local, v_local)],
+        "q": q,
+        "k": k,
+        "v": v,
+        "upstream": upstream,
+    }
 
 
 CP2_ARGV = argv_for(8, ["--parallelism.context_parallel_degree", "2"])
@@ -90,7 +96,10 @@ CP2_ARGV = argv_for(8, ["--parallelism.context_parallel_degree", "2"])
 @pytest.fixture(scope="module")
 def launched() -> dict[str, list]:
     """Every multi-process case of this file, one launch per world size."""
-    cases = {mesh: (world, (step_worker, argv_for(local_batch, extra))) for mesh, (world, local_batch, extra) in MESHES.items()}
+    cases = {
+        mesh: (world, (step_worker, argv_for(local_batch, extra)))
+        for mesh, (world, local_batch, extra) in MESHES.items()
+    }
     for degree in (2, 4):
         cases[f"attention {degree}"] = (degree, (allgather_attention_worker, degree))
     cases["shard counts"] = (2, (cp_shard_counts_worker, CP2_ARGV))
@@ -169,9 +178,27 @@ def test_validation_names_the_key():
 
     text = message(["--mesh", "cp=2,tp=2", "--training.seq_len", "60", "--training.local_batch_size", "8"], 4)
     assert "training.seq_len" in text and "8" in text
-    text = message(["--parallelism.context_parallel_degree", "2", "--parallelism.context_parallel_backend", "ring",
-                    "--training.local_batch_size", "8"], 2)
+    text = message(
+        [
+            "--parallelism.context_parallel_degree",
+            "2",
+            "--parallelism.context_parallel_backend",
+            "ring",
+            "--training.local_batch_size",
+            "8",
+        ],
+        2,
+    )
     assert "context_parallel_backend" in text and "CUDA" in text
-    text = message(["--parallelism.context_parallel_degree", "2", "--training.local_batch_size", "8",
-                    "--parallelism.context_parallel_rotate_method", "alltoall"], 2)
+    text = message(
+        [
+            "--parallelism.context_parallel_degree",
+            "2",
+            "--training.local_batch_size",
+            "8",
+            "--parallelism.context_parallel_rotate_method",
+            "alltoall",
+        ],
+        2,
+    )
     assert "context_parallel_rotate_method" in text

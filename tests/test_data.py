@@ -74,22 +74,33 @@ def reference_stream(n: int, seed: int, length: int) -> list[int]:
 
 
 def global_batches(
-    dataset: Dataset, *, dp: int, lbs: int, g: int, steps: int, seed: int = 0, state: dict | None = None, workers: int = 0
+    dataset: Dataset,
+    *,
+    dp: int,
+    lbs: int,
+    g: int,
+    steps: int,
+    seed: int = 0,
+    state: dict | None = None,
+    workers: int = 0,
 ) -> list[list[torch.Tensor]]:
     """Each step's micro-batches of all ranks in global order (micro-batch major, then rank)."""
     accumulation = g // (lbs * dp)
     per_rank = []
     for rank in range(dp):
         loader = build_dataloader(
-            dataset, microbatches=accumulation, local_batch_size=lbs, dp_rank=rank, dp_degree=dp, seed=seed,
+            dataset,
+            microbatches=accumulation,
+            local_batch_size=lbs,
+            dp_rank=rank,
+            dp_degree=dp,
+            seed=seed,
             num_workers=workers,
         )
         if state is not None:
             loader.load_state_dict(state)
         per_rank.append([loader.next_step() for _ in range(steps)])
-    return [
-        [per_rank[r][s][m][0] for m in range(accumulation) for r in range(dp)] for s in range(steps)
-    ]
+    return [[per_rank[r][s][m][0] for m in range(accumulation) for r in range(dp)] for s in range(steps)]
 
 
 def write(path: Path, text: str) -> Path:
@@ -282,12 +293,16 @@ def test_cache_is_used_and_damage_is_rebuilt(
 
 def test_cache_key_depends_on_what_the_tokens_depend_on(monkeypatch: pytest.MonkeyPatch) -> None:
     files = [(Path("a.txt"), b"To be."), (Path("b.txt"), b"Or not.")]
-    inputs = dict(kind="shakespeare", seq_len=8, tokenizer_sha256="0" * 64, tokenizer_library="sentencepiece 0.2.0", files=files)
+    inputs = dict(
+        kind="shakespeare", seq_len=8, tokenizer_sha256="0" * 64, tokenizer_library="sentencepiece 0.2.0", files=files
+    )
     key = cache.cache_key(**inputs)
     # Editing code (the loader, a docstring) must keep every cache: no module's source counts.
     read_bytes, read_text = Path.read_bytes, Path.read_text
     monkeypatch.setattr(Path, "read_bytes", lambda f: b"# edited\n" * (f.suffix == ".py") + read_bytes(f))
-    monkeypatch.setattr(Path, "read_text", lambda f, *a, **k: "# edited\n" * (f.suffix == ".py") + read_text(f, *a, **k))
+    monkeypatch.setattr(
+        Path, "read_text", lambda f, *a, **k: "# edited\n" * (f.suffix == ".py") + read_text(f, *a, **k)
+    )
     assert cache.cache_key(**inputs) == key
     changed = [
         dict(kind="shakespeare_dialogue"),
@@ -320,7 +335,9 @@ def test_global_batch_is_mesh_independent(dp: int, lbs: int) -> None:
     n, g, steps = 20, 8, 4  # 2.5 steps per epoch, so steps 2 and 3 wrap into epoch 1
     batches = global_batches(IndexDataset(n), dp=dp, lbs=lbs, g=g, steps=steps, seed=5)
     stream = reference_stream(n, 5, g * steps)
-    loader = build_dataloader(IndexDataset(n), microbatches=g // (lbs * dp), local_batch_size=lbs, dp_rank=0, dp_degree=dp, seed=5)
+    loader = build_dataloader(
+        IndexDataset(n), microbatches=g // (lbs * dp), local_batch_size=lbs, dp_rank=0, dp_degree=dp, seed=5
+    )
     assert loader.microbatches_per_step == g // (lbs * dp)
     assert loader.state_dict()["global_batch_size"] == g
     order = GlobalOrder(n, g, 5)
@@ -360,9 +377,14 @@ def test_resume_on_another_mesh(before: tuple[int, int], after: tuple[int, int])
     n, g, k = 20, 8, 3
     dataset = IndexDataset(n)
     loader = build_dataloader(
-        dataset, microbatches=g // (before[0] * before[1]), local_batch_size=before[1], dp_rank=before[0] - 1,
-        dp_degree=before[0], seed=3,
-        num_workers=1, prefetch_factor=4,
+        dataset,
+        microbatches=g // (before[0] * before[1]),
+        local_batch_size=before[1],
+        dp_rank=before[0] - 1,
+        dp_degree=before[0],
+        seed=3,
+        num_workers=1,
+        prefetch_factor=4,
     )
     for _ in range(k):
         loader.next_step()
@@ -400,10 +422,18 @@ def test_resume_from_a_saved_state() -> None:
 
 def test_load_state_restarts_prefetching_workers() -> None:
     loader = build_dataloader(
-        IndexDataset(20), microbatches=1, local_batch_size=2, dp_rank=1, dp_degree=2, seed=0,
-        num_workers=2, prefetch_factor=2,
+        IndexDataset(20),
+        microbatches=1,
+        local_batch_size=2,
+        dp_rank=1,
+        dp_degree=2,
+        seed=0,
+        num_workers=2,
+        prefetch_factor=2,
     )
     first = [loader.next_step() for _ in range(3)]
     loader.load_state_dict({**loader.state_dict(), "step": 1})
     again = [loader.next_step() for _ in range(2)]
-    assert [[mb[0].tolist() for mb in step] for step in again] == [[mb[0].tolist() for mb in step] for step in first[1:]]
+    assert [[mb[0].tolist() for mb in step] for step in again] == [
+        [mb[0].tolist() for mb in step] for step in first[1:]
+    ]

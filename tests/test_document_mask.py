@@ -15,8 +15,8 @@ import random
 
 import pytest
 import torch
-
 from harness import GLOBAL_BATCH, MAX_NORM, assert_matches, clipped, max_relative_error, run_ranks, step_worker
+
 from parallelisms.context_parallel import attend_local_chunks, head_tail_positions, local_chunk_masks, resolve_backend
 from trainer.build import load_dataset
 from trainer.config import ConfigError, load_config
@@ -27,8 +27,9 @@ from trainer.model.llama3 import ModelArgs, Transformer, causal_attention, docum
 from trainer.plan import plan
 
 BOS, EOS = 1, 2
-SMALL = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32,
-                  rope_scaling=False, max_seq_len=32)
+SMALL = ModelArgs(
+    dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32, rope_scaling=False, max_seq_len=32
+)
 
 
 def packed_windows(batch: int, seq: int, seed: int = 0) -> torch.Tensor:
@@ -141,8 +142,17 @@ def test_ring_attention_with_document_mask_is_a_config_error(monkeypatch):
     assert resolve_backend("auto", "cuda", document_mask=True) == "allgather_kv"
     assert resolve_backend("auto", "cuda") == "ring"
     monkeypatch.setattr("trainer.plan.device_type", lambda: "cuda")
-    argv = ["--training.document_mask", "--training.seq_len", "64", "--training.local_batch_size", "2",
-            "--parallelism.context_parallel_degree", "2", "--parallelism.context_parallel_backend", "ring"]
+    argv = [
+        "--training.document_mask",
+        "--training.seq_len",
+        "64",
+        "--training.local_batch_size",
+        "2",
+        "--parallelism.context_parallel_degree",
+        "2",
+        "--parallelism.context_parallel_backend",
+        "ring",
+    ]
     with pytest.raises(ConfigError, match=r"context_parallel_backend.*training\.document_mask"):
         plan(load_config(argv), 2)
 
@@ -170,7 +180,7 @@ def test_compiled_blocks_do_not_recompile_for_new_document_layouts():
 # Through the trainer: packed data of short documents, on context-parallel meshes
 # --------------------------------------------------------------------------------------------
 
-WORDS = "the king queen lord speak night day love death sword crown fair foul heaven earth blood".split()
+WORDS = ["the", "king", "queen", "lord", "speak", "night", "day", "love", "death", "sword", "crown", "fair", "foul", "heaven", "earth", "blood"]
 
 
 @pytest.fixture(scope="module")
@@ -185,10 +195,25 @@ def short_documents(tmp_path_factory) -> str:
 
 def masked_argv(data: str, local_batch_size: int, extra: list[str]) -> list[str]:
     return [
-        "--training.dataset", "shakespeare", "--training.dataset_path", data, "--training.document_mask",
-        "--training.seq_len", "64", "--training.global_batch_size", str(GLOBAL_BATCH),
-        "--training.local_batch_size", str(local_batch_size), "--training.max_norm", str(MAX_NORM),
-        "--training.steps", "1", "--debug.seed", "7", "--metrics.enable_tensorboard=false", *extra,
+        "--training.dataset",
+        "shakespeare",
+        "--training.dataset_path",
+        data,
+        "--training.document_mask",
+        "--training.seq_len",
+        "64",
+        "--training.global_batch_size",
+        str(GLOBAL_BATCH),
+        "--training.local_batch_size",
+        str(local_batch_size),
+        "--training.max_norm",
+        str(MAX_NORM),
+        "--training.steps",
+        "1",
+        "--debug.seed",
+        "7",
+        "--metrics.enable_tensorboard=false",
+        *extra,
     ]
 
 
@@ -211,8 +236,10 @@ def per_document_reference(argv: list[str]) -> dict:
 
 
 MESHES = {
-    "dp_shard=2 x cp=2, 2 micro-batches, AC full": (2, ["--mesh", "dp_shard=2,cp=2", "--activation_checkpoint.mode",
-                                                        "full"]),
+    "dp_shard=2 x cp=2, 2 micro-batches, AC full": (
+        2,
+        ["--mesh", "dp_shard=2,cp=2", "--activation_checkpoint.mode", "full"],
+    ),
     "cp=2 x tp=2, AC per op": (8, ["--mesh", "cp=2,tp=2", "--activation_checkpoint.mode", "selective"]),
 }
 """Four ranks each (local batch size, extra argv), run in one process group."""

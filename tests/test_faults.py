@@ -17,21 +17,25 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from harness import ROOT, Launched, run_train
+
 from trainer.checkpoint.folders import read_dcp_model, step_folders
 from trainer.config import ConfigError, load_config
-from trainer.dump_folder import LOCK_FILE, STALE_AFTER_S, DumpFolderLock, read_lock
-from trainer.errors import JobError
 from trainer.plan import plan
+from trainer.runtime.dump_folder import LOCK_FILE, STALE_AFTER_S, DumpFolderLock, read_lock
+from trainer.runtime.errors import JobError
 from trainer.train import main
 
 QUICK = [
     "--validation.enable=false",  # validation is tested on its own (test_validation, test_run_train)
-    "--training.seq_len", "64",
-    "--training.local_batch_size", "2",
-    "--training.global_batch_size", "8",
-    "--metrics.log_freq", "1",
+    "--training.seq_len",
+    "64",
+    "--training.local_batch_size",
+    "2",
+    "--training.global_batch_size",
+    "8",
+    "--metrics.log_freq",
+    "1",
     "--metrics.disable_color_printing",
 ]
 
@@ -42,7 +46,11 @@ def python_train(args: list[str], *prefix: str, timeout: float = 300) -> subproc
     env.pop("RANK", None)
     return subprocess.run(
         [*prefix, sys.executable, "-m", "trainer.train", *args],
-        env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
     )
 
 
@@ -51,8 +59,9 @@ def python_train(args: list[str], *prefix: str, timeout: float = 300) -> subproc
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("key", ["optimizer.lr", "optimizer.eps", "optimizer.beta2", "training.max_norm",
-                                 "lr_scheduler.min_lr_factor"])
+@pytest.mark.parametrize(
+    "key", ["optimizer.lr", "optimizer.eps", "optimizer.beta2", "training.max_norm", "lr_scheduler.min_lr_factor"]
+)
 @pytest.mark.parametrize("value", ["inf", "-inf", "nan"])
 def test_non_finite_values_are_config_errors(key, value, tmp_path):
     with pytest.raises(ConfigError, match=f"`{key}` must be a finite number"):
@@ -88,10 +97,17 @@ needs_tmpfs = pytest.mark.skipif(not can_mount_tmpfs(), reason="no user namespac
 def test_a_read_only_dump_folder_is_refused_before_launch(tmp_path):
     mount = tmp_path / "ro"
     mount.mkdir()
-    script = f"mount -t tmpfs -o ro,size=1m tmpfs {mount} && exec {ROOT / 'run_train.sh'} --job.dump_folder {mount / 'out'}"
+    script = (
+        f"mount -t tmpfs -o ro,size=1m tmpfs {mount} && exec {ROOT / 'run_train.sh'} --job.dump_folder {mount / 'out'}"
+    )
     start = time.monotonic()
-    proc = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "NGPU": "2"})
+    proc = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "NGPU": "2"},
+    )
     assert proc.returncode == 2
     assert "`job.dump_folder`" in proc.stderr and "not a writable folder" in proc.stderr
     assert "torch.distributed" not in proc.stderr + proc.stdout  # refused before torchrun started
@@ -105,7 +121,9 @@ def test_a_read_only_dump_folder_is_refused_before_launch(tmp_path):
 
 def write_lock(folder: Path, host: str, pid: int, pid_start: str | None, age_s: float) -> None:
     lock = folder / LOCK_FILE
-    lock.write_text(f'{{"host": "{host}", "pid": {pid}, "pid_start": {"null" if pid_start is None else repr(pid_start).replace(chr(39), chr(34))}, "started": 0}}')
+    lock.write_text(
+        f'{{"host": "{host}", "pid": {pid}, "pid_start": {"null" if pid_start is None else repr(pid_start).replace(chr(39), chr(34))}, "started": 0}}'
+    )
     os.utime(lock, (time.time() - age_s, time.time() - age_s))
 
 
@@ -185,9 +203,21 @@ def test_a_second_job_on_the_same_folder_is_refused(tmp_path):
 @pytest.mark.launcher
 def test_divergence_ends_the_job_and_every_checkpoint_stays_finite(tmp_path):
     """lr 1e6: from step 3 on every step is skipped (non-finite gradient norm)."""
-    args = QUICK + ["--optimizer.lr", "1e6", "--lr_scheduler.warmup_steps", "0", "--training.steps", "20",
-                    "--training.max_consecutive_skipped_steps", "3", "--checkpoint.enable",
-                    "--checkpoint.interval", "1", "--job.dump_folder", str(tmp_path)]
+    args = QUICK + [
+        "--optimizer.lr",
+        "1e6",
+        "--lr_scheduler.warmup_steps",
+        "0",
+        "--training.steps",
+        "20",
+        "--training.max_consecutive_skipped_steps",
+        "3",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "1",
+        "--job.dump_folder",
+        str(tmp_path),
+    ]
     proc = run_train(2, args)
     assert proc.returncode != 0
     out = proc.stdout + proc.stderr
@@ -202,8 +232,12 @@ def test_divergence_ends_the_job_and_every_checkpoint_stays_finite(tmp_path):
 @pytest.mark.launcher
 def test_a_stalled_rank_ends_the_job_within_the_timeout(tmp_path):
     timeout = 5
-    job = Launched(2, QUICK + ["--training.steps", "500", "--comm.train_timeout_seconds", str(timeout),
-                               "--job.dump_folder", str(tmp_path)], tmp_path / "job.log")
+    job = Launched(
+        2,
+        QUICK
+        + ["--training.steps", "500", "--comm.train_timeout_seconds", str(timeout), "--job.dump_folder", str(tmp_path)],
+        tmp_path / "job.log",
+    )
     try:
         job.wait_for("step: 3/500")
         stalled = job.workers()[-1]
@@ -225,8 +259,21 @@ def test_restarts_recover_from_kill_9_of_any_rank(tmp_path):
     """Two kills in one job, each recovered by a torchrun restart that resumes the checkpoint
     (before the fix, two of three restarts failed to connect)."""
     steps = 9
-    job = Launched(2, QUICK + ["--training.steps", str(steps), "--checkpoint.enable", "--checkpoint.interval", "1",
-                               "--job.dump_folder", str(tmp_path)], tmp_path / "job.log", MAX_RESTARTS="2")
+    job = Launched(
+        2,
+        QUICK
+        + [
+            "--training.steps",
+            str(steps),
+            "--checkpoint.enable",
+            "--checkpoint.interval",
+            "1",
+            "--job.dump_folder",
+            str(tmp_path),
+        ],
+        tmp_path / "job.log",
+        MAX_RESTARTS="2",
+    )
     pick = random.Random(0)
     try:
         for kill_after in (2, 5):
@@ -247,12 +294,24 @@ def test_a_full_disk_is_named_and_the_previous_checkpoint_kept(tmp_path):
     """The debug model's full state takes about 70 MB: the first save fits a 100 MB disk, the second not."""
     mount = tmp_path / "small"
     mount.mkdir()
-    args = QUICK + ["--training.steps", "4", "--checkpoint.enable", "--checkpoint.interval", "2",
-                    "--metrics.enable_tensorboard=false", "--job.dump_folder", str(mount / "out")]
+    args = QUICK + [
+        "--training.steps",
+        "4",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "2",
+        "--metrics.enable_tensorboard=false",
+        "--job.dump_folder",
+        str(mount / "out"),
+    ]
     command = " ".join([sys.executable, "-m", "trainer.train", *args])
     proc = subprocess.run(
         ["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=100m tmpfs {mount} && exec {command}"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "2"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "2"},
     )
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "checkpoint step-4 could not be written: no space left on the device" in proc.stderr
@@ -266,8 +325,15 @@ def test_resuming_on_other_data_of_the_same_size_is_refused(tmp_path):
         file.write_text("".join(f'{{"prompt": "{word} {i}?", "response": "{word} {i}."}}\n' for i in range(40)))
         return file
 
-    args = QUICK + ["--training.dataset", "shakespeare_dialogue", "--checkpoint.enable",
-                    "--checkpoint.interval", "2", "--job.dump_folder", str(tmp_path / "out")]
+    args = QUICK + [
+        "--training.dataset",
+        "shakespeare_dialogue",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "2",
+        "--job.dump_folder",
+        str(tmp_path / "out"),
+    ]
     first = python_train(args + ["--training.dataset_path", str(pairs("a.jsonl", "Why")), "--training.steps", "2"])
     assert first.returncode == 0, first.stderr[-3000:]
     other = args + ["--training.dataset_path", str(pairs("b.jsonl", "How")), "--training.steps", "4"]

@@ -9,7 +9,6 @@ import math
 
 import pytest
 import torch
-
 from harness import (
     BASE_ARGV,
     TOLERANCE,
@@ -23,6 +22,7 @@ from harness import (
     step_worker,
     trainer_for,
 )
+
 from trainer.grad_accumulator import GradAccumulator
 from trainer.loss import IGNORE_INDEX, cross_entropy_sum
 from trainer.train import fetch_step, forward_backward
@@ -38,15 +38,24 @@ MESHES = {
 
 
 def hsdp_argv(defer: bool) -> list[str]:
-    argv = BASE_ARGV + ["--training.global_batch_size", "16", "--training.local_batch_size", "1",
-                        "--mesh", "dp_replicate=2,dp_shard=2"]
+    argv = BASE_ARGV + [
+        "--training.global_batch_size",
+        "16",
+        "--training.local_batch_size",
+        "1",
+        "--mesh",
+        "dp_replicate=2,dp_shard=2",
+    ]
     return argv + (["--training.defer_gradient_reduction"] if defer else [])
 
 
 @pytest.fixture(scope="module")
 def launched() -> dict[str, list]:
     """Every multi-process case of this file, one launch per world size."""
-    cases = {mesh: (world, (step_worker, argv_for(local_batch, extra))) for mesh, (world, local_batch, extra) in MESHES.items()}
+    cases = {
+        mesh: (world, (step_worker, argv_for(local_batch, extra)))
+        for mesh, (world, local_batch, extra) in MESHES.items()
+    }
     for defer in (False, True):
         cases[f"hsdp counts, defer={defer}"] = (4, (collective_count_worker, hsdp_argv(defer)))
     return run_by_world(cases)
@@ -159,8 +168,11 @@ def collective_count_worker(argv: list[str]) -> dict[str, int]:
     p, job = trainer_for(argv)
     with counting_hsdp_collectives(job) as counts:
         forward_backward(job, fetch_step(job))
-    groups = {id(m._get_fsdp_state()._fsdp_param_group) for m in job.model.modules()
-              if hasattr(m, "_get_fsdp_state") and m._get_fsdp_state()._fsdp_param_group is not None}
+    groups = {
+        id(m._get_fsdp_state()._fsdp_param_group)
+        for m in job.model.modules()
+        if hasattr(m, "_get_fsdp_state") and m._get_fsdp_state()._fsdp_param_group is not None
+    }
     counts["units"] = len(groups)
     counts["microbatches"] = p.microbatches
     return counts

@@ -39,8 +39,16 @@ LOGITS_TOL = 1e-5
 CONFIGS = {
     "debugmodel": replace(FLAVORS["debugmodel"], max_seq_len=SEQ_LEN),
     "gqa_rope_scaling": replace(
-        ModelArgs(), dim=64, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=256, multiple_of=64,
-        rope_scaling=True, rope_scaling_factor=8.0, max_seq_len=SEQ_LEN,
+        ModelArgs(),
+        dim=64,
+        n_layers=2,
+        n_heads=8,
+        n_kv_heads=2,
+        vocab_size=256,
+        multiple_of=64,
+        rope_scaling=True,
+        rope_scaling_factor=8.0,
+        max_seq_len=SEQ_LEN,
     ),
 }
 
@@ -76,8 +84,18 @@ def assert_same_tensors(got: dict[str, torch.Tensor], want: dict[str, torch.Tens
 
 def assert_same_shapes(got: ModelArgs, want: ModelArgs) -> None:
     """Equal up to fields that do not change the weights (how the FFN size or vocab was derived)."""
-    for field in ("dim", "n_layers", "n_heads", "kv_heads", "vocab_size", "ffn_hidden_dim", "norm_eps",
-                  "rope_theta", "rope_scaling", "max_seq_len"):
+    for field in (
+        "dim",
+        "n_layers",
+        "n_heads",
+        "kv_heads",
+        "vocab_size",
+        "ffn_hidden_dim",
+        "norm_eps",
+        "rope_theta",
+        "rope_scaling",
+        "max_seq_len",
+    ):
         assert getattr(got, field) == getattr(want, field), field
     if want.rope_scaling:
         assert got.rope_scaling_factor == want.rope_scaling_factor
@@ -94,7 +112,10 @@ def logits_max_abs_diff(model: Transformer, hf_dir: Path) -> float:
 def run_script(name: str, *args: str | Path) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, str(ROOT / "scripts" / name), *map(str, args)],
-        capture_output=True, text=True, timeout=120, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
     )
 
 
@@ -153,7 +174,10 @@ def test_config_json_fields():
     assert config["architectures"] == ["LlamaForCausalLM"]
     assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (8, 2, 8)
     assert config["rope_scaling"] == {
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192,
     }
     assert config["tie_word_embeddings"] is False and config["torch_dtype"] == "bfloat16"
@@ -245,7 +269,9 @@ def test_convert_to_hf_defaults_to_bfloat16(tmp_path: Path):
     assert config["torch_dtype"] == "bfloat16"
     assert {t.dtype for t in hf_sd.values()} == {torch.bfloat16}
     ours = from_hf_state_dict(hf_sd, args)
-    assert torch.equal(ours["layers.0.attention.wq.weight"], model.state_dict()["layers.0.attention.wq.weight"].bfloat16())
+    assert torch.equal(
+        ours["layers.0.attention.wq.weight"], model.state_dict()["layers.0.attention.wq.weight"].bfloat16()
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -292,7 +318,9 @@ def test_missing_and_unexpected_keys(tmp_path: Path):
 def test_wrong_shapes_name_the_key():
     args = CONFIGS["gqa_rope_scaling"]
     sd = build_model("gqa_rope_scaling").state_dict()
-    with pytest.raises(InteropError, match=r"`tok_embeddings.weight` has shape \(256, 64\) but the model args give \(512, 64\)"):
+    with pytest.raises(
+        InteropError, match=r"`tok_embeddings.weight` has shape \(256, 64\) but the model args give \(512, 64\)"
+    ):
         to_hf_state_dict(sd, replace(args, vocab_size=512))
 
 

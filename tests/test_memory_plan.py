@@ -11,15 +11,28 @@ import time
 from dataclasses import replace
 
 import pytest
-
 from harness import ROOT, run_train
+
 from trainer.config import ConfigError, load_config
-from trainer.memory_plan import Workload, estimate, fixes
 from trainer.plan import check_memory, plan
+from trainer.runtime.memory_plan import Workload, estimate, fixes
 
 GIB = 1024**3
-EIGHT_B = Workload(dim=4096, n_layers=32, n_heads=32, kv_heads=8, ffn_dim=14336, vocab_size=128256,
-                   local_batch_size=1, seq_len=8192, dp_shard=8, cp=1, tp=1, compute_bytes=2, device="cuda")
+EIGHT_B = Workload(
+    dim=4096,
+    n_layers=32,
+    n_heads=32,
+    kv_heads=8,
+    ffn_dim=14336,
+    vocab_size=128256,
+    local_batch_size=1,
+    seq_len=8192,
+    dp_shard=8,
+    cp=1,
+    tp=1,
+    compute_bytes=2,
+    device="cuda",
+)
 
 
 def test_the_parameter_count_is_the_models():
@@ -60,8 +73,12 @@ def test_suggested_changes_fit_and_the_error_names_them():
         check_memory(batch_plan, GIB, "the test's limit")
     suggested = int(re.search(r"local_batch_size (\d+)", str(error.value)).group(1))
     assert estimate(replace(batch_plan.workload, local_batch_size=suggested)).total <= GIB
-    unchecked = plan(load_config(["--training.seq_len", "1024", "--training.local_batch_size", "16",
-                                  "--training.check_memory", "false"]), 1)
+    unchecked = plan(
+        load_config(
+            ["--training.seq_len", "1024", "--training.local_batch_size", "16", "--training.check_memory", "false"]
+        ),
+        1,
+    )
     check_memory(unchecked, GIB, "the test's limit")
 
 
@@ -70,8 +87,13 @@ def test_a_job_that_does_not_fit_stops_before_launch():
     """The 8B preset on a CPU machine, named the torchtitan way (CONFIG_FILE): before this
     estimate, every rank spent minutes initialising it in silence."""
     start = time.monotonic()
-    proc = subprocess.run([str(ROOT / "run_train.sh")], env={**os.environ, "NGPU": "4", "CONFIG_FILE": "llama3_8b.toml"},
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [str(ROOT / "run_train.sh")],
+        env={**os.environ, "NGPU": "4", "CONFIG_FILE": "llama3_8b.toml"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "this job needs about" in proc.stderr and "params+grads+AdamW" in proc.stderr
     assert "[rank" not in proc.stdout + proc.stderr  # no worker was started
@@ -94,11 +116,29 @@ def test_the_estimate_is_within_25_percent_of_the_measured_peak(case, tmp_path):
     """One process, two steps of two 4 x 768-token micro-batches (activations outweigh the
     runtime; the peak settles after the first few cycles of allocation), on CPU, where the
     peak is the process's maximum resident memory."""
-    args = MEASURED[case] + ["--training.seq_len", "768", "--training.local_batch_size", "4",
-                             "--training.global_batch_size", "8", "--training.steps", "2",
-                             "--metrics.log_freq", "1", "--metrics.enable_tensorboard=false", "--job.dump_folder", str(tmp_path)]
-    proc = subprocess.run([sys.executable, "-m", "trainer.train", *args], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "OMP_NUM_THREADS": "2", "PYTHONPATH": str(ROOT)}, timeout=300)
+    args = MEASURED[case] + [
+        "--training.seq_len",
+        "768",
+        "--training.local_batch_size",
+        "4",
+        "--training.global_batch_size",
+        "8",
+        "--training.steps",
+        "2",
+        "--metrics.log_freq",
+        "1",
+        "--metrics.enable_tensorboard=false",
+        "--job.dump_folder",
+        str(tmp_path),
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer.train", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "2", "PYTHONPATH": str(ROOT)},
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     measured = float(re.findall(r"step: 2/2 .*?memory: ([0-9.]+)GiB", proc.stderr)[-1]) * GIB
     estimated = plan(load_config(args), 1).memory.total

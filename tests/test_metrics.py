@@ -17,7 +17,6 @@ from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.util import tensor_util
 
 from trainer import metrics
-from trainer.validation import ValidationResult
 from trainer.metrics import (
     CONSOLE_TTY_ENV,
     DASHBOARD_ALIASES,
@@ -27,6 +26,7 @@ from trainer.metrics import (
     peak_flops,
     use_color,
 )
+from trainer.validation import ValidationResult
 
 CPU_TAGS = {
     "loss_metrics/global_avg_loss",
@@ -95,9 +95,7 @@ def test_flops_per_token_matches_hand_count() -> None:
         ("NVIDIA B200", 2.25e15),
     ],
 )
-def test_peak_flops_by_device_name(
-    monkeypatch: pytest.MonkeyPatch, name: str, expected: float
-) -> None:
+def test_peak_flops_by_device_name(monkeypatch: pytest.MonkeyPatch, name: str, expected: float) -> None:
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     assert peak_flops(torch.device("cuda", 0)) == expected
 
@@ -259,9 +257,7 @@ def _layout_charts(acc: EventAccumulator) -> dict[str, list[str]]:
     """Chart title -> tag regexes of the Custom Scalars layout written to the events file."""
     (event,) = acc.Tensors("custom_scalars__config__")
     layout = layout_pb2.Layout.FromString(tensor_util.make_ndarray(event.tensor_proto).item())
-    return {
-        chart.title: list(chart.multiline.tag) for category in layout.category for chart in category.chart
-    }
+    return {chart.title: list(chart.multiline.tag) for category in layout.category for chart in category.chart}
 
 
 def _frontend_run_name(tag: str, run: str) -> str:
@@ -281,7 +277,9 @@ def test_frontend_model_reproduces_the_parentheses_bug() -> None:
     assert _frontend_run_name("memory/max_active(GiB)", "20260101-000000") != "20260101-000000"
 
 
-@pytest.mark.parametrize(("on_gpu", "validation"), [(False, False), (True, False), (False, True)], ids=["cpu", "cuda", "validation"])
+@pytest.mark.parametrize(
+    ("on_gpu", "validation"), [(False, False), (True, False), (False, True)], ids=["cpu", "cuda", "validation"]
+)
 def test_custom_scalars_layout_charts_every_written_tag_drawably(
     request: pytest.FixtureRequest, tmp_path: os.PathLike[str], on_gpu: bool, validation: bool
 ) -> None:
@@ -299,12 +297,16 @@ def test_custom_scalars_layout_charts_every_written_tag_drawably(
     charts = _layout_charts(acc)
     written = set(acc.Tags()["scalars"])
     assert written == (
-        CPU_TAGS | CPU_ALIASES | (GPU_ONLY_TAGS | GPU_ONLY_ALIASES if on_gpu else set())
+        CPU_TAGS
+        | CPU_ALIASES
+        | (GPU_ONLY_TAGS | GPU_ONLY_ALIASES if on_gpu else set())
         | (VALIDATION_TAGS if validation else set())
     )
     # Every chart is there that has data on this device, and no other.
     assert set(charts) == {
-        title for name, category in metrics._DASHBOARD.items() for title in category
+        title
+        for name, category in metrics._DASHBOARD.items()
+        for title in category
         if validation or name != "validation"
     } - (set() if on_gpu else GPU_ONLY_CHARTS)
 
@@ -360,9 +362,7 @@ def test_no_tensorboard_on_other_ranks_or_when_disabled(tmp_path: os.PathLike[st
     assert not os.path.exists(os.path.join(str(tmp_path), "tb"))
 
 
-def _console_lines(
-    caplog: pytest.LogCaptureFixture, logger: MetricsLogger, steps: Iterable[StepStats]
-) -> list[str]:
+def _console_lines(caplog: pytest.LogCaptureFixture, logger: MetricsLogger, steps: Iterable[StepStats]) -> list[str]:
     with caplog.at_level(logging.INFO, logger="meshtrain"):
         _run(logger, steps)
     return [r.getMessage() for r in caplog.records if r.name == "meshtrain"]
@@ -406,9 +406,7 @@ def test_console_colored_line_with_skips_and_non_finite_values(
     assert math.isnan(_scalars(_read_events(logger.tb_dir), "grad_norm")[3])
 
 
-def test_console_disabled_emits_nothing(
-    tmp_path: os.PathLike[str], caplog: pytest.LogCaptureFixture
-) -> None:
+def test_console_disabled_emits_nothing(tmp_path: os.PathLike[str], caplog: pytest.LogCaptureFixture) -> None:
     logger = _make_logger(tmp_path, console=False, enable_tensorboard=False)
     assert _console_lines(caplog, logger, [_stats(1), _stats(2)]) == []
 

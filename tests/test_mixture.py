@@ -93,7 +93,9 @@ def test_global_batches_do_not_depend_on_the_mesh_and_resume(dp: int, lbs: int) 
     expected = [[int(dataset[i][0]) for i in dataset.order(8, 9).batch(step)] for step in range(6)]
     per_rank = []
     for rank in range(dp):
-        loader = build_dataloader(dataset, microbatches=8 // (dp * lbs), local_batch_size=lbs, dp_rank=rank, dp_degree=dp, seed=9)
+        loader = build_dataloader(
+            dataset, microbatches=8 // (dp * lbs), local_batch_size=lbs, dp_rank=rank, dp_degree=dp, seed=9
+        )
         per_rank.append([[mb[0].flatten().tolist() for mb in loader.next_step()] for _ in range(6)])
     for step in range(6):
         merged = [v for m in range(8 // (dp * lbs)) for rank in range(dp) for v in per_rank[rank][step][m]]
@@ -114,7 +116,9 @@ def test_identity_covers_members_and_weights() -> None:
 
 
 def test_config_errors_name_the_keys() -> None:
-    assert load_config(["--training.dataset_path", "a,b", "--training.dataset_weights", "2,1"]).training.dataset_weights == (2.0, 1.0)
+    assert load_config(
+        ["--training.dataset_path", "a,b", "--training.dataset_weights", "2,1"]
+    ).training.dataset_weights == (2.0, 1.0)
     for argv, match in [
         (["--training.dataset_path", "a,b", "--training.dataset_weights", "1"], "dataset_weights` has 1 weight"),
         (["--training.dataset_path", "a,b", "--training.dataset_weights", "1,0"], "must all be > 0"),

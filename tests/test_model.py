@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from harness import run_by_world
+
 from trainer.build import PROGRESS_MIN_PARAMS, InitProgress
+from trainer.data.tokenizer import load_tokenizer
 from trainer.model.llama3 import FLAVORS, ModelArgs, Transformer, model_args, num_params, rope_frequencies
 from trainer.model.tiled_init import TILE, fill_local_, local_box, tile_shape
-from trainer.data.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENIZER = str(ROOT / "assets" / "tokenizer" / "shakespeare.model")
@@ -378,8 +378,17 @@ def test_init_progress_lines(caplog: pytest.LogCaptureFixture):
 # A small model whose cuts fall inside tiles: under tp 2 x dp_shard 2 the rows of wq, wk, the
 # embedding and the output are cut at 20, 40 or 50, w1 and w3 unevenly (1065 rows into 533 and
 # 532), and w2's 2130 columns span three tiles cut by TP at 1065.
-TP_ARGS = ModelArgs(dim=160, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=200, multiple_of=2,
-                    ffn_dim_multiplier=5.0, rope_scaling=False, max_seq_len=16)
+TP_ARGS = ModelArgs(
+    dim=160,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    vocab_size=200,
+    multiple_of=2,
+    ffn_dim_multiplier=5.0,
+    rope_scaling=False,
+    max_seq_len=16,
+)
 
 
 @contextlib.contextmanager
@@ -426,7 +435,7 @@ def sharded_init_worker(dp_replicate: int, dp_shard: int, tp: int, args: ModelAr
 
     from parallelisms.parallel_dims import ParallelDims
     from parallelisms.parallelize import ParallelSettings, parallelize
-    from trainer.distributed import init_distributed
+    from trainer.runtime.distributed import init_distributed
 
     world_size = int(os.environ["WORLD_SIZE"])
     init_distributed("cpu", timeout_s=300)
@@ -453,11 +462,17 @@ def sharded_init_worker(dp_replicate: int, dp_shard: int, tp: int, args: ModelAr
             tiles += covering_tiles(tuple(param.shape), offset, shape)
             full_random += param.numel()
         state[name] = param.full_tensor().detach().clone()
-    out = {"local_shapes": local_shapes, "drawn": drawn[0], "local_random": local_random, "tiles": tiles,
-           "full_random": full_random}
+    out = {
+        "local_shapes": local_shapes,
+        "drawn": drawn[0],
+        "local_random": local_random,
+        "tiles": tiles,
+        "full_random": full_random,
+    }
     if dist.get_rank() == 0:
-        out.update(state=state, freqs=model.freqs_cis.detach().clone(), placements=placements,
-                   mesh_ndim=meshes.fsdp.ndim)
+        out.update(
+            state=state, freqs=model.freqs_cis.detach().clone(), placements=placements, mesh_ndim=meshes.fsdp.ndim
+        )
     return out
 
 
@@ -495,10 +510,16 @@ TP_INITS = {"TP-2": (2, 1, 2), "FSDP-2xTP-2": (4, 2, 2)}
 @pytest.fixture(scope="module")
 def sharded_inits(debug_args: ModelArgs) -> dict[str, list[dict]]:
     """Every sharded initialisation of this file, one launch per world size."""
-    cases = {name: (world, (sharded_init_worker, replicate, shard, 1, debug_args, SEED))
-             for name, (world, replicate, shard) in FSDP_INITS.items()}
-    cases.update({name: (world, (sharded_init_worker, 1, shard, tp, TP_ARGS, SEED))
-                  for name, (world, shard, tp) in TP_INITS.items()})
+    cases = {
+        name: (world, (sharded_init_worker, replicate, shard, 1, debug_args, SEED))
+        for name, (world, replicate, shard) in FSDP_INITS.items()
+    }
+    cases.update(
+        {
+            name: (world, (sharded_init_worker, 1, shard, tp, TP_ARGS, SEED))
+            for name, (world, shard, tp) in TP_INITS.items()
+        }
+    )
     return run_by_world(cases)
 
 

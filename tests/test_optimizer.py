@@ -61,8 +61,9 @@ def test_every_combination_matches_the_documented_phases(decay_type, min_lr_fact
     for total in range(1, 25):
         for warmup in range(0, 8):
             for ratio in (-1.0, 0.0, 0.1, 0.25, 0.5, 0.8, 1.0):
-                config = LRScheduler(warmup_steps=warmup, decay_ratio=ratio, decay_type=decay_type,
-                                     min_lr_factor=min_lr_factor)
+                config = LRScheduler(
+                    warmup_steps=warmup, decay_ratio=ratio, decay_type=decay_type, min_lr_factor=min_lr_factor
+                )
                 factors = [lr_factor(s, total, config) for s in range(total)]
                 lr_factor(total, total, config)  # the scheduler's look past the last step must not fail
                 w = min(warmup, total)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from harness import (
     BASE_ARGV,
     MAX_NORM,
@@ -25,6 +24,7 @@ from harness import (
     run_ranks,
     trainer_for,
 )
+
 from parallelisms.pipeline_parallel import BUBBLE_FRACTION, SCHEDULES, plan_split, split_model
 from trainer.build import load_dataset
 from trainer.config import ConfigError, load_config
@@ -37,12 +37,17 @@ from trainer.train import fetch_step, forward_backward, resume, train_step
 # name: (local batch size, extra argv); global batch 8, seq_len 64, debug model (6 blocks)
 TWO_RANKS = {
     "pp=2 1F1B": (8, ["--mesh", "pp=2"]),
-    "pp=2 Interleaved1F1B, 2 stages per rank": (8, ["--mesh", "pp=2", "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]),
+    "pp=2 Interleaved1F1B, 2 stages per rank": (
+        8,
+        ["--mesh", "pp=2", "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"],
+    ),
     "pp=2 ZBVZeroBubble": (8, ["--mesh", "pp=2", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]),
 }
 FOUR_RANKS = {
     "pp=2 x dp_shard=2, 4 accumulation micro-batches, GPipe": (
-        1, ["--mesh", "pp=2,dp_shard=2", "--parallelism.pipeline_parallel_schedule", "GPipe"]),
+        1,
+        ["--mesh", "pp=2,dp_shard=2", "--parallelism.pipeline_parallel_schedule", "GPipe"],
+    ),
     "pp=2 x tp=2": (4, ["--mesh", "pp=2,tp=2", "--parallelism.pipeline_parallel_microbatch_size", "2"]),
     "pp=2 x cp=2": (8, ["--mesh", "pp=2,cp=2"]),
 }
@@ -97,22 +102,68 @@ def plan_for(*extra: str, world_size: int = 2):
         (["--parallelism.pipeline_parallel_layers_per_stage", "8"], "parallelism.pipeline_parallel_layers_per_stage"),
         (["--parallelism.pipeline_parallel_microbatch_size", "3"], "parallelism.pipeline_parallel_microbatch_size"),
         (["--parallelism.pipeline_parallel_microbatch_size", "8"], "parallelism.pipeline_parallel_microbatch_size"),
-        (["--parallelism.pipeline_parallel_schedule", "GPipe", "--parallelism.pipeline_parallel_layers_per_stage", "2"],
-         "parallelism.pipeline_parallel_schedule"),
-        (["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B", "--parallelism.pipeline_parallel_layers_per_stage", "4"],
-         "parallelism.pipeline_parallel_schedule"),
-        (["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble", "--parallelism.pipeline_parallel_layers_per_stage", "1",
-          "--parallelism.pipeline_parallel_first_stage_less_layers", "0", "--parallelism.pipeline_parallel_last_stage_less_layers", "0"],
-         "parallelism.pipeline_parallel_schedule"),
-        (["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B", "--parallelism.pipeline_parallel_microbatch_size", "2",
-          "--training.global_batch_size", "10", "--training.local_batch_size", "10"],
-         "parallelism.pipeline_parallel_schedule"),
+        (
+            [
+                "--parallelism.pipeline_parallel_schedule",
+                "GPipe",
+                "--parallelism.pipeline_parallel_layers_per_stage",
+                "2",
+            ],
+            "parallelism.pipeline_parallel_schedule",
+        ),
+        (
+            [
+                "--parallelism.pipeline_parallel_schedule",
+                "Interleaved1F1B",
+                "--parallelism.pipeline_parallel_layers_per_stage",
+                "4",
+            ],
+            "parallelism.pipeline_parallel_schedule",
+        ),
+        (
+            [
+                "--parallelism.pipeline_parallel_schedule",
+                "ZBVZeroBubble",
+                "--parallelism.pipeline_parallel_layers_per_stage",
+                "1",
+                "--parallelism.pipeline_parallel_first_stage_less_layers",
+                "0",
+                "--parallelism.pipeline_parallel_last_stage_less_layers",
+                "0",
+            ],
+            "parallelism.pipeline_parallel_schedule",
+        ),
+        (
+            [
+                "--parallelism.pipeline_parallel_schedule",
+                "Interleaved1F1B",
+                "--parallelism.pipeline_parallel_microbatch_size",
+                "2",
+                "--training.global_batch_size",
+                "10",
+                "--training.local_batch_size",
+                "10",
+            ],
+            "parallelism.pipeline_parallel_schedule",
+        ),
         (["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble", "--compile.enable"], "compile.enable"),
-        (["--parallelism.pipeline_parallel_first_stage_less_layers", "9"], "parallelism.pipeline_parallel_first_stage_less_layers"),
+        (
+            ["--parallelism.pipeline_parallel_first_stage_less_layers", "9"],
+            "parallelism.pipeline_parallel_first_stage_less_layers",
+        ),
     ],
-    ids=["not divisible", "stages not a multiple of pp", "micro-batch does not divide", "too few micro-batches",
-         "single-stage schedule with 2 stages per rank", "interleaved with 1 stage per rank", "ZBV with 4 stages per rank",
-         "micro-batches not whole rounds", "zero bubble with compile", "embedding stage too large"],
+    ids=[
+        "not divisible",
+        "stages not a multiple of pp",
+        "micro-batch does not divide",
+        "too few micro-batches",
+        "single-stage schedule with 2 stages per rank",
+        "interleaved with 1 stage per rank",
+        "ZBV with 4 stages per rank",
+        "micro-batches not whole rounds",
+        "zero bubble with compile",
+        "embedding stage too large",
+    ],
 )
 def test_pipeline_config_errors_name_the_key(extra, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
@@ -249,8 +300,20 @@ def test_pipeline_evaluation_sums_the_same_loss(two_ranks, ref):
 def reshard_worker(dump: str) -> dict:
     """Two steps at pp=2 x dp_shard=2 saving each; then step 2 again from the step-1 checkpoint
     at pp=1 (dp_shard=4) and at pp=2 x tp=2."""
-    common = argv_for(2, ["--job.dump_folder", dump, "--checkpoint.enable", "--checkpoint.interval", "1",
-                          "--training.steps", "2", "--lr_scheduler.warmup_steps", "1"])
+    common = argv_for(
+        2,
+        [
+            "--job.dump_folder",
+            dump,
+            "--checkpoint.enable",
+            "--checkpoint.interval",
+            "1",
+            "--training.steps",
+            "2",
+            "--lr_scheduler.warmup_steps",
+            "1",
+        ],
+    )
     losses = {}
     p, trainer = trainer_for(common + ["--mesh", "pp=2,dp_shard=2"])
     state, checkpointer = resume(p, load_dataset(p), trainer)
@@ -302,12 +365,21 @@ def hsdp_worker(argv: list[str]) -> dict:
     p, trainer = trainer_for(argv)
     with counting_hsdp_collectives(trainer) as counts:
         result = forward_backward(trainer, fetch_step(trainer))
-    units = {id(m._get_fsdp_state()._fsdp_param_group) for stage in trainer.pipeline.stages for m in stage.submod.modules()
-             if hasattr(m, "_get_fsdp_state") and m._get_fsdp_state()._fsdp_param_group is not None}
+    units = {
+        id(m._get_fsdp_state()._fsdp_param_group)
+        for stage in trainer.pipeline.stages
+        for m in stage.submod.modules()
+        if hasattr(m, "_get_fsdp_state") and m._get_fsdp_state()._fsdp_param_group is not None
+    }
     counts.update(units=len(units), microbatches=p.pipeline_microbatches, accumulation=p.microbatches)
     grads = {name: full(prm.grad) for name, prm in trainer.model.named_parameters()}
-    out = {"loss": result.loss_avg, "loss_max": result.loss_max, "norm": result.grad_norm,
-           "n": result.n_valid_tokens, "counts": counts}
+    out = {
+        "loss": result.loss_avg,
+        "loss_max": result.loss_max,
+        "norm": result.grad_norm,
+        "n": result.n_valid_tokens,
+        "counts": counts,
+    }
     if trainer.meshes.loss.get_local_rank() == 0:
         out["grads"] = grads
     return out

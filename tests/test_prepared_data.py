@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from test_data import TOKENIZER_PATH, global_batches, write
+
 from trainer.data import prepare as prepare_module
 from trainer.data.loader import GlobalOrder, build_dataloader
 from trainer.data.prepare import prepare, shard_paths, verify
@@ -49,7 +49,9 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     write(root / "a.txt", plays[1][:2000] + "\r\nWindows line end.\r\n")
     write(root / "b" / "blank.txt", "  \n")
     paragraphs = plays[2].split("\n\n")[:300]
-    lines = [json.dumps({"text": p}) for p in paragraphs[:150]] + [""] + [json.dumps({"text": p}) for p in paragraphs[150:]]
+    lines = (
+        [json.dumps({"text": p}) for p in paragraphs[:150]] + [""] + [json.dumps({"text": p}) for p in paragraphs[150:]]
+    )
     write(root / "c" / "lines.jsonl", "\n".join(lines) + "\n")
     with gzip.open(root / "c" / "more.jsonl.gz", "wt", encoding="utf-8") as fh:
         fh.writelines(json.dumps({"text": p}) + "\n" for p in plays[3].split("\n\n")[:40])
@@ -60,7 +62,9 @@ def prepared(corpus: Path, out: Path, workers: int = 1, tokenizer_path: str = st
     return prepare([str(corpus)], tokenizer_path, str(out), workers, UNIT_BYTES, progress=None)
 
 
-def samples(dataset: torch.utils.data.Dataset, indices: Iterable[int] | None = None) -> list[tuple[list[int], list[int]]]:
+def samples(
+    dataset: torch.utils.data.Dataset, indices: Iterable[int] | None = None
+) -> list[tuple[list[int], list[int]]]:
     return [(x.tolist(), y.tolist()) for x, y in (dataset[i] for i in (indices or range(len(dataset))))]
 
 
@@ -78,8 +82,9 @@ def test_prepared_samples_equal_the_in_memory_ones(corpus: Path, tokenizer: Toke
     assert isinstance(dataset, PreparedDataset)
     assert len(dataset) == len(memory) > 100
     assert samples(dataset) == samples(memory)
-    assert manifest["total_tokens"] == sum(len(tokenizer.encode(d, bos=True, eos=True))
-                                           for d in read_sources(str(corpus)).documents("shakespeare"))
+    assert manifest["total_tokens"] == sum(
+        len(tokenizer.encode(d, bos=True, eos=True)) for d in read_sources(str(corpus)).documents("shakespeare")
+    )
     x, y = dataset[3]
     assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (SEQ_LEN,)
     assert dataset.seq_len == SEQ_LEN and dataset.pad_id == tokenizer.pad_id
@@ -154,9 +159,13 @@ def test_open_errors(corpus: Path, tokenizer: Tokenizer, tmp_path: Path) -> None
     prepared(corpus, out)
     other = load_tokenizer(str(TOKENIZER_PATH))
     other.sha256 = "0" * 64
-    with pytest.raises(ValueError, match="prepared with the tokenizer 'shakespeare.model'.*model.tokenizer_path.*re-prepare"):
+    with pytest.raises(
+        ValueError, match="prepared with the tokenizer 'shakespeare.model'.*model.tokenizer_path.*re-prepare"
+    ):
         PreparedDataset(str(out), SEQ_LEN, other)
-    with pytest.raises(ValueError, match="training.dataset_path.*prepared folder.*training.dataset` = 'shakespeare_dialogue'"):
+    with pytest.raises(
+        ValueError, match="training.dataset_path.*prepared folder.*training.dataset` = 'shakespeare_dialogue'"
+    ):
         open_dataset("shakespeare_dialogue", str(out), tokenizer, SEQ_LEN)
     with pytest.raises(ValueError, match="fewer than one sample.*training.seq_len"):
         PreparedDataset(str(out), 10**7, tokenizer)
@@ -164,7 +173,10 @@ def test_open_errors(corpus: Path, tokenizer: Tokenizer, tmp_path: Path) -> None
     manifest_file = out / "manifest.json"
     manifest = json.loads(manifest_file.read_text())
     for change, message in (
-        ({"max_token_id": tokenizer.vocab_size}, f"token id {tokenizer.vocab_size}, beyond the vocabulary of {tokenizer.vocab_size}"),
+        (
+            {"max_token_id": tokenizer.vocab_size},
+            f"token id {tokenizer.vocab_size}, beyond the vocabulary of {tokenizer.vocab_size}",
+        ),
         ({"format_version": 99}, "format version 99; this meshtrain reads version 1. Re-prepare"),
     ):
         manifest_file.write_text(json.dumps({**manifest, **change}))
@@ -242,8 +254,12 @@ def test_resume_on_another_mesh_continues_the_batches(
     memory = build_dataset("shakespeare", str(corpus), tokenizer, SEQ_LEN)
     g, k = 8, 3
     loader = build_dataloader(
-        dataset, microbatches=g // (before[0] * before[1]), local_batch_size=before[1], dp_rank=0,
-        dp_degree=before[0], seed=7,
+        dataset,
+        microbatches=g // (before[0] * before[1]),
+        local_batch_size=before[1],
+        dp_rank=0,
+        dp_degree=before[0],
+        seed=7,
     )
     for _ in range(k):
         loader.next_step()

@@ -14,7 +14,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from harness import run_train, tensorboard_scalars
 from hf_tokenizer import build
 
@@ -24,16 +23,29 @@ STEPS = 4
 TAGS = ("loss_metrics/global_avg_loss", "grad_norm", "n_valid_tokens", "loss_metrics/global_max_loss")
 
 COMMON = [
-    "--training.dataset", "chat",
-    "--training.seq_len", "64",
-    "--training.global_batch_size", "8",
-    "--training.steps", str(STEPS),
-    "--lr_scheduler.warmup_steps", "1",
-    "--metrics.log_freq", "1",
+    "--training.dataset",
+    "chat",
+    "--training.seq_len",
+    "64",
+    "--training.global_batch_size",
+    "8",
+    "--training.steps",
+    str(STEPS),
+    "--lr_scheduler.warmup_steps",
+    "1",
+    "--metrics.log_freq",
+    "1",
     "--metrics.disable_color_printing",
-    "--debug.seed", "3",
+    "--debug.seed",
+    "3",
     # Validation on the bundled held-out plays, at steps 2 and 4: 3 batches of 2 in all.
-    "--validation.enable", "--validation.freq", "2", "--validation.steps", "3", "--validation.local_batch_size", "2",
+    "--validation.enable",
+    "--validation.freq",
+    "2",
+    "--validation.steps",
+    "3",
+    "--validation.local_batch_size",
+    "2",
 ]
 VALIDATION_TAG = "validation/loss"
 
@@ -41,8 +53,18 @@ VALIDATION_TAG = "validation/loss"
 MESHES = {
     "1x4": (1, 2, []),
     "dp_shard2xcp2x2": (4, 2, ["--mesh", "dp_shard=2,cp=2"]),
-    "pp2xdp_shard2_interleaved": (4, 2, ["--mesh", "pp=2,dp_shard=2", "--parallelism.pipeline_parallel_schedule",
-                                         "Interleaved1F1B", "--parallelism.pipeline_parallel_microbatch_size", "2"]),
+    "pp2xdp_shard2_interleaved": (
+        4,
+        2,
+        [
+            "--mesh",
+            "pp=2,dp_shard=2",
+            "--parallelism.pipeline_parallel_schedule",
+            "Interleaved1F1B",
+            "--parallelism.pipeline_parallel_microbatch_size",
+            "2",
+        ],
+    ),
 }
 
 
@@ -60,8 +82,19 @@ def curves(tmp_path_factory) -> dict[str, dict[str, list[float]]]:
     results = {}
     for name, (ngpu, local_batch, extra) in MESHES.items():
         dump = tmp_path_factory.mktemp(name)
-        proc = run_train(ngpu, COMMON + ["--model.tokenizer_path", str(tokenizer), "--training.local_batch_size", str(local_batch),
-                                         "--job.dump_folder", str(dump)] + extra)
+        proc = run_train(
+            ngpu,
+            COMMON
+            + [
+                "--model.tokenizer_path",
+                str(tokenizer),
+                "--training.local_batch_size",
+                str(local_batch),
+                "--job.dump_folder",
+                str(dump),
+            ]
+            + extra,
+        )
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert f"step: {STEPS}/{STEPS}" in proc.stdout + proc.stderr
         assert (dump / "config.toml").is_file()

@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from hf_tokenizer import build
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -21,9 +20,23 @@ def test_chat_sample_marks_exactly_the_context(tmp_path: Path, capsys: pytest.Ca
     monkeypatch.setenv("MESHTRAIN_CACHE_DIR", str(tmp_path / "cache"))
     tokenizer = build(tmp_path / "tok")
     data = tmp_path / "chat.jsonl"
-    data.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hail!"}]}))
-    argv = ["--model.tokenizer_path", str(tokenizer), "--training.dataset", "chat", "--training.dataset_path", str(data),
-            "--training.seq_len", "32", "--training.local_batch_size", "1", "--training.global_batch_size", "1"]
+    data.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hail!"}]})
+    )
+    argv = [
+        "--model.tokenizer_path",
+        str(tokenizer),
+        "--training.dataset",
+        "chat",
+        "--training.dataset_path",
+        str(data),
+        "--training.seq_len",
+        "32",
+        "--training.local_batch_size",
+        "1",
+        "--training.global_batch_size",
+        "1",
+    ]
     assert show_batch.main(["--step", "3", *argv]) == 0
     out = capsys.readouterr().out
     assert "step 3: 1 samples" in out and "1 of 1 conversations kept" in out
@@ -50,7 +63,9 @@ def test_packed_step_is_the_loader_batch(capsys: pytest.CaptureFixture) -> None:
     out = capsys.readouterr().out
     job = plan(load_config(argv), 1)
     dataset = load_dataset(job)
-    loader = build_dataloader(dataset, microbatches=2, local_batch_size=2, dp_rank=0, dp_degree=1, seed=job.config.debug.seed)
+    loader = build_dataloader(
+        dataset, microbatches=2, local_batch_size=2, dp_rank=0, dp_degree=1, seed=job.config.debug.seed
+    )
     loader.next_step()
     inputs = [row.tolist() for micro, _ in loader.next_step() for row in micro]
     for row in inputs:  # every sample of training's step 2, in order

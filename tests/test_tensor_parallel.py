@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from harness import BASE_ARGV, argv_for, assert_matches, full, run_by_world, step_worker, trainer_for
 from torch.distributed.tensor import DTensor, Shard
 
-from harness import BASE_ARGV, argv_for, assert_matches, full, run_by_world, step_worker, trainer_for
 from parallelisms import parallelize
 from parallelisms.parallel_dims import ParallelDims, ParallelismError
 from parallelisms.parallelize import ModelShape, ParallelSettings
@@ -20,8 +20,11 @@ from trainer.train import fetch_step, forward_backward
 # name: (world size, local batch size, extra argv); global batch 8
 MESHES = {
     "tp=2": (2, 8, ["--parallelism.tensor_parallel_degree", "2"]),
-    "tp=2, gathered logits": (2, 4, ["--parallelism.tensor_parallel_degree", "2",
-                                     "--parallelism.disable_loss_parallel"]),
+    "tp=2, gathered logits": (
+        2,
+        4,
+        ["--parallelism.tensor_parallel_degree", "2", "--parallelism.disable_loss_parallel"],
+    ),
     "dp_shard=2 x tp=2, 2 micro-batches": (4, 2, ["--mesh", "dp_shard=2,tp=2"]),
     "dp_replicate=2 x dp_shard=2 x tp=2": (8, 1, ["--mesh", "dp_replicate=2,dp_shard=2,tp=2"]),
 }
@@ -34,7 +37,10 @@ BF16_ARGV = argv_for(4, ["--parallelism.tensor_parallel_degree", "2", "--trainin
 @pytest.fixture(scope="module")
 def launched() -> dict[str, list]:
     """Every multi-process case of this file, one launch per world size."""
-    cases = {mesh: (world, (step_worker, argv_for(local_batch, extra))) for mesh, (world, local_batch, extra) in MESHES.items()}
+    cases = {
+        mesh: (world, (step_worker, argv_for(local_batch, extra)))
+        for mesh, (world, local_batch, extra) in MESHES.items()
+    }
     cases["logits sharded"] = (2, (logits_worker, LOGITS_ARGV))
     cases["logits gathered"] = (2, (logits_worker, LOGITS_ARGV + ["--parallelism.disable_loss_parallel"]))
     cases["bf16"] = (2, (logits_worker, BF16_ARGV))
@@ -111,8 +117,12 @@ def tp_bug_worker(argv: list[str]) -> dict:
         "right_norm": right.grad_norm,
         "true_norm_after_step": true_sq.sqrt().item(),
         "naive_norm_after_step": naive_sq.sqrt().item(),
-        "over_counted": {"loss": over_counted.loss_avg, "norm": over_counted.grad_norm,
-                         "n": over_counted.n_valid_tokens, "grads": grads},
+        "over_counted": {
+            "loss": over_counted.loss_avg,
+            "norm": over_counted.grad_norm,
+            "n": over_counted.n_valid_tokens,
+            "grads": grads,
+        },
     }
 
 
@@ -136,14 +146,32 @@ def test_validation_names_the_tensor_parallel_key():
 
     message = check(["--parallelism.tensor_parallel_degree", "3", "--training.local_batch_size", "8"], 3)
     assert "parallelism.tensor_parallel_degree" in message and "16 attention heads" in message
-    message = check(["--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "63",
-                     "--training.local_batch_size", "8"], 2)
+    message = check(
+        ["--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "63", "--training.local_batch_size", "8"], 2
+    )
     assert "training.seq_len" in message
-    message = check(["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "8",
-                     "--parallelism.enable_async_tensor_parallel", "--compile.enable"], 2)
+    message = check(
+        [
+            "--parallelism.tensor_parallel_degree",
+            "2",
+            "--training.local_batch_size",
+            "8",
+            "--parallelism.enable_async_tensor_parallel",
+            "--compile.enable",
+        ],
+        2,
+    )
     assert "CUDA" in message
-    message = check(["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "8",
-                     "--parallelism.enable_async_tensor_parallel"], 2)
+    message = check(
+        [
+            "--parallelism.tensor_parallel_degree",
+            "2",
+            "--training.local_batch_size",
+            "8",
+            "--parallelism.enable_async_tensor_parallel",
+        ],
+        2,
+    )
     assert "compile.enable" in message
     message = check(["--training.local_batch_size", "8", "--parallelism.enable_async_tensor_parallel"], 1)
     assert "parallelism.tensor_parallel_degree" in message

@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 
 import pytest
-
 from hf_tokenizer import build
+
 from trainer.config import load_config
 from trainer.data import cache
 from trainer.data.tokenizer import HuggingFaceTokenizer, SentencePieceTokenizer, load_tokenizer
@@ -32,7 +32,10 @@ def test_round_trip_and_special_tokens(tokenizer_json: Path) -> None:
     ids = tokenizer.encode(text, bos=False, eos=False)
     assert tokenizer.decode(ids) == text
     assert all(0 <= i < tokenizer.vocab_size for i in ids)
-    named = {piece: tokenizer.token_id(piece) for piece in ("<|begin_of_text|>", "<|end_of_text|>", "<|finetune_right_pad_id|>")}
+    named = {
+        piece: tokenizer.token_id(piece)
+        for piece in ("<|begin_of_text|>", "<|end_of_text|>", "<|finetune_right_pad_id|>")
+    }
     assert (tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id) == tuple(named.values())
     assert tokenizer.encode(text, bos=True, eos=True) == [tokenizer.bos_id, *ids, tokenizer.eos_id]
     # A special token written in the data is text: a document must not end a turn by quoting one.

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from harness import run_ranks, trainer_for
+
 from trainer.build import load_validation_dataset
 from trainer.config import ConfigError, load_config
 from trainer.data.documents import split_documents
@@ -24,7 +24,7 @@ from trainer.validation import Validator
 
 def documents(path: Path, count: int) -> Path:
     """Short documents of varied length, so packed windows hold several (document masking)."""
-    words = "to be or not that is the question whether tis nobler in the mind".split()
+    words = ["to", "be", "or", "not", "that", "is", "the", "question", "whether", "tis", "nobler", "in", "the", "mind"]
     lines = [json.dumps({"text": " ".join(words[(i * 3) % 11 :][: 2 + i % 9])}) for i in range(count)]
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -32,11 +32,23 @@ def documents(path: Path, count: int) -> Path:
 
 def argv_for(tmp_path: Path, *extra: str) -> list[str]:
     return [
-        "--training.dataset_path", str(documents(tmp_path / "train.jsonl", 60)),
-        "--validation.dataset_path", str(documents(tmp_path / "valid.jsonl", 23)),
-        "--validation.enable", "--validation.local_batch_size", "2",
-        "--training.seq_len", "32", "--training.global_batch_size", "4", "--training.local_batch_size", "2",
-        "--training.document_mask", "--debug.seed", "11", "--metrics.enable_tensorboard=false",
+        "--training.dataset_path",
+        str(documents(tmp_path / "train.jsonl", 60)),
+        "--validation.dataset_path",
+        str(documents(tmp_path / "valid.jsonl", 23)),
+        "--validation.enable",
+        "--validation.local_batch_size",
+        "2",
+        "--training.seq_len",
+        "32",
+        "--training.global_batch_size",
+        "4",
+        "--training.local_batch_size",
+        "2",
+        "--training.document_mask",
+        "--debug.seed",
+        "11",
+        "--metrics.enable_tensorboard=false",
         *extra,
     ]
 
@@ -47,9 +59,15 @@ def validation_worker(argv: list[str], part_steps: int) -> list[dict]:
     dataset = load_validation_dataset(p)
     results = []
     for steps in (-1, part_steps):
-        validator = Validator(dataset, local_batch_size=p.config.validation.local_batch_size,
-                              dp_rank=trainer.meshes.batch.get_local_rank(), dp_degree=p.dims.dp, steps=steps,
-                              freq=1, seed=p.config.debug.seed)
+        validator = Validator(
+            dataset,
+            local_batch_size=p.config.validation.local_batch_size,
+            dp_rank=trainer.meshes.batch.get_local_rank(),
+            dp_degree=p.dims.dp,
+            steps=steps,
+            freq=1,
+            seed=p.config.debug.seed,
+        )
         result = validator.run(trainer)
         results.append({"loss": result.loss, "n": result.n_valid_tokens, "batches": result.batches})
     return results
@@ -110,11 +128,14 @@ def test_validation_does_not_perturb_training(tmp_path: Path) -> None:
     assert with_validation == without and len(set(without)) == 3
 
 
-@pytest.mark.parametrize(("extra", "match"), [
-    (["--validation.seq_len", "64"], r"`validation.seq_len` = 64 must be in \[1, `training.seq_len` = 32\]"),
-    (["--validation.steps", "0"], "`validation.steps` must be >= 1, or -1"),
-    (["--validation.freq", "0"], "`validation.freq` must be >= 1"),
-])
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        (["--validation.seq_len", "64"], r"`validation.seq_len` = 64 must be in \[1, `training.seq_len` = 32\]"),
+        (["--validation.steps", "0"], "`validation.steps` must be >= 1, or -1"),
+        (["--validation.freq", "0"], "`validation.freq` must be >= 1"),
+    ],
+)
 def test_bad_settings_name_the_key(tmp_path: Path, extra: list[str], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         load_config(argv_for(tmp_path, *extra))
@@ -123,12 +144,26 @@ def test_bad_settings_name_the_key(tmp_path: Path, extra: list[str], match: str)
 def test_held_out_plays_and_their_errors(tmp_path: Path) -> None:
     # Own training data needs own validation data: the held-out plays split the bundled corpus
     # only, so the run trains without validation (and says so at start).
-    own = plan(load_config(["--training.dataset_path", str(documents(tmp_path / "t.jsonl", 40)), "--validation.enable",
-                            "--training.seq_len", "32"]), 1)
+    own = plan(
+        load_config(
+            [
+                "--training.dataset_path",
+                str(documents(tmp_path / "t.jsonl", 40)),
+                "--validation.enable",
+                "--training.seq_len",
+                "32",
+            ]
+        ),
+        1,
+    )
     assert not own.validates and load_validation_dataset(own) is None
     with pytest.raises(ConfigError, match="`validation.seq_len` = 16 differs from `training.seq_len` = 32.*context"):
-        plan(load_config(["--validation.enable", "--validation.seq_len", "16", "--training.seq_len", "32",
-                          "--mesh", "cp=2"]), 2)
+        plan(
+            load_config(
+                ["--validation.enable", "--validation.seq_len", "16", "--training.seq_len", "32", "--mesh", "cp=2"]
+            ),
+            2,
+        )
     # Bundled plays: the validation split is the held-out plays, which training never reads.
     p = plan(load_config(["--validation.enable", "--training.seq_len", "32"]), 1)
     from trainer.data import sources
@@ -139,8 +174,26 @@ def test_held_out_plays_and_their_errors(tmp_path: Path) -> None:
     assert len(load_validation_dataset(p)) > 100
     # A validation set that yields nothing is an error naming the validation keys.
     tiny = tmp_path / "tiny.jsonl"
-    tiny.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Ho"}]}))
-    p = plan(load_config(["--validation.enable", "--validation.dataset", "chat", "--validation.dataset_path", str(tiny),
-                          "--training.seq_len", "32", "--validation.seq_len", "3"]), 1)
-    with pytest.raises(ValueError, match="`validation.dataset_path` = .* yields no chat samples of `validation.seq_len` = 3"):
+    tiny.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Ho"}]})
+    )
+    p = plan(
+        load_config(
+            [
+                "--validation.enable",
+                "--validation.dataset",
+                "chat",
+                "--validation.dataset_path",
+                str(tiny),
+                "--training.seq_len",
+                "32",
+                "--validation.seq_len",
+                "3",
+            ]
+        ),
+        1,
+    )
+    with pytest.raises(
+        ValueError, match="`validation.dataset_path` = .* yields no chat samples of `validation.seq_len` = 3"
+    ):
         load_validation_dataset(p)

@@ -13,8 +13,8 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -29,12 +29,12 @@ from trainer.data.documents import split_documents
 from trainer.data.loader import MicroBatchLoader, build_dataloader
 from trainer.data.mixture import MixtureDataset
 from trainer.data.samples import open_dataset
-from trainer.distributed import init_distributed
 from trainer.grad_accumulator import GradAccumulator
 from trainer.loss import cross_entropy_sum
 from trainer.model.llama3 import Transformer, num_params
 from trainer.optimizer import build_lr_scheduler, build_optimizer
 from trainer.plan import Plan
+from trainer.runtime.distributed import init_distributed
 
 logger = logging.getLogger("meshtrain")
 
@@ -90,6 +90,7 @@ class Trainer:
                 positions, document_ids = cp.shard(positions), cp.shard(document_ids)
         tensors = (inputs, labels, positions, document_ids)
         return MicroBatch(*(t if t is None else t.to(self.device, non_blocking=True) for t in tensors))
+
     pipeline: Pipeline | None = None
     """This rank's pipeline stages and their schedule (None without pipeline parallelism);
     ``model`` then holds only these stages' modules."""
@@ -203,7 +204,10 @@ class InitProgress:
             return
         logger.info(
             "initialised %d%% of the parameters (%s of %s) in %.1f s",
-            percent, f"{self.done:,}", f"{self.total:,}", now - self.start,
+            percent,
+            f"{self.done:,}",
+            f"{self.total:,}",
+            now - self.start,
         )
         self.last = now
         self.next_percent = (percent // PROGRESS_EVERY_PERCENT + 1) * PROGRESS_EVERY_PERCENT

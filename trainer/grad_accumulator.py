@@ -156,9 +156,7 @@ class GradAccumulator:
         for the caller to zero.
         """
         if self._next_microbatch != self.num_microbatches:
-            raise RuntimeError(
-                f"finalize after {self._next_microbatch} of {self.num_microbatches} micro-batches"
-            )
+            raise RuntimeError(f"finalize after {self._next_microbatch} of {self.num_microbatches} micro-batches")
         loss_sum = self._loss_sum.clone().reshape(1)
         local_count = self._local_count.float()
         rank_mean = torch.where(local_count > 0, loss_sum / local_count.clamp(min=1), -math.inf)

@@ -15,6 +15,4 @@ IGNORE_INDEX = -100
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Sum of per-token cross-entropies, in float32 whatever the logits' dtype."""
-    return F.cross_entropy(
-        logits.flatten(0, 1).float(), labels.flatten(), reduction="sum", ignore_index=IGNORE_INDEX
-    )
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)

@@ -79,8 +79,7 @@ def peak_flops(device: torch.device, override: float | None = None) -> float | N
         if all(s.lower() in lowered for s in substrings):
             return flops
     logger.warning(
-        "Unknown peak bf16 FLOP/s for GPU %r; MFU will not be reported. "
-        "Set the peak FLOPs override to enable it.",
+        "Unknown peak bf16 FLOP/s for GPU %r; MFU will not be reported. Set the peak FLOPs override to enable it.",
         name,
     )
     return None
@@ -344,9 +343,7 @@ class MetricsLogger:
             # when it is disabled.
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb_dir = os.path.join(
-                dump_folder, tb_folder, datetime.now().strftime("%Y%m%d-%H%M%S")
-            )
+            self.tb_dir = os.path.join(dump_folder, tb_folder, datetime.now().strftime("%Y%m%d-%H%M%S"))
             self._writer = SummaryWriter(log_dir=self.tb_dir)
             self._writer.add_custom_scalars(self._dashboard_layout())
 
@@ -403,9 +400,7 @@ class MetricsLogger:
         self._window_step_time += stats.step_time_s
         self._n_skipped_steps = stats.n_skipped_steps
 
-        if not (
-            stats.step == 1 or stats.step % self._log_freq == 0 or stats.step == self._total_steps
-        ):
+        if not (stats.step == 1 or stats.step % self._log_freq == 0 or stats.step == self._total_steps):
             return
         # Summed step times rather than a wall clock between calls: time spent
         # outside steps (checkpointing, evaluation) should not show up as a

@@ -13,14 +13,14 @@ from dataclasses import dataclass
 
 import torch
 
-from parallelisms.parallel_dims import ParallelDims, ParallelismError, device_type
 from parallelisms.context_parallel import resolve_backend
+from parallelisms.parallel_dims import ParallelDims, ParallelismError, device_type
 from parallelisms.parallelize import ModelShape, ParallelSettings, check
 from trainer.config import ConfigError, JobConfig, resolve_path
-from trainer.dump_folder import check_dump_folder
-from trainer.memory_plan import Estimate, Workload, cpu_limit_per_rank, estimate, fixes, gib, gpu_limit
-from trainer.model.llama3 import ModelArgs, model_args
 from trainer.data.tokenizer import Tokenizer, load_tokenizer
+from trainer.model.llama3 import ModelArgs, model_args
+from trainer.runtime.dump_folder import check_dump_folder
+from trainer.runtime.memory_plan import Estimate, Workload, cpu_limit_per_rank, estimate, fixes, gib, gpu_limit
 
 SETTING_KEYS = {
     "dp_replicate": "`parallelism.data_parallel_replicate_degree`",
@@ -170,20 +170,22 @@ def describe(plan: Plan, limit: int | None, where: str) -> str:
     """What the job will be, in a few lines (``--dry-run``)."""
     config, dims, training, w = plan.config, plan.dims, plan.config.training, plan.workload
     fits = f" (limit {gib(limit)}: {where})" if limit is not None else ""
-    return "\n".join([
-        f"model: {config.model.name} {config.model.flavor}, {w.params:,} parameters "
-        f"({w.n_layers} layers, dim {w.dim}, vocabulary {w.vocab_size})",
-        f"mesh: pp={dims.pp} dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} cp={dims.cp} tp={dims.tp} "
-        f"({dims.world_size} processes)",
-        f"batch: {plan.global_batch_size} x {training.seq_len} tokens per step = {plan.microbatches} "
-        f"micro-batch(es) of {training.local_batch_size} per data-parallel rank; {training.steps} steps",
-        f"memory: {plan.memory.line()}{fits}",
-        f"output: {config.job.dump_folder}",
-    ])
+    return "\n".join(
+        [
+            f"model: {config.model.name} {config.model.flavor}, {w.params:,} parameters "
+            f"({w.n_layers} layers, dim {w.dim}, vocabulary {w.vocab_size})",
+            f"mesh: pp={dims.pp} dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} cp={dims.cp} tp={dims.tp} "
+            f"({dims.world_size} processes)",
+            f"batch: {plan.global_batch_size} x {training.seq_len} tokens per step = {plan.microbatches} "
+            f"micro-batch(es) of {training.local_batch_size} per data-parallel rank; {training.steps} steps",
+            f"memory: {plan.memory.line()}{fits}",
+            f"output: {config.job.dump_folder}",
+        ]
+    )
 
 
 def memory_limit(local_ranks: int, device_index: int | None, started: bool) -> tuple[int | None, str]:
-    """The memory one rank may use, and what it is, on this machine (see ``trainer/memory_plan.py``)."""
+    """The memory one rank may use, and what it is, on this machine (see ``trainer/runtime/memory_plan.py``)."""
     if device_type() == "cuda":
         return gpu_limit(device_index), "the GPU's memory"
     return cpu_limit_per_rank(local_ranks, started), f"this machine's available memory shared by {local_ranks} rank(s)"

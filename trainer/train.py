@@ -32,15 +32,15 @@ from trainer.build import MicroBatch, Trainer, build_trainer, data_lines, load_d
 from trainer.checkpoint.folders import step_folders
 from trainer.checkpoint.manager import CheckpointManager, create_seed_checkpoint
 from trainer.config import ConfigError, changed_settings, help_text, load_config, to_toml
-from trainer.distributed import CollectiveTimeouts
-from trainer.dump_folder import DumpFolderLock
-from trainer.errors import JobError
 from trainer.grad_accumulator import StepResult
 from trainer.metrics import MetricsLogger, StepStats, flops_per_token, format_duration, peak_flops, use_color
 from trainer.model.llama3 import ModelArgs, Transformer, num_params
 from trainer.plan import Plan, check_memory, describe, memory_limit, plan
-from trainer.profiling import profiling
-from trainer.stop_requests import StopRequests
+from trainer.runtime.distributed import CollectiveTimeouts
+from trainer.runtime.dump_folder import DumpFolderLock
+from trainer.runtime.errors import JobError
+from trainer.runtime.profiling import profiling
+from trainer.runtime.stop_requests import StopRequests
 from trainer.train_state import TrainState
 from trainer.validation import Validator
 
@@ -314,7 +314,9 @@ def start_metrics(plan: Plan, trainer: Trainer, dataset: Dataset, validation_dat
         config_file.write_text(to_toml(plan.config))
         changed = changed_settings(plan.config)
         summary = textwrap.fill(" ".join(changed), width=110, initial_indent="  ", subsequent_indent="  ")
-        logger.info("config: %d settings differ from the code's defaults (all in %s):\n%s", len(changed), config_file, summary)
+        logger.info(
+            "config: %d settings differ from the code's defaults (all in %s):\n%s", len(changed), config_file, summary
+        )
         log_start(plan, trainer, metrics, dataset, validation_dataset)
     return metrics
 
@@ -358,9 +360,19 @@ def log_start(
     logger.info(
         "%s %s: %s parameters | mesh pp=%d dp_replicate=%d dp_shard=%d cp=%d tp=%d on %s | "
         "global batch %d x %d tokens = %d micro-batch(es) of %d per rank",
-        config.model.name, config.model.flavor, f"{num_params(whole_model(plan.model_args)):,}", dims.pp, dims.dp_replicate,
-        dims.dp_shard, dims.cp, dims.tp, trainer.device.type, plan.global_batch_size,
-        training.seq_len, plan.microbatches, training.local_batch_size,
+        config.model.name,
+        config.model.flavor,
+        f"{num_params(whole_model(plan.model_args)):,}",
+        dims.pp,
+        dims.dp_replicate,
+        dims.dp_shard,
+        dims.cp,
+        dims.tp,
+        trainer.device.type,
+        plan.global_batch_size,
+        training.seq_len,
+        plan.microbatches,
+        training.local_batch_size,
     )
     logger.info(data_lines(plan, dataset, validation_dataset))
     if metrics.tb_dir:
@@ -368,8 +380,13 @@ def log_start(
 
 
 def log_end(
-    plan: Plan, state: TrainState, last: StepStats, steps: int, seconds: float,
-    checkpointer: CheckpointManager, metrics: MetricsLogger,
+    plan: Plan,
+    state: TrainState,
+    last: StepStats,
+    steps: int,
+    seconds: float,
+    checkpointer: CheckpointManager,
+    metrics: MetricsLogger,
 ) -> None:
     """What the run did and where its results are, in a few lines (rank 0)."""
     tokens = steps * plan.global_batch_size * plan.config.training.seq_len
@@ -377,8 +394,14 @@ def log_end(
     logger.info(
         "done: steps %d-%d of %d (%d skipped in all) in %s, %s tokens (%s tokens/s); final loss %.4f\n"
         "  checkpoint: %s\n  TensorBoard: %s",
-        state.step - steps + 1, state.step, plan.config.training.steps, state.n_skipped_steps,
-        format_duration(seconds), f"{tokens:,}", f"{tokens / max(seconds, 1e-9):,.0f}", last.loss_avg,
+        state.step - steps + 1,
+        state.step,
+        plan.config.training.steps,
+        state.n_skipped_steps,
+        format_duration(seconds),
+        f"{tokens:,}",
+        f"{tokens / max(seconds, 1e-9):,.0f}",
+        last.loss_avg,
         saved[-1][1] if saved else "none (`--checkpoint.enable` saves them)",
         f"tensorboard --logdir {metrics.tb_dir}" if metrics.tb_dir else "off",
     )

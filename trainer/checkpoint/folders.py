@@ -176,7 +176,9 @@ def read_dcp_model(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
         if not key.startswith(prefix):
             continue
         if not isinstance(entry, TensorStorageMetadata):
-            raise InteropError(f"{folder}: checkpoint entry `{key}` is not a tensor; the model entry must hold only tensors.")
+            raise InteropError(
+                f"{folder}: checkpoint entry `{key}` is not a tensor; the model entry must hold only tensors."
+            )
         model[key.removeprefix(prefix)] = torch.empty(entry.size, dtype=entry.properties.dtype)
     if not model:
         tops = sorted({key.split(".", 1)[0] for key in metadata.state_dict_metadata})

@@ -29,7 +29,7 @@ def _safetensors() -> ModuleType:
         import safetensors.torch
     except ImportError as err:
         raise ImportError(
-            'reading or writing Hugging Face folders needs safetensors: `pip install safetensors` '
+            "reading or writing Hugging Face folders needs safetensors: `pip install safetensors` "
             '(or `pip install -e ".[hf]"`).'
         ) from err
     return safetensors.torch

@@ -61,10 +61,10 @@ from trainer.checkpoint.folders import (
 from trainer.checkpoint.hf_folders import load_hf_folder
 from trainer.checkpoint.integrity import ChecksummingWriter, checksum_problem, first_non_finite, read_manifest
 from trainer.config import Checkpoint
-from trainer.errors import JobError
 from trainer.model.hf_llama3 import from_hf_state_dict, model_args_from_hf_config
 from trainer.model.llama3 import ModelArgs, Transformer
 from trainer.model.tiled_init import local_slice
+from trainer.runtime.errors import JobError
 from trainer.train_state import TrainState
 
 logger = logging.getLogger("meshtrain")
@@ -115,7 +115,7 @@ def optimizer_groups_flattened(path: Path) -> bool:
     (``optimizer.param_groups.<fqn>.lr``) rather than by group index (``...param_groups.0.lr``)."""
     keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     prefix = "optimizer.param_groups."
-    return not any(k.startswith(prefix) and k[len(prefix):].split(".")[0].isdigit() for k in keys)
+    return not any(k.startswith(prefix) and k[len(prefix) :].split(".")[0].isdigit() for k in keys)
 
 
 class CheckpointManager:
@@ -236,7 +236,9 @@ class CheckpointManager:
             return
         if self.config.allow_data_change:
             if self.rank == 0:
-                logger.warning("resuming %s on changed data (`checkpoint.allow_data_change`): %s", path, "; ".join(differ))
+                logger.warning(
+                    "resuming %s on changed data (`checkpoint.allow_data_change`): %s", path, "; ".join(differ)
+                )
             return
         raise ValueError(
             f"{path} was trained on other data than this run's ({'; '.join(differ)}). Point "
@@ -292,10 +294,23 @@ class CheckpointManager:
         logger.info("loading Hugging Face weights from %s", path)
         hf_state, hf_cfg = load_hf_folder(str(path))
         theirs, ours = model_args_from_hf_config(hf_cfg), self.model_args
-        fields = ("dim", "n_layers", "n_heads", "kv_heads", "vocab_size", "ffn_hidden_dim", "norm_eps",
-                  "rope_theta", "rope_scaling", "rope_scaling_factor")
-        differ = [f"{f}: {getattr(theirs, f)} there, {getattr(ours, f)} here" for f in fields
-                  if getattr(theirs, f) != getattr(ours, f)]
+        fields = (
+            "dim",
+            "n_layers",
+            "n_heads",
+            "kv_heads",
+            "vocab_size",
+            "ffn_hidden_dim",
+            "norm_eps",
+            "rope_theta",
+            "rope_scaling",
+            "rope_scaling_factor",
+        )
+        differ = [
+            f"{f}: {getattr(theirs, f)} there, {getattr(ours, f)} here"
+            for f in fields
+            if getattr(theirs, f) != getattr(ours, f)
+        ]
         if differ:
             raise ValueError(
                 f"`checkpoint.initial_load_path` = {path} holds a different model than `model.flavor` "
@@ -371,7 +386,9 @@ class CheckpointManager:
             raise error
         kept = step_folders(self.folder)
         free = shutil.disk_usage(self.folder).free
-        needed = f"; the newest checkpoint, {kept[-1][1].name}, takes {_folder_bytes(kept[-1][1]):,} bytes" if kept else ""
+        needed = (
+            f"; the newest checkpoint, {kept[-1][1].name}, takes {_folder_bytes(kept[-1][1]):,} bytes" if kept else ""
+        )
         raise JobError(
             f"checkpoint step-{step} could not be written: no space left on the device of "
             f"{self.folder} ({free:,} bytes free{needed}). The partial folder was removed and the "

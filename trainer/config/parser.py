@@ -14,8 +14,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from trainer.config.schema import FIELDS, MESH_DIMS, ConfigError, FloatList, JobConfig, StrList, type_name
+from trainer.config.schema import FIELDS, MESH_DIMS, FloatList, JobConfig, StrList, type_name
 from trainer.config.validate import validate
+from trainer.runtime.errors import ConfigError
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -16,10 +16,6 @@ from parallelisms.pipeline_parallel import SCHEDULES as PIPELINE_SCHEDULES
 from trainer.data.samples import DATASET_KINDS
 
 
-class ConfigError(ValueError):
-    """A user error in the configuration; the message names the key and how to fix it."""
-
-
 class StrList(tuple):
     """A list of strings: a TOML array, or comma-separated on the command line."""
 
@@ -249,8 +245,12 @@ class Comm:
 class Metrics:
     log_freq: int = _field(10, "Log every N steps (and the first and last step).")
     enable_tensorboard: bool = _field(True, "Write TensorBoard scalars (rank 0).")
-    save_tb_folder: str = _field("tb", "TensorBoard folder inside `job.dump_folder`; each run gets a timestamped subfolder.")
-    disable_color_printing: bool = _field(False, "Plain console output without ANSI colors (colors are only used on a terminal).")
+    save_tb_folder: str = _field(
+        "tb", "TensorBoard folder inside `job.dump_folder`; each run gets a timestamped subfolder."
+    )
+    disable_color_printing: bool = _field(
+        False, "Plain console output without ANSI colors (colors are only used on a terminal)."
+    )
 
 
 @dataclass
@@ -271,9 +271,7 @@ class ActivationCheckpoint:
 @dataclass
 class Compile:
     enable: bool = _field(False, "Compile with torch.compile: each transformer block, and the loss.")
-    components: StrList = _field(
-        StrList(("model", "loss")), "What to compile when enabled.", ("model", "loss")
-    )
+    components: StrList = _field(StrList(("model", "loss")), "What to compile when enabled.", ("model", "loss"))
 
 
 @dataclass
@@ -281,13 +279,15 @@ class Profiling:
     enable_profiling: bool = _field(False, "Record torch.profiler traces (one per rank).")
     profile_freq: int = _field(10, "Trace one step every N steps (after a warm-up step).")
     save_traces_folder: str = _field(
-        "profile_traces", "Folder in `job.dump_folder`: `iteration_N/rankR_trace.json`, for Perfetto or chrome://tracing."
+        "profile_traces",
+        "Folder in `job.dump_folder`: `iteration_N/rankR_trace.json`, for Perfetto or chrome://tracing.",
     )
     enable_memory_snapshot: bool = _field(
         False, "Record CUDA memory history; dump a snapshot every `profile_freq` steps and on out-of-memory (GPU only)."
     )
     save_memory_snapshot_folder: str = _field(
-        "memory_snapshot", "Folder in `job.dump_folder` for `rankR_memory_snapshot.pickle` files (open at pytorch.org/memory_viz)."
+        "memory_snapshot",
+        "Folder in `job.dump_folder` for `rankR_memory_snapshot.pickle` files (open at pytorch.org/memory_viz).",
     )
 
 
@@ -320,9 +320,7 @@ class Checkpoint:
     last_save_model_only: bool = _field(
         False, "The final checkpoint holds the weights only (an export), cast to `checkpoint.export_dtype`."
     )
-    export_dtype: str = _field(
-        "float32", "Dtype of a model-only final checkpoint.", ("float32", "bfloat16", "float16")
-    )
+    export_dtype: str = _field("float32", "Dtype of a model-only final checkpoint.", ("float32", "bfloat16", "float16"))
     async_mode: str = _field(
         "disabled",
         "`async` writes checkpoints in the background while training goes on (at most one in "
@@ -344,7 +342,9 @@ class Checkpoint:
 
 @dataclass
 class Validation:
-    enable: bool = _field(False, "Evaluate the validation loss during training (`validation/loss`, `validation/perplexity`).")
+    enable: bool = _field(
+        False, "Evaluate the validation loss during training (`validation/loss`, `validation/perplexity`)."
+    )
     dataset: str = _field(
         "", "Dataset kind of the validation set; empty uses `training.dataset`.", ("",) + DATASET_KINDS
     )

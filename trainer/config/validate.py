@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import math
 
-from trainer.config.schema import FIELDS, ConfigError, FloatList, JobConfig
+from trainer.config.schema import FIELDS, FloatList, JobConfig
 from trainer.data.samples import PACKED_KINDS
+from trainer.runtime.errors import ConfigError
 
 
 def validate(config: JobConfig) -> None:

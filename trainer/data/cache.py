@@ -23,7 +23,6 @@ from array import array
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-
 logger = logging.getLogger("meshtrain")
 
 FORMAT_VERSION = 2

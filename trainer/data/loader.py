@@ -70,7 +70,13 @@ class _RankBatchSampler(Sampler[list[int]]):
     """
 
     def __init__(
-        self, order: GlobalOrder, microbatches: int, local_batch_size: int, dp_rank: int, dp_degree: int, start_step: int
+        self,
+        order: GlobalOrder,
+        microbatches: int,
+        local_batch_size: int,
+        dp_rank: int,
+        dp_degree: int,
+        start_step: int,
     ) -> None:
         self._order = order
         self._microbatches = microbatches
@@ -145,7 +151,9 @@ class MicroBatchLoader:
             if key == "num_samples" and self._allow_data_change:
                 continue
             if state_dict[key] != expected[key]:
-                deliberate = " (or set `checkpoint.allow_data_change` to resume on new data)" if key == "num_samples" else ""
+                deliberate = (
+                    " (or set `checkpoint.allow_data_change` to resume on new data)" if key == "num_samples" else ""
+                )
                 raise ValueError(
                     f"The checkpoint's data order was made with {key} = {state_dict[key]}, this run has "
                     f"{expected[key]}; restore `{config_key}` as it was to resume the same sample stream{deliberate}."

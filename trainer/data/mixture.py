@@ -134,7 +134,10 @@ class MixtureDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         data = hashlib.sha256(repr([round(w, 12) for w in self.weights]).encode())
         for member in self.members:
             data.update(member.identity["data_sha256"].encode())
-        self.identity = {"data_sha256": data.hexdigest(), "tokenizer_sha256": self.members[0].identity["tokenizer_sha256"]}
+        self.identity = {
+            "data_sha256": data.hexdigest(),
+            "tokenizer_sha256": self.members[0].identity["tokenizer_sha256"],
+        }
 
     def __len__(self) -> int:
         return self.offsets[-1]

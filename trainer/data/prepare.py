@@ -33,8 +33,8 @@ import os
 import sys
 import time
 from array import array
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -145,7 +145,9 @@ def _read_range(unit: Unit) -> bytes:
         return fh.read(unit.end - unit.start)
 
 
-def _reusable(record_file: Path, bin_file: Path, idx_file: Path, identity: dict[str, Any], itemsize: int) -> dict | None:
+def _reusable(
+    record_file: Path, bin_file: Path, idx_file: Path, identity: dict[str, Any], itemsize: int
+) -> dict | None:
     try:
         record = json.loads(record_file.read_text())
         sizes_ok = (
@@ -379,10 +381,11 @@ def prepare(
     manifest["reused_units"] = reused  # how this run went; not part of the data's identity
     if manifest["total_tokens"] == 0:
         raise ValueError(
-            f"{', '.join(inputs)}: no documents (blank .txt files and .jsonl files without lines); "
-            "nothing to prepare."
+            f"{', '.join(inputs)}: no documents (blank .txt files and .jsonl files without lines); nothing to prepare."
         )
-    _write_atomic(out_dir / MANIFEST, json.dumps({k: v for k, v in manifest.items() if k != "reused_units"}, indent=1).encode())
+    _write_atomic(
+        out_dir / MANIFEST, json.dumps({k: v for k, v in manifest.items() if k != "reused_units"}, indent=1).encode()
+    )
     return manifest
 
 

@@ -50,7 +50,9 @@ def read_manifest(root: Path) -> dict[str, Any]:
     try:
         manifest = json.loads(file.read_text())
     except (OSError, ValueError) as exc:
-        raise ValueError(f"{file}: unreadable manifest ({exc}); re-prepare the folder with scripts/prepare_data.py.") from None
+        raise ValueError(
+            f"{file}: unreadable manifest ({exc}); re-prepare the folder with scripts/prepare_data.py."
+        ) from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ValueError(f"{file} is not a meshtrain prepared-data manifest; point `training.dataset_path` elsewhere.")
     if manifest.get("format_version") != FORMAT_VERSION:

@@ -199,7 +199,9 @@ def _build_arrays(kind: str, sources: Sources, tokenizer: Tokenizer, seq_len: in
     return arrays
 
 
-def build_dataset(kind: str, path: str | None, tokenizer: Tokenizer, seq_len: int, split: str = "train") -> SampleDataset:
+def build_dataset(
+    kind: str, path: str | None, tokenizer: Tokenizer, seq_len: int, split: str = "train"
+) -> SampleDataset:
     """The dataset of kind ``kind`` (``training.dataset``) from the bundled plays or from ``path``.
 
     ``path`` (``training.dataset_path``; ``None`` or empty for the bundled plays) is a file or a

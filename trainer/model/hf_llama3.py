@@ -304,7 +304,9 @@ def model_args_from_hf_config(cfg: dict[str, Any]) -> ModelArgs:
         if k in cfg and cfg[k] != ours
     }
     if unsupported:
-        raise InteropError(f"{CONFIG_FILE}: {unsupported} is not supported; trainer/model/llama3.py has SiLU and no biases.")
+        raise InteropError(
+            f"{CONFIG_FILE}: {unsupported} is not supported; trainer/model/llama3.py has SiLU and no biases."
+        )
     dim = _require(cfg, "hidden_size")
     n_heads = _require(cfg, "num_attention_heads")
     head_dim = cfg.get("head_dim") or dim // n_heads

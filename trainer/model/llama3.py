@@ -57,27 +57,59 @@ class ModelArgs:
 
 FLAVORS: dict[str, ModelArgs] = {
     "debugmodel": ModelArgs(
-        dim=256, n_layers=6, n_heads=16, n_kv_heads=8, vocab_size=2048, multiple_of=256,
-        rope_theta=500000.0, rope_scaling=False, vocab_from_tokenizer=True,
+        dim=256,
+        n_layers=6,
+        n_heads=16,
+        n_kv_heads=8,
+        vocab_size=2048,
+        multiple_of=256,
+        rope_theta=500000.0,
+        rope_scaling=False,
+        vocab_from_tokenizer=True,
     ),
     # Llama 3.2 ties the output projection to the embedding; here it is a separate matrix, as
     # in torchtitan, which adds vocab x dim parameters to the published counts.
     "1B": ModelArgs(
-        dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5, multiple_of=256,
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.5,
+        multiple_of=256,
         rope_scaling_factor=32.0,
     ),
     "3B": ModelArgs(
-        dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim_multiplier=1.0, multiple_of=256,
+        dim=3072,
+        n_layers=28,
+        n_heads=24,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.0,
+        multiple_of=256,
         rope_scaling_factor=32.0,
     ),
     "8B": ModelArgs(
-        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=1024,
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.3,
+        multiple_of=1024,
     ),
     "70B": ModelArgs(
-        dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=4096,
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.3,
+        multiple_of=4096,
     ),
     "405B": ModelArgs(
-        dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2, multiple_of=4096,
+        dim=16384,
+        n_layers=126,
+        n_heads=128,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.2,
+        multiple_of=4096,
     ),
 }
 
@@ -132,7 +164,11 @@ def _llama31_scaling(freqs: torch.Tensor, scale_factor: float) -> torch.Tensor:
     Wavelengths longer than the original context / low_freq_factor are divided by the scale
     factor, shorter than context / high_freq_factor are kept, and the band between is blended.
     """
-    low_freq_factor, high_freq_factor, old_context = LLAMA3_LOW_FREQ_FACTOR, LLAMA3_HIGH_FREQ_FACTOR, LLAMA3_ORIGINAL_CONTEXT
+    low_freq_factor, high_freq_factor, old_context = (
+        LLAMA3_LOW_FREQ_FACTOR,
+        LLAMA3_HIGH_FREQ_FACTOR,
+        LLAMA3_ORIGINAL_CONTEXT,
+    )
     low_freq_wavelen = old_context / low_freq_factor
     high_freq_wavelen = old_context / high_freq_factor
     wavelen = 2 * math.pi / freqs
@@ -261,7 +297,9 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        self.register_buffer("freqs_cis", rope_frequencies(args, device=self.tok_embeddings.weight.device), persistent=False)
+        self.register_buffer(
+            "freqs_cis", rope_frequencies(args, device=self.tok_embeddings.weight.device), persistent=False
+        )
         # Turns document ids into the blocks' attention mask, once per forward; context
         # parallelism swaps in one that matches its attention (keys gathered from every rank).
         self.attention_mask: Callable[[torch.Tensor, torch.dtype], object] = document_causal_mask

@@ -72,7 +72,7 @@ def local_slice(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 
 def tile_shape(ndim: int) -> tuple[int, ...]:
     """Tiles span ``TILE`` over the last two dimensions and one index of any before them."""
-    return (1,) * max(0, ndim - len(TILE)) + TILE[max(0, len(TILE) - ndim):]
+    return (1,) * max(0, ndim - len(TILE)) + TILE[max(0, len(TILE) - ndim) :]
 
 
 def tile_seed(seed: int, name: str, index: tuple[int, ...]) -> int:
@@ -82,8 +82,15 @@ def tile_seed(seed: int, name: str, index: tuple[int, ...]) -> int:
 
 
 @torch.no_grad()
-def fill_local_(local: torch.Tensor, global_shape: tuple[int, ...], offset: tuple[int, ...],
-                kind: str, std: float, seed: int, name: str) -> None:
+def fill_local_(
+    local: torch.Tensor,
+    global_shape: tuple[int, ...],
+    offset: tuple[int, ...],
+    kind: str,
+    std: float,
+    seed: int,
+    name: str,
+) -> None:
     """Fill ``local``, the box of ``global_shape`` starting at ``offset``, with the values the
     tiles of parameter ``name`` give it: ``normal(0, std)`` or ``trunc_normal(0, std)`` cut at
     ``TRUNCATE_AT_STD`` std."""
@@ -91,7 +98,9 @@ def fill_local_(local: torch.Tensor, global_shape: tuple[int, ...], offset: tupl
         raise ValueError(f"unknown initialisation {kind!r}; expected one of {KINDS}")
     if local.numel() == 0:
         return
-    values = local if local.dtype == torch.float32 else torch.empty(local.shape, dtype=torch.float32, device=local.device)
+    values = (
+        local if local.dtype == torch.float32 else torch.empty(local.shape, dtype=torch.float32, device=local.device)
+    )
     gen = torch.Generator(device=local.device)
     tile = tile_shape(len(global_shape))
     edge = math.erf(TRUNCATE_AT_STD / math.sqrt(2.0))

@@ -43,7 +43,8 @@ class StopRequests:
             self.signal_name, self._first_at = name, time.monotonic()
             logger.warning(
                 "received %s: stopping after this step (with a checkpoint when checkpointing is on); "
-                "send it again to stop at once", name,
+                "send it again to stop at once",
+                name,
             )
         elif time.monotonic() - self._first_at > GRACE_S:
             raise KeyboardInterrupt(f"a second {name}")

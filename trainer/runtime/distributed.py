@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 from torch.distributed.checkpoint.api import CheckpointException
 
-from trainer.errors import JobError
+from trainer.runtime.errors import JobError
 
 
 def init_distributed(device_type: str, timeout_s: float) -> torch.device:

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.config import ConfigError
-from trainer.errors import JobError
+from trainer.runtime.errors import JobError
 
 logger = logging.getLogger("meshtrain")
 
@@ -197,5 +197,9 @@ class DumpFolderLock:
             self._heartbeat.join()
             self._heartbeat = None
         found = read_lock(self.folder)
-        if found is not None and found[0].get("pid") == self._owner["pid"] and found[0].get("host") == self._owner["host"]:
+        if (
+            found is not None
+            and found[0].get("pid") == self._owner["pid"]
+            and found[0].get("host") == self._owner["host"]
+        ):
             self.path.unlink(missing_ok=True)

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from trainer.config import ConfigError
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _env_int(name: str, default: int) -> int:
@@ -75,8 +75,8 @@ def preflight(argv: list[str], nproc: int, nnodes: int, dry_run: bool = False) -
     """
     from trainer.build import data_lines, load_dataset, load_validation_dataset
     from trainer.config import load_config
-    from trainer.dump_folder import busy_message, is_stale, read_lock
     from trainer.plan import check_memory, describe, memory_limit, plan
+    from trainer.runtime.dump_folder import busy_message, is_stale, read_lock
 
     config = load_config(argv)
     job_plan = plan(config, nproc * nnodes)
@@ -99,7 +99,9 @@ def torchrun_command(argv: list[str], nproc: int, nnodes: int) -> list[str]:
             f"NNODES={nnodes} needs RDZV_ENDPOINT=host:port of one node (and the same RDZV_ID on every node)."
         )
     return [
-        sys.executable, "-m", "torch.distributed.run",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
         f"--nnodes={nnodes}",
         f"--nproc_per_node={nproc}",
         "--rdzv_backend=c10d",
@@ -109,7 +111,9 @@ def torchrun_command(argv: list[str], nproc: int, nnodes: int) -> list[str]:
         f"--local-ranks-filter={os.environ.get('LOG_RANK', '0')}",
         "--role=rank",
         "--tee=3",
-        "-m", "trainer.train", *argv,
+        "-m",
+        "trainer.train",
+        *argv,
     ]
 
 
@@ -156,7 +160,8 @@ def run(argv: list[str]) -> int:
             print(
                 f"meshtrain: {signal.Signals(signum).name}: the training processes finish their step "
                 "and save a checkpoint (when checkpointing is on); send it again to stop at once.",
-                file=sys.stderr, flush=True,
+                file=sys.stderr,
+                flush=True,
             )
             for pid in _children(torchrun.pid):
                 os.kill(pid, signal.SIGTERM)
@@ -169,7 +174,8 @@ def run(argv: list[str]) -> int:
     if received:
         print(
             f"meshtrain: stopped by {signal.Signals(received[0]).name}; rerun the same command to resume "
-            "from the newest checkpoint.", file=sys.stderr,
+            "from the newest checkpoint.",
+            file=sys.stderr,
         )
         return 128 + received[0]
     return code

@@ -104,8 +104,11 @@ class Estimate:
 
     def line(self) -> str:
         parts = (
-            ("params+grads+AdamW", self.model_state), ("FSDP buffers", self.fsdp_buffers),
-            ("activations", self.activations), ("logits", self.logits), ("allocator slack", self.allocator),
+            ("params+grads+AdamW", self.model_state),
+            ("FSDP buffers", self.fsdp_buffers),
+            ("activations", self.activations),
+            ("logits", self.logits),
+            ("allocator slack", self.allocator),
             ("runtime", self.runtime),
         )
         return f"{gib(self.total)} per rank = " + " + ".join(f"{gib(b)} {name}" for name, b in parts)
@@ -264,7 +267,8 @@ def fixes(w: Workload, limit: int, world_size: int) -> tuple[str, list[str]]:
         if shards is not None:
             processes = world_size // (w.dp_shard * w.tp) * shards * tp
             return "all", [
-                "`--activation_checkpoint.mode full`", "`--training.local_batch_size 1`",
+                "`--activation_checkpoint.mode full`",
+                "`--training.local_batch_size 1`",
                 *([f"`--parallelism.tensor_parallel_degree {tp}`"] if tp != w.tp else []),
                 _shard_text(w, shards, processes),
             ]
