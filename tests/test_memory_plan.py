@@ -14,8 +14,10 @@ import pytest
 from harness import ROOT, run_train
 
 from trainer.config import ConfigError, load_config
-from trainer.plan import check_memory, plan
-from trainer.runtime.memory_plan import Workload, estimate, fixes
+from trainer.plan import check_memory, memory_limit, plan, target_device
+from trainer.runtime.launch import main as launch_main
+from trainer.runtime.launch import take_option
+from trainer.runtime.memory_plan import TARGET_MEMORY_BYTES, Workload, estimate, estimates, fixes
 
 GIB = 1024**3
 EIGHT_B = Workload(
@@ -49,8 +51,9 @@ def test_each_part_follows_the_setting_that_shards_it():
     assert tp.model_state == pytest.approx(base.model_state / 2, rel=1e-6)
     assert base.activations / 2 < tp.activations < base.activations  # the gathered norm outputs stay whole
     assert tp.logits < base.logits and estimate(replace(EIGHT_B, tp=2, loss_parallel=False)).logits > tp.logits
-    deferred = estimate(replace(EIGHT_B, defer_gradient_reduction=True))
-    assert deferred.model_state > base.model_state
+    accumulating = estimate(replace(EIGHT_B, accumulation=2))
+    deferred = estimate(replace(EIGHT_B, accumulation=2, defer_gradient_reduction=True))
+    assert deferred.model_state > accumulating.model_state > base.model_state
     assert estimate(replace(EIGHT_B, local_batch_size=2)).activations == pytest.approx(2 * base.activations, rel=1e-6)
 
 
@@ -80,6 +83,100 @@ def test_suggested_changes_fit_and_the_error_names_them():
         1,
     )
     check_memory(unchecked, GIB, "the test's limit")
+
+
+SEVENTY_B = replace(
+    EIGHT_B, dim=8192, n_layers=80, n_heads=64, ffn_dim=28672, tp=8, dp_shard=2, ac_mode="full", pp_microbatches=16
+)
+PRESETS = ("llama3_1b.toml", "llama3_8b.toml", "llama3_70b.toml", "llama3_405b.toml")
+
+
+def _documented_world_size(preset: str) -> int:
+    """The world size the preset's header comment gives (``NGPU=8 NNODES=8 ./run_train.sh ...``)."""
+    header = (ROOT / "train_configs" / preset).read_text().split("\n[")[0]
+    found = re.search(r"NGPU=(\d+)(?: NNODES=(\d+))? \./run_train\.sh --config " + re.escape(preset), header)
+    assert found, f"{preset}: its header comment does not show the command for its machine"
+    return int(found.group(1)) * int(found.group(2) or 1)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_each_preset_fits_an_h100_with_ten_percent_headroom_at_its_documented_size(preset):
+    """What ``--dry-run --target-gpu h100`` checks, at the size the preset's header names."""
+    world_size = _documented_world_size(preset)
+    job = plan(load_config(["--config", preset]), world_size, target_device("h100"))
+    limit, where = memory_limit(1, None, started=False, target="h100")
+    assert limit == TARGET_MEMORY_BYTES["h100"] and "H100" in where
+    assert job.workload.device == "cuda" and job.workload.compute_bytes == 2
+    assert job.memory.total <= 0.9 * limit, job.memory.line()
+    check_memory(job, limit, where)
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "GPipe", "Interleaved1F1B", "ZBVZeroBubble"])
+@pytest.mark.parametrize("pp", [2, 4, 8])
+def test_pipeline_ranks_hold_the_model_once_between_them(pp, schedule):
+    """Every block, the embedding and the output on exactly one pipeline rank: a split that
+    counts a part twice, or the whole model per rank, fails."""
+    ranks = estimates(replace(SEVENTY_B, pp=pp, pp_schedule=schedule))
+    assert len(ranks) == pp
+    assert sum(e.params for e in ranks) == SEVENTY_B.params
+    whole = estimate(SEVENTY_B)
+    for e in ranks:
+        assert e.model_state < whole.model_state  # each rank holds a part, if with unsharded gradients
+    assert estimate(replace(SEVENTY_B, pp=pp, pp_schedule=schedule)) == max(ranks, key=lambda e: e.total)
+
+
+def test_pipeline_activations_are_those_of_the_micro_batches_in_flight():
+    one_f_one_b = estimates(replace(SEVENTY_B, pp=4))
+    gpipe = estimates(replace(SEVENTY_B, pp=4, pp_schedule="GPipe"))
+    # 1F1B: rank r keeps pp - r micro-batches (ranks 1 and 2 hold 21 blocks each: one micro-batch
+    # apart, its 21 block inputs and the stage's output), plus one block being recomputed.
+    kept = [e.activations for e in one_f_one_b]
+    assert kept[0] > kept[1] > kept[2] > kept[3]
+    microbatch = kept[1] - kept[2]
+    block_input = 8192 * 8192 / 8 * 2  # tokens x dim / tp x bf16, kept by full checkpointing
+    assert microbatch == pytest.approx(22 * block_input, rel=1e-6)
+    # GPipe keeps every micro-batch (16 here) on every rank, and the last stage their logits.
+    assert gpipe[1].activations - kept[1] == pytest.approx((16 - 3) * microbatch, rel=1e-6)
+    assert gpipe[3].logits == pytest.approx(16 * one_f_one_b[3].logits, rel=1e-6) and gpipe[0].logits == 0
+    more = estimates(replace(SEVENTY_B, pp=4, pp_microbatches=32))
+    assert [e.activations for e in more] == kept  # 1F1B's memory does not grow with the micro-batches
+    # Without activation checkpointing a micro-batch keeps every block's activations.
+    assert estimates(replace(SEVENTY_B, pp=4, ac_mode="none"))[0].activations > 10 * kept[0]
+
+
+def test_an_oversized_pipeline_job_names_the_changes_that_fit():
+    """The README's former 70B pipeline example (8 GPUs) cannot fit 8 H100s; the error says so.
+    For pp 2 x tp 4, each change it names fits when planned at its own world size."""
+    limit, where = memory_limit(1, None, started=False, target="h100")
+    former = plan(load_config(["--config", "llama3_70b.toml", "--mesh", "dp_replicate=2,pp=2,tp=2"]), 8, "cuda")
+    with pytest.raises(ConfigError, match="this job needs about .* more than one H100's memory"):
+        check_memory(former, limit, where)
+    eight = plan(load_config(["--config", "llama3_70b.toml", "--mesh", "pp=2,tp=4"]), 8, "cuda")
+    with pytest.raises(ConfigError, match="Any one of these would fit") as error:
+        check_memory(eight, limit, where)
+    message = str(error.value)
+    suggested = {
+        "dp_shard 8 (64 processes": ("pp=2,dp_shard=8,tp=4", 64),
+        "tensor_parallel_degree 8` (with 16 processes)": ("pp=2,tp=8", 16),
+        "pipeline_parallel_degree 8` (with 32 processes)": ("pp=8,tp=4", 32),
+    }
+    for text, (mesh, world_size) in suggested.items():
+        assert text in message
+        check_memory(
+            plan(load_config(["--config", "llama3_70b.toml", "--mesh", mesh]), world_size, "cuda"), limit, where
+        )
+
+
+def test_target_gpu_is_a_launcher_option_for_the_dry_run(monkeypatch, capsys):
+    assert take_option(["--dry-run", "--target-gpu", "h200", "--x"], "--target-gpu") == ("h200", ["--dry-run", "--x"])
+    assert take_option(["--target-gpu=a100"], "--target-gpu") == ("a100", [])
+    assert take_option(["--dry-run"], "--target-gpu") == (None, ["--dry-run"])
+    monkeypatch.setenv("NGPU", "8")
+    assert launch_main(["--config", "llama3_8b.toml", "--dry-run", "--target-gpu", "v100"]) == 2
+    assert "--target-gpu v100: unknown; use one of h100, h200, a100, b200, cpu" in capsys.readouterr().err
+    assert launch_main(["--config", "llama3_8b.toml", "--target-gpu", "h100"]) == 2
+    assert "give it with --dry-run or --simulate" in capsys.readouterr().err
+    assert launch_main(["--config", "llama3_8b.toml", "--target-gpu"]) == 2
 
 
 @pytest.mark.launcher

@@ -12,6 +12,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -158,9 +159,15 @@ def data_lines(plan: Plan, dataset: Dataset, validation_dataset: Dataset | None)
     return "\n".join(lines)
 
 
-def build_model(plan: Plan, meshes: Meshes, device: torch.device) -> tuple[Transformer, Parallelized]:
+def build_model(
+    plan: Plan, meshes: Meshes, device: torch.device, fake_tensors: AbstractContextManager[object] | None = None
+) -> tuple[Transformer, Parallelized]:
     """Build on the meta device, parallelise, then materialise and initialise only the local shards
-    (under pipeline parallelism: of this rank's stages)."""
+    (under pipeline parallelism: of this rank's stages).
+
+    ``fake_tensors`` (the simulator's, ``trainer/simulation``): materialise inside that context,
+    after parallelising outside it, and draw no initial values (fake tensors hold none).
+    """
     start = time.monotonic()
     rank0 = dist.get_rank() == 0
     with torch.device("meta"):
@@ -173,14 +180,16 @@ def build_model(plan: Plan, meshes: Meshes, device: torch.device) -> tuple[Trans
     local = num_params(model)
     if rank0:
         logger.info("allocating this rank's shards on %s", device.type)
-    for part in parts:
-        part.to_empty(device=device)
-    seed = plan.config.debug.seed
-    if rank0:
-        logger.info("initialising the weights (seed %d)", seed)
-    progress = InitProgress(local) if rank0 and local >= PROGRESS_MIN_PARAMS else None
-    for part in parts:
-        part.init_weights(seed, progress=progress)
+    with fake_tensors or nullcontext():
+        for part in parts:
+            part.to_empty(device=device)
+    if fake_tensors is None:
+        seed = plan.config.debug.seed
+        if rank0:
+            logger.info("initialising the weights (seed %d)", seed)
+        progress = InitProgress(local) if rank0 and local >= PROGRESS_MIN_PARAMS else None
+        for part in parts:
+            part.init_weights(seed, progress=progress)
     if rank0:
         logger.info("model built and initialised in %.1f s", time.monotonic() - start)
     return model, parallelized
@@ -213,9 +222,13 @@ class InitProgress:
         self.next_percent = (percent // PROGRESS_EVERY_PERCENT + 1) * PROGRESS_EVERY_PERCENT
 
 
-def build_trainer(plan: Plan, dataset: Dataset) -> Trainer:
-    """Join the process group and build the sharded model, optimizer, data and accumulator."""
-    config, training = plan.config, plan.config.training
+def build_trainer(plan: Plan, dataset: Dataset, fake_tensors: AbstractContextManager[object] | None = None) -> Trainer:
+    """Join the process group and build the sharded model, optimizer, data and accumulator.
+
+    ``fake_tensors``: the simulator's context for every tensor made after parallelising (see
+    :func:`build_model`); it joins a fake process group beforehand.
+    """
+    config = plan.config
     dev_type = device_type()
     device = init_distributed(dev_type, config.comm.init_timeout_seconds)
     if config.debug.deterministic:
@@ -223,7 +236,16 @@ def build_trainer(plan: Plan, dataset: Dataset) -> Trainer:
         torch.use_deterministic_algorithms(True)
     torch.manual_seed(config.debug.seed)
     meshes = plan.dims.build_mesh(dev_type)
-    model, parallelized = build_model(plan, meshes, device)
+    model, parallelized = build_model(plan, meshes, device, fake_tensors)
+    with fake_tensors or nullcontext():
+        return _assemble(plan, dataset, device, meshes, model, parallelized)
+
+
+def _assemble(
+    plan: Plan, dataset: Dataset, device: torch.device, meshes: Meshes, model: Transformer, parallelized: Parallelized
+) -> Trainer:
+    """The optimizer, loader, accumulator and pipeline around the built model."""
+    config, training, dev_type = plan.config, plan.config.training, device.type
     context_parallel = parallelized.context_parallel
     loss_fn = torch.compile(cross_entropy_sum) if plan.parallel.compile_loss else cross_entropy_sum
     positions = context_parallel.positions.to(device) if context_parallel else None

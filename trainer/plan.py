@@ -20,7 +20,16 @@ from trainer.config import ConfigError, JobConfig, resolve_path
 from trainer.data.tokenizer import Tokenizer, load_tokenizer
 from trainer.model.llama3 import ModelArgs, model_args
 from trainer.runtime.dump_folder import check_dump_folder
-from trainer.runtime.memory_plan import Estimate, Workload, cpu_limit_per_rank, estimate, fixes, gib, gpu_limit
+from trainer.runtime.memory_plan import (
+    TARGET_MEMORY_BYTES,
+    Estimate,
+    Workload,
+    cpu_limit_per_rank,
+    estimate,
+    fixes,
+    gib,
+    gpu_limit,
+)
 
 SETTING_KEYS = {
     "dp_replicate": "`parallelism.data_parallel_replicate_degree`",
@@ -85,8 +94,13 @@ class Plan:
         return self.config.training.seq_len if seq_len == -1 else seq_len
 
 
-def plan(config: JobConfig, world_size: int) -> Plan:
-    """Validate ``config`` against ``world_size``; raise :class:`ConfigError` naming the key."""
+def plan(config: JobConfig, world_size: int, device: str | None = None) -> Plan:
+    """Validate ``config`` against ``world_size``; raise :class:`ConfigError` naming the key.
+
+    ``device``: the device type the job will run on ("cuda", "cpu"), when it is not this
+    machine's (``--dry-run --target-gpu``).
+    """
+    device = device or device_type()
     parallelism, training = config.parallelism, config.training
     try:
         dims = ParallelDims(
@@ -113,9 +127,9 @@ def plan(config: JobConfig, world_size: int) -> Plan:
         args = model_args(config.model.flavor, tokenizer.vocab_size, training.seq_len)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    settings = parallel_settings(config, dims, global_batch // dims.dp)
+    settings = parallel_settings(config, dims, global_batch // dims.dp, device)
     try:
-        check(dims, settings, ModelShape(args.n_heads, args.kv_heads, args.vocab_size, args.n_layers), device_type())
+        check(dims, settings, ModelShape(args.n_heads, args.kv_heads, args.vocab_size, args.n_layers), device)
     except ParallelismError as e:
         raise ConfigError(e.render(SETTING_KEYS)) from None
     validation = config.validation
@@ -129,19 +143,24 @@ def plan(config: JobConfig, world_size: int) -> Plan:
             f"`validation.seq_len` = {validation.seq_len} differs from `training.seq_len` = {training.seq_len}, "
             f"but {which} sequences of the training length only; set `validation.seq_len = -1`."
         )
-    if config.profiling.enable_memory_snapshot and device_type() != "cuda":
+    if config.profiling.enable_memory_snapshot and device != "cuda":
         raise ConfigError("`profiling.enable_memory_snapshot` records the CUDA allocator: it needs a GPU.")
     check_dump_folder(config.job.dump_folder)
     if config.checkpoint.create_seed_checkpoint and world_size != 1:
         raise ConfigError(
             f"`checkpoint.create_seed_checkpoint` runs on one process, not {world_size}: launch it with NGPU=1."
         )
-    workload = memory_workload(config, dims, settings, args)
+    workload = memory_workload(config, dims, settings, args, device)
     return Plan(config, dims, settings, global_batch // per_microbatch, global_batch, args, tokenizer, workload)
 
 
-def memory_workload(config: JobConfig, dims: ParallelDims, settings: ParallelSettings, args: ModelArgs) -> Workload:
+def memory_workload(
+    config: JobConfig, dims: ParallelDims, settings: ParallelSettings, args: ModelArgs, device: str
+) -> Workload:
+    """Under pipeline parallelism the model runs the pipeline's micro-batches, whatever
+    ``training.local_batch_size`` (which only cuts the loader's batch)."""
     training = config.training
+    pipelined = dims.pp > 1
     return Workload(
         dim=args.dim,
         n_layers=args.n_layers,
@@ -149,27 +168,36 @@ def memory_workload(config: JobConfig, dims: ParallelDims, settings: ParallelSet
         kv_heads=args.kv_heads,
         ffn_dim=args.ffn_hidden_dim,
         vocab_size=args.vocab_size,
-        local_batch_size=training.local_batch_size,
+        local_batch_size=settings.pp_microbatch_size if pipelined else training.local_batch_size,
         seq_len=training.seq_len,
         dp_shard=dims.dp_shard,
         cp=dims.cp,
         tp=dims.tp,
         compute_bytes=settings.param_dtype.itemsize,
+        reduce_bytes=settings.reduce_dtype.itemsize,
         ac_mode=settings.ac_mode,
         ac_option=settings.ac_option,
         loss_parallel=settings.loss_parallel,
         defer_gradient_reduction=training.defer_gradient_reduction,
+        accumulation=settings.pp_rank_batch // training.local_batch_size,
         reshard_after_forward=settings.reshard_after_forward,
-        cp_allgather_kv=resolve_backend(settings.cp_backend, device_type(), settings.document_mask) == "allgather_kv",
+        cp_allgather_kv=resolve_backend(settings.cp_backend, device, settings.document_mask) == "allgather_kv",
         document_mask=settings.document_mask,
-        device=device_type(),
+        device=device,
+        pp=dims.pp,
+        pp_schedule=settings.pp_schedule,
+        pp_microbatches=settings.pp_rank_batch // settings.pp_microbatch_size if pipelined else 1,
+        pp_layers_per_stage=settings.pp_layers_per_stage,
+        pp_first_less=settings.pp_first_stage_less_layers,
+        pp_last_less=settings.pp_last_stage_less_layers,
     )
 
 
 def describe(plan: Plan, limit: int | None, where: str) -> str:
     """What the job will be, in a few lines (``--dry-run``)."""
     config, dims, training, w = plan.config, plan.dims, plan.config.training, plan.workload
-    fits = f" (limit {gib(limit)}: {where})" if limit is not None else ""
+    headroom = f"; {1 - plan.memory.total / limit:.0%} headroom" if limit else ""
+    fits = f" (limit {gib(limit)}: {where}{headroom})" if limit is not None else ""
     return "\n".join(
         [
             f"model: {config.model.name} {config.model.flavor}, {w.params:,} parameters "
@@ -184,11 +212,25 @@ def describe(plan: Plan, limit: int | None, where: str) -> str:
     )
 
 
-def memory_limit(local_ranks: int, device_index: int | None, started: bool) -> tuple[int | None, str]:
-    """The memory one rank may use, and what it is, on this machine (see ``trainer/runtime/memory_plan.py``)."""
-    if device_type() == "cuda":
+def memory_limit(
+    local_ranks: int, device_index: int | None, started: bool, target: str | None = None
+) -> tuple[int | None, str]:
+    """The memory one rank may use, and what it is: on this machine (see
+    ``trainer/runtime/memory_plan.py``), or on one GPU of kind ``target`` (``--target-gpu``)."""
+    if target in TARGET_MEMORY_BYTES:
+        return TARGET_MEMORY_BYTES[target], f"one {target.upper()}'s memory (`--target-gpu {target}`)"
+    if device_type() == "cuda" and target is None:
         return gpu_limit(device_index), "the GPU's memory"
     return cpu_limit_per_rank(local_ranks, started), f"this machine's available memory shared by {local_ranks} rank(s)"
+
+
+def target_device(target: str) -> str:
+    """The device type a ``--target-gpu`` name plans for; :class:`ConfigError` for an unknown name."""
+    if target == "cpu":
+        return "cpu"
+    if target in TARGET_MEMORY_BYTES:
+        return "cuda"
+    raise ConfigError(f"--target-gpu {target}: unknown; use one of {', '.join([*TARGET_MEMORY_BYTES, 'cpu'])}.")
 
 
 def check_memory(plan: Plan, limit: int | None, where: str) -> None:
@@ -212,8 +254,11 @@ def check_memory(plan: Plan, limit: int | None, where: str) -> None:
     )
 
 
-def parallel_settings(config: JobConfig, dims: ParallelDims, rank_batch: int) -> ParallelSettings:
-    """``rank_batch``: sequences one data-parallel rank trains on per step."""
+def parallel_settings(
+    config: JobConfig, dims: ParallelDims, rank_batch: int, device: str | None = None
+) -> ParallelSettings:
+    """``rank_batch``: sequences one data-parallel rank trains on per step; ``device``: the
+    device type to resolve ``auto`` settings for (this machine's by default)."""
     parallelism, compile_config = config.parallelism, config.compile
     return ParallelSettings(
         seq_len=config.training.seq_len,
@@ -226,7 +271,7 @@ def parallel_settings(config: JobConfig, dims: ParallelDims, rank_batch: int) ->
         ac_option=config.activation_checkpoint.selective_ac_option,
         compile_model=compile_config.enable and "model" in compile_config.components,
         compile_loss=compile_config.enable and "loss" in compile_config.components,
-        param_dtype=param_dtype(config.training.mixed_precision_param, device_type()),
+        param_dtype=param_dtype(config.training.mixed_precision_param, device or device_type()),
         reduce_dtype=getattr(torch, config.training.mixed_precision_reduce),
         reshard_after_forward=parallelism.fsdp_reshard_after_forward,
         pp_schedule=parallelism.pipeline_parallel_schedule,

@@ -54,6 +54,8 @@ def main(argv: list[str]) -> int:
     if "--help" in argv or "-h" in argv:
         print(help_text(argv))
         return 0
+    if "--simulate" in argv:
+        return simulate_job(argv)
     if "--dry-run" in argv:
         return dry_run([a for a in argv if a != "--dry-run"], int(os.environ.get("WORLD_SIZE", 1)))
     stop = StopRequests()
@@ -95,6 +97,19 @@ def _main(argv: list[str], stop: StopRequests) -> int:
         if lock is not None:
             lock.release()
     return 0
+
+
+def simulate_job(argv: list[str]) -> int:
+    """``--simulate`` (``trainer/simulation``) for ``WORLD_SIZE`` ranks, ``LOCAL_WORLD_SIZE`` per node."""
+    from trainer.simulation.simulate import simulate
+
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    try:
+        return simulate(argv, per_node, max(world_size // per_node, 1))
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print(f"meshtrain: config error: {e}", file=sys.stderr)
+        return 2
 
 
 def dry_run(argv: list[str], world_size: int) -> int:

@@ -5,7 +5,8 @@
    (writable, not held by a running job) are checked in this one process. A mistake prints one
    message and exits 2 in seconds, before torchrun starts any worker. The dataset is tokenized
    here, so the workers find it in the token cache. ``--dry-run`` prints the plan and the
-   memory estimate and exits.
+   memory estimate and exits; with ``--target-gpu NAME`` (h100, h200, a100, b200, cpu) it plans
+   for one such GPU per process, from any machine.
 2. **Launch.** torchrun (``python -m torch.distributed.run`` of this interpreter) runs in a
    session of its own, so Ctrl-C in the terminal reaches this launcher only.
 3. **Stop well.** On SIGTERM or SIGINT the launcher sends SIGTERM to the training processes
@@ -68,19 +69,20 @@ def training_argv(argv: list[str]) -> list[str]:
     return ["--config", config_file, *argv]
 
 
-def preflight(argv: list[str], nproc: int, nnodes: int, dry_run: bool = False) -> None:
+def preflight(argv: list[str], nproc: int, nnodes: int, dry_run: bool = False, target: str | None = None) -> None:
     """Everything the workers would check, once, here; raise ConfigError (or ValueError, ...).
 
-    With ``dry_run``, print what the job would be (plan and memory estimate) too.
+    With ``dry_run``, print what the job would be (plan and memory estimate) too; with
+    ``target`` (``--target-gpu``), plan for one GPU of that kind per process instead of this machine.
     """
     from trainer.build import data_lines, load_dataset, load_validation_dataset
     from trainer.config import load_config
-    from trainer.plan import check_memory, describe, memory_limit, plan
+    from trainer.plan import check_memory, describe, memory_limit, plan, target_device
     from trainer.runtime.dump_folder import busy_message, is_stale, read_lock
 
     config = load_config(argv)
-    job_plan = plan(config, nproc * nnodes)
-    limit, where = memory_limit(nproc, None, started=False)
+    job_plan = plan(config, nproc * nnodes, target_device(target) if target else None)
+    limit, where = memory_limit(nproc, None, started=False, target=target)
     if dry_run:
         print(describe(job_plan, limit, where))
     check_memory(job_plan, limit, where)
@@ -90,6 +92,18 @@ def preflight(argv: list[str], nproc: int, nnodes: int, dry_run: bool = False) -
     found = read_lock(config.job.dump_folder)
     if found is not None and not is_stale(*found):
         raise ConfigError(busy_message(config.job.dump_folder, *found))
+
+
+def take_option(argv: list[str], name: str) -> tuple[str | None, list[str]]:
+    """The value of launcher option ``name`` (``--name VALUE`` or ``--name=VALUE``), and ``argv`` without it."""
+    for i, arg in enumerate(argv):
+        if arg.startswith(f"{name}="):
+            return arg.split("=", 1)[1], argv[:i] + argv[i + 1 :]
+        if arg == name:
+            if i + 1 == len(argv) or argv[i + 1].startswith("--"):
+                raise ConfigError(f"{name} needs a value, e.g. `{name} h100`.")
+            return argv[i + 1], argv[:i] + argv[i + 2 :]
+    return None, argv
 
 
 def torchrun_command(argv: list[str], nproc: int, nnodes: int) -> list[str]:
@@ -138,9 +152,16 @@ def _children(pid: int) -> list[int]:
 def run(argv: list[str]) -> int:
     """Launch and wait; the exit code of the job (see the module docstring)."""
     nproc, nnodes = _env_int("NGPU", 0) or local_device_count(), _env_int("NNODES", 1)
+    if "--simulate" in argv:  # one process on fake tensors: no torchrun, no rendezvous (trainer/simulation)
+        from trainer.simulation.simulate import simulate
+
+        return simulate(argv, nproc, nnodes)
+    target, argv = take_option(argv, "--target-gpu")
     if "--dry-run" in argv:
-        preflight([a for a in argv if a != "--dry-run"], nproc, nnodes, dry_run=True)
+        preflight([a for a in argv if a != "--dry-run"], nproc, nnodes, dry_run=True, target=target)
         return 0
+    if target is not None:
+        raise ConfigError("--target-gpu plans for another machine: give it with --dry-run or --simulate.")
     command = torchrun_command(argv, nproc, nnodes)
     preflight(argv, nproc, nnodes)
     from trainer.metrics import CONSOLE_TTY_ENV
@@ -186,8 +207,9 @@ def main(argv: list[str]) -> int:
         argv = training_argv(argv)
         if "--help" in argv or "-h" in argv:
             from trainer.config import help_text
+            from trainer.simulation.targets import HELP
 
-            print(help_text(argv))
+            print(help_text(argv) + "\n\n" + HELP)
             return 0
         return run(argv)
     except (ConfigError, ValueError, FileNotFoundError) as e:

@@ -6,7 +6,11 @@ make it fit, instead of spending minutes initialising and then dying of an out-o
 
 * **model state**: fp32 parameters, fp32 gradients and AdamW's two fp32 moments, each sharded
   over ``dp_shard x cp`` (FSDP) and ``tp`` (replicas under HSDP hold their own copy); with
-  ``training.defer_gradient_reduction`` the gradients accumulate unsharded;
+  ``training.defer_gradient_reduction`` the gradients accumulate unsharded, in the reduce dtype.
+  With one micro-batch per step on CUDA, backward frees each block's activations as it makes
+  the block's gradients, so the peak holds the activations and logits or the gradients,
+  whichever are larger (only what the gradients exceed them by is counted); with gradient
+  accumulation, the gradients of the earlier micro-batches are held throughout;
 * **FSDP buffers**: the gathered (unsharded) parameters of the block computing and the one
   prefetched, in the compute dtype, and one block's unsharded gradients before they are reduced;
   all blocks stay gathered with ``fsdp_reshard_after_forward = "never"``;
@@ -21,7 +25,21 @@ make it fit, instead of spending minutes initialising and then dying of an out-o
   their repeats for grouped-query attention up to each local chunk's end; document masking
   keeps one additive attention mask (queries x keys, in the compute dtype) shared by all blocks;
 * **logits and loss**: the logits of one micro-batch (vocabulary-sharded under loss parallel),
-  their float32 copy, the log-softmax kept for backward and the gradient;
+  their float32 copy, the log-softmax kept for backward and the gradient. Backward frees them
+  before it recomputes the first checkpointed block, so on CUDA that block counts only by what
+  it exceeds them by;
+* **pipeline stages**: under pipeline parallelism each ``pp`` rank holds its stages' blocks, the
+  embedding on the first stage, the final norm and output on the last
+  (``parallelisms/pipeline_parallel.py`` splits them; the estimate is the largest rank's).
+  torch's ``PipelineStage`` keeps FSDP from resharding after backward and from reducing
+  gradients until the step's last micro-batch, so a rank holds its stages' parameters gathered
+  and their gradients unsharded (in the reduce dtype) for most of the step. Activations are
+  those of the micro-batches in flight: ``GPipe`` runs every forward before any backward (all
+  of them, and the last stage keeps every micro-batch's logits); ``1F1B`` keeps ``pp - r`` on
+  rank ``r`` (``pp`` on the first); the multi-stage schedules keep what torch's interleaved
+  warm-up leaves, ``(v - 1) pp + 2 (pp - 1 - r) + 1`` stage micro-batches of ``v`` stages per
+  rank (zero-bubble schedules are counted the same, without their deferred weight-gradient
+  inputs). Each in-flight micro-batch also keeps its stage's output for the send;
 * **allocator slack**: memory freed by backward that the allocator cannot hand back or reuse
   at once. On CPU glibc's heap fragments as activations are freed and gradients allocated
   (measured here: the peak RSS exceeds the live activations by 13% with full checkpointing to
@@ -41,6 +59,10 @@ import re
 import shutil
 import subprocess
 from dataclasses import dataclass, replace
+from pathlib import Path
+
+from parallelisms.parallel_dims import ParallelismError
+from parallelisms.pipeline_parallel import plan_split
 
 _GIB = 1024**3
 RUNTIME_BYTES = {"cpu": int(0.40 * _GIB), "cuda": int(1.5 * _GIB)}
@@ -48,6 +70,15 @@ RUNTIME_BYTES = {"cpu": int(0.40 * _GIB), "cuda": int(1.5 * _GIB)}
 NCCL's buffers."""
 ALLOCATOR_SLACK = {"cpu": 0.45, "cuda": 0.1}
 """Peak memory beyond the live activations, as a fraction of them (see the module docstring)."""
+TARGET_MEMORY_BYTES = {
+    "h100": 85_029_158_912,
+    "h200": 150_754_820_096,
+    "a100": 85_089_697_792,
+    "b200": 183_359 * 1024**2,
+}
+"""``--target-gpu``: one GPU's memory as ``torch.cuda.get_device_properties().total_memory``
+reports it (a little under the marketed 80, 141, 80 and 192 GB), as ``trainer/simulation/targets.py`` has it.
+``cpu`` is this machine's available memory."""
 
 
 @dataclass(frozen=True)
@@ -61,20 +92,33 @@ class Workload:
     ffn_dim: int
     vocab_size: int
     local_batch_size: int
+    """Sequences of one micro-batch the model runs: under pipeline parallelism, the pipeline's
+    micro-batch (``parallelism.pipeline_parallel_microbatch_size``)."""
     seq_len: int
     dp_shard: int
     cp: int
     tp: int
     compute_bytes: int
     """Bytes per element of activations and gathered parameters (2 for bf16, 4 for fp32)."""
+    reduce_bytes: int = 4
+    """Bytes per element of gradients accumulated unsharded (``training.mixed_precision_reduce``)."""
     ac_mode: str = "none"
     ac_option: str = "op"
     loss_parallel: bool = True
     defer_gradient_reduction: bool = False
+    accumulation: int = 1
+    """Micro-batches per optimizer step on each data-parallel rank (gradient accumulation)."""
     reshard_after_forward: str = "default"
     cp_allgather_kv: bool = True
     document_mask: bool = False
     device: str = "cpu"
+    pp: int = 1
+    pp_schedule: str = "1F1B"
+    pp_microbatches: int = 1
+    """Pipeline micro-batches per schedule step on each data-parallel rank."""
+    pp_layers_per_stage: int = -1
+    pp_first_less: int = 1
+    pp_last_less: int = 1
 
     @property
     def block_params(self) -> int:
@@ -89,7 +133,8 @@ class Workload:
 
 @dataclass(frozen=True)
 class Estimate:
-    """Per-rank bytes by part; :attr:`total` is the expected peak."""
+    """Per-rank bytes by part; :attr:`total` is the expected peak. Under pipeline parallelism,
+    those of ``pp_rank``, the rank that needs the most."""
 
     model_state: int
     fsdp_buffers: int
@@ -97,6 +142,10 @@ class Estimate:
     logits: int
     allocator: int
     runtime: int
+    pp_rank: int | None = None
+    """The pipeline rank (None without pipeline parallelism)."""
+    params: int = 0
+    """Parameters of the model this rank's stages hold, before sharding (all of them without pipelining)."""
 
     @property
     def total(self) -> int:
@@ -111,7 +160,22 @@ class Estimate:
             ("allocator slack", self.allocator),
             ("runtime", self.runtime),
         )
-        return f"{gib(self.total)} per rank = " + " + ".join(f"{gib(b)} {name}" for name, b in parts)
+        where = f" (pipeline rank {self.pp_rank}, the largest)" if self.pp_rank is not None else ""
+        return f"{gib(self.total)} per rank{where} = " + " + ".join(f"{gib(b)} {name}" for name, b in parts)
+
+
+@dataclass(frozen=True)
+class _Share:
+    """What one pipeline rank holds and keeps in flight (the whole model without pipelining)."""
+
+    pp_rank: int | None
+    blocks: int
+    first: bool
+    last: bool
+    microbatches: float
+    """Micro-batches of the rank's blocks whose activations are kept at the peak."""
+    logits: int
+    """Micro-batches whose logits are kept (on the last stage)."""
 
 
 def gib(n: float) -> str:
@@ -119,26 +183,78 @@ def gib(n: float) -> str:
 
 
 def estimate(w: Workload) -> Estimate:
+    """The rank that needs the most (the ranks differ only by their pipeline stages)."""
+    return max(estimates(w), key=lambda e: e.total)
+
+
+def estimates(w: Workload) -> list[Estimate]:
+    """One estimate per pipeline rank, in pipeline order (one without pipelining)."""
+    return [_estimate(w, share) for share in _shares(w)]
+
+
+def _shares(w: Workload) -> list[_Share]:
+    if w.pp == 1:
+        return [_Share(None, w.n_layers, True, True, 1, 1)]
+    split = plan_split(w.n_layers, w.pp, w.pp_schedule, w.pp_layers_per_stage, w.pp_first_less, w.pp_last_less)
+    m, pp, per_rank = w.pp_microbatches, w.pp, split.stages_per_rank
+    shares = []
+    for rank in range(pp):
+        stages = split.rank_stages(rank)
+        blocks = sum(len(split.stage_blocks[s]) for s in stages)
+        if w.pp_schedule == "GPipe":
+            in_flight = float(m)
+        elif per_rank == 1:
+            in_flight = float(min(m, pp - rank))
+        else:
+            stage_microbatches = min(m * per_rank, (per_rank - 1) * pp + 2 * (pp - 1 - rank) + 1)
+            in_flight = stage_microbatches / per_rank
+        last = split.num_stages - 1 in stages
+        logits = (m if w.pp_schedule == "GPipe" else 1) if last else 0
+        shares.append(_Share(rank, blocks, 0 in stages, last, in_flight, logits))
+    return shares
+
+
+def _estimate(w: Workload, share: _Share) -> Estimate:
     shards = w.dp_shard * w.cp * w.tp
-    grads = 4 * w.params / (w.tp if w.defer_gradient_reduction else shards)
-    model_state = 4 * w.params / shards + grads + 8 * w.params / shards
-    gathered_blocks = w.n_layers if w.reshard_after_forward == "never" else 2
-    gathered = (gathered_blocks * w.block_params + w.vocab_size * w.dim) * w.compute_bytes / w.tp
-    fsdp_buffers = gathered + w.block_params * (w.compute_bytes + 4) / w.tp
-    activations = _activations(w) + _document_mask(w)
+    params = share.blocks * w.block_params + w.vocab_size * w.dim * (share.first + share.last) + w.dim * share.last
+    sharded_state = (4 + 8) * params / shards  # fp32 parameters, AdamW's two moments
+    kept, recomputed = _activations(w, share)
+    logits = share.logits * _logits(w)
+    # CUDA's caching allocator reuses what backward frees (the loss's tensors before the first
+    # recompute, activations as gradients come); glibc's heap on CPU does not (measured:
+    # benchmarks/simulator_vs_measured.py, full checkpointing), so there both are counted.
+    reuses = w.device == "cuda"
+    activations = kept + (max(0.0, recomputed - logits) if reuses else recomputed) + _document_mask(w)
+    if w.pp > 1:
+        # PipelineStage defers FSDP's reshard and reduce to the step's last backward.
+        grads = w.reduce_bytes * params / w.tp
+        fsdp_buffers = (params + w.block_params) * w.compute_bytes / w.tp
+    else:
+        deferred = w.defer_gradient_reduction and w.accumulation > 1
+        grads = w.reduce_bytes * params / w.tp if deferred else 4 * params / shards
+        if w.accumulation == 1 and reuses:
+            # Backward frees a block's activations as it makes its gradients: with no gradients
+            # kept from an earlier micro-batch, the peak holds the larger of the two.
+            grads = max(0.0, grads - activations - logits)
+        gathered_blocks = w.n_layers if w.reshard_after_forward == "never" else 2
+        gathered = (gathered_blocks * w.block_params + w.vocab_size * w.dim) * w.compute_bytes / w.tp
+        fsdp_buffers = gathered + w.block_params * (w.compute_bytes + 4) / w.tp
     device = w.device if w.device in RUNTIME_BYTES else "cpu"
     return Estimate(
-        model_state=int(model_state),
+        model_state=int(sharded_state + grads),
         fsdp_buffers=int(fsdp_buffers),
         activations=int(activations),
-        logits=int(_logits(w)),
+        logits=int(logits),
         allocator=int(ALLOCATOR_SLACK[device] * activations),
         runtime=RUNTIME_BYTES[device],
+        pp_rank=share.pp_rank,
+        params=params,
     )
 
 
-def _activations(w: Workload) -> float:
-    """Bytes kept for backward by one micro-batch's blocks, with activation checkpointing."""
+def _activations(w: Workload, share: _Share) -> tuple[float, float]:
+    """Bytes kept for backward by the micro-batches in flight through the rank's blocks, with
+    activation checkpointing; and those of the one block being recomputed in backward."""
     tokens = w.local_batch_size * w.seq_len / w.cp
     d, kv, f, t, b = w.dim, w.dim * w.kv_heads // w.n_heads, w.ffn_dim, w.tp, w.compute_bytes
     # Per token: two all-gathered norm outputs (full width), then what tensor parallelism splits:
@@ -152,16 +268,19 @@ def _activations(w: Workload) -> float:
         repeated = 2 * d / t * (sequence * (2 * w.cp + 1) / (2 * w.cp) - tokens)
         full_block += (repeated + 2 * kv / t * sequence) * b
     block_input = tokens * d / t * b
+    blocks = share.blocks
     if w.ac_mode == "full":
-        return w.n_layers * block_input + full_block
-    if w.ac_mode == "selective" and w.ac_option == "op":
+        kept = blocks * block_input
+    elif w.ac_mode == "selective" and w.ac_option == "op":
         # Kept: the projections' and attention's outputs (q, k, v, attention, wo, w1, w3, w2).
-        return w.n_layers * tokens * (4 * d + 2 * kv + 2 * f) / t * b + full_block
-    if w.ac_mode == "selective":
-        every = int(w.ac_option)
-        checkpointed = (w.n_layers + every - 1) // every
-        return checkpointed * block_input + (w.n_layers - checkpointed + 1) * full_block
-    return w.n_layers * full_block
+        kept = blocks * tokens * (4 * d + 2 * kv + 2 * f) / t * b
+    elif w.ac_mode == "selective":
+        checkpointed = (blocks + int(w.ac_option) - 1) // int(w.ac_option)
+        kept = checkpointed * block_input + (blocks - checkpointed) * full_block
+    else:
+        kept, full_block = blocks * full_block, 0.0
+    stage_output = block_input if w.pp > 1 and not share.last else 0.0
+    return share.microbatches * (kept + stage_output), full_block
 
 
 def _document_mask(w: Workload) -> float:
@@ -176,10 +295,11 @@ def _document_mask(w: Workload) -> float:
 
 
 def _logits(w: Workload) -> float:
+    """One micro-batch's: the logits, their float32 copy, the log-softmax kept for backward and
+    its gradient, and the final norm's output."""
     tokens = w.local_batch_size * w.seq_len / w.cp
     vocab = w.vocab_size / w.tp if w.loss_parallel else w.vocab_size
     float_copy = 4 if w.compute_bytes != 4 else 0
-    # The logits, their float32 copy, the log-softmax kept for backward, and its gradient.
     return tokens * vocab * (w.compute_bytes + float_copy + 4 + 4) + tokens * w.dim * w.compute_bytes
 
 
@@ -188,7 +308,7 @@ def _logits(w: Workload) -> float:
 
 def _meminfo(field: str) -> int | None:
     try:
-        text = open("/proc/meminfo").read()
+        text = Path("/proc/meminfo").read_text()
     except OSError:
         return None
     match = re.search(rf"^{field}:\s+(\d+) kB", text, re.MULTILINE)
@@ -197,7 +317,7 @@ def _meminfo(field: str) -> int | None:
 
 def _own_rss() -> int:
     try:
-        pages = int(open("/proc/self/statm").read().split()[1])
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
     except (OSError, IndexError, ValueError):
         return 0
     return pages * os.sysconf("SC_PAGE_SIZE")
@@ -253,26 +373,58 @@ def fixes(w: Workload, limit: int, world_size: int) -> tuple[str, list[str]]:
     if w.ac_mode != "full" and estimate(replace(w, ac_mode="full")).total <= limit:
         single.append("`--activation_checkpoint.mode full`")
     for batch in range(w.local_batch_size - 1, 0, -1):
-        if estimate(replace(w, local_batch_size=batch)).total <= limit:
-            single.append(
-                f"`--training.local_batch_size {batch}` (with `training.global_batch_size` set, the global "
-                "batch stays and the micro-batches are more)"
-            )
+        if estimate(_with_microbatch(w, batch)).total <= limit:
+            single.append(_microbatch_text(w, batch))
+            break
+    for pp in _pp_degrees(w):
+        if estimate(replace(w, pp=pp)).total <= limit:
+            single.append(f"`--parallelism.pipeline_parallel_degree {pp}` (with {world_size // w.pp * pp} processes)")
             break
     if single:
         return "any", single
-    smallest = replace(w, ac_mode="full", local_batch_size=1)
+    smallest = replace(_with_microbatch(w, 1), ac_mode="full")
     for tp in (w.tp, *_tp_degrees(w)):
         shards = _fitting_shards(replace(smallest, tp=tp), limit)
         if shards is not None:
             processes = world_size // (w.dp_shard * w.tp) * shards * tp
             return "all", [
                 "`--activation_checkpoint.mode full`",
-                "`--training.local_batch_size 1`",
+                _microbatch_text(w, 1).split(" (")[0],
                 *([f"`--parallelism.tensor_parallel_degree {tp}`"] if tp != w.tp else []),
                 _shard_text(w, shards, processes),
             ]
     return "all", []
+
+
+def _with_microbatch(w: Workload, batch: int) -> Workload:
+    """``w`` with micro-batches of ``batch`` sequences; under pipelining the step's batch stays,
+    so the pipeline's micro-batches are more."""
+    microbatches = w.pp_microbatches * w.local_batch_size // batch if w.pp > 1 else w.pp_microbatches
+    return replace(w, local_batch_size=batch, pp_microbatches=microbatches)
+
+
+def _microbatch_text(w: Workload, batch: int) -> str:
+    if w.pp > 1:
+        return f"`--parallelism.pipeline_parallel_microbatch_size {batch}`"
+    return (
+        f"`--training.local_batch_size {batch}` (with `training.global_batch_size` set, the global "
+        "batch stays and the micro-batches are more)"
+    )
+
+
+def _pp_degrees(w: Workload) -> list[int]:
+    """Under pipelining, larger degrees that the schedule can run with the step's micro-batches
+    and that the blocks can be split into."""
+    degrees = []
+    for pp in (2, 4, 8, 16):
+        if w.pp == 1 or pp <= w.pp or (w.pp_schedule != "GPipe" and w.pp_microbatches < pp):
+            continue
+        try:
+            plan_split(w.n_layers, pp, w.pp_schedule, w.pp_layers_per_stage, w.pp_first_less, w.pp_last_less)
+        except ParallelismError:
+            continue
+        degrees.append(pp)
+    return degrees
 
 
 def _tp_degrees(w: Workload) -> list[int]:

@@ -1,0 +1,166 @@
+"""``--simulate``: the tracker counts what real tensors hold, the job's simulation keeps its JSON
+contract, sums to the model's state over all ranks, visits every pipeline stage, and refuses a
+job that does not fit with a change that would."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from parallelisms.activation_checkpoint import apply_activation_checkpointing
+from trainer.config import load_config
+from trainer.loss import cross_entropy_sum
+from trainer.model.llama3 import FLAVORS, Transformer
+from trainer.plan import plan
+from trainer.simulation.memory_tracker import MemoryTracker, label_training_state
+from trainer.simulation.simulate import simulate
+from trainer.simulation.targets import split_target_args
+
+TINY = replace(
+    FLAVORS["debugmodel"], dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32, max_seq_len=256
+)
+PRESETS = {"1b": (1, 1), "8b": (8, 1), "70b": (8, 8), "405b": (8, 64)}
+
+
+def _train_tracked(
+    ac_mode: str = "none", seq_len: int = 64, steps: int = 2
+) -> tuple[MemoryTracker, list[int], torch.nn.Module]:
+    """Two real AdamW steps of a tiny model on this CPU under the tracker; the tracker, the live
+    activation bytes at the end of each forward, and the model."""
+    torch.manual_seed(0)
+    tracker = MemoryTracker()
+    after_forward = []
+    with tracker:
+        model = Transformer(TINY)
+        apply_activation_checkpointing(model, ac_mode, "op")
+        optimizer = torch.optim.AdamW(model.parameters(), foreach=True)
+        label_training_state(tracker, [model], optimizer)
+        tracker.label_live("buffers", keep=("params",))
+        tokens = torch.randint(0, TINY.vocab_size, (2, seq_len))
+        for step in range(1, steps + 1):
+            tracker.set_phase("forward", step)
+            loss = cross_entropy_sum(model(tokens), tokens)
+            after_forward.append(tracker.live()["activations"])
+            tracker.set_phase("backward")
+            loss.backward()
+            tracker.set_phase("finalize")
+            label_training_state(tracker, [model], optimizer)
+            tracker.set_phase("optimizer")
+            optimizer.step()
+            label_training_state(tracker, [model], optimizer)
+            optimizer.zero_grad(set_to_none=True)
+    return tracker, after_forward, model
+
+
+def test_the_tracker_counts_parameters_gradients_and_adamw_state_exactly():
+    tracker, _, model = _train_tracked()
+    params = list(model.parameters())
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    largest = tracker.profile().largest
+    assert largest["params"] == param_bytes
+    assert largest["grads"] == param_bytes
+    # exp_avg and exp_avg_sq like each parameter, and one float32 step count per parameter.
+    assert largest["optimizer"] == 2 * param_bytes + 4 * len(params)
+
+
+def test_activations_fall_with_checkpointing_and_grow_with_the_sequence():
+    kept = {mode: _train_tracked(mode, steps=1)[1][0] for mode in ("none", "selective", "full")}
+    assert kept["none"] > kept["selective"] > kept["full"] > 0
+    short, long = _train_tracked(seq_len=64, steps=1)[1][0], _train_tracked(seq_len=128, steps=1)[1][0]
+    assert 1.8 * short < long
+
+
+def test_the_peak_is_the_largest_replayed_total_and_freed_memory_leaves():
+    tracker, _, _ = _train_tracked()
+    profile = tracker.profile()
+    assert profile.peak_bytes == max(p.peak_bytes for p in profile.phases)
+    assert sum(profile.at_peak.values()) == profile.peak_bytes
+    assert profile.peak_step == 2  # the optimizer's state exists only from the first step on
+    end = profile.phases[-1].end_bytes
+    assert end == sum(tracker.live().values())
+
+
+def test_target_options_are_taken_out_of_the_arguments():
+    rest, name, overrides = split_target_args(
+        ["--config", "x.toml", "--target-gpu", "b200", "--target.memory_gib=75", "--target.bf16_tflops", "800"]
+    )
+    assert rest == ["--config", "x.toml"] and name == "b200"
+    assert overrides == {"memory_gib": 75.0, "bf16_tflops": 800.0}
+    for bad in (["--target-gpu", "v100"], ["--target.colour", "1"], ["--target.memory_gib", "-1"]):
+        with pytest.raises(ValueError):
+            split_target_args(bad)
+
+
+def _simulate(tmp_path: Path, nproc: int, *args: str, nnodes: int = 1) -> tuple[int, str, dict]:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = simulate(["--job.dump_folder", str(tmp_path), *args], nproc, nnodes)
+    text = out.getvalue()
+    return code, text, json.loads(Path(text.strip().splitlines()[-1]).read_text())
+
+
+@pytest.mark.slow
+def test_an_hsdp_tp_job_keeps_the_contract_and_sums_to_the_model_state(tmp_path):
+    args = ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.tensor_parallel_degree", "2"]
+    code, text, report = _simulate(tmp_path, 8, *args, "--target-gpu", "h100")
+    assert code == 0 and report["fits"] is True
+    assert report["world_size"] == 8
+    assert report["mesh"] == {"pp": 1, "dp_replicate": 2, "dp_shard": 2, "cp": 1, "tp": 2}
+    assert {"name", "memory_bytes", "bf16_flops", "hbm_bytes_per_s"} <= report["target_gpu"].keys()
+    (role,) = report["roles"]
+    for key in ("pp_stage", "ranks", "peak_bytes", "memory", "flops_per_step", "comm_bytes_per_step"):
+        assert key in role
+    assert {"params", "grads", "optimizer", "activations"} <= role["memory"].keys()
+    assert role["step_time_s"] > 0 and role["tokens_per_s_per_gpu"] > 0 and 0 < role["mfu"] < 1
+    assert {"dp_shard_cp", "dp_replicate", "tp"} <= role["comm_bytes_per_step"].keys()
+    assert role["ranks"] == 8 and role["memory_largest"]["unsharded_params"] > 0
+    # Every rank holds 1/(dp_shard x tp) of the fp32 state; the two replicas hold it twice.
+    count = plan(load_config(["--job.dump_folder", str(tmp_path), *args]), 8).workload.params
+    exact = 4 * count * 2
+    for part, copies in (("params", 1), ("grads", 1), ("optimizer", 2)):
+        total = role["memory_largest"][part] * role["ranks"]
+        assert copies * exact <= total <= copies * exact * 1.02 + 8 * 4 * 64, part  # + FSDP padding, step counts
+    assert text.strip().splitlines()[-1].endswith("simulation.json")
+
+
+@pytest.mark.slow
+def test_every_pipeline_stage_is_simulated(tmp_path):
+    # With TP too: each stage's rank runs in a process of its own, or it would find the meshes
+    # (equal by shape) and process groups of the stage simulated before it.
+    args = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2"]
+    args += ["--target-gpu", "h100"]
+    code, _, report = _simulate(tmp_path, 4, *args, "--training.global_batch_size", "8")
+    assert code == 0
+    assert [r["pp_stage"] for r in report["roles"]] == [0, 1]
+    assert all(
+        r["ranks"] == 2 and r["bubble"] > 0 and r["comm_bytes_per_step"].get("pp", 0) > 0 for r in report["roles"]
+    )
+    # The first stage holds the embedding, the last the output: both hold a share of the whole model.
+    assert report["roles"][0]["memory_largest"]["params"] != report["roles"][1]["memory_largest"]["params"]
+
+
+@pytest.mark.slow
+def test_a_job_too_large_for_the_target_exits_2_naming_a_change_that_fits(tmp_path):
+    args = ["--training.seq_len", "2048", "--training.local_batch_size", "8", "--training.global_batch_size", "16"]
+    code, text, report = _simulate(tmp_path, 2, *args, "--target-gpu", "cpu", "--target.memory_gib", "1.2")
+    assert code == 2 and report["fits"] is False
+    assert "does not fit: pipeline stage 0" in text
+    assert "activation_checkpoint.mode full" in text or "local_batch_size" in text or "dp_shard" in text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_every_preset_fits_an_h100_with_headroom(tmp_path, preset):
+    nproc, nnodes = PRESETS[preset]
+    config = Path(__file__).resolve().parent.parent / "train_configs" / f"llama3_{preset}.toml"
+    code, _, report = _simulate(tmp_path, nproc, "--config", str(config), "--target-gpu", "h100", nnodes=nnodes)
+    assert code == 0 and report["world_size"] == nproc * nnodes
+    assert len(report["roles"]) == report["mesh"]["pp"]
+    for role in report["roles"]:
+        assert role["needed_bytes"] <= 0.9 * report["target_gpu"]["memory_bytes"], role["pp_stage"]

@@ -1,0 +1,214 @@
+"""How long a simulated rank's step would take on the target: an estimate from the traced ops.
+
+:class:`CostRecorder` watches the ops of one step (a :class:`MemoryTracker` observer) and adds up
+what the target's time depends on: matmul and attention FLOPs, the bytes the other ops read and
+write, and every collective with its process group (so its mesh dimension and whether it
+crosses nodes). :func:`step_time` turns them into seconds with the model :data:`ASSUMPTIONS`
+states; the report prints it. Nothing here is measured on the target: it is arithmetic over
+what the real code asked for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils.flop_counter import flop_registry
+
+from parallelisms.pipeline_parallel import BUBBLE_FRACTION
+from trainer.simulation.targets import Target
+
+ASSUMPTIONS = (
+    "compute: traced matmul and attention FLOPs at the target's dense bf16 peak x `efficiency`; causal "
+    "attention counts half its score and value matmuls (flash kernels skip the masked blocks)",
+    "memory-bound ops: bytes every other op reads and writes (eager, no fusion: compile is off in the "
+    "simulation) at the HBM bandwidth x `hbm_efficiency`, not overlapped with the matmuls",
+    "collectives: ring alpha-beta, alpha x (n - 1) + bus bytes / bandwidth; bus bytes per rank are "
+    "(n-1)/n of the buffer for all-gather and reduce-scatter, twice that for all-reduce, the message "
+    "for send; NVLink inside a node of NGPU ranks, the per-GPU network between nodes",
+    "FSDP all-gathers, reduce-scatters and HSDP all-reduces overlap compute (prefetch), except the "
+    "step's first all-gather and last reduce-scatter / all-reduce; what does not fit under the compute "
+    "adds to the step",
+    "tensor-parallel, context-parallel and loss/statistics collectives are exposed (no async TP)",
+    "pipeline send/recv overlaps compute; the schedule's bubble stretches the busy time: step = "
+    "busy / (1 - bubble), bubble from parallelisms/pipeline_parallel.py (1F1B: (pp-1)/(m+pp-1))",
+    "MFU counts the model's FLOPs (6N + 12 L d S per token, as the training log does); HFU the traced "
+    "ones, with activation-checkpointing recompute",
+)
+
+FSDP_DIMS = ("dp_shard_cp", "dp_replicate")
+KINDS = {
+    "all_gather": ("allgather", "all_gather", "_allgather_base"),
+    "reduce_scatter": ("reduce_scatter", "_reduce_scatter_base"),
+    "all_reduce": ("allreduce", "all_reduce"),
+    "all_to_all": ("alltoall", "all_to_all"),
+    "send": ("send",),
+    "recv": ("recv",),
+    "broadcast": ("broadcast",),
+}
+ATTENTION_FORWARD = {
+    "_scaled_dot_product_flash_attention_for_cpu": 4,
+    "_scaled_dot_product_flash_attention": 4,
+    "_scaled_dot_product_efficient_attention": 4,
+    "_scaled_dot_product_cudnn_attention": 4,
+}
+ATTENTION_BACKWARD = {name + "_backward": 10 for name in ATTENTION_FORWARD}
+"""FLOPs per (batch x head x query x key x head_dim): forward QK^T and PV; backward recomputes
+the scores and forms four more products."""
+
+
+@dataclass
+class GroupInfo:
+    dim: str
+    size: int
+    crosses_nodes: bool
+
+
+@dataclass
+class Collective:
+    kind: str
+    dim: str
+    size: int
+    bus_bytes: int
+    crosses_nodes: bool
+
+
+@dataclass
+class TracedCost:
+    flops: int = 0
+    memory_bytes: int = 0
+    collectives: list[Collective] = field(default_factory=list)
+
+    def comm_bytes(self) -> dict[str, int]:
+        by_dim: dict[str, int] = {}
+        for c in self.collectives:
+            if c.kind != "recv":
+                by_dim[c.dim] = by_dim.get(c.dim, 0) + c.bus_bytes
+        return by_dim
+
+
+def group_infos(groups: dict[str, dist.ProcessGroup], gpus_per_node: int) -> dict[str, GroupInfo]:
+    """Process group name -> its mesh dimension, size and whether its ranks span nodes."""
+    infos: dict[str, GroupInfo] = {}
+    for dim, group in groups.items():
+        ranks = dist.get_process_group_ranks(group)
+        nodes = {r // gpus_per_node for r in ranks}
+        infos.setdefault(group.group_name, GroupInfo(dim, len(ranks), len(nodes) > 1))
+    return infos
+
+
+def _nbytes(value: Any) -> int:
+    tensors, _ = tree_flatten(value)
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+class CostRecorder:
+    """Adds up one step's FLOPs, memory traffic and collectives while ``enabled``."""
+
+    def __init__(self, groups: dict[str, GroupInfo]):
+        self.groups = groups
+        self.enabled = False
+        self.cost = TracedCost()
+
+    def __call__(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        if not self.enabled:
+            return
+        name = func.__name__.split(".")[0]
+        # A DTensor op computes on the local shards: count with their shapes.
+        args, kwargs, out = tree_map_only(DTensor, DTensor.to_local, (args, kwargs, out))
+        if func.namespace in ("c10d", "_c10d_functional"):
+            self._collective(name, args, out)
+        elif func.overloadpacket in flop_registry:
+            self.cost.flops += int(flop_registry[func.overloadpacket](*args, **kwargs, out_val=out))
+        elif name in ATTENTION_FORWARD or name in ATTENTION_BACKWARD:
+            self.cost.flops += _attention_flops(name, args, kwargs)
+        elif func.namespace == "aten" and not func.is_view and not name.startswith(("empty", "detach", "_local")):
+            self.cost.memory_bytes += _nbytes(args) + _nbytes(out)
+
+    def _collective(self, name: str, args: tuple, out: Any) -> None:
+        kind = next((k for k, names in KINDS.items() if name.startswith(names)), None)
+        if kind is None or name.startswith("wait"):
+            return
+        info = self._group(args)
+        if info is None:
+            return
+        full = max([_nbytes(a) for a in args] + [_nbytes(out)])
+        n = info.size
+        if kind in ("send", "recv", "broadcast"):
+            bus = full
+        else:
+            bus = full * (n - 1) // n * (2 if kind == "all_reduce" else 1)
+        self.cost.collectives.append(Collective(kind, info.dim, n, bus, info.crosses_nodes))
+
+    def _group(self, args: tuple) -> GroupInfo | None:
+        """The group a collective runs on: a name (functional collectives) or a process group
+        boxed as a TorchScript object (``c10d`` ops)."""
+        for a in args:
+            name = a
+            if isinstance(a, torch.ScriptObject) and a._type().qualified_name().endswith("ProcessGroup"):
+                name = dist.ProcessGroup.unbox(a).group_name
+            if isinstance(name, str) and name in self.groups:
+                return self.groups[name]
+        return None
+
+
+def _attention_flops(name: str, args: tuple, kwargs: dict) -> int:
+    """Attention FLOPs from the query and key shapes; causal counts half the score matrix."""
+    backward = name.endswith("_backward")
+    q, k = (args[1], args[2]) if backward else (args[0], args[1])
+    batch, heads, queries, head_dim = q.shape
+    keys = k.shape[-2]
+    causal = kwargs.get("is_causal", False) or any(a is True for a in args[3:])
+    per = (ATTENTION_BACKWARD if backward else ATTENTION_FORWARD)[name]
+    flops = per * batch * heads * queries * keys * head_dim
+    return flops // 2 if causal else flops
+
+
+@dataclass
+class StepTime:
+    compute_s: float
+    memory_s: float
+    comm_s: dict[str, float]
+    exposed_comm_s: float
+    busy_s: float
+    bubble: float
+    step_s: float
+
+
+def _collective_s(c: Collective, target: Target) -> float:
+    bandwidth = target.network_bytes_per_s if c.crosses_nodes else target.nvlink_bytes_per_s
+    alpha = target.network_alpha_s if c.crosses_nodes else target.nvlink_alpha_s
+    steps = 1 if c.kind in ("send", "recv", "broadcast") else max(c.size - 1, 1)
+    return alpha * steps + c.bus_bytes / bandwidth
+
+
+def step_time(
+    cost: TracedCost, target: Target, pp: int, schedule: str, stages_per_rank: int, pipeline_microbatches: int
+) -> StepTime:
+    """Seconds of one step on ``target`` under the model in :data:`ASSUMPTIONS`."""
+    compute = cost.flops / (target.bf16_flops * target.efficiency)
+    memory = cost.memory_bytes / (target.hbm_bytes_per_s * target.hbm_efficiency)
+    comm: dict[str, float] = {}
+    overlappable = exposed = 0.0
+    fsdp = [c for c in cost.collectives if c.dim in FSDP_DIMS]
+    gathers = [id(c) for c in fsdp if c.kind == "all_gather"][:1]
+    reductions = [id(c) for c in fsdp if c.kind in ("reduce_scatter", "all_reduce")][-2:]
+    hidden = {id(c) for c in fsdp} - set(gathers) - set(reductions)
+    for c in cost.collectives:
+        if c.kind == "recv":
+            continue
+        seconds = _collective_s(c, target)
+        comm[c.dim] = comm.get(c.dim, 0.0) + seconds
+        if c.dim == "pp":
+            continue
+        if id(c) in hidden:
+            overlappable += seconds
+        else:
+            exposed += seconds
+    busy = compute + memory + exposed + max(0.0, overlappable - compute - memory)
+    bubble = BUBBLE_FRACTION[schedule](pp, stages_per_rank, pipeline_microbatches) if pp > 1 else 0.0
+    return StepTime(compute, memory, comm, exposed, busy, bubble, busy / (1.0 - bubble))

@@ -1,0 +1,190 @@
+"""What ``--simulate`` tells the user: a table per rank role and ``simulation.json``.
+
+The JSON keys ``world_size``, ``mesh``, ``target_gpu``, ``fits`` and ``roles`` (each with
+``pp_stage``, ``ranks``, ``peak_bytes``, ``memory``, ``flops_per_step``, ``comm_bytes_per_step``,
+``step_time_s``, ``tokens_per_s_per_gpu``, ``mfu``) are a contract (``tests/test_simulation.py``);
+the rest may grow.
+
+A role fits when its peak live tensors, plus the allocator's slack on the activations and the
+runtime the target holds whatever the model, are within the target's memory.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+from trainer.metrics import flops_per_token
+from trainer.model.llama3 import Transformer, num_params
+from trainer.plan import Plan
+from trainer.runtime.memory_plan import fixes
+from trainer.simulation.cost_model import ASSUMPTIONS, step_time
+from trainer.simulation.fake_job import RoleRun
+from trainer.simulation.memory_tracker import CATEGORIES
+from trainer.simulation.targets import Target
+
+_GIB = 1024**3
+
+
+def _gib(n: float) -> str:
+    return f"{n / _GIB:.2f} GiB"
+
+
+def model_flops_per_token(plan: Plan) -> int:
+    import torch
+
+    with torch.device("meta"):
+        model = Transformer(plan.model_args)
+    args = plan.model_args
+    return flops_per_token(
+        num_params(model, exclude_embedding=True), args.n_layers, args.dim, plan.config.training.seq_len
+    )
+
+
+def build_report(plan: Plan, target: Target, runs: list[RoleRun]) -> dict[str, Any]:
+    """The JSON document (see the module docstring)."""
+    dims, training = plan.dims, plan.config.training
+    tokens = plan.global_batch_size * training.seq_len
+    per_token = model_flops_per_token(plan)
+    roles: list[dict[str, Any]] = []
+    for run in runs:
+        time = step_time(
+            run.cost,
+            target,
+            dims.pp,
+            plan.parallel.pp_schedule,
+            len(run.stages),
+            plan.pipeline_microbatches if dims.pp > 1 else 1,
+        )
+        at_peak = run.memory.at_peak
+        needed = int(run.memory.peak_bytes + target.allocator_slack * at_peak["activations"] + target.runtime_bytes)
+        seconds = time.step_s
+        roles.append(
+            {
+                "pp_stage": run.pp_rank,
+                "stages": run.stages,
+                "simulated_rank": run.rank,
+                "ranks": dims.world_size // dims.pp,
+                "peak_bytes": run.memory.peak_bytes,
+                "peak_step": run.memory.peak_step,
+                "peak_phase": run.memory.peak_phase,
+                "needed_bytes": needed,
+                "fits": needed <= target.memory_bytes,
+                "memory": dict(at_peak),
+                "memory_largest": dict(run.memory.largest),
+                "phases": [asdict(p) for p in run.memory.phases],
+                "flops_per_step": run.cost.flops,
+                "memory_traffic_bytes_per_step": run.cost.memory_bytes,
+                "comm_bytes_per_step": run.cost.comm_bytes(),
+                "comm_s": time.comm_s,
+                "compute_s": time.compute_s,
+                "memory_bound_s": time.memory_s,
+                "exposed_comm_s": time.exposed_comm_s,
+                "bubble": time.bubble,
+                "step_time_s": seconds,
+                "tokens_per_s_per_gpu": tokens / seconds / dims.world_size,
+                "mfu": per_token * tokens / dims.world_size / seconds / target.bf16_flops,
+                "hfu": run.cost.flops / seconds / target.bf16_flops,
+                "simulated_in_s": run.seconds,
+            }
+        )
+    step_s = max(r["step_time_s"] for r in roles)
+    return {
+        "world_size": dims.world_size,
+        "mesh": {
+            "pp": dims.pp,
+            "dp_replicate": dims.dp_replicate,
+            "dp_shard": dims.dp_shard,
+            "cp": dims.cp,
+            "tp": dims.tp,
+        },
+        "target_gpu": target.to_json(),
+        "fits": all(r["fits"] for r in roles),
+        "model": {"flavor": plan.config.model.flavor, "params": plan.workload.params},
+        "batch": {
+            "global_batch_size": plan.global_batch_size,
+            "seq_len": training.seq_len,
+            "tokens_per_step": tokens,
+            "microbatches": plan.microbatches,
+            "pipeline_microbatches": plan.pipeline_microbatches if dims.pp > 1 else None,
+            "param_dtype": str(plan.parallel.param_dtype).removeprefix("torch."),
+        },
+        "step_time_s": step_s,
+        "tokens_per_s_per_gpu": tokens / step_s / dims.world_size,
+        "mfu": per_token * tokens / dims.world_size / step_s / target.bf16_flops,
+        "assumptions": list(ASSUMPTIONS),
+        "roles": roles,
+    }
+
+
+def fit_advice(plan: Plan, target: Target, report: dict[str, Any]) -> str:
+    """Which role does not fit and what would (the pre-launch estimate's own suggestions)."""
+    over = [r for r in report["roles"] if not r["fits"]]
+    worst = max(over, key=lambda r: r["needed_bytes"])
+    workload = plan.workload
+    if target.name != "cpu" and hasattr(workload, "device"):
+        workload = replace(workload, device="cuda")
+    how, changes = fixes(workload, target.memory_bytes, plan.dims.world_size)
+    if not changes:
+        advice = "nothing the mesh or the batch can change fits it: use larger GPUs or a smaller `model.flavor`"
+    elif how == "any":
+        advice = "any one of these would fit by the pre-launch estimate: " + "; or ".join(changes)
+    else:
+        advice = "these together would fit by the pre-launch estimate: " + ", ".join(changes)
+    return (
+        f"does not fit: pipeline stage {worst['pp_stage']} ({worst['ranks']} ranks) needs {_gib(worst['needed_bytes'])}, "
+        f"more than the {target.name}'s {_gib(target.memory_bytes)}; {advice}. Simulate again to confirm."
+    )
+
+
+def render(report: dict[str, Any]) -> str:
+    """The table printed per role, then every assumption."""
+    mesh, target = report["mesh"], report["target_gpu"]
+    lines = [
+        f"simulated {report['model']['flavor']} on {report['world_size']} ranks: mesh "
+        + " ".join(f"{k}={v}" for k, v in mesh.items())
+        + f"; target {target['name']} ({_gib(target['memory_bytes'])}, "
+        f"{target['bf16_flops'] / 1e12:.3g} TFLOP/s bf16, {target['hbm_bytes_per_s'] / 1e12:.3g} TB/s)",
+    ]
+    for role in report["roles"]:
+        memory = role["memory"]
+        parts = " + ".join(f"{_gib(memory[c])} {c}" for c in CATEGORIES if memory.get(c))
+        headroom = 1 - role["needed_bytes"] / target["memory_bytes"]
+        comm = ", ".join(f"{dim} {_gib(b)}" for dim, b in role["comm_bytes_per_step"].items()) or "none"
+        lines += [
+            f"pipeline stage {role['pp_stage']} (stages {role['stages']}, {role['ranks']} ranks; "
+            f"rank {role['simulated_rank']} simulated in {role['simulated_in_s']:.1f} s)",
+            f"  peak {_gib(role['peak_bytes'])} in step {role['peak_step']} {role['peak_phase']} = {parts}",
+            f"  needed with runtime and allocator slack: {_gib(role['needed_bytes'])} -> "
+            + (f"fits ({headroom:.0%} headroom)" if role["fits"] else "DOES NOT FIT"),
+            "  largest: "
+            + ", ".join(
+                f"{c} {_gib(role['memory_largest'][c])}" for c in ("params", "grads", "optimizer", "activations")
+            ),
+            f"  per step: {role['flops_per_step']:.3g} FLOPs, {_gib(role['memory_traffic_bytes_per_step'])} "
+            f"memory traffic; communication {comm}",
+            f"  time: compute {role['compute_s']:.3f} s + memory-bound {role['memory_bound_s']:.3f} s + exposed "
+            f"communication {role['exposed_comm_s']:.3f} s, bubble {role['bubble']:.0%} -> step "
+            f"{role['step_time_s']:.3f} s, {role['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, MFU "
+            f"{role['mfu']:.0%} (HFU {role['hfu']:.0%})",
+        ]
+    lines.append(
+        f"job: step {report['step_time_s']:.3f} s, {report['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, "
+        f"MFU {report['mfu']:.0%}; " + ("every role fits" if report["fits"] else "a role does not fit")
+    )
+    lines.append(
+        f"assumptions (target figures overridable with --target.KEY; efficiency {target['efficiency']}, "
+        f"HBM efficiency {target['hbm_efficiency']}, runtime {_gib(target['runtime_bytes'])}, allocator slack "
+        f"{target['allocator_slack']:.0%} of the activations):"
+    )
+    lines += [f"  - {a}" for a in report["assumptions"]]
+    return "\n".join(lines)
+
+
+def write(report: dict[str, Any], dump_folder: str) -> Path:
+    path = Path(dump_folder) / "simulation.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    return path

@@ -1,0 +1,150 @@
+"""The machines a job can be simulated for (``--target-gpu NAME``) and the user's corrections.
+
+Figures are per GPU, from the vendors' data sheets (SXM parts, dense bf16 without sparsity);
+``memory_bytes`` is what ``torch.cuda.get_device_properties().total_memory`` reports, a little
+less than the marketed size. ``cpu`` is this machine: its RAM shared by the ranks of a node, and
+matmul and copy rates measured in a fraction of a second, so the simulator can be checked against
+real runs here. Any figure can be overridden on the command line (:data:`OVERRIDES`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import torch
+
+from trainer.runtime.errors import ConfigError
+
+_GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    memory_bytes: int
+    bf16_flops: float
+    hbm_bytes_per_s: float
+    nvlink_bytes_per_s: float
+    """Per direction, between two GPUs of a node."""
+    network_bytes_per_s: float
+    """Per GPU, between nodes (one NIC per GPU)."""
+    nvlink_alpha_s: float = 5e-6
+    network_alpha_s: float = 10e-6
+    efficiency: float = 0.5
+    """Fraction of ``bf16_flops`` the matmuls reach."""
+    hbm_efficiency: float = 0.7
+    """Fraction of ``hbm_bytes_per_s`` the memory-bound ops reach."""
+    runtime_bytes: int = int(1.5 * _GIB)
+    """Held whatever the model: the CUDA context and NCCL's buffers (the CPU process's own memory)."""
+    allocator_slack: float = 0.1
+    """Memory the allocator holds beyond the live tensors, as a fraction of the peak's activations."""
+
+    def to_json(self) -> dict[str, object]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+GPUS: dict[str, Target] = {
+    "h100": Target("h100", 85_029_158_912, 989e12, 3.35e12, 450e9, 400e9 / 8),
+    "h200": Target("h200", 150_754_820_096, 989e12, 4.8e12, 450e9, 400e9 / 8),
+    "a100": Target("a100", 85_089_697_792, 312e12, 2.0e12, 300e9, 200e9 / 8),
+    "b200": Target("b200", 183_359 * 1024**2, 2.25e15, 8.0e12, 900e9, 400e9 / 8),
+}
+NAMES = (*GPUS, "cpu")
+
+OVERRIDES: dict[str, tuple[str, float]] = {
+    "memory_gib": ("memory_bytes", _GIB),
+    "bf16_tflops": ("bf16_flops", 1e12),
+    "hbm_tb_per_s": ("hbm_bytes_per_s", 1e12),
+    "nvlink_gb_per_s": ("nvlink_bytes_per_s", 1e9),
+    "network_gbit_per_s": ("network_bytes_per_s", 1e9 / 8),
+    "nvlink_alpha_us": ("nvlink_alpha_s", 1e-6),
+    "network_alpha_us": ("network_alpha_s", 1e-6),
+    "efficiency": ("efficiency", 1.0),
+    "hbm_efficiency": ("hbm_efficiency", 1.0),
+    "runtime_gib": ("runtime_bytes", _GIB),
+    "allocator_slack": ("allocator_slack", 1.0),
+}
+"""``--target.KEY VALUE`` -> the field it sets and the unit it is given in."""
+
+HELP = (
+    "--simulate runs two training steps of one rank per pipeline stage on fake tensors and a fake process group of "
+    "NGPU x NNODES ranks, and reports memory, FLOPs, communication and an estimated step time per "
+    f"rank role. --target-gpu {{{','.join(NAMES)}}} (default h100) picks the machine; "
+    + ", ".join(f"--target.{key}" for key in OVERRIDES)
+    + " override its figures (e.g. --target-gpu h100 --target.memory_gib 75 --target.bf16_tflops 800)."
+)
+
+
+def cpu_target(ranks_per_node: int) -> Target:
+    """This machine: its RAM per rank, and matmul / copy rates measured now (about 0.3 s)."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    a = torch.randn(512, 512)
+    flops = _rate(lambda: a @ a, 2 * 512**3)
+    big = torch.empty(4 * 1024**2)
+    copy_rate = _rate(lambda: big.clone(), 2 * big.numel() * 4)
+    return Target(
+        "cpu",
+        total // max(ranks_per_node, 1),
+        flops,
+        copy_rate,
+        nvlink_bytes_per_s=copy_rate / 4,
+        network_bytes_per_s=1e9 / 8,
+        nvlink_alpha_s=50e-6,
+        network_alpha_s=100e-6,
+        efficiency=1.0,
+        hbm_efficiency=1.0,
+        runtime_bytes=int(0.4 * _GIB),
+        allocator_slack=0.45,
+    )
+
+
+def _rate(work: object, units: float, seconds: float = 0.15) -> float:
+    work()  # type: ignore[operator]
+    done, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        work()  # type: ignore[operator]
+        done += 1
+    return units * done / (time.perf_counter() - start)
+
+
+def split_target_args(argv: list[str]) -> tuple[list[str], str, dict[str, float]]:
+    """``argv`` without ``--target-gpu NAME`` and ``--target.KEY VALUE``; the name and the overrides."""
+    rest: list[str] = []
+    name, overrides = "h100", {}
+    args = iter(argv)
+    for arg in args:
+        key, _, value = arg.partition("=")
+        if key != "--target-gpu" and not key.startswith("--target."):
+            rest.append(arg)
+            continue
+        if not value:
+            value = next(args, "")
+            if not value:
+                raise ConfigError(f"{key} needs a value.")
+        if key == "--target-gpu":
+            name = value.lower()
+            if name not in NAMES:
+                raise ConfigError(f"--target-gpu {value}: not one of {', '.join(NAMES)}.")
+            continue
+        field = key.removeprefix("--target.")
+        if field not in OVERRIDES:
+            raise ConfigError(f"{key}: no such target figure; use one of {', '.join(OVERRIDES)}.")
+        try:
+            overrides[field] = float(value)
+        except ValueError:
+            raise ConfigError(f"{key} {value}: not a number.") from None
+        if overrides[field] <= 0:
+            raise ConfigError(f"{key} {value}: must be positive.")
+    return rest, name, overrides
+
+
+def resolve_target(name: str, overrides: dict[str, float], ranks_per_node: int) -> Target:
+    target = cpu_target(ranks_per_node) if name == "cpu" else GPUS[name]
+    changes: dict[str, Any] = {}
+    for key, value in overrides.items():
+        field, unit = OVERRIDES[key]
+        changes[field] = int(value * unit) if field.endswith("_bytes") else value * unit
+    return replace(target, **changes)
