@@ -37,8 +37,9 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from parallelisms.pipeline_parallel import BUBBLE_FRACTION, SCHEDULES
-from trainer.build import build_trainer, load_dataset
+from trainer.build import build_step_parts
 from trainer.config import load_config
+from trainer.data.datasets import load_dataset
 from trainer.plan import plan
 from trainer.train import fetch_step, forward_backward, optimizer_step
 
@@ -76,7 +77,7 @@ def rank_main(rank: int, world: int, port: int, argv: list[str], warmup: int, st
     )
     torch.set_num_threads(1)
     job_plan = plan(load_config(argv), world)
-    job = build_trainer(job_plan, load_dataset(job_plan))
+    job = build_step_parts(job_plan, load_dataset(job_plan))
     clock = {"compute": 0.0}
     for stage in job.pipeline.stages:
         instrument(stage, clock)

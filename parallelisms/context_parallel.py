@@ -37,6 +37,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from parallelisms.model_parts import block_settings, blocks, model_settings
+
 BACKENDS = ("allgather_kv", "ring")
 """What ``parallelism.context_parallel_backend`` may name, besides ``auto``."""
 
@@ -204,10 +206,10 @@ class ContextParallel:
         if self.backend != "allgather_kv":
             return
         group = self.mesh.get_group()
-        model.attention_mask = AllGatherKVMask(group, self.rank, self.degree)
-        for block in model.layers.values():
-            inner = block.attention.attention_fn
-            block.attention.attention_fn = AllGatherKVAttention(inner, group, self.rank, self.degree)
+        model_settings(model).attention_mask = AllGatherKVMask(group, self.rank, self.degree)
+        for block in blocks(model).values():
+            attention = block_settings(block).attention
+            attention.attention_fn = AllGatherKVAttention(attention.attention_fn, group, self.rank, self.degree)
 
     def shard(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's tokens of ``x`` (``batch, seq, ...``), in head-tail layout."""

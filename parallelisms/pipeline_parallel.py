@@ -49,6 +49,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.microbatch import _Replicate
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
+from parallelisms import model_parts
 from parallelisms.parallel_dims import ParallelismError
 
 SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
@@ -211,28 +212,30 @@ def split_model(model: nn.Module, split: PipelineSplit, pp_rank: int) -> list[nn
     stages = split.rank_stages(pp_rank)
     views = [_stage_view(model, split.stage_blocks[s], s == 0, s == last) for s in stages]
     held = {str(b) for s in stages for b in split.stage_blocks[s]}
-    for key in [k for k in model.layers if k not in held]:
-        del model.layers[key]
+    layers = model_parts.blocks(model)
+    for key in [k for k in layers if k not in held]:
+        del layers[key]
     if 0 not in stages:
-        model.tok_embeddings = None
+        model_parts.set_end(model, "tok_embeddings", None)
     if last not in stages:
-        model.norm = None
-        model.output = None
+        model_parts.set_end(model, "norm", None)
+        model_parts.set_end(model, "output", None)
     for name in list(model._buffers):
         delattr(model, name)
     return views
 
 
-def _stage_view(model: nn.Module, blocks: tuple[int, ...], first: bool, last: bool) -> nn.Module:
+def _stage_view(model: nn.Module, held: tuple[int, ...], first: bool, last: bool) -> nn.Module:
+    layers = model_parts.blocks(model)
     cls = type(model)
     view = cls.__new__(cls)
     nn.Module.__init__(view)
     # Plain attributes (the model's arguments); module state is registered below.
     view.__dict__.update({k: v for k, v in vars(model).items() if not k.startswith("_") and k != "training"})
-    view.tok_embeddings = model.tok_embeddings if first else None
-    view.layers = nn.ModuleDict({str(b): model.layers[str(b)] for b in blocks})
-    view.norm = model.norm if last else None
-    view.output = model.output if last else None
+    model_parts.set_end(view, "tok_embeddings", model_parts.end(model, "tok_embeddings") if first else None)
+    view.layers = nn.ModuleDict({str(b): layers[str(b)] for b in held})
+    model_parts.set_end(view, "norm", model_parts.end(model, "norm") if last else None)
+    model_parts.set_end(view, "output", model_parts.end(model, "output") if last else None)
     for name, buffer in model._buffers.items():
         view.register_buffer(name, buffer, persistent=name not in model._non_persistent_buffers_set)
     return view

@@ -131,7 +131,7 @@ def test_context_parallel_matches_single_process_reference(mesh, ref, launched):
 
 
 def cp_shard_counts_worker(argv: list[str]) -> list[int]:
-    p, job = trainer_for(argv)
+    _, job = trainer_for(argv)
     return [int((mb.labels != IGNORE_INDEX).sum()) for mb in fetch_step(job)]
 
 

@@ -18,8 +18,8 @@ import torch
 from harness import GLOBAL_BATCH, MAX_NORM, assert_matches, clipped, max_relative_error, run_ranks, step_worker
 
 from parallelisms.context_parallel import attend_local_chunks, head_tail_positions, local_chunk_masks, resolve_backend
-from trainer.build import load_dataset
 from trainer.config import ConfigError, load_config
+from trainer.data.datasets import load_dataset
 from trainer.data.documents import document_ids, document_positions, split_documents
 from trainer.data.loader import GlobalOrder
 from trainer.loss import IGNORE_INDEX, cross_entropy_sum
@@ -180,7 +180,24 @@ def test_compiled_blocks_do_not_recompile_for_new_document_layouts():
 # Through the trainer: packed data of short documents, on context-parallel meshes
 # --------------------------------------------------------------------------------------------
 
-WORDS = ["the", "king", "queen", "lord", "speak", "night", "day", "love", "death", "sword", "crown", "fair", "foul", "heaven", "earth", "blood"]
+WORDS = [
+    "the",
+    "king",
+    "queen",
+    "lord",
+    "speak",
+    "night",
+    "day",
+    "love",
+    "death",
+    "sword",
+    "crown",
+    "fair",
+    "foul",
+    "heaven",
+    "earth",
+    "blood",
+]
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from trainer.checkpoint.folders import read_dcp_model, step_folders
 from trainer.config import ConfigError, load_config
 from trainer.plan import plan
 from trainer.runtime.dump_folder import LOCK_FILE, STALE_AFTER_S, DumpFolderLock, read_lock
-from trainer.runtime.errors import JobError
+from trainer.runtime.errors import BusyFolderError
 from trainer.train import main
 
 QUICK = [
@@ -135,10 +135,10 @@ def dead_pid() -> int:
 
 def test_a_live_lock_is_refused_naming_its_owner(tmp_path):
     write_lock(tmp_path, "node-7", 4242, None, age_s=5)
-    with pytest.raises(JobError, match="in use by another job: pid 4242 on host node-7"):
+    with pytest.raises(BusyFolderError, match="in use by another job: pid 4242 on host node-7"):
         DumpFolderLock(tmp_path).acquire()
     write_lock(tmp_path, socket.gethostname(), os.getpid(), None, age_s=STALE_AFTER_S * 10)
-    with pytest.raises(JobError, match=f"pid {os.getpid()}"):  # alive here: a stopped job keeps its lock
+    with pytest.raises(BusyFolderError, match=f"pid {os.getpid()}"):  # alive here: a stopped job keeps its lock
         DumpFolderLock(tmp_path).acquire()
 
 
@@ -155,7 +155,7 @@ def test_a_stale_lock_is_taken_over(owner, tmp_path):
     try:
         holder, age = read_lock(tmp_path)
         assert holder["pid"] == os.getpid() and holder["host"] == socket.gethostname() and age < 5
-        with pytest.raises(JobError, match="in use"):
+        with pytest.raises(BusyFolderError, match="in use"):
             DumpFolderLock(tmp_path).acquire()
     finally:
         lock.release()

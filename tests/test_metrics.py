@@ -305,7 +305,7 @@ def test_custom_scalars_layout_charts_every_written_tag_drawably(
     # Every chart is there that has data on this device, and no other.
     assert set(charts) == {
         title
-        for name, category in metrics._DASHBOARD.items()
+        for name, category in metrics.logger._DASHBOARD.items()
         for title in category
         if validation or name != "validation"
     } - (set() if on_gpu else GPU_ONLY_CHARTS)

@@ -26,13 +26,14 @@ from harness import (
 )
 
 from parallelisms.pipeline_parallel import BUBBLE_FRACTION, SCHEDULES, plan_split, split_model
-from trainer.build import load_dataset
+from trainer.build import resume
 from trainer.config import ConfigError, load_config
+from trainer.data.datasets import load_dataset
 from trainer.grad_accumulator import _total_norm
 from trainer.loss import IGNORE_INDEX
 from trainer.model.llama3 import FLAVORS, Transformer
 from trainer.plan import plan
-from trainer.train import fetch_step, forward_backward, resume, train_step
+from trainer.train import fetch_step, forward_backward, train_step
 
 # name: (local batch size, extra argv); global batch 8, seq_len 64, debug model (6 blocks)
 TWO_RANKS = {

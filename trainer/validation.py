@@ -25,6 +25,7 @@ import math
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -32,9 +33,11 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import Dataset
 
 from parallelisms.tensor_parallel import loss_context
-from trainer.build import Trainer
 from trainer.data.loader import GlobalOrder
 from trainer.loss import IGNORE_INDEX
+
+if TYPE_CHECKING:
+    from trainer.build import StepParts
 
 
 @dataclass(frozen=True)
@@ -80,7 +83,7 @@ class Validator:
         return inputs, torch.full_like(labels, IGNORE_INDEX)
 
     @torch.no_grad()
-    def run(self, trainer: Trainer) -> ValidationResult:
+    def run(self, trainer: StepParts) -> ValidationResult:
         """Evaluate every batch of this rank's share; all-reduce the sum and the count."""
         start = time.perf_counter()
         totals = torch.zeros(2, dtype=torch.float64, device=trainer.device)

@@ -1,2 +1,4 @@
-"""Checkpoints: the manager the training loop calls (``manager``), the training-checkpoint folder
-it writes and the converters read (``folders``), and Hugging Face model folders (``hf_folders``)."""
+"""Checkpoints: the manager the training loop calls (``manager``) and what DCP saves through it
+(``states``), the training-checkpoint folder it writes and the converters read (``folders``), its
+checksums and finite check (``integrity``), Hugging Face model folders (``hf_folders``) and
+starting weights read from one (``hf_load``)."""

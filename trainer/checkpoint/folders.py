@@ -141,6 +141,19 @@ def read_model_args(checkpoint_dir: str | Path) -> ModelArgs:
     return ModelArgs(**values)
 
 
+PARAMETER_FIELDS = ("dim", "n_layers", "n_heads", "kv_heads", "vocab_size", "ffn_hidden_dim")
+"""The ``ModelArgs`` that decide the parameters' names and shapes, and how heads divide them."""
+
+
+def model_differences(theirs: ModelArgs, ours: ModelArgs, fields: tuple[str, ...]) -> list[str]:
+    """``fields`` that differ, each as ``"name: theirs there, ours here"``."""
+    return [
+        f"{f}: {getattr(theirs, f)} there, {getattr(ours, f)} here"
+        for f in fields
+        if getattr(theirs, f) != getattr(ours, f)
+    ]
+
+
 def _not_a_checkpoint(folder: Path) -> InteropError:
     steps = sorted(p.name for p in folder.glob("step-*") if p.is_dir()) if folder.is_dir() else []
     hint = f" It holds {preview_names(steps)}: pass one of those folders." if steps else ""

@@ -14,13 +14,17 @@ and is removed when the next job starts on the folder (the dump-folder lock guar
 live job is writing it). Loading checks every ``step-N`` before trusting it: metadata readable,
 every file present, as long as recorded and matching its checksum (each rank verifies a share
 of the files). A failing checkpoint is skipped with a warning naming it and the file, and the
-next older one is tried.
+next older one is tried. A checkpoint that cannot serve this run (a ``load_step`` that is missing
+or damaged, another model, other data, an unusable ``initial_load_path``) raises
+``CheckpointError``, a ``JobError``: one line, exit 1, nothing deleted.
 
 Nothing non-finite is published: before a save every rank checks its weights and optimizer
 state, and a NaN or infinity fails the job with the older checkpoints left alone. A save that
 fails for lack of disk space says so, removes its partial folder and keeps the older
 checkpoints too. The folder itself (layout, the whole-or-not check, ``model_args.json``) is
-``trainer/checkpoint/folders.py``'s; checksums and the finite check are ``integrity.py``'s.
+``trainer/checkpoint/folders.py``'s; checksums and the finite check are ``integrity.py``'s; what
+DCP saves of the model and optimizer is ``states.py``'s; starting weights from a Hugging Face
+folder are ``hf_load.py``'s.
 """
 
 from __future__ import annotations
@@ -32,90 +36,37 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from trainer.checkpoint.folders import (
+    MODEL_ARGS_FILE,
+    PARAMETER_FIELDS,
     PARTIAL_SUFFIX,
     checkpoint_problem,
     is_model_only,
+    model_differences,
     publish,
     read_data_identity,
+    read_model_args,
     remove_partial_folders,
     step_folders,
 )
-from trainer.checkpoint.hf_folders import load_hf_folder
+from trainer.checkpoint.hf_load import load_hf_weights
 from trainer.checkpoint.integrity import ChecksummingWriter, checksum_problem, first_non_finite, read_manifest
+from trainer.checkpoint.states import ModelState, OptimizerState, optimizer_groups_flattened
 from trainer.config import Checkpoint
-from trainer.model.hf_llama3 import from_hf_state_dict, model_args_from_hf_config
 from trainer.model.llama3 import ModelArgs, Transformer
-from trainer.model.tiled_init import local_slice
-from trainer.runtime.errors import JobError
+from trainer.runtime.errors import CheckpointError, JobError, UserError
 from trainer.train_state import TrainState
 
 logger = logging.getLogger("meshtrain")
-
-
-class ModelState(Stateful):
-    """The model's parameters by name, as (sharded) DTensors: DCP reshards them on load."""
-
-    def __init__(self, model: nn.Module, dtype: torch.dtype | None = None):
-        self.model, self.dtype = model, dtype
-
-    def state_dict(self) -> dict[str, Any]:
-        state = get_model_state_dict(self.model)
-        if self.dtype is not None:
-            state = {k: v.to(self.dtype) for k, v in state.items()}
-        return state
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_model_state_dict(self.model, state_dict)
-
-
-class OptimizerState(Stateful):
-    """Optimizer state keyed by parameter name, so it reshards like the parameters.
-
-    The parameter groups' hyperparameters are saved per parameter name too (``flatten``):
-    a list of groups, each naming its parameters, would be saved once, from the rank that
-    wins DCP's deduplication, and a pipeline stage's groups name only its own parameters, so
-    a run on another pipeline degree would lose the others'. Checkpoints from before pipeline
-    parallelism hold the list form; ``flatten = False`` loads them.
-    """
-
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
-        self.model, self.optimizer = model, optimizer
-        self.flatten = True
-
-    def state_dict(self) -> dict[str, Any]:
-        return get_optimizer_state_dict(self.model, self.optimizer, options=self._options())
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_optimizer_state_dict(self.model, self.optimizer, state_dict, options=self._options())
-
-    def _options(self) -> StateDictOptions:
-        return StateDictOptions(flatten_optimizer_state_dict=self.flatten)
-
-
-def optimizer_groups_flattened(path: Path) -> bool:
-    """Whether the checkpoint at ``path`` keys parameter-group settings by parameter name
-    (``optimizer.param_groups.<fqn>.lr``) rather than by group index (``...param_groups.0.lr``)."""
-    keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    prefix = "optimizer.param_groups."
-    return not any(k.startswith(prefix) and k[len(prefix) :].split(".")[0].isdigit() for k in keys)
 
 
 class CheckpointManager:
@@ -141,9 +92,10 @@ class CheckpointManager:
         self.model, self.model_args = model, model_args
         self.total_steps = total_steps
         self.data_identity = data_identity or {}
+        self.train_state, self.optimizer_state = train_state, OptimizerState(model, optimizer)
         self.states: dict[str, Stateful] = {
             "model": ModelState(model),
-            "optimizer": OptimizerState(model, optimizer),
+            "optimizer": self.optimizer_state,
             "lr_scheduler": lr_scheduler,
             "dataloader": dataloader,
             "train_state": train_state,
@@ -164,21 +116,21 @@ class CheckpointManager:
 
         With no checkpoint in the folder (or with checkpoints disabled), ``initial_load_path``
         (if set) provides the starting weights. Returns 0 when training starts from scratch or
-        from weights only.
+        from weights only. Raises ``CheckpointError`` for a checkpoint that cannot serve this run.
         """
         choice = self._choose_checkpoint() if self.config.enable else None
         if choice is not None:
             path = Path(choice)
             if is_model_only(path):
                 logger.info("loading weights from %s (model-only checkpoint)", path)
-                self._load(path, keys=("model",))
+                self._load(path, keys=("model",), what="checkpoint")
                 return 0
             keys = tuple(k for k in self.states if k not in self.config.exclude_from_loading)
             if "dataloader" in keys:
                 self._check_same_data(path)
             logger.info("resuming from %s (%s)", path, ", ".join(keys))
-            self._load(path, keys=keys)
-            return self.states["train_state"].step
+            self._load(path, keys=keys, what="checkpoint")
+            return self.train_state.step
         if self.config.initial_load_path:
             return self._initial_load(Path(self.config.initial_load_path))
         return 0
@@ -190,7 +142,7 @@ class CheckpointManager:
             if problem is None:
                 return str(path)
             if self.config.load_step >= 0:
-                raise ValueError(f"`checkpoint.load_step`: {path} cannot be loaded: {problem}.")
+                raise CheckpointError(f"`checkpoint.load_step`: {path} cannot be loaded: {problem}.")
             if self.rank == 0:
                 logger.warning("skipping checkpoint %s: %s", path, problem)
         return None
@@ -204,7 +156,7 @@ class CheckpointManager:
             return [str(p) for _, p in reversed(candidates)]
         wanted = [str(p) for step, p in candidates if step == self.config.load_step]
         if not wanted:
-            raise FileNotFoundError(
+            raise CheckpointError(
                 f"`checkpoint.load_step` = {self.config.load_step}: no folder step-{self.config.load_step} "
                 f"in {self.folder}; found {[p.name for _, p in candidates] or 'none'}."
             )
@@ -240,7 +192,7 @@ class CheckpointManager:
                     "resuming %s on changed data (`checkpoint.allow_data_change`): %s", path, "; ".join(differ)
                 )
             return
-        raise ValueError(
+        raise CheckpointError(
             f"{path} was trained on other data than this run's ({'; '.join(differ)}). Point "
             "`training.dataset`, `training.dataset_path`, `training.seq_len` and `model.tokenizer_path` "
             "at the data it was trained on, or set `checkpoint.allow_data_change = true` to resume on "
@@ -250,74 +202,60 @@ class CheckpointManager:
     def _agree(self, decide: Callable[[], Any]) -> Any:
         """Rank 0's answer on every rank, even if their views of the file system differ.
 
-        Rank 0's error is raised on every rank, so no rank is left waiting in a collective.
+        Rank 0's error, whatever it is, is raised on every rank, so no rank is left waiting in a
+        collective.
         """
         box: list[Any] = [None, None]
         if self.rank == 0:
             try:
                 box[0] = decide()
-            except (FileNotFoundError, ValueError) as e:
+            except Exception as e:
                 box[1] = e
         dist.broadcast_object_list(box, src=0, group=self.group)
         if box[1] is not None:
             raise box[1]
         return box[0]
 
-    def _load(self, path: Path, keys: tuple[str, ...]) -> None:
+    def _load(self, path: Path, keys: tuple[str, ...], what: str) -> None:
+        self._check_same_model(path, what)
         if "optimizer" in keys:
-            self.states["optimizer"].flatten = optimizer_groups_flattened(path)
+            self.optimizer_state.flatten = optimizer_groups_flattened(path)
         try:
             dcp.load({k: self.states[k] for k in keys}, checkpoint_id=str(path), process_group=self.group)
         finally:
-            self.states["optimizer"].flatten = True  # what this run saves
+            self.optimizer_state.flatten = True  # what this run saves
+
+    def _check_same_model(self, path: Path, what: str) -> None:
+        """Refuse, in one line, a checkpoint of another model (another flavor, a vocabulary of
+        another size): DCP would fail on the first tensor of another shape with every rank's
+        traceback. A checkpoint without ``model_args.json`` is left to DCP."""
+        saved = self._agree(lambda: _saved_model_args(path))
+        differ = model_differences(saved, self.model_args, PARAMETER_FIELDS) if saved is not None else []
+        if differ:
+            raise CheckpointError(
+                f"{what} {path} holds another model than this run's ({'; '.join(differ)}). Set the "
+                "`model` keys (`model.flavor`) to the checkpoint's, or point `job.dump_folder` or "
+                "`checkpoint.folder` elsewhere to start afresh."
+            )
 
     def _initial_load(self, path: Path) -> int:
+        what = "`checkpoint.initial_load_path`:"
         if self.config.initial_load_in_hf:
-            self._load_hf(path)
+            try:
+                load_hf_weights(self.model, self.model_args, path)
+            except UserError as error:
+                raise CheckpointError(f"{what} {error}") from error
             return 0
         problem = self._problem(path)
         if problem:
-            raise ValueError(f"`checkpoint.initial_load_path` = {path} cannot be loaded: {problem}.")
+            raise CheckpointError(f"{what} {path} cannot be loaded: {problem}.")
         if self.config.initial_load_model_only or is_model_only(path):
             logger.info("loading weights from %s", path)
-            self._load(path, keys=("model",))
+            self._load(path, keys=("model",), what=what)
             return 0
         logger.info("starting from the full state of %s", path)
-        self._load(path, keys=tuple(self.states))
-        return self.states["train_state"].step
-
-    def _load_hf(self, path: Path) -> None:
-        """Weights from a Hugging Face Llama folder, after checking it describes this model.
-
-        Shapes alone would let a different RoPE base or norm epsilon load silently.
-        """
-        logger.info("loading Hugging Face weights from %s", path)
-        hf_state, hf_cfg = load_hf_folder(str(path))
-        theirs, ours = model_args_from_hf_config(hf_cfg), self.model_args
-        fields = (
-            "dim",
-            "n_layers",
-            "n_heads",
-            "kv_heads",
-            "vocab_size",
-            "ffn_hidden_dim",
-            "norm_eps",
-            "rope_theta",
-            "rope_scaling",
-            "rope_scaling_factor",
-        )
-        differ = [
-            f"{f}: {getattr(theirs, f)} there, {getattr(ours, f)} here"
-            for f in fields
-            if getattr(theirs, f) != getattr(ours, f)
-        ]
-        if differ:
-            raise ValueError(
-                f"`checkpoint.initial_load_path` = {path} holds a different model than `model.flavor` "
-                f"describes ({'; '.join(differ)}); pick the matching flavor and tokenizer."
-            )
-        tied = bool(hf_cfg.get("tie_word_embeddings"))
-        load_full_weights(self.model, from_hf_state_dict(hf_state, ours, tie_word_embeddings=tied))
+        self._load(path, keys=tuple(self.states), what=what)
+        return self.train_state.step
 
     # ----------------------------------------------------------------------------------- save
 
@@ -349,7 +287,8 @@ class CheckpointManager:
         writer = ChecksummingWriter(str(partial))
         try:
             if self.config.async_mode == "async":
-                future = dcp.async_save(state, storage_writer=writer, process_group=self.group)
+                # A Future unless an async stager is configured, which this manager never does.
+                future = cast(Future, dcp.async_save(state, storage_writer=writer, process_group=self.group))
                 self._pending = (future, partial, final, step)
             else:
                 dcp.save(state, storage_writer=writer, process_group=self.group)
@@ -457,33 +396,18 @@ def _out_of_space(error: BaseException) -> bool:
     return False
 
 
+def _saved_model_args(path: Path) -> ModelArgs | None:
+    """The ``ModelArgs`` recorded beside a checkpoint; None when it has no ``model_args.json``."""
+    if not (path / MODEL_ARGS_FILE).is_file():
+        return None
+    try:
+        return read_model_args(path)
+    except UserError as error:
+        raise CheckpointError(f"{path} cannot be loaded: {error}") from error
+
+
 def _folder_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
-
-
-def load_full_weights(model: Transformer, state: dict[str, torch.Tensor]) -> None:
-    """Copy full (unsharded) tensors into a possibly sharded model, each rank its own slice
-    (under pipeline parallelism: of its stages' parameters; the others' are not unexpected)."""
-    params = dict(model.named_parameters())
-    missing = params.keys() - state.keys()
-    unexpected = {name for name in state.keys() - params.keys() if not _held_by_another_stage(model, name)}
-    if missing or unexpected:
-        raise ValueError(f"weights do not fit the model: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
-    with torch.no_grad():
-        for name, param in params.items():
-            full = state[name]
-            if tuple(full.shape) != tuple(param.shape):
-                raise ValueError(f"{name}: checkpoint shape {tuple(full.shape)} != model shape {tuple(param.shape)}")
-            local = param.to_local() if isinstance(param, DTensor) else param
-            local.copy_(local_slice(full.to(local.device, local.dtype), param))
-
-
-def _held_by_another_stage(model: Transformer, name: str) -> bool:
-    """Under pipeline parallelism a rank's model lacks the other stages' blocks and ends."""
-    top, _, rest = name.partition(".")
-    if top == "layers":
-        return rest.split(".")[0] not in model.layers
-    return hasattr(model, top) and getattr(model, top) is None
 
 
 def create_seed_checkpoint(config: Checkpoint, dump_folder: str, model: Transformer, model_args: ModelArgs) -> Path:

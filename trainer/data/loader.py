@@ -15,6 +15,8 @@ import torch
 from torch.utils.data import Dataset, Sampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from trainer.runtime.errors import ConfigError, DataError
+
 
 class GlobalOrder:
     """The global stream of sample indices and its cut into global batches.
@@ -141,7 +143,10 @@ class MicroBatchLoader:
         expected = self.state_dict()
         missing = sorted(expected.keys() - state_dict.keys())
         if missing:
-            raise ValueError(f"Data loader state lacks {', '.join(missing)}; it was not saved by MicroBatchLoader.")
+            raise DataError(
+                f"The checkpoint's data loader state lacks {', '.join(missing)}: it was not saved by meshtrain's "
+                "MicroBatchLoader. Resume from a checkpoint this trainer saved, or start without one."
+            )
         # Resuming with a different global order would silently repeat and skip samples.
         for key, config_key in (
             ("global_batch_size", "training.global_batch_size"),
@@ -154,7 +159,7 @@ class MicroBatchLoader:
                 deliberate = (
                     " (or set `checkpoint.allow_data_change` to resume on new data)" if key == "num_samples" else ""
                 )
-                raise ValueError(
+                raise ConfigError(
                     f"The checkpoint's data order was made with {key} = {state_dict[key]}, this run has "
                     f"{expected[key]}; restore `{config_key}` as it was to resume the same sample stream{deliberate}."
                 )

@@ -9,15 +9,8 @@ line-aligned byte range of a big ``.jsonl`` file (so one huge file still keeps e
 busy). Units follow the inputs' sorted order, and a shard's tokens depend on its unit only, so
 the folder is the same whatever ``--workers`` is. Documents are framed ``[bos] + tokens +
 [eos]`` from the text ``trainer.data.sources`` reads: the shards hold exactly the token stream
-the in-memory ``shakespeare`` dataset packs, and give the same samples.
-
-Folder layout (``FORMAT_VERSION`` 1)::
-
-    manifest.json          written last: its presence means the folder is complete
-    shards/000000.bin      the unit's tokens, uint16 (vocabulary <= 65536) or uint32, little-endian
-    shards/000000.idx      uint64 little-endian document offsets into the shard, documents + 1 of them
-    shards/000000.json     the done-record: the unit's source range and its sha256, the tokenizer's
-                           sha256, the shard's counts and sha256
+the in-memory ``shakespeare`` dataset packs, and give the same samples. The folder's layout
+is ``trainer.data.shards``.
 
 A unit's files are written under temporary names and renamed, its done-record last, so an
 interrupted run leaves finished units whole; the rerun reuses a unit whose done-record matches
@@ -39,29 +32,26 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from trainer.data.shards import (
+    FORMAT_VERSION,
+    MANIFEST,
+    SHARDS,
+    build_manifest,
+    encode_shard,
+    file_sizes,
+    manifest_entry,
+    shard_paths,
+    token_array,
+    token_dtype,
+)
 from trainer.data.sources import decode, file_documents, local_files
 from trainer.data.tokenizer import Tokenizer, load_tokenizer
+from trainer.runtime.errors import DataError
 
-FORMAT = "meshtrain.prepared"
-FORMAT_VERSION = 1
-"""Bump with any change to the layout or to how a unit's tokens are made (which also changes
-what the in-memory path makes: see ``trainer.data.cache.FORMAT_VERSION``)."""
-MANIFEST = "manifest.json"
-SHARDS = "shards"
 UNIT_BYTES = 64 << 20
 """Target size of the byte ranges a big uncompressed ``.jsonl`` file is cut into."""
 KIND = "shakespeare"
 """The packed dataset kind whose documents the shards hold (named in sources' error messages)."""
-_TOKEN_TYPECODES = {"uint16": "H", "uint32": "I" if array("I").itemsize == 4 else "L"}
-
-
-def token_dtype(vocab_size: int) -> str:
-    """The narrowest shard element type that holds every id of the vocabulary."""
-    return "uint16" if vocab_size <= 1 << 16 else "uint32"
-
-
-def token_itemsize(dtype: str) -> int:
-    return array(_TOKEN_TYPECODES[dtype]).itemsize
 
 
 @dataclass(frozen=True)
@@ -133,27 +123,17 @@ class _Task:
     dtype: str
 
 
-def shard_paths(out: Path, index: int) -> tuple[Path, Path, Path]:
-    """The tokens, document offsets and done-record of unit ``index``."""
-    stem = out / SHARDS / f"{index:06d}"
-    return stem.with_suffix(".bin"), stem.with_suffix(".idx"), stem.with_suffix(".json")
-
-
 def _read_range(unit: Unit) -> bytes:
     with open(unit.source, "rb") as fh:
         fh.seek(unit.start)
         return fh.read(unit.end - unit.start)
 
 
-def _reusable(
-    record_file: Path, bin_file: Path, idx_file: Path, identity: dict[str, Any], itemsize: int
-) -> dict | None:
+def _reusable(record_file: Path, bin_file: Path, idx_file: Path, identity: dict[str, Any]) -> dict | None:
     try:
         record = json.loads(record_file.read_text())
-        sizes_ok = (
-            bin_file.stat().st_size == record["tokens"] * itemsize
-            and idx_file.stat().st_size == (record["documents"] + 1) * 8
-        )
+        sizes = file_sizes(identity["dtype"], record["tokens"], record["documents"])
+        sizes_ok = (bin_file.stat().st_size, idx_file.stat().st_size) == sizes
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return record if sizes_ok and record.get("identity") == identity else None
@@ -164,7 +144,7 @@ def _unit_documents(unit: Unit, data: bytes) -> list[str]:
     text = decode(file, data)
     try:
         return file_documents(file, text, KIND)
-    except ValueError:
+    except DataError:
         if unit.start == 0:
             raise
         # Only now count the lines before the range, to name the file's own line number.
@@ -183,7 +163,6 @@ def _run_unit(task: _Task) -> tuple[dict[str, Any], bool]:
     tick = _worker["tick"]
     out, unit = Path(task.out), task.unit
     bin_file, idx_file, record_file = shard_paths(out, task.index)
-    itemsize = token_itemsize(task.dtype)
     data = _read_range(unit)
     identity = {
         **asdict(unit),
@@ -192,13 +171,13 @@ def _run_unit(task: _Task) -> tuple[dict[str, Any], bool]:
         "dtype": task.dtype,
         "format_version": FORMAT_VERSION,
     }
-    record = _reusable(record_file, bin_file, idx_file, identity, itemsize)
+    record = _reusable(record_file, bin_file, idx_file, identity)
     if record is not None:
         return record, True
     record_file.unlink(missing_ok=True)
 
     documents = _unit_documents(unit, data)
-    tokens = array(_TOKEN_TYPECODES[task.dtype])
+    tokens = token_array(task.dtype)
     offsets = array("Q", [0])
     reported = [0, 0, 0]  # documents, tokens, bytes already added to the counters
 
@@ -215,9 +194,9 @@ def _run_unit(task: _Task) -> tuple[dict[str, Any], bool]:
         try:
             tokens.fromlist(ids)
         except OverflowError:
-            raise ValueError(
+            raise DataError(
                 f"{tokenizer.path} produced the id {max(ids)}, beyond its vocabulary of {tokenizer.vocab_size} "
-                f"({task.dtype} shards); the tokenizer file is inconsistent."
+                f"({task.dtype} shards); the tokenizer file is inconsistent: use another --tokenizer."
             ) from None
         offsets.append(len(tokens))
         if time.monotonic() - last > 0.25:
@@ -226,12 +205,9 @@ def _run_unit(task: _Task) -> tuple[dict[str, Any], bool]:
     report(len(documents))
 
     max_token_id = max(tokens) if tokens else -1
-    if sys.byteorder != "little":
-        tokens.byteswap()
-        offsets.byteswap()
-    token_bytes = tokens.tobytes()
+    token_bytes, offset_bytes = encode_shard(tokens, offsets, task.dtype)
     _write_atomic(bin_file, token_bytes)
-    _write_atomic(idx_file, offsets.tobytes())
+    _write_atomic(idx_file, offset_bytes)
     record = {
         "identity": identity,
         "file": str(bin_file.relative_to(out)),
@@ -307,11 +283,11 @@ def _duration(seconds: float) -> str:
 
 def _check_out(out: Path) -> None:
     if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {str(out)!r} is a file; give a folder (new, empty or prepared before).")
+        raise DataError(f"--out {str(out)!r} is a file; give a folder (new, empty or prepared before).")
     if out.is_dir():
         foreign = sorted(p.name for p in out.iterdir() if p.name not in (MANIFEST, SHARDS))
         if foreign:
-            raise ValueError(
+            raise DataError(
                 f"--out {str(out)!r} holds other things ({', '.join(foreign[:5])}{', ...' if len(foreign) > 5 else ''}); "
                 "prepare_data writes into a new or empty folder, or one it prepared before: choose another --out."
             )
@@ -328,9 +304,9 @@ def prepare(
     """Tokenize ``inputs`` into the prepared folder ``out`` with ``workers`` processes; return the
     manifest. Rerunning after an interruption redoes only the units not finished (or changed)."""
     if workers < 1:
-        raise ValueError(f"--workers = {workers}: at least one worker is needed.")
+        raise DataError(f"--workers = {workers}: at least one worker is needed; give --workers 1 or more.")
     if not inputs:
-        raise ValueError("no inputs: name .txt, .jsonl or .jsonl.gz files, or folders of them.")
+        raise DataError("no inputs: name .txt, .jsonl or .jsonl.gz files, or folders of them.")
     tokenizer = load_tokenizer(tokenizer_path)
     out_dir = Path(out)
     _check_out(out_dir)
@@ -380,8 +356,8 @@ def prepare(
     manifest = _manifest(tokenizer, dtype, units, records)
     manifest["reused_units"] = reused  # how this run went; not part of the data's identity
     if manifest["total_tokens"] == 0:
-        raise ValueError(
-            f"{', '.join(inputs)}: no documents (blank .txt files and .jsonl files without lines); nothing to prepare."
+        raise DataError(
+            f"{', '.join(inputs)}: no documents (blank .txt files and .jsonl files without lines); nothing to prepare: name files that hold text."
         )
     _write_atomic(
         out_dir / MANIFEST, json.dumps({k: v for k, v in manifest.items() if k != "reused_units"}, indent=1).encode()
@@ -393,38 +369,7 @@ def _manifest(tokenizer: Tokenizer, dtype: str, units: list[Unit], records: list
     sources: dict[str, int] = {}
     for unit in units:
         sources.setdefault(unit.source, unit.file_size)
-    shards = [
-        {
-            "file": record["file"],
-            "index": record["index"],
-            "tokens": record["tokens"],
-            "documents": record["documents"],
-            "sha256": record["sha256"],
-            "max_token_id": record["max_token_id"],
-            "source": record["identity"]["source"],
-            "source_range": [record["identity"]["start"], record["identity"]["end"]],
-            "source_sha256": record["identity"]["sha256"],
-        }
-        for record in records
-    ]
-    return {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "tokenizer": {
-            "file": Path(str(tokenizer.path)).name,
-            "sha256": tokenizer.sha256,
-            "vocab_size": tokenizer.vocab_size,
-            "bos_id": tokenizer.bos_id,
-            "eos_id": tokenizer.eos_id,
-        },
-        "dtype": dtype,
-        "byte_order": "little",
-        "sources": [{"path": path, "size": size} for path, size in sources.items()],
-        "shards": shards,
-        "total_tokens": sum(s["tokens"] for s in shards),
-        "total_documents": sum(s["documents"] for s in shards),
-        "max_token_id": max((s["max_token_id"] for s in shards), default=-1),
-    }
+    return build_manifest(tokenizer, dtype, sources, [manifest_entry(record) for record in records])
 
 
 def write_manifest(out: Path, tokenizer: Tokenizer, dtype: str, shards: list[dict[str, Any]]) -> None:
@@ -432,31 +377,3 @@ def write_manifest(out: Path, tokenizer: Tokenizer, dtype: str, shards: list[dic
     records = [{**shard, "identity": {"source": "", "start": 0, "end": 0, "sha256": ""}} for shard in shards]
     manifest = _manifest(tokenizer, dtype, [], records)
     _write_atomic(out / MANIFEST, json.dumps(manifest, indent=1).encode())
-
-
-def verify(folder: str) -> list[str]:
-    """Every problem a full check of a prepared folder finds: the manifest, each shard's size and
-    sha256 and each index's size (an empty list: the folder is sound)."""
-    from trainer.data.prepared import read_manifest
-
-    root = Path(folder)
-    manifest = read_manifest(root)
-    itemsize = token_itemsize(manifest["dtype"])
-    problems = []
-    for shard in manifest["shards"]:
-        bin_file, idx_file = root / shard["file"], root / shard["index"]
-        try:
-            digest = hashlib.sha256()
-            with open(bin_file, "rb") as fh:
-                while chunk := fh.read(1 << 24):
-                    digest.update(chunk)
-            size_ok = bin_file.stat().st_size == shard["tokens"] * itemsize
-            idx_ok = idx_file.stat().st_size == (shard["documents"] + 1) * 8
-        except OSError as exc:
-            problems.append(f"{bin_file}: cannot be read ({exc})")
-            continue
-        if not size_ok or digest.hexdigest() != shard["sha256"]:
-            problems.append(f"{bin_file}: its bytes differ from the manifest's size or sha256")
-        if not idx_ok:
-            problems.append(f"{idx_file}: its size does not match {shard['documents']} documents")
-    return problems

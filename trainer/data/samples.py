@@ -32,6 +32,7 @@ from trainer.data.prepared import PreparedDataset, is_prepared
 from trainer.data.sources import Sources, read_sources
 from trainer.data.tokenizer import Tokenizer
 from trainer.loss import IGNORE_INDEX
+from trainer.runtime.errors import DataError
 
 TURN_SEPARATOR = "\n\n"
 """Put between prompt and response: the blank line that separates speeches in the documents of
@@ -192,7 +193,7 @@ def _build_arrays(kind: str, sources: Sources, tokenizer: Tokenizer, seq_len: in
     arrays = _KINDS[kind].build(kind, sources, tokenizer, seq_len)
     if not arrays.num_masked:
         key = f"{'validation' if sources.split == 'validation' else 'training'}.seq_len"
-        raise ValueError(
+        raise DataError(
             f"{sources.describe()} yields no {kind} samples of `{key}` = {seq_len} tokens"
             f"{_KINDS[kind].sample_needs}; add data or {'raise' if kind == 'chat' else 'lower'} `{key}`."
         )
@@ -243,7 +244,7 @@ def open_dataset(
     if path and is_prepared(path):
         section = "validation" if split == "validation" else "training"
         if kind not in PACKED_KINDS:
-            raise ValueError(
+            raise DataError(
                 f"`{section}.dataset_path` = {path!r} is a prepared folder of packed documents, which "
                 f"`{section}.dataset` = {kind!r} cannot read; set `{section}.dataset` to 'shakespeare', or point "
                 f"`{section}.dataset_path` at .txt/.jsonl files."

