@@ -183,6 +183,7 @@ def build_step_parts(plan: Plan, dataset: Dataset) -> StepParts:
         pin_memory=dev_type == "cuda",
         prefetch_factor=training.prefetch_factor if training.num_workers > 0 else None,
         allow_data_change=config.checkpoint.allow_data_change,
+        timeout_s=training.data_timeout_seconds,
     )
     accumulator = GradAccumulator(
         model,
@@ -240,7 +241,7 @@ def build_run(plan: Plan, parts: StepParts, dataset: Dataset, validation_dataset
     resolved config and says what is about to run."""
     state, checkpointer = resume(plan, dataset, parts)
     rank = dist.get_rank()
-    metrics = build_metrics(plan, parts.device, rank)
+    metrics = build_metrics(plan, parts.device, rank, resumed=state.step > 0)
     if rank == 0:
         save_config(plan)
         log_start(plan, parts.device, metrics, data_lines(plan, dataset, validation_dataset))
@@ -268,7 +269,7 @@ def resume(plan: Plan, dataset: Dataset, parts: StepParts) -> tuple[TrainState, 
     return state, checkpointer
 
 
-def build_metrics(plan: Plan, device: torch.device, rank: int) -> MetricsLogger:
+def build_metrics(plan: Plan, device: torch.device, rank: int, resumed: bool = False) -> MetricsLogger:
     config, training, args = plan.config, plan.config.training, plan.model_args
     return MetricsLogger(
         rank=rank,
@@ -290,6 +291,7 @@ def build_metrics(plan: Plan, device: torch.device, rank: int) -> MetricsLogger:
         # non-data-parallel size): tokens/s and MFU are per device of the whole job.
         devices_per_replica=plan.dims.pp * plan.dims.tp * plan.dims.cp,
         validation=plan.validates,
+        resumed=resumed,
     )
 
 
