@@ -6,17 +6,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from torch.utils.data import Dataset
-
 from trainer.config import resolve_path
-from trainer.data.mixture import MixtureDataset
-from trainer.data.samples import open_dataset
+from trainer.data.mixture import Member, MixtureDataset
+from trainer.data.prepared import PreparedDataset
+from trainer.data.samples import SampleDataset, open_dataset
 
 if TYPE_CHECKING:
     from trainer.plan import Plan
 
+TokenDataset = SampleDataset | PreparedDataset | MixtureDataset
+"""What a run trains or validates on: ``(input_ids, labels)`` samples of ``seq_len`` tokens."""
 
-def load_dataset(plan: Plan) -> Dataset:
+
+def load_dataset(plan: Plan) -> TokenDataset:
     """The samples of ``training.dataset``: from the bundled plays, one path, or the mixture of
     several (``training.dataset_path``, ``training.dataset_weights``)."""
     training = plan.config.training
@@ -30,7 +32,7 @@ def load_dataset(plan: Plan) -> Dataset:
     return MixtureDataset(members, names, training.dataset_weights or [1.0] * len(paths))
 
 
-def load_validation_dataset(plan: Plan) -> Dataset | None:
+def load_validation_dataset(plan: Plan) -> TokenDataset | None:
     """The validation samples (``[validation]``), or None when the run does not validate."""
     validation, training = plan.config.validation, plan.config.training
     if not plan.validates:
@@ -44,23 +46,25 @@ def load_validation_dataset(plan: Plan) -> Dataset | None:
     )
 
 
-def describe_data(plan: Plan, dataset: Dataset, validation: bool = False) -> str:
+def describe_data(plan: Plan, dataset: TokenDataset, validation: bool = False) -> str:
     """What the run trains (or validates) on, in a line or two."""
     training = plan.config.training
     kind = (plan.config.validation.dataset or training.dataset) if validation else training.dataset
     seq_len = plan.validation_seq_len if validation else training.seq_len
     text = f"{len(dataset):,} samples of {seq_len} tokens ({kind})"
+    members: list[Member]
     if isinstance(dataset, MixtureDataset):
         text += "; mixture over the run: " + dataset.describe_shares(
             training.steps, plan.global_batch_size, plan.config.debug.seed
         )
-        stats = [m.chat_stats for m in dataset.members if getattr(m, "chat_stats", None)]
+        members = dataset.members
     else:
-        stats = [dataset.chat_stats] if getattr(dataset, "chat_stats", None) else []
+        members = [dataset]
+    stats = [m.chat_stats for m in members if isinstance(m, SampleDataset) and m.chat_stats]
     return "; ".join([text] + [s.describe(seq_len) for s in stats])
 
 
-def data_lines(plan: Plan, dataset: Dataset, validation_dataset: Dataset | None) -> str:
+def data_lines(plan: Plan, dataset: TokenDataset, validation_dataset: TokenDataset | None) -> str:
     """What the run trains and validates on."""
     lines = [f"data: {describe_data(plan, dataset)}"]
     if validation_dataset is not None:

@@ -9,7 +9,7 @@ checkpoint resume on another mesh with the same sample stream.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sized
 
 import torch
 from torch.utils.data import Dataset, Sampler
@@ -61,7 +61,11 @@ class GlobalOrder:
 def global_order(dataset: Dataset, global_batch_size: int, seed: int) -> GlobalOrder:
     """The dataset's global order: its own (a mixture's ``order``), or a :class:`GlobalOrder`."""
     own = getattr(dataset, "order", None)
-    return own(global_batch_size, seed) if own else GlobalOrder(len(dataset), global_batch_size, seed)
+    if own:
+        return own(global_batch_size, seed)
+    if not isinstance(dataset, Sized):
+        raise TypeError(f"{type(dataset).__name__} has no len(): the global order needs the number of samples")
+    return GlobalOrder(len(dataset), global_batch_size, seed)
 
 
 class _RankBatchSampler(Sampler[list[int]]):
