@@ -24,6 +24,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 from torch.utils.data import Dataset
@@ -117,10 +118,22 @@ class MixtureOrder:
         return [c / max(1, sum(counts)) for c in counts]
 
 
+class Member(Protocol):
+    """What a mixture needs of each of its datasets."""
+
+    seq_len: int
+    pad_id: int
+    identity: dict[str, str]
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 class MixtureDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     """The members' samples, concatenated: index ``offsets[d] + i`` is member d's sample i."""
 
-    def __init__(self, members: Sequence[Dataset], names: Sequence[str], weights: Sequence[float]) -> None:
+    def __init__(self, members: Sequence[Member], names: Sequence[str], weights: Sequence[float]) -> None:
         self.members = list(members)
         self.names = list(names)
         total = sum(weights)
