@@ -27,12 +27,13 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
-from torch.utils.data import Dataset
 
+from parallelisms.pipeline_parallel import Pipeline
 from parallelisms.tensor_parallel import loss_context
 from trainer.build import MicroBatch, Run, StepParts, build_run, build_step_parts
 from trainer.checkpoint.manager import create_seed_checkpoint
 from trainer.config import help_text
+from trainer.data.datasets import TokenDataset
 from trainer.data.loader import StoppedWaitingForData
 from trainer.grad_accumulator import StepResult
 from trainer.metrics import StepStats
@@ -106,7 +107,10 @@ def dry_run(argv: list[str], world_size: int) -> int:
 
 
 def train(
-    job_plan: Plan, dataset: Dataset, stop: StopRequests | None = None, validation_dataset: Dataset | None = None
+    job_plan: Plan,
+    dataset: TokenDataset,
+    stop: StopRequests | None = None,
+    validation_dataset: TokenDataset | None = None,
 ) -> None:
     """Build, resume, loop. ``stop`` carries SIGTERM / Ctrl-C requests into the loop;
     ``validation_dataset`` (``[validation]``) is evaluated every ``validation.freq`` steps."""
@@ -250,7 +254,7 @@ def fetch_step(trainer: StepParts, stop_requested: Callable[[], bool] = lambda: 
 def forward_backward(trainer: StepParts, microbatches: list[MicroBatch]) -> StepResult:
     """Accumulate summed-loss gradients over the micro-batches; finalize normalises and clips."""
     if trainer.pipeline is not None:
-        return pipeline_forward_backward(trainer, microbatches)
+        return pipeline_forward_backward(trainer, trainer.pipeline, microbatches)
     accumulator = trainer.accumulator
     accumulator.begin_step([mb.labels for mb in microbatches])
     cp = trainer.context_parallel
@@ -263,7 +267,7 @@ def forward_backward(trainer: StepParts, microbatches: list[MicroBatch]) -> Step
     return accumulator.finalize()
 
 
-def pipeline_forward_backward(trainer: StepParts, microbatches: list[MicroBatch]) -> StepResult:
+def pipeline_forward_backward(trainer: StepParts, pipeline: Pipeline, microbatches: list[MicroBatch]) -> StepResult:
     """The rank's micro-batches are one batch for the pipeline schedule, which cuts it into
     pipeline micro-batches and runs every forward and backward on summed losses; finalize
     normalises and clips as without PP."""
@@ -272,7 +276,7 @@ def pipeline_forward_backward(trainer: StepParts, microbatches: list[MicroBatch]
     inputs, labels = torch.cat([mb.inputs for mb in microbatches]), torch.cat([mb.labels for mb in microbatches])
     cp = trainer.context_parallel
     with loss_context(trainer.loss_parallel), cp.attention_context() if cp else nullcontext():
-        losses = trainer.pipeline.step(inputs, labels)
+        losses = pipeline.step(inputs, labels)
     accumulator.record_pipeline_losses(losses)
     return accumulator.finalize()
 
@@ -282,7 +286,7 @@ def optimizer_step(trainer: StepParts, result: StepResult) -> float:
     if not result.skipped:
         trainer.optimizer.step()
     trainer.optimizer.zero_grad(set_to_none=True)
-    lr = trainer.scheduler.get_last_lr()[0]
+    lr = float(trainer.scheduler.get_last_lr()[0])
     trainer.scheduler.step()
     return lr
 

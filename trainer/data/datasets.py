@@ -13,10 +13,8 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from torch.utils.data import Dataset
-
 from trainer.config import resolve_path
-from trainer.data.mixture import MixtureDataset
+from trainer.data.mixture import Member, MixtureDataset
 from trainer.data.prepared import PreparedDataset, is_prepared
 from trainer.data.samples import SampleDataset, open_dataset
 from trainer.data.shards import MANIFEST
@@ -28,15 +26,18 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("meshtrain")
 
+TokenDataset = SampleDataset | PreparedDataset | MixtureDataset
+"""What a run trains or validates on: ``(input_ids, labels)`` samples of ``seq_len`` tokens."""
 
-def load_dataset(plan: Plan) -> Dataset:
+
+def load_dataset(plan: Plan) -> TokenDataset:
     """The samples of ``training.dataset``: from the bundled plays, one path, or the mixture of
     several (``training.dataset_path``, ``training.dataset_weights``)."""
     training = plan.config.training
     paths = [resolve_path(path) for path in training.dataset_path]
     _check_named_once(paths)
     if len(paths) <= 1:
-        dataset: SampleDataset | PreparedDataset | MixtureDataset = open_dataset(
+        dataset: TokenDataset = open_dataset(
             training.dataset, paths[0] if paths else None, plan.tokenizer, training.seq_len
         )
     else:
@@ -55,7 +56,7 @@ def load_dataset(plan: Plan) -> Dataset:
     return dataset
 
 
-def load_validation_dataset(plan: Plan) -> Dataset | None:
+def load_validation_dataset(plan: Plan) -> TokenDataset | None:
     """The validation samples (``[validation]``), or None when the run does not validate."""
     validation, training = plan.config.validation, plan.config.training
     if not plan.validates:
@@ -115,23 +116,25 @@ def _warn_overlap(path: str, training_paths: list[str]) -> None:
         )
 
 
-def describe_data(plan: Plan, dataset: Dataset, validation: bool = False) -> str:
+def describe_data(plan: Plan, dataset: TokenDataset, validation: bool = False) -> str:
     """What the run trains (or validates) on, in a line or two."""
     training = plan.config.training
     kind = (plan.config.validation.dataset or training.dataset) if validation else training.dataset
     seq_len = plan.validation_seq_len if validation else training.seq_len
     text = f"{len(dataset):,} samples of {seq_len} tokens ({kind})"
+    members: list[Member]
     if isinstance(dataset, MixtureDataset):
         text += "; mixture over the run: " + dataset.describe_shares(
             training.steps, plan.global_batch_size, plan.config.debug.seed
         )
-        stats = [m.chat_stats for m in dataset.members if getattr(m, "chat_stats", None)]
+        members = dataset.members
     else:
-        stats = [dataset.chat_stats] if getattr(dataset, "chat_stats", None) else []
+        members = [dataset]
+    stats = [m.chat_stats for m in members if isinstance(m, SampleDataset) and m.chat_stats]
     return "; ".join([text] + [s.describe(seq_len) for s in stats])
 
 
-def data_lines(plan: Plan, dataset: Dataset, validation_dataset: Dataset | None) -> str:
+def data_lines(plan: Plan, dataset: TokenDataset, validation_dataset: TokenDataset | None) -> str:
     """What the run trains and validates on."""
     lines = [f"data: {describe_data(plan, dataset)}"]
     if validation_dataset is not None:

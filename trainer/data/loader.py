@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sized
 from typing import Any
 
 import torch
@@ -73,7 +73,11 @@ class GlobalOrder:
 def global_order(dataset: Dataset, global_batch_size: int, seed: int) -> GlobalOrder:
     """The dataset's global order: its own (a mixture's ``order``), or a :class:`GlobalOrder`."""
     own = getattr(dataset, "order", None)
-    return own(global_batch_size, seed) if own else GlobalOrder(len(dataset), global_batch_size, seed)
+    if own:
+        return own(global_batch_size, seed)
+    if not isinstance(dataset, Sized):
+        raise TypeError(f"{type(dataset).__name__} has no len(): the global order needs the number of samples")
+    return GlobalOrder(len(dataset), global_batch_size, seed)
 
 
 class _RankBatchSampler(Sampler[list[int]]):

@@ -112,19 +112,19 @@ def is_collective_timeout(error: BaseException) -> bool:
     NCCL's watchdog a ``DistBackendError``; neither has a dedicated exception type.
     """
     seen: set[int] = set()
-    pending = [error]
+    pending: list[BaseException | None] = [error]
     while pending:
-        error = pending.pop()
-        if error is None or id(error) in seen:
+        found = pending.pop()
+        if found is None or id(found) in seen:
             continue
-        seen.add(id(error))
-        if isinstance(error, UserError):
+        seen.add(id(found))
+        if isinstance(found, UserError):
             continue  # explained already; its words ("timeout") are not a collective's
-        if isinstance(error, (RuntimeError, dist.DistError)):
-            text = str(error).lower()
+        if isinstance(found, (RuntimeError, dist.DistError)):
+            text = str(found).lower()
             if any(word in text for word in _TIMEOUT_WORDS):
                 return True
-        if isinstance(error, CheckpointException):  # a checkpoint collective, wrapped per rank
-            pending.extend(exc for exc, _ in error.failures.values())
-        pending.extend((error.__cause__, error.__context__))
+        if isinstance(found, CheckpointException):  # a checkpoint collective, wrapped per rank
+            pending.extend(exc for exc, _ in found.failures.values())
+        pending.extend((found.__cause__, found.__context__))
     return False
