@@ -223,7 +223,7 @@ class CheckpointManager:
             return
         raise CheckpointError(
             f"{path} was trained on other data than this run's ({'; '.join(differ)}). Point "
-            "`training.dataset`, `training.dataset_path`, `training.seq_len` and `model.tokenizer_path` "
+            "`training.dataset`, `training.dataset_path`, `training.dataset_weights`, `training.seq_len` and `model.tokenizer_path` "
             "at the data it was trained on, or set `checkpoint.allow_data_change = true` to resume on "
             "the new data deliberately (or exclude `dataloader` from loading to start its order afresh)."
         )

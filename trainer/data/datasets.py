@@ -120,8 +120,14 @@ def describe_data(plan: Plan, dataset: TokenDataset, validation: bool = False) -
     """What the run trains (or validates) on, in a line or two."""
     training = plan.config.training
     kind = (plan.config.validation.dataset or training.dataset) if validation else training.dataset
+    paths = (
+        ([plan.config.validation.dataset_path] if plan.config.validation.dataset_path else [])
+        if validation
+        else list(training.dataset_path)
+    )
+    source = f"{kind} from {', '.join(paths)}" if paths else f"{kind}, bundled"
     seq_len = plan.validation_seq_len if validation else training.seq_len
-    text = f"{len(dataset):,} samples of {seq_len} tokens ({kind})"
+    text = f"{len(dataset):,} samples of {seq_len} tokens ({source})"
     members: list[Member]
     if isinstance(dataset, MixtureDataset):
         text += "; mixture over the run: " + dataset.describe_shares(
