@@ -36,8 +36,9 @@ returns the summed loss itself (the chunked loss of ``trainer/loss.py``) instead
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -288,6 +289,7 @@ class Pipeline:
             },
             scale_grads=False,
         )
+        self._forward_order = _forward_only_order(self.schedule)
         # Logits of every micro-batch would otherwise be kept until the step returns (and merged:
         # a last stage returning its loss returns scalars, which do not concatenate).
         self._step_kwargs = (
@@ -325,18 +327,32 @@ class Pipeline:
                 inputs[start : start + step_batch], labels[start : start + step_batch], step_batch
             )
             losses: list[torch.Tensor] = []
-            self.schedule.eval(
-                *self._inputs(chunk_inputs),
-                target=self._target(chunk_labels),
-                losses=losses,
-                positions=self.positions,
-                **self._labels(chunk_labels),
-                **self._step_kwargs,
-            )
+            with self._running_forward_only():
+                self.schedule.eval(
+                    *self._inputs(chunk_inputs),
+                    target=self._target(chunk_labels),
+                    losses=losses,
+                    positions=self.positions,
+                    **self._labels(chunk_labels),
+                    **self._step_kwargs,
+                )
             for loss in losses:
                 total += (loss.to_local() if hasattr(loss, "to_local") else loss).float()
         dist.all_reduce(total, group=self.group)  # only the last stage holds a non-zero sum
         return total
+
+    @contextlib.contextmanager
+    def _running_forward_only(self) -> Iterator[None]:
+        """Swap the forward-only order in for an evaluation (see :func:`_forward_only_order`)."""
+        if self._forward_order is None:
+            yield
+            return
+        training_order = self.schedule.pipeline_order_with_comms
+        self.schedule.pipeline_order_with_comms = self._forward_order
+        try:
+            yield
+        finally:
+            self.schedule.pipeline_order_with_comms = training_order
 
     def _inputs(self, inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return (inputs,) if self.holds_first else ()
@@ -353,6 +369,29 @@ class Pipeline:
 def _output_is_the_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """The schedule's loss when the last stage computed it (``labels_to_model``)."""
     return output
+
+
+_FORWARD_ACTIONS = frozenset({"F", "SEND_F", "RECV_F", "UNSHARD", "RESHARD"})
+"""Action kinds of a forward pass in torch's schedule IR (``_ComputationType`` values)."""
+
+
+def _forward_only_order(schedule: object) -> dict[int, list] | None:
+    """The multi-stage schedule's own action order with every backward action removed, or None
+    for a single-stage schedule (whose ``eval`` already runs forwards only).
+
+    ``eval`` of a multi-stage schedule replays the training order with backward turned off,
+    and the zero-bubble schedules' split backward actions then fail ("can't steal_bwd_input if
+    this stage doesn't have backward"). Each rank's forward actions, kept in their training
+    order, are a valid schedule on their own (dropping actions adds no dependency), over the
+    same stages and their placement, so every schedule evaluates the same way.
+    """
+    order = getattr(schedule, "pipeline_order_with_comms", None)
+    if not order:
+        return None
+    return {
+        rank: [action for action in actions if action is not None and action.computation_type.value in _FORWARD_ACTIONS]
+        for rank, actions in order.items()
+    }
 
 
 def _padded(inputs: torch.Tensor, labels: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:

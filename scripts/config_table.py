@@ -30,7 +30,7 @@ def render() -> str:
             lines += ["", f"**[{name}]**", "", "| key | type | default | meaning |", "|---|---|---|---|"]
         choices = field.metadata["choices"]
         kind = type_name(typ) + (" (" + r" \| ".join(choices) + ")" if choices else "")
-        default = ",".join(field.default) if typ is StrList else repr(field.default)
+        default = ",".join(field.default) if isinstance(field.default, StrList) else repr(field.default)
         lines.append(f"| `{key}` | {kind} | `{default}` | {field.metadata['doc']} |")
     return "\n".join(lines[1:])
 

@@ -340,7 +340,7 @@ def tensorboard_scalars(dump: Path, tags: tuple[str, ...], run: int = -1) -> dic
     """``{tag: {step: value}}`` of the ``run``-th (default: newest) TensorBoard run in ``dump``."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # slow to import
 
-    run_dir = sorted((dump / "tb").iterdir())[run]
+    run_dir = sorted(p for p in (dump / "tb").iterdir() if p.is_dir())[run]
     events = EventAccumulator(str(run_dir))
     events.Reload()
     return {tag: {s.step: s.value for s in events.Scalars(tag)} for tag in tags}

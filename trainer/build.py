@@ -21,14 +21,13 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import Dataset
 
 from parallelisms.context_parallel import ContextParallel
 from parallelisms.parallel_dims import Meshes, device_type
 from parallelisms.parallelize import Parallelized, parallelize
 from parallelisms.pipeline_parallel import Pipeline
 from trainer.checkpoint.manager import CheckpointManager
-from trainer.data.datasets import data_lines
+from trainer.data.datasets import TokenDataset, data_lines
 from trainer.data.documents import split_documents
 from trainer.data.loader import MicroBatchLoader, build_dataloader
 from trainer.grad_accumulator import GradAccumulator
@@ -87,15 +86,20 @@ class StepParts:
         cannot tell where the document of its first token began.
         """
         positions, document_ids = self.positions, None
+        cp = self.context_parallel
         if self.document_bos_id is not None:
             labels, positions, document_ids = split_documents(inputs, labels, self.document_bos_id)
-        cp = self.context_parallel
+            if cp:
+                positions, document_ids = cp.shard(positions), cp.shard(document_ids)
         if cp:
             inputs, labels = cp.shard(inputs), cp.shard(labels)
-            if document_ids is not None:
-                positions, document_ids = cp.shard(positions), cp.shard(document_ids)
-        tensors = (inputs, labels, positions, document_ids)
-        return MicroBatch(*(t if t is None else t.to(self.device, non_blocking=True) for t in tensors))
+        device = self.device
+        return MicroBatch(
+            inputs.to(device, non_blocking=True),
+            labels.to(device, non_blocking=True),
+            None if positions is None else positions.to(device, non_blocking=True),
+            None if document_ids is None else document_ids.to(device, non_blocking=True),
+        )
 
     pipeline: Pipeline | None = None
     """This rank's pipeline stages and their schedule (None without pipeline parallelism);
@@ -129,6 +133,7 @@ def build_model(
         logger.info("initialising the weights (seed %d)", seed)
     progress = InitProgress(local) if rank0 and local >= PROGRESS_MIN_PARAMS else None
     for part in parts:
+        assert isinstance(part, Transformer)  # a stage view is an instance of the model's class
         part.init_weights(seed, progress=progress)
     if rank0:
         logger.info("model built and initialised in %.1f s", time.monotonic() - start)
@@ -162,7 +167,7 @@ class InitProgress:
         self.next_percent = (percent // PROGRESS_EVERY_PERCENT + 1) * PROGRESS_EVERY_PERCENT
 
 
-def build_step_parts(plan: Plan, dataset: Dataset) -> StepParts:
+def build_step_parts(plan: Plan, dataset: TokenDataset) -> StepParts:
     """Join the process group and build the sharded model, optimizer, data and accumulator."""
     config, training = plan.config, plan.config.training
     dev_type = device_type()
@@ -189,6 +194,7 @@ def build_step_parts(plan: Plan, dataset: Dataset) -> StepParts:
         pin_memory=dev_type == "cuda",
         prefetch_factor=training.prefetch_factor if training.num_workers > 0 else None,
         allow_data_change=config.checkpoint.allow_data_change,
+        timeout_s=training.data_timeout_seconds,
     )
     accumulator = GradAccumulator(
         model,
@@ -202,6 +208,7 @@ def build_step_parts(plan: Plan, dataset: Dataset) -> StepParts:
     )
     pipeline = None
     if parallelized.split is not None:
+        assert parallelized.stage_modules is not None  # parallelize sets both under pipeline parallelism
         pipeline = Pipeline(
             parallelized.stage_modules,
             parallelized.split,
@@ -242,19 +249,19 @@ class Run:
     validator: Validator | None
 
 
-def build_run(plan: Plan, parts: StepParts, dataset: Dataset, validation_dataset: Dataset | None) -> Run:
+def build_run(plan: Plan, parts: StepParts, dataset: TokenDataset, validation_dataset: TokenDataset | None) -> Run:
     """Resume from the newest checkpoint, open the metrics and the validator; rank 0 saves the
     resolved config and says what is about to run."""
     state, checkpointer = resume(plan, dataset, parts)
     rank = dist.get_rank()
-    metrics = build_metrics(plan, parts.device, rank)
+    metrics = build_metrics(plan, parts.device, rank, resumed=state.step > 0)
     if rank == 0:
         save_config(plan)
         log_start(plan, parts.device, metrics, data_lines(plan, dataset, validation_dataset))
     return Run(parts, state, checkpointer, metrics, build_validator(plan, parts, validation_dataset))
 
 
-def resume(plan: Plan, dataset: Dataset, parts: StepParts) -> tuple[TrainState, CheckpointManager]:
+def resume(plan: Plan, dataset: TokenDataset, parts: StepParts) -> tuple[TrainState, CheckpointManager]:
     """The train state and the checkpoint manager, restored from the newest checkpoint if any."""
     config = plan.config
     state = TrainState()
@@ -275,7 +282,7 @@ def resume(plan: Plan, dataset: Dataset, parts: StepParts) -> tuple[TrainState, 
     return state, checkpointer
 
 
-def build_metrics(plan: Plan, device: torch.device, rank: int) -> MetricsLogger:
+def build_metrics(plan: Plan, device: torch.device, rank: int, resumed: bool = False) -> MetricsLogger:
     config, training, args = plan.config, plan.config.training, plan.model_args
     return MetricsLogger(
         rank=rank,
@@ -297,10 +304,11 @@ def build_metrics(plan: Plan, device: torch.device, rank: int) -> MetricsLogger:
         # non-data-parallel size): tokens/s and MFU are per device of the whole job.
         devices_per_replica=plan.dims.pp * plan.dims.tp * plan.dims.cp,
         validation=plan.validates,
+        resumed=resumed,
     )
 
 
-def build_validator(plan: Plan, parts: StepParts, dataset: Dataset | None) -> Validator | None:
+def build_validator(plan: Plan, parts: StepParts, dataset: TokenDataset | None) -> Validator | None:
     if dataset is None:
         return None
     validation = plan.config.validation

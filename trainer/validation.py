@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.utils.data import Dataset
 
 from parallelisms.tensor_parallel import loss_context
 from trainer.data.loader import GlobalOrder
@@ -38,6 +37,7 @@ from trainer.loss import IGNORE_INDEX
 
 if TYPE_CHECKING:
     from trainer.build import StepParts
+    from trainer.data.datasets import TokenDataset
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,15 @@ class Validator:
     """One rank's share of the validation set, and the pass that evaluates it."""
 
     def __init__(
-        self, dataset: Dataset, *, local_batch_size: int, dp_rank: int, dp_degree: int, steps: int, freq: int, seed: int
+        self,
+        dataset: TokenDataset,
+        *,
+        local_batch_size: int,
+        dp_rank: int,
+        dp_degree: int,
+        steps: int,
+        freq: int,
+        seed: int,
     ) -> None:
         self.dataset = dataset
         self.freq = freq

@@ -11,10 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from torch.utils.data import Dataset
-
 from trainer.config import load_config
-from trainer.data.datasets import data_lines, load_dataset, load_validation_dataset
+from trainer.data.datasets import TokenDataset, data_lines, load_dataset, load_validation_dataset
 from trainer.plan import Plan, check_memory, describe, memory_limit, plan
 from trainer.runtime.errors import ConfigError
 
@@ -71,8 +69,8 @@ class PreparedJob:
     """A job checked from end to end and ready to build: its plan and its data."""
 
     plan: Plan
-    dataset: Dataset
-    validation_dataset: Dataset | None
+    dataset: TokenDataset
+    validation_dataset: TokenDataset | None
 
     def data_lines(self) -> str:
         return data_lines(self.plan, self.dataset, self.validation_dataset)
