@@ -29,7 +29,9 @@ per FSDP unit and step.
 
 This module knows nothing of the trainer; it expects torchtitan's Llama module names
 (``tok_embeddings``, ``layers``, ``norm``, ``output``) and a model whose ``forward`` accepts a
-missing embedding (hidden states in) and missing output (hidden states out).
+missing embedding (hidden states in) and missing output (hidden states out). With
+``labels_to_model`` the labels are the model's ``labels`` argument too, and the last stage
+returns the summed loss itself (the chunked loss of ``trainer/loss.py``) instead of logits.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from torch.distributed.pipelining import PipelineStage
 
 # torch's micro-batch splitter replicates an argument whose chunk spec is ``_Replicate`` (private,
 # unchanged from torch 2.2 to 2.13): every micro-batch gets the same RoPE positions.
-from torch.distributed.pipelining.microbatch import _Replicate
+from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
 from parallelisms import model_parts
@@ -260,6 +262,7 @@ class Pipeline:
         microbatches: int,
         microbatch_size: int,
         positions: torch.Tensor,
+        labels_to_model: bool = False,
     ):
         self.pp_rank = pp_mesh.get_local_rank()
         self.group = pp_mesh.get_group()
@@ -269,6 +272,7 @@ class Pipeline:
         self.microbatches = microbatches
         self.microbatch_size = microbatch_size
         self.positions = positions
+        self.labels_to_model = labels_to_model
         self.stages = [
             PipelineStage(module, index, split.num_stages, device, group=self.group)
             for module, index in zip(stage_modules, stage_ids)
@@ -278,12 +282,16 @@ class Pipeline:
         self.schedule = schedule_class(
             first,
             microbatches,
-            loss_fn=loss_fn,
-            kwargs_chunk_spec={"positions": _Replicate()},
+            loss_fn=_output_is_the_loss if labels_to_model else loss_fn,
+            kwargs_chunk_spec={
+                "positions": _Replicate(),
+                **({"labels": TensorChunkSpec(0)} if labels_to_model else {}),
+            },
             scale_grads=False,
         )
         self._forward_order = _forward_only_order(self.schedule)
-        # Logits of every micro-batch would otherwise be kept until the step returns.
+        # Logits of every micro-batch would otherwise be kept until the step returns (and merged:
+        # a last stage returning its loss returns scalars, which do not concatenate).
         self._step_kwargs = (
             {"return_outputs": False} if "return_outputs" in inspect.signature(self.schedule.step).parameters else {}
         )
@@ -297,6 +305,7 @@ class Pipeline:
             target=self._target(labels),
             losses=losses,
             positions=self.positions,
+            **self._labels(labels),
             **self._step_kwargs,
         )
         return losses
@@ -324,6 +333,8 @@ class Pipeline:
                     target=self._target(chunk_labels),
                     losses=losses,
                     positions=self.positions,
+                    **self._labels(chunk_labels),
+                    **self._step_kwargs,
                 )
             for loss in losses:
                 total += (loss.to_local() if hasattr(loss, "to_local") else loss).float()
@@ -348,6 +359,16 @@ class Pipeline:
 
     def _target(self, labels: torch.Tensor) -> torch.Tensor | None:
         return labels if self.holds_last else None
+
+    def _labels(self, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The labels as the model's own argument (every stage gets it; the last, holding the
+        output projection, returns the summed loss)."""
+        return {"labels": labels} if self.labels_to_model else {}
+
+
+def _output_is_the_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The schedule's loss when the last stage computed it (``labels_to_model``)."""
+    return output
 
 
 _FORWARD_ACTIONS = frozenset({"F", "SEND_F", "RECV_F", "UNSHARD", "RESHARD"})

@@ -31,7 +31,7 @@ from trainer.data.datasets import TokenDataset, data_lines
 from trainer.data.documents import split_documents
 from trainer.data.loader import MicroBatchLoader, build_dataloader
 from trainer.grad_accumulator import GradAccumulator
-from trainer.loss import cross_entropy_sum
+from trainer.loss import CrossEntropy, ModelLoss, cross_entropy_sum
 from trainer.metrics import MetricsLogger, flops_per_token, peak_flops, use_color
 from trainer.metrics.reports import log_start, save_config
 from trainer.model.llama3 import Transformer, num_params, whole_model
@@ -72,7 +72,7 @@ class StepParts:
     loader: MicroBatchLoader
     accumulator: GradAccumulator
     loss_parallel: bool
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    model_loss: ModelLoss
     context_parallel: ContextParallel | None
     positions: torch.Tensor | None
     """Sequence positions of this rank's tokens under context parallelism (else 0..seq-1)."""
@@ -106,13 +106,18 @@ class StepParts:
     ``model`` then holds only these stages' modules."""
 
 
-def build_model(plan: Plan, meshes: Meshes, device: torch.device) -> tuple[Transformer, Parallelized]:
+def build_model(
+    plan: Plan, meshes: Meshes, device: torch.device, cross_entropy: CrossEntropy = cross_entropy_sum
+) -> tuple[Transformer, Parallelized]:
     """Build on the meta device, parallelise, then materialise and initialise only the local shards
     (under pipeline parallelism: of this rank's stages)."""
     start = time.monotonic()
     rank0 = dist.get_rank() == 0
     with torch.device("meta"):
         model = Transformer(plan.model_args)
+    if model.output is not None:  # the whole model: no pipeline split yet
+        model.output.chunk_tokens = plan.config.training.loss_chunk_tokens
+        model.output.cross_entropy = cross_entropy
     total = num_params(model)
     if rank0:
         logger.info("parallelising the model (%s parameters) on the meta device", f"{total:,}")
@@ -172,9 +177,10 @@ def build_step_parts(plan: Plan, dataset: TokenDataset) -> StepParts:
         torch.use_deterministic_algorithms(True)
     torch.manual_seed(config.debug.seed)
     meshes = plan.dims.build_mesh(dev_type)
-    model, parallelized = build_model(plan, meshes, device)
+    cross_entropy = torch.compile(cross_entropy_sum) if plan.parallel.compile_loss else cross_entropy_sum
+    model, parallelized = build_model(plan, meshes, device, cross_entropy)
     context_parallel = parallelized.context_parallel
-    loss_fn = torch.compile(cross_entropy_sum) if plan.parallel.compile_loss else cross_entropy_sum
+    model_loss = ModelLoss(plan.loss_in_model, cross_entropy)
     positions = context_parallel.positions.to(device) if context_parallel else None
     optimizer = build_optimizer(model, config.optimizer, dev_type)
     loader = build_dataloader(
@@ -208,7 +214,8 @@ def build_step_parts(plan: Plan, dataset: TokenDataset) -> StepParts:
             parallelized.split,
             meshes.pp,
             device,
-            loss_fn,
+            cross_entropy,
+            labels_to_model=plan.loss_in_model,
             microbatches=plan.pipeline_microbatches,
             microbatch_size=plan.parallel.pp_microbatch_size,
             positions=positions if positions is not None else torch.arange(training.seq_len, device=device),
@@ -222,7 +229,7 @@ def build_step_parts(plan: Plan, dataset: TokenDataset) -> StepParts:
         loader=loader,
         accumulator=accumulator,
         loss_parallel=plan.parallel.loss_parallel,
-        loss_fn=loss_fn,
+        model_loss=model_loss,
         context_parallel=context_parallel,
         positions=positions,
         document_bos_id=plan.tokenizer.bos_id if training.document_mask else None,

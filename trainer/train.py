@@ -261,7 +261,7 @@ def forward_backward(trainer: StepParts, microbatches: list[MicroBatch]) -> Step
     with loss_context(trainer.loss_parallel), cp.attention_context() if cp else nullcontext():
         for i, (inputs, labels, positions, document_ids) in enumerate(microbatches):
             accumulator.prepare_backward(i)
-            loss = trainer.loss_fn(trainer.model(inputs, positions, document_ids), labels)
+            loss = trainer.model_loss(trainer.model, inputs, positions, document_ids, labels)
             loss.backward()
             accumulator.record_loss(loss)
     return accumulator.finalize()

@@ -103,8 +103,8 @@ class Validator:
                 if trainer.pipeline is not None:  # the summed loss, known on every pipeline rank
                     loss = trainer.pipeline.evaluate(batch.inputs, batch.labels)
                 else:
-                    loss = trainer.loss_fn(
-                        trainer.model(batch.inputs, batch.positions, batch.document_ids), batch.labels
+                    loss = trainer.model_loss(
+                        trainer.model, batch.inputs, batch.positions, batch.document_ids, batch.labels
                     )
                 if isinstance(loss, DTensor):  # loss parallel: replicated over TP, counted once
                     loss = loss.to_local()

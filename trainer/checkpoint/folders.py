@@ -17,7 +17,7 @@ import os
 import re
 import shutil
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -184,12 +184,37 @@ def read_dcp_model(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
     Only ``model.`` entries are read; optimizer, scheduler and dataloader state is skipped.
     """
     folder = Path(checkpoint_dir)
+    model = {
+        name: torch.empty(entry.size, dtype=entry.properties.dtype) for name, entry in _model_entries(folder).items()
+    }
+    with _quiet_no_dist():
+        dcp.load({MODEL_KEY: model}, checkpoint_id=str(folder), no_dist=True)
+    return model
+
+
+def dcp_model_reader(checkpoint_dir: str | Path) -> Callable[[str], torch.Tensor]:
+    """``read(name)``: one full model tensor of a training checkpoint, read alone (``read_dcp_model``
+    one entry at a time), so that an export holds one tensor, not the model."""
+    folder = Path(checkpoint_dir)
+    entries = _model_entries(folder)
+
+    def read(name: str) -> torch.Tensor:
+        tensor = torch.empty(entries[name].size, dtype=entries[name].properties.dtype)
+        with _quiet_no_dist():
+            dcp.load({MODEL_KEY: {name: tensor}}, checkpoint_id=str(folder), no_dist=True)
+        return tensor
+
+    return read
+
+
+def _model_entries(folder: Path) -> dict[str, TensorStorageMetadata]:
+    """The checkpoint's model tensors by our name, from its metadata."""
     try:
         metadata = dcp.FileSystemReader(str(folder)).read_metadata()
     except (FileNotFoundError, NotADirectoryError) as err:
         raise _not_a_checkpoint(folder) from err
     prefix = MODEL_KEY + "."
-    model: dict[str, torch.Tensor] = {}
+    model: dict[str, TensorStorageMetadata] = {}
     for key, entry in metadata.state_dict_metadata.items():
         if not key.startswith(prefix):
             continue
@@ -197,12 +222,10 @@ def read_dcp_model(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
             raise InteropError(
                 f"{folder}: checkpoint entry `{key}` is not a tensor; the model entry must hold only tensors."
             )
-        model[key.removeprefix(prefix)] = torch.empty(entry.size, dtype=entry.properties.dtype)
+        model[key.removeprefix(prefix)] = entry
     if not model:
         tops = sorted({key.split(".", 1)[0] for key in metadata.state_dict_metadata})
         raise InteropError(f"{folder}: the checkpoint has no `{MODEL_KEY}` entry (top-level entries: {tops}).")
-    with _quiet_no_dist():
-        dcp.load({MODEL_KEY: model}, checkpoint_id=str(folder), no_dist=True)
     return model
 
 

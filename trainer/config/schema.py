@@ -126,6 +126,7 @@ class Training:
         "document, RoPE positions restart at each document's BOS, and the label predicting a "
         "document's BOS from the previous document is ignored (see README, Document masking).",
     )
+    loss_chunk_tokens: int = _field(1024, "Output projection + loss in chunks of this many tokens; 0: unchunked.", ge=0)
     max_norm: float = _field(1.0, "Gradient clipping threshold on the true global grad norm; <= 0 disables clipping.")
     steps: int = _field(10000, "Optimizer steps to train.", ge=1)
     max_consecutive_skipped_steps: int = _field(

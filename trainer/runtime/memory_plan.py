@@ -21,7 +21,8 @@ make it fit, instead of spending minutes initialising and then dying of an out-o
   their repeats for grouped-query attention up to each local chunk's end; document masking
   keeps one additive attention mask (queries x keys, in the compute dtype) shared by all blocks;
 * **logits and loss**: the logits of one micro-batch (vocabulary-sharded under loss parallel),
-  their float32 copy, the log-softmax kept for backward and the gradient;
+  their float32 copy, the log-softmax kept for backward and the gradient; with the chunked loss
+  (``training.loss_chunk_tokens``) of one chunk of tokens, plus the final hidden states;
 * **allocator slack**: memory freed by backward that the allocator cannot hand back or reuse
   at once. On CPU glibc's heap fragments as activations are freed and gradients allocated
   (measured here: the peak RSS exceeds the live activations by 13% with full checkpointing to
@@ -71,6 +72,8 @@ class Workload:
     ac_mode: str = "none"
     ac_option: str = "op"
     loss_parallel: bool = True
+    loss_chunk_tokens: int = 0
+    """Tokens per chunk of the output projection and loss; 0: the whole micro-batch's logits."""
     defer_gradient_reduction: bool = False
     reshard_after_forward: str = "default"
     cp_allgather_kv: bool = True
@@ -180,8 +183,10 @@ def _logits(w: Workload) -> float:
     tokens = w.local_batch_size * w.seq_len / w.cp
     vocab = w.vocab_size / w.tp if w.loss_parallel else w.vocab_size
     float_copy = 4 if w.compute_bytes != 4 else 0
-    # The logits, their float32 copy, the log-softmax kept for backward, and its gradient.
-    return tokens * vocab * (w.compute_bytes + float_copy + 4 + 4) + tokens * w.dim * w.compute_bytes
+    # The logits, their float32 copy, the log-softmax kept for backward, and its gradient: of
+    # one chunk of tokens at a time when the loss is chunked (recomputed in backward).
+    live = min(tokens, w.loss_chunk_tokens) if w.loss_chunk_tokens > 0 else tokens
+    return live * vocab * (w.compute_bytes + float_copy + 4 + 4) + tokens * w.dim * w.compute_bytes
 
 
 # ------------------------------------------------------------------------------------ limits
