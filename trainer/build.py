@@ -261,6 +261,7 @@ def build_trainer(plan: Plan, dataset: Dataset) -> Trainer:
             microbatches=plan.pipeline_microbatches,
             microbatch_size=plan.parallel.pp_microbatch_size,
             positions=positions if positions is not None else torch.arange(training.seq_len, device=device),
+            document_mask=training.document_mask,
         )
     return Trainer(
         device=device,

@@ -268,9 +268,15 @@ def pipeline_forward_backward(trainer: Trainer, microbatches: list[MicroBatch]) 
     accumulator = trainer.accumulator
     accumulator.begin_step([mb.labels for mb in microbatches])
     inputs, labels = torch.cat([mb.inputs for mb in microbatches]), torch.cat([mb.labels for mb in microbatches])
+    # Under document masking, each sample's positions and document ids go through the schedule.
+    positions, document_ids = (
+        (torch.cat([mb.positions for mb in microbatches]), torch.cat([mb.document_ids for mb in microbatches]))
+        if microbatches[0].document_ids is not None
+        else (None, None)
+    )
     cp = trainer.context_parallel
     with loss_context(trainer.loss_parallel), cp.attention_context() if cp else nullcontext():
-        losses = trainer.pipeline.step(inputs, labels)
+        losses = trainer.pipeline.step(inputs, labels, positions, document_ids)
     accumulator.record_pipeline_losses(losses)
     return accumulator.finalize()
 

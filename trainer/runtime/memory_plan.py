@@ -36,11 +36,13 @@ measured peak on CPU (within 25%; the README gives the figures).
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shutil
 import subprocess
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 _GIB = 1024**3
 RUNTIME_BYTES = {"cpu": int(0.40 * _GIB), "cuda": int(1.5 * _GIB)}
@@ -73,6 +75,7 @@ class Workload:
     defer_gradient_reduction: bool = False
     reshard_after_forward: str = "default"
     cp_allgather_kv: bool = True
+    cp_ulysses: bool = False
     document_mask: bool = False
     device: str = "cpu"
 
@@ -151,6 +154,12 @@ def _activations(w: Workload) -> float:
         sequence = w.local_batch_size * w.seq_len
         repeated = 2 * d / t * (sequence * (2 * w.cp + 1) / (2 * w.cp) - tokens)
         full_block += (repeated + 2 * kv / t * sequence) * b
+    if w.cp > 1 and w.cp_ulysses:
+        # The all-to-all's q, k, v in head layout and again in natural order (k and v with their
+        # key/value heads repeated until cp divides them), and the output in rank order.
+        kv_heads = max(w.kv_heads // t, 1)
+        replicated = kv / t * (w.cp // math.gcd(kv_heads, w.cp))
+        full_block += tokens * (3 * d / t + 4 * replicated) * b
     block_input = tokens * d / t * b
     if w.ac_mode == "full":
         return w.n_layers * block_input + full_block
@@ -165,11 +174,12 @@ def _activations(w: Workload) -> float:
 
 
 def _document_mask(w: Workload) -> float:
-    """The attention mask, kept once for every block: queries x keys per sample, or under CP
-    its two query chunks of ``seq / 2cp`` tokens against the keys up to each chunk's end."""
+    """The attention mask, kept once for every block: queries x keys per sample (also under
+    Ulysses CP, which attends whole sequences), or under all-gather-K/V CP its two query chunks
+    of ``seq / 2cp`` tokens against the keys up to each chunk's end."""
     if not w.document_mask:
         return 0.0
-    if w.cp == 1:
+    if w.cp == 1 or w.cp_ulysses:
         return w.local_batch_size * w.seq_len**2 * w.compute_bytes
     chunk = w.seq_len / (2 * w.cp)
     return w.local_batch_size * chunk**2 * (2 * w.cp + 1) * w.compute_bytes
@@ -188,7 +198,7 @@ def _logits(w: Workload) -> float:
 
 def _meminfo(field: str) -> int | None:
     try:
-        text = open("/proc/meminfo").read()
+        text = Path("/proc/meminfo").read_text()
     except OSError:
         return None
     match = re.search(rf"^{field}:\s+(\d+) kB", text, re.MULTILINE)
@@ -197,7 +207,7 @@ def _meminfo(field: str) -> int | None:
 
 def _own_rss() -> int:
     try:
-        pages = int(open("/proc/self/statm").read().split()[1])
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
     except (OSError, IndexError, ValueError):
         return 0
     return pages * os.sysconf("SC_PAGE_SIZE")
