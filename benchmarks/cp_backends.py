@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -114,7 +115,7 @@ def documents(seq: int, gen: torch.Generator) -> torch.Tensor:
 
 
 def measure(args: argparse.Namespace, seq: int, backend: str, masked: bool, device: torch.device) -> dict:
-    group, rank, degree = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
+    group, rank, degree = dist.new_group(), dist.get_rank(), dist.get_world_size()
     gen = torch.Generator().manual_seed(seq)
     pos = head_tail_positions(seq, rank, degree)
     shape = (1, seq // degree, args.head_dim)
@@ -124,6 +125,8 @@ def measure(args: argparse.Namespace, seq: int, backend: str, masked: bool, devi
     )
     upstream = torch.randn((1, args.heads, *shape[1:]), generator=gen).to(device, args.dtype)
     ids = documents(seq, gen)[:, pos].to(device)
+    attention: UlyssesAttention | AllGatherKVAttention
+    make_mask: UlyssesMask | AllGatherKVMask
     if backend == "ulysses":
         attention, make_mask = UlyssesAttention(causal_attention, group, degree), UlyssesMask(group, degree)
     else:
@@ -131,7 +134,8 @@ def measure(args: argparse.Namespace, seq: int, backend: str, masked: bool, devi
         make_mask = AllGatherKVMask(group, rank, degree)
 
     def step() -> None:
-        mask = make_mask(ids, args.dtype) if masked else None
+        # Each backend's mask is of the form its own attention takes.
+        mask: Any = make_mask(ids, args.dtype) if masked else None
         attention(q, k, v, mask).backward(upstream)
         q.grad = k.grad = v.grad = None
 

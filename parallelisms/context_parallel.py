@@ -42,6 +42,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from parallelisms.model_parts import block_settings, blocks, model_settings
+
 BACKENDS = ("allgather_kv", "ring", "ulysses")
 """What ``parallelism.context_parallel_backend`` may name, besides ``auto``."""
 
@@ -217,17 +219,18 @@ class ContextParallel:
 
         group = self.mesh.get_group()
         if self.backend == "allgather_kv":
-            model.attention_mask = AllGatherKVMask(group, self.rank, self.degree)
+            model_settings(model).attention_mask = AllGatherKVMask(group, self.rank, self.degree)
         elif self.backend == "ulysses":
-            model.attention_mask = UlyssesMask(group, self.degree)
+            model_settings(model).attention_mask = UlyssesMask(group, self.degree)
         else:
             return
-        for block in model.layers.values():
-            inner = block.attention.attention_fn
+        for block in blocks(model).values():
+            attention = block_settings(block).attention
+            inner = attention.attention_fn
             if self.backend == "ulysses":
-                block.attention.attention_fn = UlyssesAttention(inner, group, self.degree)
+                attention.attention_fn = UlyssesAttention(inner, group, self.degree)
             else:
-                block.attention.attention_fn = AllGatherKVAttention(inner, group, self.rank, self.degree)
+                attention.attention_fn = AllGatherKVAttention(inner, group, self.rank, self.degree)
 
     def shard(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's tokens of ``x`` (``batch, seq, ...``), in head-tail layout."""

@@ -30,6 +30,7 @@ from torch import nn
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.context_parallel import ContextParallel, resolve_backend
 from parallelisms.fsdp import apply_fsdp
+from parallelisms.model_parts import blocks
 from parallelisms.parallel_dims import Meshes, ParallelDims, ParallelismError
 from parallelisms.pipeline_parallel import (
     ZERO_BUBBLE_SCHEDULES,
@@ -195,7 +196,7 @@ def parallelize(
     Under pipeline parallelism ``model`` keeps only this rank's stages' modules, and each
     stage view gets the steps below as a whole model would.
     """
-    split = pipeline_split(dims, settings, len(model.layers)) if dims.pp > 1 else None
+    split = pipeline_split(dims, settings, len(blocks(model))) if dims.pp > 1 else None
     parts = split_model(model, split, meshes.pp.get_local_rank()) if split else [model]
     context_parallel = None
     if dims.cp > 1:
@@ -212,7 +213,7 @@ def parallelize(
             context_parallel.apply(part)
         apply_activation_checkpointing(part, settings.ac_mode, settings.ac_option)
         if settings.compile_model:
-            for block in part.layers.values():
+            for block in blocks(part).values():
                 block.compile()  # in place, so parameter names stay the same
         apply_fsdp(
             part,

@@ -41,8 +41,9 @@ missing embedding (hidden states in) and missing output (hidden states out).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +57,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
+from parallelisms import model_parts
 from parallelisms.parallel_dims import ParallelismError
 
 SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
@@ -218,28 +220,30 @@ def split_model(model: nn.Module, split: PipelineSplit, pp_rank: int) -> list[nn
     stages = split.rank_stages(pp_rank)
     views = [_stage_view(model, split.stage_blocks[s], s == 0, s == last) for s in stages]
     held = {str(b) for s in stages for b in split.stage_blocks[s]}
-    for key in [k for k in model.layers if k not in held]:
-        del model.layers[key]
+    layers = model_parts.blocks(model)
+    for key in [k for k in layers if k not in held]:
+        del layers[key]
     if 0 not in stages:
-        model.tok_embeddings = None
+        model_parts.set_end(model, "tok_embeddings", None)
     if last not in stages:
-        model.norm = None
-        model.output = None
+        model_parts.set_end(model, "norm", None)
+        model_parts.set_end(model, "output", None)
     for name in list(model._buffers):
         delattr(model, name)
     return views
 
 
-def _stage_view(model: nn.Module, blocks: tuple[int, ...], first: bool, last: bool) -> nn.Module:
+def _stage_view(model: nn.Module, held: tuple[int, ...], first: bool, last: bool) -> nn.Module:
+    layers = model_parts.blocks(model)
     cls = type(model)
     view = cls.__new__(cls)
     nn.Module.__init__(view)
     # Plain attributes (the model's arguments); module state is registered below.
     view.__dict__.update({k: v for k, v in vars(model).items() if not k.startswith("_") and k != "training"})
-    view.tok_embeddings = model.tok_embeddings if first else None
-    view.layers = nn.ModuleDict({str(b): model.layers[str(b)] for b in blocks})
-    view.norm = model.norm if last else None
-    view.output = model.output if last else None
+    model_parts.set_end(view, "tok_embeddings", model_parts.end(model, "tok_embeddings") if first else None)
+    view.layers = nn.ModuleDict({str(b): layers[str(b)] for b in held})
+    model_parts.set_end(view, "norm", model_parts.end(model, "norm") if last else None)
+    model_parts.set_end(view, "output", model_parts.end(model, "output") if last else None)
     for name, buffer in model._buffers.items():
         view.register_buffer(name, buffer, persistent=name not in model._non_persistent_buffers_set)
     return view
@@ -293,6 +297,7 @@ class Pipeline:
             ),
             scale_grads=False,
         )
+        self._forward_order = _forward_only_order(self.schedule)
         # Logits of every micro-batch would otherwise be kept until the step returns.
         self._step_kwargs = (
             {"return_outputs": False} if "return_outputs" in inspect.signature(self.schedule.step).parameters else {}
@@ -345,7 +350,10 @@ class Pipeline:
                 None if document_ids is None else _padded_rows(document_ids[rows], step_batch),
             )
             losses: list[torch.Tensor] = []
-            self.schedule.eval(*self._inputs(chunk_inputs), target=self._target(chunk_labels), losses=losses, **kwargs)
+            with self._running_forward_only():
+                self.schedule.eval(
+                    *self._inputs(chunk_inputs), target=self._target(chunk_labels), losses=losses, **kwargs
+                )
             for loss in losses:
                 total += (loss.to_local() if hasattr(loss, "to_local") else loss).float()
         dist.all_reduce(total, group=self.group)  # only the last stage holds a non-zero sum
@@ -361,11 +369,47 @@ class Pipeline:
             raise ValueError("a pipeline built for document masking needs each sample's positions and document ids")
         return {"positions": positions, "document_ids": document_ids}
 
+    @contextlib.contextmanager
+    def _running_forward_only(self) -> Iterator[None]:
+        """Swap the forward-only order in for an evaluation (see :func:`_forward_only_order`)."""
+        if self._forward_order is None:
+            yield
+            return
+        training_order = self.schedule.pipeline_order_with_comms
+        self.schedule.pipeline_order_with_comms = self._forward_order
+        try:
+            yield
+        finally:
+            self.schedule.pipeline_order_with_comms = training_order
+
     def _inputs(self, inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return (inputs,) if self.holds_first else ()
 
     def _target(self, labels: torch.Tensor) -> torch.Tensor | None:
         return labels if self.holds_last else None
+
+
+_FORWARD_ACTIONS = frozenset({"F", "SEND_F", "RECV_F", "UNSHARD", "RESHARD"})
+"""Action kinds of a forward pass in torch's schedule IR (``_ComputationType`` values)."""
+
+
+def _forward_only_order(schedule: object) -> dict[int, list] | None:
+    """The multi-stage schedule's own action order with every backward action removed, or None
+    for a single-stage schedule (whose ``eval`` already runs forwards only).
+
+    ``eval`` of a multi-stage schedule replays the training order with backward turned off,
+    and the zero-bubble schedules' split backward actions then fail ("can't steal_bwd_input if
+    this stage doesn't have backward"). Each rank's forward actions, kept in their training
+    order, are a valid schedule on their own (dropping actions adds no dependency), over the
+    same stages and their placement, so every schedule evaluates the same way.
+    """
+    order = getattr(schedule, "pipeline_order_with_comms", None)
+    if not order:
+        return None
+    return {
+        rank: [action for action in actions if action is not None and action.computation_type.value in _FORWARD_ACTIONS]
+        for rank, actions in order.items()
+    }
 
 
 def _padded(inputs: torch.Tensor, labels: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:

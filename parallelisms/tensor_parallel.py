@@ -14,7 +14,7 @@ Applied before FSDP: FSDP then shards the tensor-parallel DTensors over its own 
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager
+from contextlib import AbstractContextManager
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -96,6 +96,6 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, asyn
     return model
 
 
-def loss_context(enabled: bool) -> ContextManager[None]:
+def loss_context(enabled: bool) -> AbstractContextManager[None]:
     """Where forward and backward of the loss must run: ``loss_parallel()`` with a sharded vocabulary."""
     return loss_parallel() if enabled else contextlib.nullcontext()

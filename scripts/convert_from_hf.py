@@ -21,7 +21,8 @@ sys.path.insert(0, str(REPO_ROOT))  # run as a plain script from anywhere
 
 from trainer.checkpoint.folders import write_dcp_model  # noqa: E402
 from trainer.checkpoint.hf_folders import load_hf_folder  # noqa: E402
-from trainer.model.hf_llama3 import InteropError, from_hf_state_dict, model_args_from_hf_config  # noqa: E402
+from trainer.model.hf_llama3 import from_hf_state_dict, model_args_from_hf_config  # noqa: E402
+from trainer.runtime.errors import UserError, report  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -34,8 +35,8 @@ def main(argv: list[str] | None = None) -> None:
         args = model_args_from_hf_config(config)
         ours = from_hf_state_dict(hf_state_dict, args, tie_word_embeddings=bool(config.get("tie_word_embeddings")))
         write_dcp_model(opts.checkpoint_dir, {k: t.float() for k, t in ours.items()}, args)
-    except (InteropError, ImportError) as err:
-        parser.exit(1, f"error: {err}\n")
+    except UserError as err:
+        sys.exit(report(err, program="convert_from_hf"))
     n_params = sum(t.numel() for t in ours.values())
     print(f"wrote {opts.checkpoint_dir}: {n_params:,} parameters, {args}")
 

@@ -20,7 +20,8 @@ sys.path.insert(0, str(REPO_ROOT))  # run as a plain script from anywhere
 
 from trainer.checkpoint.folders import read_dcp_model, read_model_args  # noqa: E402
 from trainer.checkpoint.hf_folders import save_hf_folder  # noqa: E402
-from trainer.model.hf_llama3 import HF_DTYPES, InteropError  # noqa: E402
+from trainer.model.hf_llama3 import HF_DTYPES  # noqa: E402
+from trainer.runtime.errors import UserError, report  # noqa: E402
 
 DTYPES = {name: dtype for dtype, name in HF_DTYPES.items()}
 
@@ -40,8 +41,8 @@ def main(argv: list[str] | None = None) -> None:
         args = read_model_args(opts.checkpoint_dir)
         state_dict = read_dcp_model(opts.checkpoint_dir)
         save_hf_folder(opts.output_dir, state_dict, args, DTYPES[opts.dtype])
-    except (InteropError, ImportError) as err:
-        parser.exit(1, f"error: {err}\n")
+    except UserError as err:
+        sys.exit(report(err, program="convert_to_hf"))
     n_params = sum(t.numel() for t in state_dict.values())
     print(f"wrote {opts.output_dir}: {n_params:,} parameters in {opts.dtype}")
 

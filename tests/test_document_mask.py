@@ -28,8 +28,9 @@ from harness import (
 )
 
 from parallelisms.context_parallel import attend_local_chunks, head_tail_positions, local_chunk_masks, resolve_backend
-from trainer.build import MicroBatch, load_dataset
+from trainer.build import MicroBatch
 from trainer.config import ConfigError, load_config
+from trainer.data.datasets import load_dataset
 from trainer.data.documents import document_ids, document_positions, split_documents
 from trainer.data.loader import GlobalOrder
 from trainer.loss import IGNORE_INDEX, cross_entropy_sum

@@ -30,6 +30,7 @@ from trainer.model.hf_llama3 import (
     to_hf_state_dict,
 )
 from trainer.model.llama3 import FLAVORS, ModelArgs, Transformer
+from trainer.runtime.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 SEQ_LEN = 256
@@ -291,8 +292,8 @@ def test_not_a_checkpoint(tmp_path: Path):
         read_dcp_model(tmp_path / "checkpoint")
 
     done = run_script("convert_to_hf.py", tmp_path / "checkpoint", tmp_path / "hf")
-    assert done.returncode == 1
-    assert "error:" in done.stderr and "Traceback" not in done.stderr
+    assert done.returncode == 2
+    assert "convert_to_hf: error:" in done.stderr and "Traceback" not in done.stderr
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.save in one process, as intended
@@ -359,9 +360,29 @@ def test_folder_errors(tmp_path: Path):
         read_model_args(tmp_path / "ckpt")
 
 
+def test_damaged_hf_folders_are_named(tmp_path: Path):
+    """Each file of a folder damaged as a torn download leaves it: an InteropError naming the file
+    (which the converters print as one line), not the JSON or safetensors parser's traceback."""
+    args = CONFIGS["gqa_rope_scaling"]
+    sd = build_model("gqa_rope_scaling").state_dict()
+    save_hf_folder(tmp_path / "single", sd, args, torch.float32)
+    save_hf_folder(tmp_path / "sharded", sd, args, torch.float32, max_shard_bytes=200_000)
+    shard = sorted((tmp_path / "sharded").glob("model-*.safetensors"))[1]
+    for damaged, how in (
+        (tmp_path / "single" / "config.json", "not valid JSON"),
+        (tmp_path / "sharded" / "model.safetensors.index.json", "not valid JSON"),
+        (shard, "not a readable safetensors file"),
+    ):
+        intact = damaged.read_bytes()
+        damaged.write_bytes(intact[: len(intact) // 2])
+        with pytest.raises(InteropError, match=f"{damaged.name} .*{how}"):
+            load_hf_folder(damaged.parent)
+        damaged.write_bytes(intact)
+
+
 def test_safetensors_is_optional(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setitem(sys.modules, "safetensors", None)
     monkeypatch.setitem(sys.modules, "safetensors.torch", None)
     args = CONFIGS["gqa_rope_scaling"]
-    with pytest.raises(ImportError, match=r"pip install safetensors"):
+    with pytest.raises(ConfigError, match=r"pip install safetensors"):
         save_hf_folder(tmp_path, build_model("gqa_rope_scaling").state_dict(), args, torch.float32)

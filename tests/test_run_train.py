@@ -129,3 +129,27 @@ def test_curve_is_not_trivial(curves):
     assert reference[VALIDATION_TAG][1] < reference[VALIDATION_TAG][0]
     sharded = curves["dp_shard2xcp2x2"]
     assert all(m > a for m, a in zip(sharded["loss_metrics/global_max_loss"], sharded["loss_metrics/global_avg_loss"]))
+
+
+def test_runs_on_a_plain_path_with_python3_only(tmp_path):
+    """No venv, no `python` command: the launcher runs with `python3`."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").symlink_to(sys.executable)
+    for tool in ("bash", "dirname"):
+        (bin_dir / tool).symlink_to(shutil.which(tool))
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [str(bin_dir / "bash"), str(root / "run_train.sh"), "--help"],
+        env={"PATH": str(bin_dir), "HOME": os.environ.get("HOME", "/")},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "--training.steps" in proc.stdout

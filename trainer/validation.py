@@ -25,16 +25,19 @@ import math
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.utils.data import Dataset
 
 from parallelisms.tensor_parallel import loss_context
-from trainer.build import Trainer
 from trainer.data.loader import GlobalOrder
 from trainer.loss import IGNORE_INDEX
+
+if TYPE_CHECKING:
+    from trainer.build import StepParts
+    from trainer.data.datasets import TokenDataset
 
 
 @dataclass(frozen=True)
@@ -53,7 +56,15 @@ class Validator:
     """One rank's share of the validation set, and the pass that evaluates it."""
 
     def __init__(
-        self, dataset: Dataset, *, local_batch_size: int, dp_rank: int, dp_degree: int, steps: int, freq: int, seed: int
+        self,
+        dataset: TokenDataset,
+        *,
+        local_batch_size: int,
+        dp_rank: int,
+        dp_degree: int,
+        steps: int,
+        freq: int,
+        seed: int,
     ) -> None:
         self.dataset = dataset
         self.freq = freq
@@ -80,7 +91,7 @@ class Validator:
         return inputs, torch.full_like(labels, IGNORE_INDEX)
 
     @torch.no_grad()
-    def run(self, trainer: Trainer) -> ValidationResult:
+    def run(self, trainer: StepParts) -> ValidationResult:
         """Evaluate every batch of this rank's share; all-reduce the sum and the count."""
         start = time.perf_counter()
         totals = torch.zeros(2, dtype=torch.float64, device=trainer.device)

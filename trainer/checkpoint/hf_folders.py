@@ -16,6 +16,7 @@ import torch
 
 from trainer.model.hf_llama3 import CONFIG_FILE, InteropError, hf_config, preview_names, to_hf_state_dict
 from trainer.model.llama3 import ModelArgs
+from trainer.runtime.errors import ConfigError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -28,7 +29,7 @@ def _safetensors() -> ModuleType:
     try:
         import safetensors.torch
     except ImportError as err:
-        raise ImportError(
+        raise ConfigError(
             "reading or writing Hugging Face folders needs safetensors: `pip install safetensors` "
             '(or `pip install -e ".[hf]"`).'
         ) from err
@@ -100,10 +101,9 @@ def load_hf_folder(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str,
     config_path = folder / CONFIG_FILE
     if not config_path.is_file():
         raise InteropError(f"{folder} has no {CONFIG_FILE}; pass a Hugging Face model folder.")
-    config = json.loads(config_path.read_text())
-    st = _safetensors()
+    config = _read_json(config_path)
     if (folder / SINGLE_FILE).is_file():
-        return st.load_file(str(folder / SINGLE_FILE)), config
+        return _read_safetensors(folder / SINGLE_FILE), config
     if not (folder / INDEX_FILE).is_file():
         found = sorted(p.name for p in folder.iterdir())
         raise InteropError(
@@ -111,13 +111,39 @@ def load_hf_folder(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str,
             f"safetensors weights are read. Re-save PyTorch .bin weights with "
             f"`model.save_pretrained(folder, safe_serialization=True)`."
         )
-    weight_map: dict[str, str] = json.loads((folder / INDEX_FILE).read_text())["weight_map"]
+    weight_map = _read_json(folder / INDEX_FILE).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise InteropError(f"{folder / INDEX_FILE} has no `weight_map`; re-save the model with `save_pretrained`.")
     state_dict: dict[str, torch.Tensor] = {}
     for filename in sorted(set(weight_map.values())):
         if not (folder / filename).is_file():
             raise InteropError(f"{folder / INDEX_FILE} lists {filename}, which is missing from the folder.")
-        state_dict.update(st.load_file(str(folder / filename)))
+        state_dict.update(_read_safetensors(folder / filename))
     absent = sorted(set(weight_map) - set(state_dict))
     if absent:
         raise InteropError(f"{folder / INDEX_FILE} maps {preview_names(absent)} to shards that do not hold them.")
     return state_dict, config
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from a Hugging Face folder; a damaged file is named as such."""
+    try:
+        value = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise InteropError(f"{path} is not valid JSON ({err}); re-download or re-save the model.") from err
+    if not isinstance(value, dict):
+        raise InteropError(
+            f"{path} holds a JSON {type(value).__name__}, not an object; re-download or re-save the model."
+        )
+    return value
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of one safetensors file; a truncated or damaged file is named as such."""
+    st = _safetensors()
+    from safetensors import SafetensorError
+
+    try:
+        return st.load_file(str(path))
+    except SafetensorError as err:
+        raise InteropError(f"{path} is not a readable safetensors file ({err}); re-download or re-save it.") from err

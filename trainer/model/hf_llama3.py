@@ -27,6 +27,7 @@ from trainer.model.llama3 import (
     ModelArgs,
     Transformer,
 )
+from trainer.runtime.errors import UserError
 
 CONFIG_FILE = "config.json"
 
@@ -56,7 +57,7 @@ _LAYER_NAMES = {
 _PREVIEW = 8
 
 
-class InteropError(ValueError):
+class InteropError(UserError, ValueError):
     """A checkpoint, folder, config or state dict that cannot be converted; the message says why."""
 
 

@@ -289,6 +289,13 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
+    # A pipeline stage sets the ends it does not hold to None.
+    tok_embeddings: nn.Embedding | None
+    layers: nn.ModuleDict
+    norm: nn.RMSNorm | None
+    output: nn.Linear | None
+    freqs_cis: torch.Tensor
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
@@ -323,7 +330,10 @@ class Transformer(nn.Module):
         mask = None if document_ids is None else self.attention_mask(document_ids, h.dtype)
         for layer in self.layers.values():
             h = layer(h, freqs_cis, mask)
-        return h if self.output is None else self.output(self.norm(h))
+        if self.output is None:
+            return h
+        assert self.norm is not None  # a stage holds norm and output together
+        return self.output(self.norm(h))
 
     def init_std(self, name: str) -> tuple[str, float]:
         """How parameter ``name`` is initialised: ``(kind, std)``."""
@@ -337,6 +347,7 @@ class Transformer(nn.Module):
             return "trunc_normal", 0.02
         if name.endswith(("wo.weight", "w2.weight", "w3.weight")):
             layer = self.layers[name.split(".")[1]]
+            assert isinstance(layer, TransformerBlock)
             return "trunc_normal", layer.output_init_std
         raise ValueError(f"no initialisation rule for parameter {name}")
 
@@ -363,8 +374,15 @@ class Transformer(nn.Module):
         self.freqs_cis = rope_frequencies(self.args, device=self.freqs_cis.device)
 
 
-def num_params(model: nn.Module, exclude_embedding: bool = False) -> int:
+def num_params(model: Transformer, exclude_embedding: bool = False) -> int:
     total = sum(p.numel() for p in model.parameters())
     if exclude_embedding and model.tok_embeddings is not None:
         total -= model.tok_embeddings.weight.numel()
     return total
+
+
+def whole_model(args: ModelArgs) -> Transformer:
+    """The unsplit model on the meta device (no memory): what FLOPs and parameter counts describe
+    even when a rank holds only some pipeline stages."""
+    with torch.device("meta"):
+        return Transformer(args)

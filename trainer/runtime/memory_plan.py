@@ -31,7 +31,7 @@ make it fit, instead of spending minutes initialising and then dying of an out-o
   the CPU process's own memory).
 
 The estimate is meant to be close, not exact: ``tests/test_memory_plan.py`` compares it with the
-measured peak on CPU (within 25%; the README gives the figures).
+measured peak on CPU (docs/performance.md gives the figures).
 """
 
 from __future__ import annotations
