@@ -27,6 +27,13 @@ valid-token count N, as without PP. Every schedule here (their FSDP handling in
 step after the last backward: one reduce-scatter, and under HSDP one cross-replica all-reduce,
 per FSDP unit and step.
 
+**Document masking.** Each sample then has its own RoPE positions (restarting at every
+document) and document ids. Both go to ``schedule.step`` as keyword arguments cut along the
+batch like the inputs, and the schedule hands every stage its micro-batch's share with the
+hidden states, so each stage's blocks build the same masks as the unsplit model. Without
+masking one ``positions`` (the sequence's, or a CP rank's shard) is replicated to every
+micro-batch.
+
 This module knows nothing of the trainer; it expects torchtitan's Llama module names
 (``tok_embeddings``, ``layers``, ``norm``, ``output``) and a model whose ``forward`` accepts a
 missing embedding (hidden states in) and missing output (hidden states out). With
@@ -263,7 +270,10 @@ class Pipeline:
         microbatch_size: int,
         positions: torch.Tensor,
         labels_to_model: bool = False,
+        document_mask: bool = False,
     ):
+        """``positions``: the RoPE positions of every sample without document masking; with it
+        each call of :meth:`step` and :meth:`evaluate` passes its samples' own."""
         self.pp_rank = pp_mesh.get_local_rank()
         self.group = pp_mesh.get_group()
         stage_ids = split.rank_stages(self.pp_rank)
@@ -273,6 +283,7 @@ class Pipeline:
         self.microbatch_size = microbatch_size
         self.positions = positions
         self.labels_to_model = labels_to_model
+        self.document_mask = document_mask
         self.stages = [
             PipelineStage(module, index, split.num_stages, device, group=self.group)
             for module, index in zip(stage_modules, stage_ids)
@@ -284,7 +295,11 @@ class Pipeline:
             microbatches,
             loss_fn=_output_is_the_loss if labels_to_model else loss_fn,
             kwargs_chunk_spec={
-                "positions": _Replicate(),
+                **(
+                    {"positions": TensorChunkSpec(0), "document_ids": TensorChunkSpec(0)}
+                    if document_mask
+                    else {"positions": _Replicate()}
+                ),
                 **({"labels": TensorChunkSpec(0)} if labels_to_model else {}),
             },
             scale_grads=False,
@@ -296,22 +311,36 @@ class Pipeline:
             {"return_outputs": False} if "return_outputs" in inspect.signature(self.schedule.step).parameters else {}
         )
 
-    def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
+    def step(
+        self,
+        inputs: torch.Tensor,
+        labels: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> list[torch.Tensor]:
         """Forward and backward of every micro-batch; the last stage's summed micro-batch
-        losses (other stages: an empty list). Gradients are left summed, not normalised."""
+        losses (other stages: an empty list). Gradients are left summed, not normalised.
+        ``positions`` and ``document_ids`` (``batch, seq``): the samples' own, under document
+        masking."""
         losses: list[torch.Tensor] = []
         self.schedule.step(
             *self._inputs(inputs),
             target=self._target(labels),
             losses=losses,
-            positions=self.positions,
+            **self._stage_kwargs(positions, document_ids),
             **self._labels(labels),
             **self._step_kwargs,
         )
         return losses
 
     @torch.no_grad()
-    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def evaluate(
+        self,
+        inputs: torch.Tensor,
+        labels: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Forward only: the summed loss of ``inputs`` / ``labels`` (any number of sequences of
         the training length), on every rank of the pipeline.
 
@@ -323,8 +352,11 @@ class Pipeline:
         step_batch = self.microbatches * self.microbatch_size
         total = torch.zeros((), dtype=torch.float32, device=inputs.device)
         for start in range(0, inputs.shape[0], step_batch):
-            chunk_inputs, chunk_labels = _padded(
-                inputs[start : start + step_batch], labels[start : start + step_batch], step_batch
+            rows = slice(start, start + step_batch)
+            chunk_inputs, chunk_labels = _padded(inputs[rows], labels[rows], step_batch)
+            kwargs = self._stage_kwargs(
+                None if positions is None else _padded_rows(positions[rows], step_batch),
+                None if document_ids is None else _padded_rows(document_ids[rows], step_batch),
             )
             losses: list[torch.Tensor] = []
             with self._running_forward_only():
@@ -332,7 +364,7 @@ class Pipeline:
                     *self._inputs(chunk_inputs),
                     target=self._target(chunk_labels),
                     losses=losses,
-                    positions=self.positions,
+                    **kwargs,
                     **self._labels(chunk_labels),
                     **self._step_kwargs,
                 )
@@ -340,6 +372,16 @@ class Pipeline:
                 total += (loss.to_local() if hasattr(loss, "to_local") else loss).float()
         dist.all_reduce(total, group=self.group)  # only the last stage holds a non-zero sum
         return total
+
+    def _stage_kwargs(
+        self, positions: torch.Tensor | None, document_ids: torch.Tensor | None
+    ) -> dict[str, torch.Tensor]:
+        """What every stage's forward takes besides the hidden states."""
+        if not self.document_mask:
+            return {"positions": self.positions}
+        if positions is None or document_ids is None:
+            raise ValueError("a pipeline built for document masking needs each sample's positions and document ids")
+        return {"positions": positions, "document_ids": document_ids}
 
     @contextlib.contextmanager
     def _running_forward_only(self) -> Iterator[None]:
@@ -401,6 +443,11 @@ def _padded(inputs: torch.Tensor, labels: torch.Tensor, rows: int) -> tuple[torc
     pad_inputs = inputs.new_zeros((missing, *inputs.shape[1:]))
     pad_labels = labels.new_full((missing, *labels.shape[1:]), IGNORE_LABEL)
     return torch.cat([inputs, pad_inputs]), torch.cat([labels, pad_labels])
+
+
+def _padded_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """Positions or document ids of padded evaluation rows: zeros; their labels are all ignored."""
+    return torch.cat([x, x.new_zeros((rows - x.shape[0], *x.shape[1:]))]) if x.shape[0] < rows else x
 
 
 IGNORE_LABEL = -100

@@ -219,6 +219,7 @@ def build_step_parts(plan: Plan, dataset: TokenDataset) -> StepParts:
             microbatches=plan.pipeline_microbatches,
             microbatch_size=plan.parallel.pp_microbatch_size,
             positions=positions if positions is not None else torch.arange(training.seq_len, device=device),
+            document_mask=training.document_mask,
         )
     return StepParts(
         device=device,

@@ -172,6 +172,7 @@ def memory_workload(config: JobConfig, dims: ParallelDims, settings: ParallelSet
         defer_gradient_reduction=training.defer_gradient_reduction,
         reshard_after_forward=settings.reshard_after_forward,
         cp_allgather_kv=resolve_backend(settings.cp_backend, device_type(), settings.document_mask) == "allgather_kv",
+        cp_ulysses=resolve_backend(settings.cp_backend, device_type(), settings.document_mask) == "ulysses",
         document_mask=settings.document_mask,
         device=device_type(),
     )

@@ -274,9 +274,14 @@ def pipeline_forward_backward(trainer: StepParts, pipeline: Pipeline, microbatch
     accumulator = trainer.accumulator
     accumulator.begin_step([mb.labels for mb in microbatches])
     inputs, labels = torch.cat([mb.inputs for mb in microbatches]), torch.cat([mb.labels for mb in microbatches])
+    # Under document masking, each sample's positions and document ids go through the schedule.
+    positions = document_ids = None
+    if microbatches[0].document_ids is not None:
+        positions = torch.cat([mb.positions for mb in microbatches if mb.positions is not None])
+        document_ids = torch.cat([mb.document_ids for mb in microbatches if mb.document_ids is not None])
     cp = trainer.context_parallel
     with loss_context(trainer.loss_parallel), cp.attention_context() if cp else nullcontext():
-        losses = pipeline.step(inputs, labels)
+        losses = pipeline.step(inputs, labels, positions, document_ids)
     accumulator.record_pipeline_losses(losses)
     return accumulator.finalize()
 

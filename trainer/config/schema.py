@@ -191,8 +191,9 @@ class Parallelism:
     context_parallel_backend: str = _field(
         "auto",
         "Attention across context-parallel shards: `ring` (PyTorch's ring attention, CUDA only), "
-        "`allgather_kv` (all-gather keys and values, any device), or `auto` (ring on CUDA, "
-        "allgather_kv elsewhere).",
+        "`allgather_kv` (all-gather keys and values, any device), `ulysses` (all-to-all to whole "
+        "sequences of heads / cp heads, any device; cp x tp must divide the heads), or `auto` "
+        "(ring on CUDA, allgather_kv elsewhere or with `training.document_mask`).",
         ("auto", *CONTEXT_PARALLEL_BACKENDS),
     )
     context_parallel_rotate_method: str = _field(

@@ -37,6 +37,7 @@ measured peak on CPU (docs/performance.md gives the figures).
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shutil
@@ -77,6 +78,7 @@ class Workload:
     defer_gradient_reduction: bool = False
     reshard_after_forward: str = "default"
     cp_allgather_kv: bool = True
+    cp_ulysses: bool = False
     document_mask: bool = False
     device: str = "cpu"
 
@@ -155,6 +157,12 @@ def _activations(w: Workload) -> float:
         sequence = w.local_batch_size * w.seq_len
         repeated = 2 * d / t * (sequence * (2 * w.cp + 1) / (2 * w.cp) - tokens)
         full_block += (repeated + 2 * kv / t * sequence) * b
+    if w.cp > 1 and w.cp_ulysses:
+        # The all-to-all's q, k, v in head layout and again in natural order (k and v with their
+        # key/value heads repeated until cp divides them), and the output in rank order.
+        kv_heads = max(w.kv_heads // t, 1)
+        replicated = kv / t * (w.cp // math.gcd(kv_heads, w.cp))
+        full_block += tokens * (3 * d / t + 4 * replicated) * b
     block_input = tokens * d / t * b
     if w.ac_mode == "full":
         return w.n_layers * block_input + full_block
@@ -169,11 +177,12 @@ def _activations(w: Workload) -> float:
 
 
 def _document_mask(w: Workload) -> float:
-    """The attention mask, kept once for every block: queries x keys per sample, or under CP
-    its two query chunks of ``seq / 2cp`` tokens against the keys up to each chunk's end."""
+    """The attention mask, kept once for every block: queries x keys per sample (also under
+    Ulysses CP, which attends whole sequences), or under all-gather-K/V CP its two query chunks
+    of ``seq / 2cp`` tokens against the keys up to each chunk's end."""
     if not w.document_mask:
         return 0.0
-    if w.cp == 1:
+    if w.cp == 1 or w.cp_ulysses:
         return w.local_batch_size * w.seq_len**2 * w.compute_bytes
     chunk = w.seq_len / (2 * w.cp)
     return w.local_batch_size * chunk**2 * (2 * w.cp + 1) * w.compute_bytes
