@@ -27,7 +27,7 @@ from trainer.loss import IGNORE_INDEX
 N_VALID_TOKENS = 3_000
 
 
-def make_model(params_millions: int, dim: int = 2048) -> nn.Module:
+def make_model(params_millions: int, dim: int = 2048) -> nn.ParameterList:
     """Blocks of four dim x dim matrices and three dim x 4dim ones, until the budget is met."""
     shapes, total = [], 0
     while total < params_millions * 1_000_000:

@@ -37,8 +37,9 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from parallelisms.pipeline_parallel import BUBBLE_FRACTION, SCHEDULES
-from trainer.build import build_trainer, load_dataset
+from trainer.build import build_step_parts
 from trainer.config import load_config
+from trainer.data.datasets import load_dataset
 from trainer.plan import plan
 from trainer.train import fetch_step, forward_backward, optimizer_step
 
@@ -76,9 +77,11 @@ def rank_main(rank: int, world: int, port: int, argv: list[str], warmup: int, st
     )
     torch.set_num_threads(1)
     job_plan = plan(load_config(argv), world)
-    job = build_trainer(job_plan, load_dataset(job_plan))
+    job = build_step_parts(job_plan, load_dataset(job_plan))
+    pipeline = job.pipeline
+    assert pipeline is not None  # main() asks for pp >= 2
     clock = {"compute": 0.0}
-    for stage in job.pipeline.stages:
+    for stage in pipeline.stages:
         instrument(stage, clock)
     for _ in range(warmup):
         optimizer_step(job, forward_backward(job, fetch_step(job)))
@@ -97,7 +100,7 @@ def rank_main(rank: int, world: int, port: int, argv: list[str], warmup: int, st
     torch.save(
         {
             "rank": rank,
-            "stages": [s.stage_index for s in job.pipeline.stages],
+            "stages": [s.stage_index for s in pipeline.stages],
             "step_s": round(step_s, 4),
             "compute_s": round(compute_s, 4),
             "bubble": round(1 - compute_s / step_s, 3),
@@ -129,6 +132,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--schedules", default=",".join(SCHEDULES))
     args = parser.parse_args(own)
+    if args.pp < 2:
+        parser.error("--pp must be at least 2: the benchmark compares pipeline schedules")
     base = [
         "--training.dataset",
         "shakespeare_dialogue",

@@ -29,12 +29,13 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from trainer.build import build_trainer, load_dataset
+from trainer.build import build_step_parts
 from trainer.config import load_config
+from trainer.data.datasets import load_dataset
 from trainer.metrics import device_memory, flops_per_token, peak_flops, tokens_per_second_per_device
-from trainer.model.llama3 import num_params
+from trainer.model.llama3 import num_params, whole_model
 from trainer.plan import plan
-from trainer.train import fetch_step, forward_backward, local_tokens_per_step, optimizer_step, whole_model
+from trainer.train import fetch_step, forward_backward, local_tokens_per_step, optimizer_step
 
 
 def synchronize(device: torch.device) -> None:
@@ -54,7 +55,7 @@ def main() -> None:
         ["--config", args.config, "--training.steps", str(total), "--metrics.enable_tensorboard=false", *trainer_args]
     )
     job_plan = plan(config, int(os.environ.get("WORLD_SIZE", 1)))
-    job = build_trainer(job_plan, load_dataset(job_plan))
+    job = build_step_parts(job_plan, load_dataset(job_plan))
     training, dims, margs = config.training, job_plan.dims, job_plan.model_args
 
     times = []

@@ -22,6 +22,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from parallelisms.model_parts import block_settings, blocks
+
 _aten = torch.ops.aten
 # Ops whose outputs "op" mode keeps: recomputing them costs real FLOPs or communication.
 SAVED_OPS = {
@@ -49,16 +51,17 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, selective_option
     if mode == "none":
         return
     full = functools.partial(checkpoint, use_reentrant=False, preserve_rng_state=False)
+    settings = [block_settings(block) for block in blocks(model).values()]
     if mode == "full":
-        for block in model.layers.values():
+        for block in settings:
             block.checkpoint_fn = full
         return
     if selective_option == "op":
         op_level = functools.partial(full, context_fn=_op_contexts)
-        for block in model.layers.values():
+        for block in settings:
             block.checkpoint_fn = op_level
         return
     every = int(selective_option)
-    for block in model.layers.values():
+    for block in settings:
         if block.layer_id % every == 0:
             block.checkpoint_fn = full

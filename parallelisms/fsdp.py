@@ -19,6 +19,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from parallelisms.model_parts import blocks, end
+
 
 def apply_fsdp(
     model: nn.Module,
@@ -42,16 +44,18 @@ def apply_fsdp(
         fully_shard(module, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
 
     never = reshard_after_forward == "never"
-    if model.tok_embeddings is not None:  # a pipeline stage may hold neither end of the model
-        shard(model.tok_embeddings, not never)
-    blocks = list(model.layers.values())
-    for i, block in enumerate(blocks if block_units else []):
+    tok_embeddings, norm, output = end(model, "tok_embeddings"), end(model, "norm"), end(model, "output")
+    if tok_embeddings is not None:  # a pipeline stage may hold neither end of the model
+        shard(tok_embeddings, not never)
+    units = list(blocks(model).values())
+    for i, block in enumerate(units if block_units else []):
         # The last block's backward starts right after forward, so freeing it is wasted work.
-        last = i == len(blocks) - 1
+        last = i == len(units) - 1
         shard(block, reshard_after_forward == "always" or (not never and not last))
     # norm and output run last in forward and first in backward: resharding them buys nothing.
-    if model.output is not None:
-        shard([model.norm, model.output], reshard_after_forward == "always")
+    if output is not None:
+        assert norm is not None  # a stage holds norm and output together
+        shard([norm, output], reshard_after_forward == "always")
     shard(model, reshard_after_forward == "always")
     for module in model.modules():
         if isinstance(module, FSDPModule):

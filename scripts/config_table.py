@@ -1,7 +1,7 @@
-"""Write the README's table of config fields from the schema, so the two cannot drift.
+"""Write the config reference (docs/config.md) from the schema, so the two cannot drift.
 
-Usage: ``python scripts/config_table.py`` rewrites the part of README.md between the
-``config-table`` markers; ``--check`` only compares and exits 1 when the README is stale.
+Usage: ``python scripts/config_table.py`` rewrites the part of docs/config.md between the
+``config-table`` markers; ``--check`` only compares and exits 1 when the page is stale.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ sys.path.insert(0, str(REPO_ROOT))  # run as a plain script from anywhere
 
 from trainer.config import FIELDS, StrList, type_name  # noqa: E402
 
-README = REPO_ROOT / "README.md"
+PAGE = REPO_ROOT / "docs" / "config.md"
 BEGIN, END = "<!-- config-table:begin -->", "<!-- config-table:end -->"
 
 
@@ -30,32 +30,32 @@ def render() -> str:
             lines += ["", f"**[{name}]**", "", "| key | type | default | meaning |", "|---|---|---|---|"]
         choices = field.metadata["choices"]
         kind = type_name(typ) + (" (" + r" \| ".join(choices) + ")" if choices else "")
-        default = ",".join(field.default) if typ is StrList else repr(field.default)
+        default = ",".join(field.default) if isinstance(field.default, StrList) else repr(field.default)
         lines.append(f"| `{key}` | {kind} | `{default}` | {field.metadata['doc']} |")
     return "\n".join(lines[1:])
 
 
-def updated(readme: str) -> str:
-    """``readme`` with the generated tables between the markers."""
-    if BEGIN not in readme or END not in readme:
-        raise SystemExit(f"{README}: the markers {BEGIN} and {END} are missing.")
-    head, rest = readme.split(BEGIN, 1)
+def updated(page: str) -> str:
+    """``page`` with the generated tables between the markers."""
+    if BEGIN not in page or END not in page:
+        raise SystemExit(f"{PAGE}: the markers {BEGIN} and {END} are missing.")
+    head, rest = page.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
     return f"{head}{BEGIN}\n{render()}\n{END}{tail}"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if README.md is stale, change nothing")
+    parser.add_argument("--check", action="store_true", help="exit 1 if docs/config.md is stale, change nothing")
     args = parser.parse_args(argv)
-    current = README.read_text()
+    current = PAGE.read_text()
     wanted = updated(current)
     if args.check:
         if wanted != current:
-            print("README.md's config table is stale: run `python scripts/config_table.py`.", file=sys.stderr)
+            print("docs/config.md is stale: run `python scripts/config_table.py`.", file=sys.stderr)
             return 1
         return 0
-    README.write_text(wanted)
+    PAGE.write_text(wanted)
     return 0
 
 

@@ -74,7 +74,7 @@ def main(argv: list[str]) -> int:
 
 def train(dump: Path, args: list[str], cpu: bool = False) -> dict[str, dict[int, float]]:
     """Run ``./run_train.sh`` on one device; its TensorBoard scalars, ``{tag: {step: value}}``."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # type: ignore[import-untyped]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     env = {**os.environ, "NGPU": "1", "LOG_RANK": "0"}
     if cpu:

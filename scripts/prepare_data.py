@@ -6,8 +6,10 @@
 
 Inputs are .txt files (one document each), .jsonl and .jsonl.gz files (one document per line's
 "text"), or folders of them (searched recursively). Rerunning after an interruption keeps the
-finished shards. ``--verify FOLDER`` re-hashes every shard of a prepared folder.
-See trainer/data/prepare.py for the folder's format.
+finished shards (verified by hash). Preparing into a folder prepared before keeps its old
+contents whole until the new ones are complete; one run at a time may write a folder.
+``--verify FOLDER`` re-hashes every shard of a prepared folder.
+See trainer/data/shards.py for the folder's format.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from trainer.data.prepare import UNIT_BYTES, prepare, verify
+from trainer.data.prepare import UNIT_BYTES, prepare
+from trainer.data.shards import verify
+from trainer.runtime.errors import UserError, report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,12 +53,12 @@ def main(argv: list[str] | None = None) -> int:
         if not args.tokenizer or not args.out:
             parser.error("--tokenizer and --out are required (or --verify FOLDER)")
         manifest = prepare(args.inputs, args.tokenizer, args.out, args.workers, args.unit_mb << 20)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"prepare_data: error: {exc}", file=sys.stderr)
-        return 2
+    except UserError as exc:
+        return report(exc, program="prepare_data")
     except KeyboardInterrupt:
         print(
-            "\nprepare_data: interrupted; rerun the same command to continue (finished shards are kept)",
+            "\nprepare_data: interrupted; what --out held before is intact: rerun the same command to continue "
+            "(finished shards are kept)",
             file=sys.stderr,
         )
         return 130

@@ -18,12 +18,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from trainer.build import describe_data, load_dataset
-from trainer.config import ConfigError, load_config
+from trainer.config import ConfigError, JobConfig, load_config
+from trainer.data.datasets import describe_data
 from trainer.data.loader import global_order
 from trainer.data.tokenizer import Tokenizer
 from trainer.loss import IGNORE_INDEX
-from trainer.plan import plan
+from trainer.runtime.errors import UserError, report
+from trainer.runtime.job import prepare
 
 DIM, RESET = "\033[2m", "\033[0m"
 
@@ -62,23 +63,26 @@ def render_sample(tokenizer: Tokenizer, inputs: list[int], labels: list[int], co
     return "".join(out)
 
 
+def mesh_world_size(config: JobConfig) -> int:
+    """The world size the config's mesh describes (an unset ``dp_shard`` counts as 1): the batch a
+    step trains on does not depend on it, but the plan checks the mesh against it."""
+    p = config.parallelism
+    world = p.data_parallel_replicate_degree * max(p.data_parallel_shard_degree, 1)
+    return world * p.context_parallel_degree * p.tensor_parallel_degree * p.pipeline_parallel_degree
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=True)
     parser.add_argument("--step", type=int, required=True, help="training step, counted from 1 as the logs do")
     parser.add_argument("--samples", type=int, default=8, help="how many of the step's samples to print (default 8)")
     ours, training_argv = parser.parse_known_args(argv)
     try:
-        config = load_config(training_argv)
         if ours.step < 1:
             raise ConfigError(f"--step must be >= 1 (the first step is 1), got {ours.step}.")
-        p = config.parallelism
-        world = p.data_parallel_replicate_degree * max(p.data_parallel_shard_degree, 1)
-        world *= p.context_parallel_degree * p.tensor_parallel_degree
-        job = plan(config, world)
-        dataset = load_dataset(job)
-    except (ConfigError, ValueError, FileNotFoundError) as e:
-        print(f"show_batch: config error: {e}", file=sys.stderr)
-        return 2
+        prepared = prepare(training_argv, mesh_world_size(load_config(training_argv)), local_ranks=1, memory=False)
+    except UserError as e:
+        return report(e, program="show_batch")
+    job, dataset, config = prepared.plan, prepared.dataset, prepared.plan.config
     seed, size = config.debug.seed, job.global_batch_size
     indices = global_order(dataset, size, seed).batch(ours.step - 1)
     color = sys.stdout.isatty()

@@ -33,6 +33,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))  # run as a plain script from anywhere
 
 from trainer.data.sources import read_shakespeare_plays  # noqa: E402
+from trainer.runtime.errors import UserError, report  # noqa: E402
 
 DEFAULT_OUTPUT = REPO_ROOT / "assets" / "tokenizer" / "shakespeare.model"
 VOCAB_SIZE = 2048
@@ -75,11 +76,15 @@ def train(output: Path) -> None:
     print(f"wrote {output} ({output.stat().st_size} bytes, {VOCAB_SIZE} pieces, {len(lines)} training lines)")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="where to write the .model file")
-    train(parser.parse_args().output)
+    try:
+        train(parser.parse_args(argv).output)
+    except UserError as exc:
+        return report(exc, program="train_tokenizer")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

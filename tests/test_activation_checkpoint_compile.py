@@ -9,8 +9,8 @@ import os
 import pytest
 from harness import BASE_ARGV, argv_for, assert_matches, run_ranks, step_worker
 
-from trainer.build import load_dataset
 from trainer.config import ConfigError, load_config
+from trainer.data.datasets import load_dataset
 from trainer.plan import plan
 from trainer.train import train
 

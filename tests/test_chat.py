@@ -16,6 +16,7 @@ from trainer.data.chat import render, uses_llama3_format
 from trainer.data.samples import build_dataset
 from trainer.data.tokenizer import load_tokenizer
 from trainer.loss import IGNORE_INDEX
+from trainer.runtime.errors import DataError
 
 ROOT = Path(__file__).resolve().parent.parent
 SENTENCEPIECE = str(ROOT / "assets" / "tokenizer" / "shakespeare.model")
@@ -107,11 +108,11 @@ def test_truncation_keeps_a_label_or_drops_and_reports(llama3, tmp_path: Path) -
     assert (stats.conversations, stats.truncated, stats.dropped_by_truncation, stats.without_assistant) == (4, 2, 1, 1)
     assert "2 of 4 conversations kept" in stats.describe(32) and "raise `training.seq_len`" in stats.describe(32)
     assert all((dataset[i][1] != IGNORE_INDEX).any() for i in range(len(dataset)))
-    tokens, targets = render((("user", "Hi"), ("assistant", "Hail! " * 40)), llama3)
+    _tokens, targets = render((("user", "Hi"), ("assistant", "Hail! " * 40)), llama3)
     assert (dataset[0][1] != IGNORE_INDEX).sum() == sum(targets[1:33]) > 10  # the answer up to the cut
     # The report survives the token cache.
     assert build_dataset("chat", str(data), llama3, 32).chat_stats == stats
-    with pytest.raises(ValueError, match="yields no chat samples.*raise `training.seq_len`"):
+    with pytest.raises(DataError, match="yields no chat samples.*raise `training.seq_len`"):
         build_dataset(
             "chat", str(chats(tmp_path / "none.jsonl", [[("user", long_question), ("assistant", "Aye.")]])), llama3, 32
         )
@@ -132,7 +133,7 @@ def test_bad_lines_name_file_and_line(llama3, tmp_path: Path, line: str, match: 
     good = json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]})
     data = tmp_path / "chat.jsonl"
     data.write_text(f"{good}\n\n{line}\n")
-    with pytest.raises(ValueError, match=f"chat.jsonl:3: {match}"):
+    with pytest.raises(DataError, match=f"chat.jsonl:3: {match}"):
         build_dataset("chat", str(data), llama3, 32)
 
 

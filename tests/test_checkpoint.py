@@ -5,21 +5,28 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
+from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from harness import Launched, run_ranks, run_train, tensorboard_scalars, trainer_for
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
-from trainer.build import load_dataset
 from trainer.checkpoint.folders import checkpoint_problem, read_dcp_model, step_folders
 from trainer.checkpoint.manager import CheckpointManager
-from trainer.config import load_config
-from trainer.model.llama3 import Transformer
+from trainer.config import Checkpoint, load_config
+from trainer.data.datasets import load_dataset
+from trainer.model.llama3 import ModelArgs, Transformer
 from trainer.plan import plan
+from trainer.runtime.errors import CheckpointError, UserError
 from trainer.train import train
 from trainer.train_state import TrainState
 
@@ -330,3 +337,114 @@ def test_seed_checkpoint_on_several_processes_is_refused_before_any_process_grou
 
     with pytest.raises(ConfigError, match="create_seed_checkpoint.*NGPU=1"):
         plan(load_config(small_argv(tmp_path, "--checkpoint.create_seed_checkpoint")), 2)
+
+
+TINY = ModelArgs(
+    dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16, rope_scaling=False, max_seq_len=16
+)
+
+
+class Position:
+    """A data loader's place in its stream: all of a loader that reaches the checkpoint."""
+
+    def __init__(self) -> None:
+        self.step = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = state["step"]
+
+
+def tiny_manager(
+    dump: Path, args: ModelArgs = TINY, data: str = "a", step: int = 0, **checkpoint: Any
+) -> CheckpointManager:
+    """A manager over a plain ``Transformer(args)`` at ``step``, trained on data fingerprinted ``data``."""
+    model = Transformer(args)
+    optimizer = torch.optim.AdamW(model.parameters())
+    train_state = TrainState()
+    train_state.step = step
+    return CheckpointManager(
+        Checkpoint(**{"enable": True, **checkpoint}),
+        str(dump),
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0),
+        dataloader=Position(),
+        train_state=train_state,
+        model_args=args,
+        total_steps=4,
+        data_identity={"data_sha256": data},
+    )
+
+
+@pytest.fixture
+def one_rank() -> Iterator[None]:
+    """A 1-rank gloo group in this process (or the one another in-process test left)."""
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    rng = torch.get_rng_state()
+    yield
+    torch.set_rng_state(rng)  # a load sets this process's RNG to the checkpoint's
+    if owns_group:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def test_a_checkpoint_that_cannot_serve_the_run_is_a_checkpoint_error(tmp_path: Path, one_rank: None):
+    """Every way a checkpoint or ``initial_load_path`` can fail this run raises ``CheckpointError``
+    (a ``JobError``: one line, exit 1), not DCP's multi-rank traceback or a bare ``ValueError``;
+    and nothing in the folder is deleted."""
+    run = tmp_path / "run"
+    tiny_manager(run, step=2).save(2)
+    folder = run / "checkpoint"
+    shutil.copytree(folder / "step-2", folder / "step-3")
+    (folder / "step-3" / ".metadata").write_bytes(b"damaged")
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{")
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"args": replace(TINY, n_layers=3)}, r"checkpoint .*step-2 holds another model .*n_layers: 2 there, 3 here"),
+        ({"args": replace(TINY, dim=64, n_heads=8)}, r"another model .*dim: 32 there, 64 here; n_heads: 4 there"),
+        ({"data": "b"}, r"step-2 was trained on other data .*checkpoint.allow_data_change"),
+        ({"load_step": 5}, r"`checkpoint.load_step` = 5: no folder step-5 .*found \['step-2', 'step-3'\]"),
+        ({"load_step": 3}, r"`checkpoint.load_step`: .*step-3 cannot be loaded: its metadata \(\.metadata\) cannot"),
+        (
+            {"enable": False, "initial_load_path": str(folder / "step-2"), "args": replace(TINY, vocab_size=128)},
+            r"`checkpoint.initial_load_path`: .*step-2 holds another model .*vocab_size: 64 there, 128 here",
+        ),
+        (
+            {"enable": False, "initial_load_path": str(tmp_path / "absent")},
+            r"`checkpoint.initial_load_path`: .*absent cannot be loaded",
+        ),
+        (
+            {"enable": False, "initial_load_path": str(tmp_path / "hf"), "initial_load_in_hf": True},
+            r"`checkpoint.initial_load_path`: .*config.json is not valid JSON",
+        ),
+        (
+            {"enable": False, "initial_load_path": str(run), "initial_load_in_hf": True},
+            r"`checkpoint.initial_load_path`: .*run has no config.json",
+        ),
+    ]
+    for settings, message in cases:
+        with pytest.raises(CheckpointError, match=message):
+            tiny_manager(run, **settings).load()
+    assert sorted(p.name for p in folder.iterdir()) == ["step-2", "step-3"]
+    assert tiny_manager(run).load() == 2  # the run that fits resumes, skipping the damaged step-3
+
+
+def test_a_bug_while_loading_is_not_taken_for_a_user_error(
+    tmp_path: Path, one_rank: None, monkeypatch: pytest.MonkeyPatch
+):
+    """A ``ValueError`` from inside torch keeps its type and traceback: it is not a checkpoint
+    that does not fit, and an entry point must not print it as one."""
+    tiny_manager(tmp_path).save(2)
+
+    def broken_load(*args: Any, **kwargs: Any) -> None:
+        raise ValueError("a bug deep inside torch")
+
+    monkeypatch.setattr(dcp, "load", broken_load)
+    with pytest.raises(ValueError, match="a bug deep inside torch") as error:
+        tiny_manager(tmp_path).load()
+    assert not isinstance(error.value, UserError)

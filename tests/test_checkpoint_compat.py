@@ -2,11 +2,12 @@
 
 ``tests/fixtures/checkpoint_628a82d`` was made by commit 628a82d, the last one before
 ``trainer/model.py``, ``trainer/checkpoint.py`` and ``trainer/hf_interop.py`` were split into
-``trainer/model/``, ``trainer/checkpoint/`` and ``trainer/train_state.py``. A throwaway script (its
-text is in the message of the commit that added the fixture) ran, in one gloo process: the
-``Transformer`` of ``ARGS`` below, sharded with ``apply_fsdp`` on a 1-rank mesh and initialised with
-seed 5; ``build_optimizer`` (AdamW, default config) and ``build_lr_scheduler`` (warm-up 1 of 4 steps);
-``build_dataloader`` over 8 random-token samples (global batch 2, seed 3); a ``TrainState``. It took
+``trainer/model/``, ``trainer/checkpoint/`` and ``trainer/train_state.py``.
+``tests/fixtures/make_checkpoint_fixture.py`` (run in a tree of 628a82d; its docstring says how)
+ran, in one gloo process: the ``Transformer`` of ``ARGS`` below, sharded with ``apply_fsdp`` on a
+1-rank mesh and initialised with seed 5; ``build_optimizer`` (AdamW, default config) and
+``build_lr_scheduler`` (warm-up 1 of 4 steps); ``build_dataloader`` over 8 random-token samples
+(global batch 2, seed 3); a ``TrainState``. It took
 two optimizer steps, set ``n_skipped_steps`` to 1 (a value a fresh state does not have) and saved
 with ``CheckpointManager.save(2)`` into ``checkpoint/step-2``. ``expected.pt`` holds the full values
 at that moment: model, optimizer (by parameter name), scheduler, loader and train state.

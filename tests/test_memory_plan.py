@@ -204,7 +204,7 @@ MEASURED = {
     "no checkpointing": [],
 }
 """More configurations (activation checkpointing, seq 2048) and meshes of several ranks:
-``python benchmarks/memory.py``, whose figures are in the README."""
+``python benchmarks/memory.py``, whose figures are in docs/performance.md."""
 
 
 @pytest.mark.slow

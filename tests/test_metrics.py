@@ -222,7 +222,7 @@ def test_tensorboard_scalars_on_cpu(tmp_path: os.PathLike[str]) -> None:
     logger = _make_logger(tmp_path, console=False)
     assert logger.tb_dir is not None
     assert os.path.dirname(logger.tb_dir) == os.path.join(str(tmp_path), "tb")
-    assert re.fullmatch(r"\d{8}-\d{6}", os.path.basename(logger.tb_dir))
+    assert re.fullmatch(re.escape(tmp_path.name) + r"-\d{8}-\d{6}", os.path.basename(logger.tb_dir))
     steps = [_stats(s, n_skipped_steps=int(s >= 3)) for s in range(1, 6)]
     steps[2] = _stats(3, n_skipped_steps=1, local_tokens=2 * LOCAL_TOKENS, data_time_s=0.3)
     _run(logger, steps)
@@ -305,7 +305,7 @@ def test_custom_scalars_layout_charts_every_written_tag_drawably(
     # Every chart is there that has data on this device, and no other.
     assert set(charts) == {
         title
-        for name, category in metrics._DASHBOARD.items()
+        for name, category in metrics.logger._DASHBOARD.items()
         for title in category
         if validation or name != "validation"
     } - (set() if on_gpu else GPU_ONLY_CHARTS)
@@ -377,7 +377,7 @@ def test_console_plain_line(tmp_path: os.PathLike[str], caplog: pytest.LogCaptur
     assert first.startswith("step: 1/10")
     for field in ("loss: 10.0000", "max loss: 12.0000", "grad norm: 1.5000", "memory: ", "GiB"):
         assert field in first
-    assert "tps: 256" in first
+    assert "tps/device: 256" in first
     assert "tflops: " in first
     assert "mfu" not in first
     assert "skipped" not in first

@@ -53,8 +53,8 @@ def test_chat_sample_marks_exactly_the_context(tmp_path: Path, capsys: pytest.Ca
 
 
 def test_packed_step_is_the_loader_batch(capsys: pytest.CaptureFixture) -> None:
-    from trainer.build import load_dataset
     from trainer.config import load_config
+    from trainer.data.datasets import load_dataset
     from trainer.data.loader import build_dataloader
     from trainer.plan import plan
 

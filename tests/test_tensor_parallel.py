@@ -103,7 +103,7 @@ def test_mixed_precision_applies_with_tensor_parallel_alone(launched):
 def tp_bug_worker(argv: list[str]) -> dict:
     """The right step, then two TP bugs on the same data: a grad norm that sums every rank's
     local shards (replicated ones tp times), and tokens counted over the TP group too."""
-    p, job = trainer_for(argv)
+    _, job = trainer_for(argv)
     microbatches = fetch_step(job)
     right = forward_backward(job, microbatches)
     true_sq = sum(full(prm.grad).double().square().sum() for prm in job.model.parameters())

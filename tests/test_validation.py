@@ -12,13 +12,14 @@ import pytest
 import torch
 from harness import run_ranks, trainer_for
 
-from trainer.build import load_validation_dataset
+from trainer.build import build_validator
 from trainer.config import ConfigError, load_config
+from trainer.data.datasets import load_validation_dataset
 from trainer.data.documents import split_documents
 from trainer.loss import IGNORE_INDEX, cross_entropy_sum
 from trainer.model.llama3 import Transformer
 from trainer.plan import plan
-from trainer.train import build_validator, fetch_step, forward_backward, optimizer_step
+from trainer.train import fetch_step, forward_backward, optimizer_step
 from trainer.validation import Validator
 
 

@@ -1,20 +1,23 @@
 """Build everything the training loop uses, once, with every parallelism already applied.
 
-The dataset is read and tokenized before any process group exists (a bad file fails in seconds);
-then the process group, the mesh, the sharded model, the optimizer, the loader and the gradient
-accumulator are built. Building a large model takes a while, so rank 0 says which phase it is in
-and how far the initialisation has got: a silent minute looks like a hang.
+The job was prepared before any process group existed (``trainer/runtime/job.py``: config, plan,
+data). :func:`build_step_parts` joins the process group and builds what a training step uses: the
+mesh, the sharded model, the optimizer, the loader, the gradient accumulator, the pipeline.
+:func:`build_run` adds what the loop around the steps uses: the train state restored from the
+newest checkpoint, the checkpointer, the metrics and the validator. Building a large model takes a
+while, so rank 0 says which phase it is in and how far the initialisation has got: a silent minute
+looks like a hang.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -25,17 +28,20 @@ from parallelisms.context_parallel import ContextParallel
 from parallelisms.parallel_dims import Meshes, device_type
 from parallelisms.parallelize import Parallelized, parallelize
 from parallelisms.pipeline_parallel import Pipeline
-from trainer.config import resolve_path
+from trainer.checkpoint.manager import CheckpointManager
+from trainer.data.datasets import TokenDataset, data_lines
 from trainer.data.documents import split_documents
 from trainer.data.loader import MicroBatchLoader, build_dataloader
-from trainer.data.mixture import MixtureDataset
-from trainer.data.samples import open_dataset
 from trainer.grad_accumulator import GradAccumulator
-from trainer.loss import cross_entropy_sum
-from trainer.model.llama3 import Transformer, num_params
+from trainer.loss import CrossEntropy, ModelLoss, cross_entropy_sum
+from trainer.metrics import MetricsLogger, flops_per_token, peak_flops, use_color
+from trainer.metrics.reports import log_start, save_config
+from trainer.model.llama3 import Transformer, num_params, whole_model
 from trainer.optimizer import build_lr_scheduler, build_optimizer
 from trainer.plan import Plan
 from trainer.runtime.distributed import init_distributed
+from trainer.train_state import TrainState
+from trainer.validation import Validator
 
 logger = logging.getLogger("meshtrain")
 
@@ -57,8 +63,8 @@ class MicroBatch(NamedTuple):
 
 
 @dataclass
-class Trainer:
-    """Everything the loop uses, built once with every parallelism already applied."""
+class StepParts:
+    """What a training step uses, built once with every parallelism already applied."""
 
     device: torch.device
     meshes: Meshes
@@ -68,7 +74,7 @@ class Trainer:
     loader: MicroBatchLoader
     accumulator: GradAccumulator
     loss_parallel: bool
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    model_loss: ModelLoss
     context_parallel: ContextParallel | None
     positions: torch.Tensor | None
     """Sequence positions of this rank's tokens under context parallelism (else 0..seq-1)."""
@@ -82,85 +88,32 @@ class Trainer:
         cannot tell where the document of its first token began.
         """
         positions, document_ids = self.positions, None
+        cp = self.context_parallel
         if self.document_bos_id is not None:
             labels, positions, document_ids = split_documents(inputs, labels, self.document_bos_id)
-        cp = self.context_parallel
+            if cp:
+                positions, document_ids = cp.shard(positions), cp.shard(document_ids)
         if cp:
             inputs, labels = cp.shard(inputs), cp.shard(labels)
-            if document_ids is not None:
-                positions, document_ids = cp.shard(positions), cp.shard(document_ids)
-        tensors = (inputs, labels, positions, document_ids)
-        return MicroBatch(*(t if t is None else t.to(self.device, non_blocking=True) for t in tensors))
+        device = self.device
+        return MicroBatch(
+            inputs.to(device, non_blocking=True),
+            labels.to(device, non_blocking=True),
+            None if positions is None else positions.to(device, non_blocking=True),
+            None if document_ids is None else document_ids.to(device, non_blocking=True),
+        )
 
     pipeline: Pipeline | None = None
     """This rank's pipeline stages and their schedule (None without pipeline parallelism);
     ``model`` then holds only these stages' modules."""
 
 
-def load_dataset(plan: Plan) -> Dataset:
-    """The samples of ``training.dataset``: from the bundled plays, one path, or the mixture of
-    several (``training.dataset_path``, ``training.dataset_weights``)."""
-    training = plan.config.training
-    paths = [resolve_path(path) for path in training.dataset_path]
-    if len(paths) <= 1:
-        return open_dataset(training.dataset, paths[0] if paths else None, plan.tokenizer, training.seq_len)
-    members = [open_dataset(training.dataset, path, plan.tokenizer, training.seq_len) for path in paths]
-    names = [Path(path).name for path in paths]
-    if len(set(names)) < len(names):
-        names = list(training.dataset_path)
-    return MixtureDataset(members, names, training.dataset_weights or [1.0] * len(paths))
-
-
-def load_validation_dataset(plan: Plan) -> Dataset | None:
-    """The validation samples (``[validation]``), or None when the run does not validate."""
-    validation, training = plan.config.validation, plan.config.training
-    if not plan.validates:
-        return None
-    return open_dataset(
-        validation.dataset or training.dataset,
-        resolve_path(validation.dataset_path) if validation.dataset_path else None,
-        plan.tokenizer,
-        plan.validation_seq_len,
-        split="validation",
-    )
-
-
-def describe_data(plan: Plan, dataset: Dataset, validation: bool = False) -> str:
-    """What the run trains (or validates) on, in a line or two (logged at start, printed by
-    ``--dry-run``)."""
-    training = plan.config.training
-    kind = (plan.config.validation.dataset or training.dataset) if validation else training.dataset
-    seq_len = plan.validation_seq_len if validation else training.seq_len
-    text = f"{len(dataset):,} samples of {seq_len} tokens ({kind})"
-    if isinstance(dataset, MixtureDataset):
-        text += "; mixture over the run: " + dataset.describe_shares(
-            training.steps, plan.global_batch_size, plan.config.debug.seed
-        )
-        stats = [m.chat_stats for m in dataset.members if getattr(m, "chat_stats", None)]
-    else:
-        stats = [dataset.chat_stats] if getattr(dataset, "chat_stats", None) else []
-    return "; ".join([text] + [s.describe(seq_len) for s in stats])
-
-
-def data_lines(plan: Plan, dataset: Dataset, validation_dataset: Dataset | None) -> str:
-    """What the run trains and validates on (logged at start, printed by ``--dry-run``)."""
-    lines = [f"data: {describe_data(plan, dataset)}"]
-    if validation_dataset is not None:
-        lines.append(
-            f"validation every {plan.config.validation.freq} steps and at the end: "
-            f"{describe_data(plan, validation_dataset, validation=True)}"
-        )
-    elif plan.config.validation.enable:
-        lines.append(
-            "no validation: `validation.enable` is set but `validation.dataset_path` is empty, and the "
-            "bundled held-out plays are no validation set for `training.dataset_path`; point "
-            "`validation.dataset_path` at held-out data of yours to validate."
-        )
-    return "\n".join(lines)
-
-
 def build_model(
-    plan: Plan, meshes: Meshes, device: torch.device, fake_tensors: AbstractContextManager[object] | None = None
+    plan: Plan,
+    meshes: Meshes,
+    device: torch.device,
+    cross_entropy: CrossEntropy = cross_entropy_sum,
+    fake_tensors: AbstractContextManager[object] | None = None,
 ) -> tuple[Transformer, Parallelized]:
     """Build on the meta device, parallelise, then materialise and initialise only the local shards
     (under pipeline parallelism: of this rank's stages).
@@ -172,6 +125,9 @@ def build_model(
     rank0 = dist.get_rank() == 0
     with torch.device("meta"):
         model = Transformer(plan.model_args)
+    if model.output is not None:  # the whole model: no pipeline split yet
+        model.output.chunk_tokens = plan.config.training.loss_chunk_tokens
+        model.output.cross_entropy = cross_entropy
     total = num_params(model)
     if rank0:
         logger.info("parallelising the model (%s parameters) on the meta device", f"{total:,}")
@@ -189,6 +145,7 @@ def build_model(
             logger.info("initialising the weights (seed %d)", seed)
         progress = InitProgress(local) if rank0 and local >= PROGRESS_MIN_PARAMS else None
         for part in parts:
+            assert isinstance(part, Transformer)  # a stage view is an instance of the model's class
             part.init_weights(seed, progress=progress)
     if rank0:
         logger.info("model built and initialised in %.1f s", time.monotonic() - start)
@@ -222,7 +179,9 @@ class InitProgress:
         self.next_percent = (percent // PROGRESS_EVERY_PERCENT + 1) * PROGRESS_EVERY_PERCENT
 
 
-def build_trainer(plan: Plan, dataset: Dataset, fake_tensors: AbstractContextManager[object] | None = None) -> Trainer:
+def build_step_parts(
+    plan: Plan, dataset: Dataset, fake_tensors: AbstractContextManager[object] | None = None
+) -> StepParts:
     """Join the process group and build the sharded model, optimizer, data and accumulator.
 
     ``fake_tensors``: the simulator's context for every tensor made after parallelising (see
@@ -236,18 +195,25 @@ def build_trainer(plan: Plan, dataset: Dataset, fake_tensors: AbstractContextMan
         torch.use_deterministic_algorithms(True)
     torch.manual_seed(config.debug.seed)
     meshes = plan.dims.build_mesh(dev_type)
-    model, parallelized = build_model(plan, meshes, device, fake_tensors)
+    cross_entropy = torch.compile(cross_entropy_sum) if plan.parallel.compile_loss else cross_entropy_sum
+    model, parallelized = build_model(plan, meshes, device, cross_entropy, fake_tensors)
     with fake_tensors or nullcontext():
-        return _assemble(plan, dataset, device, meshes, model, parallelized)
+        return _assemble(plan, dataset, device, meshes, model, parallelized, cross_entropy)
 
 
 def _assemble(
-    plan: Plan, dataset: Dataset, device: torch.device, meshes: Meshes, model: Transformer, parallelized: Parallelized
-) -> Trainer:
+    plan: Plan,
+    dataset: Dataset,
+    device: torch.device,
+    meshes: Meshes,
+    model: Transformer,
+    parallelized: Parallelized,
+    cross_entropy: CrossEntropy,
+) -> StepParts:
     """The optimizer, loader, accumulator and pipeline around the built model."""
     config, training, dev_type = plan.config, plan.config.training, device.type
     context_parallel = parallelized.context_parallel
-    loss_fn = torch.compile(cross_entropy_sum) if plan.parallel.compile_loss else cross_entropy_sum
+    model_loss = ModelLoss(plan.loss_in_model, cross_entropy)
     positions = context_parallel.positions.to(device) if context_parallel else None
     optimizer = build_optimizer(model, config.optimizer, dev_type)
     loader = build_dataloader(
@@ -261,6 +227,7 @@ def _assemble(
         pin_memory=dev_type == "cuda",
         prefetch_factor=training.prefetch_factor if training.num_workers > 0 else None,
         allow_data_change=config.checkpoint.allow_data_change,
+        timeout_s=training.data_timeout_seconds,
     )
     accumulator = GradAccumulator(
         model,
@@ -274,17 +241,20 @@ def _assemble(
     )
     pipeline = None
     if parallelized.split is not None:
+        assert parallelized.stage_modules is not None  # parallelize sets both under pipeline parallelism
         pipeline = Pipeline(
             parallelized.stage_modules,
             parallelized.split,
             meshes.pp,
             device,
-            loss_fn,
+            cross_entropy,
+            labels_to_model=plan.loss_in_model,
             microbatches=plan.pipeline_microbatches,
             microbatch_size=plan.parallel.pp_microbatch_size,
             positions=positions if positions is not None else torch.arange(training.seq_len, device=device),
+            document_mask=training.document_mask,
         )
-    return Trainer(
+    return StepParts(
         device=device,
         meshes=meshes,
         model=model,
@@ -293,9 +263,95 @@ def _assemble(
         loader=loader,
         accumulator=accumulator,
         loss_parallel=plan.parallel.loss_parallel,
-        loss_fn=loss_fn,
+        model_loss=model_loss,
         context_parallel=context_parallel,
         positions=positions,
         document_bos_id=plan.tokenizer.bos_id if training.document_mask else None,
         pipeline=pipeline,
+    )
+
+
+@dataclass
+class Run:
+    """Everything the loop uses: the step's parts, the train state (restored from the newest
+    checkpoint, if any), the checkpointer, the metrics and the validator."""
+
+    parts: StepParts
+    state: TrainState
+    checkpointer: CheckpointManager
+    metrics: MetricsLogger
+    validator: Validator | None
+
+
+def build_run(plan: Plan, parts: StepParts, dataset: TokenDataset, validation_dataset: TokenDataset | None) -> Run:
+    """Resume from the newest checkpoint, open the metrics and the validator; rank 0 saves the
+    resolved config and says what is about to run."""
+    state, checkpointer = resume(plan, dataset, parts)
+    rank = dist.get_rank()
+    metrics = build_metrics(plan, parts.device, rank, resumed=state.step > 0)
+    if rank == 0:
+        save_config(plan)
+        log_start(plan, parts.device, metrics, data_lines(plan, dataset, validation_dataset))
+    return Run(parts, state, checkpointer, metrics, build_validator(plan, parts, validation_dataset))
+
+
+def resume(plan: Plan, dataset: TokenDataset, parts: StepParts) -> tuple[TrainState, CheckpointManager]:
+    """The train state and the checkpoint manager, restored from the newest checkpoint if any."""
+    config = plan.config
+    state = TrainState()
+    checkpointer = CheckpointManager(
+        config.checkpoint,
+        config.job.dump_folder,
+        model=parts.model,
+        optimizer=parts.optimizer,
+        lr_scheduler=parts.scheduler,
+        dataloader=parts.loader,
+        train_state=state,
+        model_args=plan.model_args,
+        total_steps=config.training.steps,
+        data_identity=getattr(dataset, "identity", None),
+        timeout_s=config.comm.init_timeout_seconds,
+    )
+    checkpointer.load()
+    return state, checkpointer
+
+
+def build_metrics(plan: Plan, device: torch.device, rank: int, resumed: bool = False) -> MetricsLogger:
+    config, training, args = plan.config, plan.config.training, plan.model_args
+    return MetricsLogger(
+        rank=rank,
+        console=rank == 0,
+        dump_folder=config.job.dump_folder,
+        tb_folder=config.metrics.save_tb_folder,
+        enable_tensorboard=config.metrics.enable_tensorboard,
+        log_freq=config.metrics.log_freq,
+        # The entry point's logging.basicConfig sends the console line to stderr.
+        color=use_color(config.metrics.disable_color_printing, sys.stderr),
+        device=device,
+        total_steps=training.steps,
+        flops_per_token=flops_per_token(
+            num_params(whole_model(args), exclude_embedding=True), args.n_layers, args.dim, training.seq_len
+        ),
+        peak_flops=peak_flops(device, override=training.peak_flops or None),
+        global_tokens_per_step=plan.global_batch_size * training.seq_len,
+        # A data-parallel replica's tokens are processed by its pp x tp x cp devices (torchtitan's
+        # non-data-parallel size): tokens/s and MFU are per device of the whole job.
+        devices_per_replica=plan.dims.pp * plan.dims.tp * plan.dims.cp,
+        validation=plan.validates,
+        resumed=resumed,
+    )
+
+
+def build_validator(plan: Plan, parts: StepParts, dataset: TokenDataset | None) -> Validator | None:
+    if dataset is None:
+        return None
+    validation = plan.config.validation
+    return Validator(
+        dataset,
+        local_batch_size=validation.local_batch_size,
+        dp_rank=parts.meshes.batch.get_local_rank(),
+        dp_degree=plan.dims.dp,
+        steps=validation.steps,
+        freq=validation.freq,
+        seed=plan.config.debug.seed,
     )

@@ -56,6 +56,20 @@ class StepResult:
     """Why the optimizer step was skipped (empty when it was not)."""
 
 
+@dataclass
+class _StepSums:
+    """What ``begin_step`` starts and the rest of the step adds to or reads."""
+
+    local_count: torch.Tensor
+    """This rank's valid label tokens, ``(1,)`` int64."""
+    count: torch.Tensor
+    """The same summed over the loss group (once ``count_work`` is done)."""
+    count_work: dist.Work | None
+    """The asynchronous all-reduce of ``count`` (None when not distributed)."""
+    loss_sum: torch.Tensor
+    """This rank's summed token losses so far."""
+
+
 class GradAccumulator:
     """The one object the training loop talks to about micro-batches and gradient scaling.
 
@@ -86,10 +100,7 @@ class GradAccumulator:
         self.stats_group = stats_group or loss_group
         self.pp_degree = pp_degree
         self._holds_loss = True
-        self._count: torch.Tensor | None = None
-        self._count_work: dist.Work | None = None
-        self._local_count: torch.Tensor | None = None
-        self._loss_sum: torch.Tensor | None = None
+        self._sums: _StepSums | None = None
         self._next_microbatch = 0
 
     def begin_step(self, labels: list[torch.Tensor]) -> None:
@@ -100,12 +111,11 @@ class GradAccumulator:
         """
         if len(labels) != self.num_microbatches:
             raise ValueError(f"expected {self.num_microbatches} micro-batches, got {len(labels)}")
-        self._local_count = sum((lab != IGNORE_INDEX).sum() for lab in labels).to(torch.int64).reshape(1)
-        self._count = self._local_count.clone()
-        self._count_work = (
-            dist.all_reduce(self._count, group=self.loss_group, async_op=True) if self._distributed else None
-        )
-        self._loss_sum = torch.zeros((), dtype=torch.float32, device=self._local_count.device)
+        local_count = torch.stack([(lab != IGNORE_INDEX).sum() for lab in labels]).sum().to(torch.int64).reshape(1)
+        count = local_count.clone()
+        count_work = dist.all_reduce(count, group=self.loss_group, async_op=True) if self._distributed else None
+        loss_sum = torch.zeros((), dtype=torch.float32, device=local_count.device)
+        self._sums = _StepSums(local_count, count, count_work, loss_sum)
         self._next_microbatch = 0
         self._holds_loss = True
 
@@ -134,7 +144,7 @@ class GradAccumulator:
         """
         if isinstance(loss_sum, DTensor):
             loss_sum = loss_sum.to_local()
-        self._loss_sum += loss_sum.detach().float()
+        self._begun().loss_sum += loss_sum.detach().float()
         self._next_microbatch += 1
 
     def record_pipeline_losses(self, losses: list[torch.Tensor]) -> None:
@@ -143,10 +153,16 @@ class GradAccumulator:
         logged sum and -inf to the logged maximum)."""
         if self._next_microbatch != 0:
             raise ValueError("record_pipeline_losses replaces record_loss: call it once, for the whole step")
+        sums = self._begun()
         for loss in losses:
-            self._loss_sum += (loss.to_local() if isinstance(loss, DTensor) else loss).detach().float()
+            sums.loss_sum += (loss.to_local() if isinstance(loss, DTensor) else loss).detach().float()
         self._holds_loss = bool(losses)
         self._next_microbatch = self.num_microbatches
+
+    def _begun(self) -> _StepSums:
+        if self._sums is None:
+            raise RuntimeError("begin_step must come before the step's losses and finalize")
+        return self._sums
 
     def finalize(self) -> StepResult:
         """Normalise and clip the accumulated gradient sums in one pass; decide whether to step.
@@ -157,8 +173,9 @@ class GradAccumulator:
         """
         if self._next_microbatch != self.num_microbatches:
             raise RuntimeError(f"finalize after {self._next_microbatch} of {self.num_microbatches} micro-batches")
-        loss_sum = self._loss_sum.clone().reshape(1)
-        local_count = self._local_count.float()
+        sums = self._begun()
+        loss_sum = sums.loss_sum.clone().reshape(1)
+        local_count = sums.local_count.float()
         rank_mean = torch.where(local_count > 0, loss_sum / local_count.clamp(min=1), -math.inf)
         if not self._holds_loss:
             rank_mean.fill_(-math.inf)
@@ -168,11 +185,12 @@ class GradAccumulator:
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         raw_norm = _total_norm(grads, self.pp_degree).reshape(1).to(loss_sum.device)
         if self._distributed:
-            for work in (self._count_work, loss_work, max_work):
+            for work in (sums.count_work, loss_work, max_work):
+                assert work is not None  # async_op on a group this rank belongs to
                 work.wait()
         # One host synchronisation for everything the step decision and the log need; float64
         # keeps token counts exact far beyond float32's 2**24.
-        values = torch.cat([self._count.double(), raw_norm.double(), loss_sum.double(), rank_mean.double()])
+        values = torch.cat([sums.count.double(), raw_norm.double(), loss_sum.double(), rank_mean.double()])
         n, raw, total, worst = values.tolist()
         n = int(n)
         true_norm = raw / max(n, 1)

@@ -13,7 +13,8 @@ from trainer.config import LRScheduler, Optimizer
 
 def build_optimizer(model: nn.Module, config: Optimizer, device_type: str) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices only: decaying norm gains toward 0 only hurts."""
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for param in model.parameters():
         if param.requires_grad:
             (decay if param.ndim >= 2 else no_decay).append(param)

@@ -77,6 +77,12 @@ class Plan:
         return self.global_batch_size // self.dims.dp // self.parallel.pp_microbatch_size
 
     @property
+    def loss_in_model(self) -> bool:
+        """The model's output projection computes the loss in chunks (``trainer/loss.py``);
+        tensor parallelism without loss parallel gathers whole logits for it instead."""
+        return loss_in_model(self.dims, self.parallel)
+
+    @property
     def memory(self) -> Estimate:
         return estimate(self.workload)
 
@@ -154,6 +160,10 @@ def plan(config: JobConfig, world_size: int, device: str | None = None) -> Plan:
     return Plan(config, dims, settings, global_batch // per_microbatch, global_batch, args, tokenizer, workload)
 
 
+def loss_in_model(dims: ParallelDims, settings: ParallelSettings) -> bool:
+    return dims.tp == 1 or settings.loss_parallel
+
+
 def memory_workload(
     config: JobConfig, dims: ParallelDims, settings: ParallelSettings, args: ModelArgs, device: str
 ) -> Workload:
@@ -178,10 +188,12 @@ def memory_workload(
         ac_mode=settings.ac_mode,
         ac_option=settings.ac_option,
         loss_parallel=settings.loss_parallel,
+        loss_chunk_tokens=training.loss_chunk_tokens if loss_in_model(dims, settings) else 0,
         defer_gradient_reduction=training.defer_gradient_reduction,
         accumulation=settings.pp_rank_batch // training.local_batch_size,
         reshard_after_forward=settings.reshard_after_forward,
         cp_allgather_kv=resolve_backend(settings.cp_backend, device, settings.document_mask) == "allgather_kv",
+        cp_ulysses=resolve_backend(settings.cp_backend, device, settings.document_mask) == "ulysses",
         document_mask=settings.document_mask,
         device=device,
         pp=dims.pp,

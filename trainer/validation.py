@@ -25,16 +25,19 @@ import math
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.utils.data import Dataset
 
 from parallelisms.tensor_parallel import loss_context
-from trainer.build import Trainer
 from trainer.data.loader import GlobalOrder
 from trainer.loss import IGNORE_INDEX
+
+if TYPE_CHECKING:
+    from trainer.build import StepParts
+    from trainer.data.datasets import TokenDataset
 
 
 @dataclass(frozen=True)
@@ -53,7 +56,15 @@ class Validator:
     """One rank's share of the validation set, and the pass that evaluates it."""
 
     def __init__(
-        self, dataset: Dataset, *, local_batch_size: int, dp_rank: int, dp_degree: int, steps: int, freq: int, seed: int
+        self,
+        dataset: TokenDataset,
+        *,
+        local_batch_size: int,
+        dp_rank: int,
+        dp_degree: int,
+        steps: int,
+        freq: int,
+        seed: int,
     ) -> None:
         self.dataset = dataset
         self.freq = freq
@@ -80,7 +91,7 @@ class Validator:
         return inputs, torch.full_like(labels, IGNORE_INDEX)
 
     @torch.no_grad()
-    def run(self, trainer: Trainer) -> ValidationResult:
+    def run(self, trainer: StepParts) -> ValidationResult:
         """Evaluate every batch of this rank's share; all-reduce the sum and the count."""
         start = time.perf_counter()
         totals = torch.zeros(2, dtype=torch.float64, device=trainer.device)
@@ -90,10 +101,10 @@ class Validator:
                 samples = [self._sample(i) for i in indices]
                 batch = trainer.place(torch.stack([s[0] for s in samples]), torch.stack([s[1] for s in samples]))
                 if trainer.pipeline is not None:  # the summed loss, known on every pipeline rank
-                    loss = trainer.pipeline.evaluate(batch.inputs, batch.labels)
+                    loss = trainer.pipeline.evaluate(batch.inputs, batch.labels, batch.positions, batch.document_ids)
                 else:
-                    loss = trainer.loss_fn(
-                        trainer.model(batch.inputs, batch.positions, batch.document_ids), batch.labels
+                    loss = trainer.model_loss(
+                        trainer.model, batch.inputs, batch.positions, batch.document_ids, batch.labels
                     )
                 if isinstance(loss, DTensor):  # loss parallel: replicated over TP, counted once
                     loss = loss.to_local()

@@ -1,6 +1,7 @@
 """The job configuration: ``schema`` (what can be set), ``parser`` (TOML and command line),
 ``validate`` (the rules). The names below are the package's public API."""
 
+from trainer.config.limits import Limits
 from trainer.config.parser import (
     CONFIG_DIR,
     DEFAULT_CONFIG,
@@ -55,6 +56,7 @@ __all__ = [
     "Job",
     "JobConfig",
     "LRScheduler",
+    "Limits",
     "Metrics",
     "Model",
     "Optimizer",

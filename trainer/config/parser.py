@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import sys
 from pathlib import Path
 from typing import Any
+
+import tomli_w
 
 from trainer.config.schema import FIELDS, MESH_DIMS, FloatList, JobConfig, StrList, type_name
 from trainer.config.validate import validate
@@ -26,6 +27,7 @@ else:  # pragma: no cover - exercised only on Python 3.10
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 CONFIG_DIR = REPO_ROOT / "train_configs"
 DEFAULT_CONFIG = CONFIG_DIR / "debug_model.toml"
+BOOL_WORDS = ("true", "false")
 
 
 def resolve_path(path: str) -> str:
@@ -46,13 +48,14 @@ def _coerce(key: str, value: Any, from_cli: bool) -> Any:
     """Convert ``value`` to the declared type of ``key`` or raise naming both."""
     typ, f = FIELDS[key]
     bad = ConfigError(f"`{key}` expects {type_name(typ)}, got {value!r}.")
+    result: Any
     if typ is bool:
         if isinstance(value, bool):
             result = value
-        elif from_cli and str(value).lower() in ("true", "false"):
+        elif from_cli and str(value).lower() in BOOL_WORDS:
             result = str(value).lower() == "true"
         else:
-            raise bad
+            raise _not_boolean(key, value, from_cli)
     elif typ is int:
         if isinstance(value, bool):
             raise bad
@@ -100,10 +103,21 @@ def _coerce(key: str, value: Any, from_cli: bool) -> Any:
         result = value
     choices = f.metadata["choices"]
     items = result if isinstance(result, tuple) else (result,)
+    if choices is None:
+        return result
+    # A choice is a name: its spelling in any case means it (`zbvzerobubble` is `ZBVZeroBubble`).
+    canonical = {choice.lower(): choice for choice in choices}
     for item in items:
-        if choices is not None and item not in choices:
+        if item.lower() not in canonical:
             raise ConfigError(f"`{key}` must be one of {', '.join(choices)}; got {item!r}.")
-    return result
+    if isinstance(result, tuple):
+        return type(result)(canonical[item.lower()] for item in result)
+    return canonical[result.lower()]
+
+
+def _not_boolean(key: str, value: Any, from_cli: bool) -> ConfigError:
+    accepted = "true or false (either case), or the bare flag for true" if from_cli else "true or false (unquoted)"
+    return ConfigError(f"`{key}` is boolean: give {accepted}; got {value!r}.")
 
 
 def _set(config: JobConfig, key: str, value: Any) -> None:
@@ -143,9 +157,11 @@ def parse_mesh(spec: str) -> dict[str, int]:
         name, sep, value = part.partition("=")
         name = name.strip()
         if not sep or name not in MESH_DIMS:
+            close = ["dp_shard", "dp_replicate"] if name == "dp" else difflib.get_close_matches(name, MESH_DIMS, 2)
+            hint = f" Did you mean {' or '.join(f'`{c}`' for c in close)}?" if close else ""
             raise ConfigError(
                 f"--mesh: cannot read `{part}`; write e.g. `--mesh dp_replicate=2,dp_shard=2,tp=2` "
-                f"with dimensions from {', '.join(MESH_DIMS)}."
+                f"with dimensions from {', '.join(MESH_DIMS)}.{hint}"
             )
         try:
             degrees[name] = int(value)
@@ -180,9 +196,11 @@ def _split_cli(argv: list[str]) -> tuple[str | None, str | None, list[tuple[str,
             if eq:
                 overrides.append((key, value))
             elif typ is bool:
-                if i + 1 < len(argv) and argv[i + 1].lower() in ("true", "false"):
+                if i + 1 < len(argv) and argv[i + 1].lower() in BOOL_WORDS:
                     i += 1
                     overrides.append((key, argv[i]))
+                elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                    raise _not_boolean(key, argv[i + 1], from_cli=True)
                 else:
                     overrides.append((key, True))
             else:
@@ -232,7 +250,9 @@ def help_text(argv: list[str] | None = None) -> str:
         value, default = getattr(getattr(values, sec), name), f.default
         shown = _shown(typ, value) + ("" if value == default else f"; code default {_shown(typ, default)}")
         lines.append(f"  --{key} ({type_name(typ)}{choices}) = {shown}")
-        lines.append(f"      {f.metadata['doc']}")
+        limits = f.metadata["limits"]
+        must = "Each must be" if typ is FloatList else "Must be"
+        lines.append(f"      {f.metadata['doc']}" + (f" {must} {limits.describe()}." if limits else ""))
     return "\n".join(lines)
 
 
@@ -280,19 +300,4 @@ def changed_settings(config: JobConfig) -> list[str]:
 
 def to_toml(config: JobConfig) -> str:
     """The resolved config as TOML, loadable again with ``--config``."""
-    lines = []
-    for section in dataclasses.fields(config):
-        lines.append(f"[{section.name}]")
-        for key, value in dataclasses.asdict(getattr(config, section.name)).items():
-            if isinstance(value, bool):
-                text = "true" if value else "false"
-            elif isinstance(value, tuple):
-                text = "[" + ", ".join(json.dumps(item, ensure_ascii=False) for item in value) + "]"
-            elif isinstance(value, str):
-                # JSON string escapes are valid TOML basic-string escapes; TOML also forbids DEL.
-                text = json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
-            else:
-                text = repr(value)
-            lines.append(f"{key} = {text}")
-        lines.append("")
-    return "\n".join(lines)
+    return tomli_w.dumps(dataclasses.asdict(config))

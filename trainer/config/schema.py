@@ -1,5 +1,5 @@
 """The configuration's schema: every section and field, with its type, default, documentation
-and allowed choices. This is the file people read to learn what can be set.
+and allowed choices or limits. This is the file people read to learn what can be set.
 
 Section and field names follow torchtitan v0.2.2 where a field exists there, so a torchtitan
 config reads the same here. ``--help`` and the README's table are generated from these docs.
@@ -13,6 +13,7 @@ from typing import Any, get_type_hints
 
 from parallelisms.context_parallel import BACKENDS as CONTEXT_PARALLEL_BACKENDS
 from parallelisms.pipeline_parallel import SCHEDULES as PIPELINE_SCHEDULES
+from trainer.config.limits import MAX_LR, MAX_SEED, MAX_SEQ_LEN, MAX_TIMEOUT_SECONDS, MAX_WEIGHT_DECAY, Limits
 from trainer.data.samples import DATASET_KINDS
 
 
@@ -24,8 +25,9 @@ class FloatList(tuple):
     """A list of numbers: a TOML array, or comma-separated on the command line."""
 
 
-def _field(default: Any, doc: str, choices: tuple[str, ...] | None = None) -> Any:
-    return field(default=default, metadata={"doc": doc, "choices": choices})
+def _field(default: Any, doc: str, choices: tuple[str, ...] | None = None, **limits: Any) -> Any:
+    metadata = {"doc": doc, "choices": choices, "limits": Limits(**limits) if limits else None}
+    return field(default=default, metadata=metadata)
 
 
 @dataclass
@@ -48,19 +50,22 @@ class Model:
     )
     tokenizer_path: str = _field(
         "assets/tokenizer/shakespeare.model",
-        "SentencePiece `.model` file (a relative path is resolved against the repository root "
-        "when it does not exist relative to the working directory).",
+        "Tokenizer file: a SentencePiece `.model`, or a Hugging Face `tokenizer.json` (any `.json` file; "
+        'needs `pip install -e ".[hf]"`). A relative path is resolved against the repository root '
+        "when it does not exist relative to the working directory.",
     )
 
 
 @dataclass
 class Optimizer:
     name: str = _field("AdamW", "Optimizer. Only AdamW exists.", ("AdamW",))
-    lr: float = _field(8e-4, "Peak learning rate.")
-    beta1: float = _field(0.9, "AdamW beta1.")
-    beta2: float = _field(0.95, "AdamW beta2.")
-    eps: float = _field(1e-8, "AdamW epsilon.")
-    weight_decay: float = _field(0.1, "Decoupled weight decay, applied to matrices only (not norms).")
+    lr: float = _field(8e-4, "Peak learning rate.", ge=0.0, le=MAX_LR)
+    beta1: float = _field(0.9, "AdamW beta1.", ge=0.0, lt=1.0)
+    beta2: float = _field(0.95, "AdamW beta2.", ge=0.0, lt=1.0)
+    eps: float = _field(1e-8, "AdamW epsilon.", ge=0.0, le=1.0)
+    weight_decay: float = _field(
+        0.1, "Decoupled weight decay, applied to matrices only (not norms).", ge=0.0, le=MAX_WEIGHT_DECAY
+    )
     implementation: str = _field(
         "auto",
         "AdamW kernel: `fused` (one kernel, GPU), `foreach` (multi-tensor), `for-loop`, or "
@@ -71,15 +76,18 @@ class Optimizer:
 
 @dataclass
 class LRScheduler:
-    warmup_steps: int = _field(200, "Linear warm-up steps from ~0 to `optimizer.lr`.")
+    warmup_steps: int = _field(200, "Linear warm-up steps from ~0 to `optimizer.lr`.", ge=0)
     decay_ratio: float = _field(
         -1.0,
         "Fraction of the steps, at the end of training, over which the LR decays, reaching "
         "`min_lr_factor` on the last step; the steps between warm-up and decay hold the peak LR. "
         "-1 decays over all steps after warm-up.",
+        ge=0.0,
+        le=1.0,
+        allowed=(-1.0,),
     )
     decay_type: str = _field("linear", "Shape of the decay.", ("linear", "sqrt", "cosine"))
-    min_lr_factor: float = _field(0.0, "Final LR as a fraction of the peak LR.")
+    min_lr_factor: float = _field(0.0, "Final LR as a fraction of the peak LR.", ge=0.0, le=1.0)
 
 
 @dataclass
@@ -91,37 +99,42 @@ class Training:
         "assistant's tokens only).",
         DATASET_KINDS,
     )
-    dataset_path: StrList = _field(
+    dataset_path: StrList = _field(  # noqa: RUF009 - an immutable tuple
         StrList(),
         "Your own data for the chosen kind: a .txt/.jsonl/.jsonl.gz file, a folder of them, or a folder written "
         "by scripts/prepare_data.py (memory-mapped); empty uses the bundled plays. Several paths (a "
         "TOML array, or comma-separated) train on their mixture, see `training.dataset_weights`.",
     )
-    dataset_weights: FloatList = _field(
+    dataset_weights: FloatList = _field(  # noqa: RUF009 - an immutable tuple
         FloatList(),
         "With several `training.dataset_path`s: each one's share of every global batch, in the same "
         "order (normalised to sum to 1); empty gives every dataset the same share.",
+        gt=0.0,
     )
-    local_batch_size: int = _field(8, "Sequences per micro-batch on each data-parallel rank.")
+    local_batch_size: int = _field(8, "Sequences per micro-batch on each data-parallel rank.", ge=1)
     global_batch_size: int = _field(
         -1,
         "Sequences per optimizer step over all data-parallel ranks and micro-batches. "
         "Gradient accumulation = global / (local x data-parallel degree). -1 means no accumulation.",
+        ge=1,
+        allowed=(-1,),
     )
-    seq_len: int = _field(2048, "Tokens per sequence.")
+    seq_len: int = _field(2048, "Tokens per sequence.", ge=1, le=MAX_SEQ_LEN)
     document_mask: bool = _field(
         False,
         "In packed samples (`shakespeare`), a token attends only to earlier tokens of its own "
         "document, RoPE positions restart at each document's BOS, and the label predicting a "
         "document's BOS from the previous document is ignored (see README, Document masking).",
     )
+    loss_chunk_tokens: int = _field(1024, "Output projection + loss in chunks of this many tokens; 0: unchunked.", ge=0)
     max_norm: float = _field(1.0, "Gradient clipping threshold on the true global grad norm; <= 0 disables clipping.")
-    steps: int = _field(10000, "Optimizer steps to train.")
+    steps: int = _field(10000, "Optimizer steps to train.", ge=1)
     max_consecutive_skipped_steps: int = _field(
         20,
         "End the job (non-zero exit) after this many optimizer steps in a row were skipped "
         "(non-finite gradient norm, or no valid label token): the run has diverged or the data "
         "has no labels. 0 never ends it.",
+        ge=0,
     )
     mixed_precision_param: str = _field(
         "auto",
@@ -143,10 +156,17 @@ class Training:
         "would fit) when it exceeds the GPU's memory, or on CPU the machine's available memory "
         "shared by its ranks; false only prints the estimate.",
     )
-    num_workers: int = _field(0, "Data loader worker processes per rank (0 loads in the training process).")
-    prefetch_factor: int = _field(2, "Micro-batches each data loader worker prepares ahead (workers > 0 only).")
+    num_workers: int = _field(0, "Data loader worker processes per rank (0 loads in the training process).", ge=0)
+    prefetch_factor: int = _field(2, "Micro-batches each data loader worker prepares ahead (workers > 0 only).", ge=1)
+    data_timeout_seconds: int = _field(
+        300,
+        "With data loader workers: the longest wait for one micro-batch before the job stops with "
+        "an error naming the data loader (a stalled or hung worker), instead of waiting silently.",
+        ge=1,
+        le=MAX_TIMEOUT_SECONDS,
+    )
     peak_flops: float = _field(
-        0.0, "Peak dense bf16 FLOP/s of one device, for MFU; 0 looks the GPU up in the built-in table."
+        0.0, "Peak dense bf16 FLOP/s of one device, for MFU; 0 looks the GPU up in the built-in table.", ge=0.0
     )
 
 
@@ -171,8 +191,9 @@ class Parallelism:
     context_parallel_backend: str = _field(
         "auto",
         "Attention across context-parallel shards: `ring` (PyTorch's ring attention, CUDA only), "
-        "`allgather_kv` (all-gather keys and values, any device), or `auto` (ring on CUDA, "
-        "allgather_kv elsewhere).",
+        "`allgather_kv` (all-gather keys and values, any device), `ulysses` (all-to-all to whole "
+        "sequences of heads / cp heads, any device; cp x tp must divide the heads), or `auto` "
+        "(ring on CUDA, allgather_kv elsewhere or with `training.document_mask`).",
         ("auto", *CONTEXT_PARALLEL_BACKENDS),
     )
     context_parallel_rotate_method: str = _field(
@@ -196,6 +217,7 @@ class Parallelism:
         "Sequences per pipeline micro-batch: a data-parallel rank's share of the global batch "
         "(global / data-parallel degree) is cut into micro-batches of this size, all run by one "
         "schedule step.",
+        ge=1,
     )
     pipeline_parallel_layers_per_stage: int = _field(
         -1,
@@ -203,12 +225,14 @@ class Parallelism:
         "less-layers below); the number of stages is the model's units divided by this, which "
         "must be exact. -1: pp stages (2 x pp for multi-stage schedules), split as evenly as "
         "possible.",
+        ge=1,
+        allowed=(-1,),
     )
     pipeline_parallel_first_stage_less_layers: int = _field(
-        1, "Blocks fewer on the first stage, which also runs the token embedding."
+        1, "Blocks fewer on the first stage, which also runs the token embedding.", ge=0
     )
     pipeline_parallel_last_stage_less_layers: int = _field(
-        1, "Blocks fewer on the last stage, which also runs the norm, the output projection and the loss."
+        1, "Blocks fewer on the last stage, which also runs the norm, the output projection and the loss.", ge=0
     )
     fsdp_reshard_after_forward: str = _field(
         "default",
@@ -232,18 +256,22 @@ class Comm:
         300,
         "Collective timeout until the first step has finished (process-group start-up, building, "
         "loading a checkpoint, the first step) and for checkpoint saves.",
+        ge=1,
+        le=MAX_TIMEOUT_SECONDS,
     )
     train_timeout_seconds: int = _field(
         100,
         "Collective timeout from the second step on: a rank that stalls for longer (hung, "
         "stopped, dead) ends the job with an error naming this key instead of a silent hang. "
         "Must exceed the longest step.",
+        ge=1,
+        le=MAX_TIMEOUT_SECONDS,
     )
 
 
 @dataclass
 class Metrics:
-    log_freq: int = _field(10, "Log every N steps (and the first and last step).")
+    log_freq: int = _field(10, "Log every N steps (and the first and last step).", ge=1)
     enable_tensorboard: bool = _field(True, "Write TensorBoard scalars (rank 0).")
     save_tb_folder: str = _field(
         "tb", "TensorBoard folder inside `job.dump_folder`; each run gets a timestamped subfolder."
@@ -271,13 +299,13 @@ class ActivationCheckpoint:
 @dataclass
 class Compile:
     enable: bool = _field(False, "Compile with torch.compile: each transformer block, and the loss.")
-    components: StrList = _field(StrList(("model", "loss")), "What to compile when enabled.", ("model", "loss"))
+    components: StrList = _field(StrList(("model", "loss")), "What to compile when enabled.", ("model", "loss"))  # noqa: RUF009
 
 
 @dataclass
 class Profiling:
     enable_profiling: bool = _field(False, "Record torch.profiler traces (one per rank).")
-    profile_freq: int = _field(10, "Trace one step every N steps (after a warm-up step).")
+    profile_freq: int = _field(10, "Trace one step every N steps (after a warm-up step).", ge=2)
     save_traces_folder: str = _field(
         "profile_traces",
         "Folder in `job.dump_folder`: `iteration_N/rankR_trace.json`, for Perfetto or chrome://tracing.",
@@ -298,10 +326,18 @@ class Checkpoint:
         "Save checkpoints and resume from the newest complete one in `checkpoint.folder` at start.",
     )
     folder: str = _field("checkpoint", "Folder inside `job.dump_folder`; each checkpoint is `step-N` in it.")
-    interval: int = _field(500, "Save every N steps; the last step is always saved.")
-    keep_latest_k: int = _field(10, "Keep the newest k checkpoints, delete older ones; 0 keeps all.")
-    load_step: int = _field(-1, "Resume from `step-N` exactly; -1 takes the newest complete checkpoint.")
-    exclude_from_loading: StrList = _field(
+    interval: int = _field(500, "Save every N steps; the last step is always saved.", ge=1)
+    keep_latest_k: int = _field(
+        10, "Keep the newest k checkpoints of the current timeline, delete older ones; 0 keeps all.", ge=0
+    )
+    load_step: int = _field(
+        -1,
+        "Roll back to `step-N`: newer checkpoints are moved aside and a new timeline begins; rerunning "
+        "with the same value continues that timeline. -1 takes the newest complete checkpoint.",
+        ge=0,
+        allowed=(-1,),
+    )
+    exclude_from_loading: StrList = _field(  # noqa: RUF009 - an immutable tuple
         StrList(),
         "Parts of the checkpoint not to restore when resuming (e.g. `optimizer,lr_scheduler`).",
         ("model", "optimizer", "lr_scheduler", "dataloader", "train_state"),
@@ -353,21 +389,32 @@ class Validation:
         "Validation data (a file or folder as for `training.dataset_path`); empty uses the bundled "
         "held-out plays, which training on the bundled plays never sees.",
     )
-    freq: int = _field(10, "Validate every this many steps, and after the last step.")
+    freq: int = _field(10, "Validate every this many steps, and after the last step.", ge=1)
     steps: int = _field(
         -1,
         "Validation batches of `validation.local_batch_size` per evaluation, in all (shared among the "
         "data-parallel ranks, so every mesh evaluates the same samples); -1 evaluates the whole set.",
+        ge=1,
+        allowed=(-1,),
     )
-    local_batch_size: int = _field(8, "Validation sequences per batch on each data-parallel rank.")
+    local_batch_size: int = _field(8, "Validation sequences per batch on each data-parallel rank.", ge=1)
     seq_len: int = _field(
-        -1, "Tokens per validation sequence; -1 uses `training.seq_len` (at most `training.seq_len`)."
+        -1,
+        "Tokens per validation sequence; -1 uses `training.seq_len` (at most `training.seq_len`).",
+        ge=1,
+        le=MAX_SEQ_LEN,
+        allowed=(-1,),
     )
 
 
 @dataclass
 class Debug:
-    seed: int = _field(0, "Seed of the weight initialisation and the data order; same seed, same run on any mesh.")
+    seed: int = _field(
+        0,
+        "Seed of the weight initialisation and the data order; same seed, same run on any mesh.",
+        ge=0,
+        le=MAX_SEED,
+    )
     deterministic: bool = _field(False, "Use deterministic kernels (`torch.use_deterministic_algorithms`).")
 
 
@@ -400,13 +447,12 @@ MESH_DIMS = {
 
 def _fields() -> dict[str, tuple[type, dataclasses.Field]]:
     """All ``section.key`` names with their type and dataclass field."""
-    out = {}
-    for section in dataclasses.fields(JobConfig):
-        cls = section.default_factory
-        hints = get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            out[f"{section.name}.{f.name}"] = (hints[f.name], f)
-    return out
+    sections = {section.name: type(getattr(JobConfig(), section.name)) for section in dataclasses.fields(JobConfig)}
+    return {
+        f"{name}.{f.name}": (get_type_hints(cls)[f.name], f)
+        for name, cls in sections.items()
+        for f in dataclasses.fields(cls)
+    }
 
 
 FIELDS = _fields()

@@ -77,7 +77,15 @@ class ChatStats:
 
 
 def uses_llama3_format(tokenizer: Tokenizer) -> bool:
-    return all(tokenizer.token_id(piece) is not None for piece in LLAMA3_SPECIALS)
+    return _llama3_special_ids(tokenizer) is not None
+
+
+def _llama3_special_ids(tokenizer: Tokenizer) -> tuple[int, int, int] | None:
+    """The ids of ``LLAMA3_SPECIALS``, or None when the tokenizer lacks one of them."""
+    start, end, eot = (tokenizer.token_id(piece) for piece in LLAMA3_SPECIALS)
+    if start is None or end is None or eot is None:
+        return None
+    return start, end, eot
 
 
 def render(messages: tuple[tuple[str, str], ...], tokenizer: Tokenizer) -> tuple[list[int], list[int]]:
@@ -88,8 +96,9 @@ def render(messages: tuple[tuple[str, str], ...], tokenizer: Tokenizer) -> tuple
         tokens.extend(ids)
         targets.extend([int(target)] * len(ids))
 
-    if uses_llama3_format(tokenizer):
-        start, end, eot = (tokenizer.token_id(piece) for piece in LLAMA3_SPECIALS)
+    specials = _llama3_special_ids(tokenizer)
+    if specials is not None:
+        start, end, eot = specials
         for role, content in messages:
             learn = role == ASSISTANT
             add([start, *tokenizer.encode(role, bos=False, eos=False), end], False)

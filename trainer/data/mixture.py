@@ -24,6 +24,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 from torch.utils.data import Dataset
@@ -117,10 +118,22 @@ class MixtureOrder:
         return [c / max(1, sum(counts)) for c in counts]
 
 
+class Member(Protocol):
+    """What a mixture needs of each of its datasets."""
+
+    seq_len: int
+    pad_id: int
+    identity: dict[str, str]
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 class MixtureDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     """The members' samples, concatenated: index ``offsets[d] + i`` is member d's sample i."""
 
-    def __init__(self, members: Sequence[Dataset], names: Sequence[str], weights: Sequence[float]) -> None:
+    def __init__(self, members: Sequence[Member], names: Sequence[str], weights: Sequence[float]) -> None:
         self.members = list(members)
         self.names = list(names)
         total = sum(weights)
@@ -130,13 +143,15 @@ class MixtureDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
             self.offsets.append(self.offsets[-1] + len(member))
         self.seq_len = self.members[0].seq_len
         self.pad_id = self.members[0].pad_id
-        # The weights decide the order of samples: a resume with other weights is other data.
-        data = hashlib.sha256(repr([round(w, 12) for w in self.weights]).encode())
+        data = hashlib.sha256()
         for member in self.members:
-            data.update(member.identity["data_sha256"].encode())
+            data.update(member.identity["samples_sha256"].encode())
+        # The weights decide the order of samples: a resume with other weights is other data, and
+        # the identity's key names the setting to restore.
         self.identity = {
-            "data_sha256": data.hexdigest(),
+            "samples_sha256": data.hexdigest(),
             "tokenizer_sha256": self.members[0].identity["tokenizer_sha256"],
+            "training.dataset_weights": ", ".join(f"{w:.6g}" for w in self.weights),
         }
 
     def __len__(self) -> int:

@@ -9,28 +9,32 @@ line-aligned byte range of a big ``.jsonl`` file (so one huge file still keeps e
 busy). Units follow the inputs' sorted order, and a shard's tokens depend on its unit only, so
 the folder is the same whatever ``--workers`` is. Documents are framed ``[bos] + tokens +
 [eos]`` from the text ``trainer.data.sources`` reads: the shards hold exactly the token stream
-the in-memory ``shakespeare`` dataset packs, and give the same samples.
+the in-memory ``shakespeare`` dataset packs, and give the same samples. The folder's layout
+is ``trainer.data.shards``.
 
-Folder layout (``FORMAT_VERSION`` 1)::
+**Nothing good is destroyed before the new output is complete.** A unit's files are written
+under temporary names and renamed, its done-record last, so an interrupted run leaves finished
+units whole; shard files are named by their content (``trainer.data.shards``), so a rerun writes
+beside the shards the current manifest names, never over them. The new manifest replaces the old
+in one rename at the very end; only then are the files no manifest names any more removed. A
+failure at any point before leaves the previous folder exactly as it was. The rerun reuses a unit
+whose done-record matches its source bytes and tokenizer and whose shard still has the sha256 the
+record says (re-hashed: sizes prove nothing), and redoes the others.
 
-    manifest.json          written last: its presence means the folder is complete
-    shards/000000.bin      the unit's tokens, uint16 (vocabulary <= 65536) or uint32, little-endian
-    shards/000000.idx      uint64 little-endian document offsets into the shard, documents + 1 of them
-    shards/000000.json     the done-record: the unit's source range and its sha256, the tokenizer's
-                           sha256, the shard's counts and sha256
-
-A unit's files are written under temporary names and renamed, its done-record last, so an
-interrupted run leaves finished units whole; the rerun reuses a unit whose done-record matches
-its source bytes (re-hashed) and tokenizer, and redoes the others.
+One run at a time: the folder is locked (``.meshtrain.lock``, the dump folder's lock, taken over
+when its owner is gone), and worker processes die with the run, even on ``kill -9``.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import multiprocessing as mp
 import os
+import signal
 import sys
+import threading
 import time
 from array import array
 from collections.abc import Callable, Iterable, Sequence
@@ -39,29 +43,30 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from trainer.data.sources import decode, file_documents, local_files
+from trainer.data.progress import Counters, Progress
+from trainer.data.shards import (
+    FORMAT_VERSION,
+    MANIFEST,
+    SHARDS,
+    build_manifest,
+    done_record_of,
+    done_records,
+    encode_shard,
+    file_sizes,
+    manifest_entry,
+    sha256_file,
+    shard_paths,
+    stream_sha256,
+    token_array,
+    token_dtype,
+)
+from trainer.data.sources import PREPARE_INPUT, decode, file_documents, unique_files
 from trainer.data.tokenizer import Tokenizer, load_tokenizer
+from trainer.runtime.dump_folder import LOCK_FILE, DumpFolderLock, describe_holder, read_lock
+from trainer.runtime.errors import BusyFolderError, DataError
 
-FORMAT = "meshtrain.prepared"
-FORMAT_VERSION = 1
-"""Bump with any change to the layout or to how a unit's tokens are made (which also changes
-what the in-memory path makes: see ``trainer.data.cache.FORMAT_VERSION``)."""
-MANIFEST = "manifest.json"
-SHARDS = "shards"
 UNIT_BYTES = 64 << 20
 """Target size of the byte ranges a big uncompressed ``.jsonl`` file is cut into."""
-KIND = "shakespeare"
-"""The packed dataset kind whose documents the shards hold (named in sources' error messages)."""
-_TOKEN_TYPECODES = {"uint16": "H", "uint32": "I" if array("I").itemsize == 4 else "L"}
-
-
-def token_dtype(vocab_size: int) -> str:
-    """The narrowest shard element type that holds every id of the vocabulary."""
-    return "uint16" if vocab_size <= 1 << 16 else "uint32"
-
-
-def token_itemsize(dtype: str) -> int:
-    return array(_TOKEN_TYPECODES[dtype]).itemsize
 
 
 @dataclass(frozen=True)
@@ -77,13 +82,12 @@ class Unit:
 def plan_units(inputs: Sequence[str], unit_bytes: int = UNIT_BYTES) -> list[Unit]:
     """The units of ``inputs`` (files or folders searched recursively, each in sorted order)."""
     units: list[Unit] = []
-    for path in inputs:
-        for file in local_files(path, key="input"):
-            size = file.stat().st_size
-            if file.name.lower().endswith(".jsonl") and size > unit_bytes:
-                units.extend(Unit(str(file), start, end, size) for start, end in _line_ranges(file, size, unit_bytes))
-            else:
-                units.append(Unit(str(file), 0, size, size))
+    for file in unique_files(inputs, PREPARE_INPUT):
+        size = file.stat().st_size
+        if file.name.lower().endswith(".jsonl") and size > unit_bytes:
+            units.extend(Unit(str(file), start, end, size) for start, end in _line_ranges(file, size, unit_bytes))
+        else:
+            units.append(Unit(str(file), 0, size, size))
     return units
 
 
@@ -103,26 +107,34 @@ def _line_ranges(file: Path, size: int, unit_bytes: int) -> Iterable[tuple[int, 
 # --------------------------------------------------------------------------------------------
 
 
-class Counters:
-    """Documents, tokens and source bytes tokenized so far, shared by the worker processes."""
-
-    def __init__(self, context: Any) -> None:
-        self.documents = context.Value("q", 0)
-        self.tokens = context.Value("q", 0)
-        self.bytes = context.Value("q", 0)
-
-    def add(self, documents: int, tokens: int, nbytes: int) -> None:
-        for value, amount in ((self.documents, documents), (self.tokens, tokens), (self.bytes, nbytes)):
-            with value.get_lock():
-                value.value += amount
-
-
 _worker: dict[str, Any] = {}
 """The process's tokenizer, counters and (in-process only) progress callback, set once."""
 
 
-def _init_worker(tokenizer_path: str, counters: Counters, tick: Callable[[], None] | None = None) -> None:
+def _init_worker(
+    tokenizer_path: str, counters: Counters, tick: Callable[[], None] | None = None, parent: int | None = None
+) -> None:
+    if parent is not None:
+        _die_with(parent)
     _worker.update(tokenizer=load_tokenizer(tokenizer_path), counters=counters, tick=tick)
+
+
+def _die_with(parent: int) -> None:
+    """End this pool worker when the run that started it is gone: a run killed with ``kill -9``
+    never shuts its pool down, and its workers would wait for work forever."""
+    try:
+        if ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL) != 0:  # 1: PR_SET_PDEATHSIG (Linux)
+            raise OSError
+    except (OSError, AttributeError):
+        threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    if os.getppid() != parent:  # died before the request took effect
+        os._exit(1)
+
+
+def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
 
 
 @dataclass(frozen=True)
@@ -133,44 +145,43 @@ class _Task:
     dtype: str
 
 
-def shard_paths(out: Path, index: int) -> tuple[Path, Path, Path]:
-    """The tokens, document offsets and done-record of unit ``index``."""
-    stem = out / SHARDS / f"{index:06d}"
-    return stem.with_suffix(".bin"), stem.with_suffix(".idx"), stem.with_suffix(".json")
-
-
 def _read_range(unit: Unit) -> bytes:
     with open(unit.source, "rb") as fh:
         fh.seek(unit.start)
         return fh.read(unit.end - unit.start)
 
 
-def _reusable(
-    record_file: Path, bin_file: Path, idx_file: Path, identity: dict[str, Any], itemsize: int
-) -> dict | None:
-    try:
-        record = json.loads(record_file.read_text())
-        sizes_ok = (
-            bin_file.stat().st_size == record["tokens"] * itemsize
-            and idx_file.stat().st_size == (record["documents"] + 1) * 8
-        )
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return record if sizes_ok and record.get("identity") == identity else None
+def _reusable(out: Path, index: int, identity: dict[str, Any]) -> dict | None:
+    """The done-record of a shard of unit ``index`` that an earlier run finished from the same
+    source bytes and tokenizer and whose bytes still hash to what the record says, or None."""
+    for record_file in done_records(out, index):
+        try:
+            record = json.loads(record_file.read_text())
+            if record.get("identity") != identity:
+                continue
+            bin_file, idx_file = out / record["file"], out / record["index"]
+            sizes = file_sizes(identity["dtype"], record["tokens"], record["documents"])
+            if (bin_file.stat().st_size, idx_file.stat().st_size) == sizes and sha256_file(bin_file) == record[
+                "sha256"
+            ]:
+                return record
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
+    return None
 
 
 def _unit_documents(unit: Unit, data: bytes) -> list[str]:
     file = Path(unit.source)
     text = decode(file, data)
     try:
-        return file_documents(file, text, KIND)
-    except ValueError:
+        return file_documents(file, text, PREPARE_INPUT)
+    except DataError:
         if unit.start == 0:
             raise
         # Only now count the lines before the range, to name the file's own line number.
         with open(file, "rb") as fh:
             first_line = 1 + fh.read(unit.start).count(b"\n")
-        return file_documents(file, text, KIND, first_line)
+        return file_documents(file, text, PREPARE_INPUT, first_line)
 
 
 def _run_unit(task: _Task) -> tuple[dict[str, Any], bool]:
@@ -182,8 +193,6 @@ def _run_unit(task: _Task) -> tuple[dict[str, Any], bool]:
     counters: Counters = _worker["counters"]
     tick = _worker["tick"]
     out, unit = Path(task.out), task.unit
-    bin_file, idx_file, record_file = shard_paths(out, task.index)
-    itemsize = token_itemsize(task.dtype)
     data = _read_range(unit)
     identity = {
         **asdict(unit),
@@ -192,13 +201,12 @@ def _run_unit(task: _Task) -> tuple[dict[str, Any], bool]:
         "dtype": task.dtype,
         "format_version": FORMAT_VERSION,
     }
-    record = _reusable(record_file, bin_file, idx_file, identity, itemsize)
+    record = _reusable(out, task.index, identity)
     if record is not None:
         return record, True
-    record_file.unlink(missing_ok=True)
 
     documents = _unit_documents(unit, data)
-    tokens = array(_TOKEN_TYPECODES[task.dtype])
+    tokens = token_array(task.dtype)
     offsets = array("Q", [0])
     reported = [0, 0, 0]  # documents, tokens, bytes already added to the counters
 
@@ -215,9 +223,9 @@ def _run_unit(task: _Task) -> tuple[dict[str, Any], bool]:
         try:
             tokens.fromlist(ids)
         except OverflowError:
-            raise ValueError(
+            raise DataError(
                 f"{tokenizer.path} produced the id {max(ids)}, beyond its vocabulary of {tokenizer.vocab_size} "
-                f"({task.dtype} shards); the tokenizer file is inconsistent."
+                f"({task.dtype} shards); the tokenizer file is inconsistent: use another --tokenizer."
             ) from None
         offsets.append(len(tokens))
         if time.monotonic() - last > 0.25:
@@ -226,19 +234,18 @@ def _run_unit(task: _Task) -> tuple[dict[str, Any], bool]:
     report(len(documents))
 
     max_token_id = max(tokens) if tokens else -1
-    if sys.byteorder != "little":
-        tokens.byteswap()
-        offsets.byteswap()
-    token_bytes = tokens.tobytes()
+    token_bytes, offset_bytes = encode_shard(tokens, offsets, task.dtype)
+    digest = hashlib.sha256(token_bytes).hexdigest()
+    bin_file, idx_file, record_file = shard_paths(out, task.index, digest)
     _write_atomic(bin_file, token_bytes)
-    _write_atomic(idx_file, offsets.tobytes())
+    _write_atomic(idx_file, offset_bytes)
     record = {
         "identity": identity,
-        "file": str(bin_file.relative_to(out)),
-        "index": str(idx_file.relative_to(out)),
+        "file": bin_file.relative_to(out).as_posix(),
+        "index": idx_file.relative_to(out).as_posix(),
         "tokens": len(tokens),
         "documents": len(documents),
-        "sha256": hashlib.sha256(token_bytes).hexdigest(),
+        "sha256": digest,
         "max_token_id": max_token_id,
     }
     _write_atomic(record_file, json.dumps(record, indent=1).encode())
@@ -246,12 +253,20 @@ def _run_unit(task: _Task) -> tuple[dict[str, Any], bool]:
 
 
 def _write_atomic(file: Path, data: bytes) -> None:
-    tmp = file.with_name(f".{file.name}.tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, file)
+    tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, file)
+    except OSError as exc:
+        raise DataError(
+            f"{file}: cannot be written ({exc.strerror or exc}); free space or give another --out. What --out held "
+            "before this run is intact."
+        ) from None
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -259,62 +274,37 @@ def _write_atomic(file: Path, data: bytes) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-class Progress:
-    """``documents, tokens, tokens/s, % of bytes, ETA`` on one line, at most every ``interval`` s.
-
-    A terminal gets the line rewritten in place; a log file gets one line per refresh. Units
-    reused from an earlier run count as done but not toward the rate.
-    """
-
-    def __init__(self, counters: Counters, total_bytes: int, stream: TextIO | None, interval: float = 1.0) -> None:
-        self.counters, self.total_bytes, self.stream, self.interval = counters, total_bytes, stream, interval
-        self.start = self.last = time.monotonic()
-        self.reused_bytes = 0
-        self.tty = bool(stream is not None and stream.isatty())
-
-    def line(self) -> str:
-        elapsed = max(time.monotonic() - self.start, 1e-9)
-        new_bytes = self.counters.bytes.value
-        done = new_bytes + self.reused_bytes
-        rate = self.counters.tokens.value / elapsed
-        remaining = max(self.total_bytes - done, 0)
-        eta = elapsed * remaining / new_bytes if new_bytes else float("nan")
-        percent = 100 * done / self.total_bytes if self.total_bytes else 100.0
-        eta_text = _duration(eta) if eta == eta else "?"
-        return (
-            f"prepare_data: {self.counters.documents.value:,} documents, {self.counters.tokens.value:,} tokens, "
-            f"{rate:,.0f} tokens/s, {percent:.1f}% of {self.total_bytes / 1e6:,.1f} MB, ETA {eta_text}"
-        )
-
-    def tick(self, force: bool = False) -> None:
-        if self.stream is None or (not force and time.monotonic() - self.last < self.interval):
-            return
-        self.last = time.monotonic()
-        self.stream.write(("\r" + self.line() + "\x1b[K") if self.tty else self.line() + "\n")
-        self.stream.flush()
-
-    def finish(self) -> None:
-        self.tick(force=True)
-        if self.stream is not None and self.tty:
-            self.stream.write("\n")
-
-
-def _duration(seconds: float) -> str:
-    minutes, secs = divmod(round(seconds), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}:{minutes:02d}:{secs:02d}"
-
-
 def _check_out(out: Path) -> None:
     if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {str(out)!r} is a file; give a folder (new, empty or prepared before).")
+        raise DataError(f"--out {str(out)!r} is a file; give a folder (new, empty or prepared before).")
     if out.is_dir():
-        foreign = sorted(p.name for p in out.iterdir() if p.name not in (MANIFEST, SHARDS))
+        foreign = sorted(p.name for p in out.iterdir() if p.name not in (MANIFEST, SHARDS, LOCK_FILE))
         if foreign:
-            raise ValueError(
+            raise DataError(
                 f"--out {str(out)!r} holds other things ({', '.join(foreign[:5])}{', ...' if len(foreign) > 5 else ''}); "
                 "prepare_data writes into a new or empty folder, or one it prepared before: choose another --out."
             )
+
+
+class BusyOutError(BusyFolderError):
+    """``--out`` is being written by another prepare_data run."""
+
+    label = "busy --out folder"
+
+
+def _lock(out: Path) -> DumpFolderLock:
+    """Hold ``out`` for this run: two runs writing one folder would tear each other's files."""
+    lock = DumpFolderLock(out)
+    try:
+        lock.acquire()
+    except BusyFolderError:
+        found = read_lock(out)
+        holder = describe_holder(*found) if found else "another run"
+        raise BusyOutError(
+            f"--out {str(out)!r} is being prepared by another prepare_data run: {holder}. Wait for it or stop it, "
+            f"or give another --out. A lock left by a run that died ({out / LOCK_FILE}) is taken over automatically."
+        ) from None
+    return lock
 
 
 def prepare(
@@ -328,25 +318,44 @@ def prepare(
     """Tokenize ``inputs`` into the prepared folder ``out`` with ``workers`` processes; return the
     manifest. Rerunning after an interruption redoes only the units not finished (or changed)."""
     if workers < 1:
-        raise ValueError(f"--workers = {workers}: at least one worker is needed.")
+        raise DataError(f"--workers = {workers}: at least one worker is needed; give --workers 1 or more.")
+    if unit_bytes < 1:
+        raise DataError(f"--unit-mb = {unit_bytes >> 20}: units need at least 1 MB; give --unit-mb 1 or more.")
     if not inputs:
-        raise ValueError("no inputs: name .txt, .jsonl or .jsonl.gz files, or folders of them.")
+        raise DataError("no inputs: name .txt, .jsonl or .jsonl.gz files, or folders of them.")
     tokenizer = load_tokenizer(tokenizer_path)
     out_dir = Path(out)
     _check_out(out_dir)
     units = plan_units(inputs, unit_bytes)
     dtype = token_dtype(tokenizer.vocab_size)
-    (out_dir / SHARDS).mkdir(parents=True, exist_ok=True)
-    (out_dir / MANIFEST).unlink(missing_ok=True)  # the folder is incomplete until the manifest is back
-    for stale in (out_dir / SHARDS).iterdir():
-        if not stale.stem.isdigit() or int(stale.stem) >= len(units):
-            stale.unlink()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lock = _lock(out_dir)
+    try:
+        (out_dir / SHARDS).mkdir(exist_ok=True)
+        records, reused = _run_units(out_dir, units, tokenizer_path, dtype, workers, progress)
+        entries = [manifest_entry(record) for record in records]
+        manifest = _manifest(tokenizer, dtype, units, entries, stream_sha256(out_dir, entries))
+        if manifest["total_tokens"] == 0:
+            raise DataError(
+                f"{', '.join(inputs)}: no documents (blank .txt files and .jsonl files without lines); nothing to "
+                "prepare: name files that hold text."
+            )
+        _write_atomic(out_dir / MANIFEST, json.dumps(manifest, indent=1).encode())
+        _remove_unnamed(out_dir, entries)
+    finally:
+        lock.release()
+    return {**manifest, "reused_units": reused}  # how this run went; not part of the data's identity
 
+
+def _run_units(
+    out: Path, units: list[Unit], tokenizer_path: str, dtype: str, workers: int, progress: TextIO | None
+) -> tuple[list[dict[str, Any]], int]:
+    """Every unit's done-record, in order, and how many were reused."""
     # fork: workers need no re-import of the caller's main module (a script, a notebook, stdin).
     context = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
     counters = Counters(context)
     meter = Progress(counters, sum(u.end - u.start for u in units), progress)
-    tasks = [_Task(i, unit, str(out_dir), dtype) for i, unit in enumerate(units)]
+    tasks = [_Task(i, unit, str(out), dtype) for i, unit in enumerate(units)]
     records: list[dict[str, Any]] = [{}] * len(tasks)
     reused = 0
 
@@ -363,7 +372,8 @@ def prepare(
             collect(task, *_run_unit(task))
             meter.tick()
     else:
-        with ProcessPoolExecutor(workers, context, _init_worker, (tokenizer_path, counters)) as pool:
+        init_args = (tokenizer_path, counters, None, os.getpid())
+        with ProcessPoolExecutor(workers, context, _init_worker, init_args) as pool:
             pending = {pool.submit(_run_unit, task): task for task in tasks}
             try:
                 while pending:
@@ -376,87 +386,36 @@ def prepare(
                     future.cancel()
                 raise
     meter.finish()
-
-    manifest = _manifest(tokenizer, dtype, units, records)
-    manifest["reused_units"] = reused  # how this run went; not part of the data's identity
-    if manifest["total_tokens"] == 0:
-        raise ValueError(
-            f"{', '.join(inputs)}: no documents (blank .txt files and .jsonl files without lines); nothing to prepare."
-        )
-    _write_atomic(
-        out_dir / MANIFEST, json.dumps({k: v for k, v in manifest.items() if k != "reused_units"}, indent=1).encode()
-    )
-    return manifest
+    return records, reused
 
 
-def _manifest(tokenizer: Tokenizer, dtype: str, units: list[Unit], records: list[dict]) -> dict[str, Any]:
+def _remove_unnamed(out: Path, entries: list[dict[str, Any]]) -> None:
+    """Remove the shard files the new manifest does not name (the previous run's, superseded)."""
+    named = {name for entry in entries for name in (entry["file"], entry["index"])}
+    named |= {done_record_of(Path(entry["file"])).as_posix() for entry in entries}
+    for file in (out / SHARDS).iterdir():
+        if f"{SHARDS}/{file.name}" not in named and file.is_file():
+            file.unlink(missing_ok=True)
+
+
+def _manifest(
+    tokenizer: Tokenizer, dtype: str, units: list[Unit], entries: list[dict[str, Any]], stream: str
+) -> dict[str, Any]:
     sources: dict[str, int] = {}
     for unit in units:
         sources.setdefault(unit.source, unit.file_size)
-    shards = [
-        {
-            "file": record["file"],
-            "index": record["index"],
-            "tokens": record["tokens"],
-            "documents": record["documents"],
-            "sha256": record["sha256"],
-            "max_token_id": record["max_token_id"],
-            "source": record["identity"]["source"],
-            "source_range": [record["identity"]["start"], record["identity"]["end"]],
-            "source_sha256": record["identity"]["sha256"],
-        }
-        for record in records
-    ]
-    return {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "tokenizer": {
-            "file": Path(str(tokenizer.path)).name,
-            "sha256": tokenizer.sha256,
-            "vocab_size": tokenizer.vocab_size,
-            "bos_id": tokenizer.bos_id,
-            "eos_id": tokenizer.eos_id,
-        },
-        "dtype": dtype,
-        "byte_order": "little",
-        "sources": [{"path": path, "size": size} for path, size in sources.items()],
-        "shards": shards,
-        "total_tokens": sum(s["tokens"] for s in shards),
-        "total_documents": sum(s["documents"] for s in shards),
-        "max_token_id": max((s["max_token_id"] for s in shards), default=-1),
-    }
+    return build_manifest(tokenizer, dtype, sources, entries, stream)
 
 
 def write_manifest(out: Path, tokenizer: Tokenizer, dtype: str, shards: list[dict[str, Any]]) -> None:
-    """A manifest for shards written by other means (``benchmarks/data.py`` synthesises them)."""
-    records = [{**shard, "identity": {"source": "", "start": 0, "end": 0, "sha256": ""}} for shard in shards]
-    manifest = _manifest(tokenizer, dtype, [], records)
-    _write_atomic(out / MANIFEST, json.dumps(manifest, indent=1).encode())
-
-
-def verify(folder: str) -> list[str]:
-    """Every problem a full check of a prepared folder finds: the manifest, each shard's size and
-    sha256 and each index's size (an empty list: the folder is sound)."""
-    from trainer.data.prepared import read_manifest
-
-    root = Path(folder)
-    manifest = read_manifest(root)
-    itemsize = token_itemsize(manifest["dtype"])
-    problems = []
-    for shard in manifest["shards"]:
-        bin_file, idx_file = root / shard["file"], root / shard["index"]
-        try:
-            digest = hashlib.sha256()
-            with open(bin_file, "rb") as fh:
-                while chunk := fh.read(1 << 24):
-                    digest.update(chunk)
-            size_ok = bin_file.stat().st_size == shard["tokens"] * itemsize
-            idx_ok = idx_file.stat().st_size == (shard["documents"] + 1) * 8
-        except OSError as exc:
-            problems.append(f"{bin_file}: cannot be read ({exc})")
-            continue
-        if not size_ok or digest.hexdigest() != shard["sha256"]:
-            problems.append(f"{bin_file}: its bytes differ from the manifest's size or sha256")
-        if not idx_ok:
-            problems.append(f"{idx_file}: its size does not match {shard['documents']} documents")
-    return problems
+    """A manifest (and the done-records) for shards written by other means (``benchmarks/data.py``
+    synthesises them)."""
+    identity = {"source": "", "start": 0, "end": 0, "sha256": ""}
+    records = [{**shard, "identity": identity} for shard in shards]
+    for record in records:
+        _write_atomic(out / done_record_of(Path(record["file"])), json.dumps(record, indent=1).encode())
+    entries = [manifest_entry(record) for record in records]
+    _write_atomic(
+        out / MANIFEST,
+        json.dumps(_manifest(tokenizer, dtype, [], entries, stream_sha256(out, entries)), indent=1).encode(),
+    )

@@ -5,8 +5,9 @@ the same way: sample i is tokens ``[i * (seq_len + 1), (i + 1) * (seq_len + 1))`
 (windows may span shards; the incomplete tail is dropped), so every label is valid and the
 samples equal the in-memory ones made from the same files.
 
-Opening reads the manifest and checks each shard's size, nothing more: start-up time and
-resident memory do not grow with the corpus. Shards are mapped on first access in each process,
+Opening reads the manifest and checks the shards against it (``trainer.data.verification``:
+hashed the first time, then only their sizes, times and inodes), so resident memory does not
+grow with the corpus, nor start-up time after the first. Shards are mapped on first access in each process,
 so the dataset pickles to loader workers as a few paths and numbers; the operating system pages
 in the windows a batch touches and can drop them again.
 """
@@ -15,52 +16,32 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-import json
-import mmap
 import os
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from trainer.data.prepare import FORMAT, FORMAT_VERSION, MANIFEST, SHARDS, token_itemsize
+from trainer.data.shards import MANIFEST, SHARDS, map_tokens, read_manifest
 from trainer.data.tokenizer import Tokenizer
+from trainer.data.verification import check_shards
+from trainer.runtime.errors import DataError
 
-_SIGNED = {"uint16": torch.int16, "uint32": torch.int32}
-"""Shards are read as the signed type of their width and masked back: works on every supported
-torch (unsigned 16/32-bit tensors lack ops before 2.3 and copies of them vary)."""
-_MASK = {"uint16": 0xFFFF, "uint32": 0xFFFFFFFF}
+
+def packed_identity(seq_len: int, dtype: str, stream_sha256: str, tokenizer_sha256: str) -> dict[str, str]:
+    """What packed samples are: the token stream (its bytes as ``dtype`` shards, hashed), cut into
+    windows of ``seq_len + 1``, of the tokenizer's ids. The same for a prepared folder and for the
+    files it was prepared from, so a run may resume from either form of the same data."""
+    samples = hashlib.sha256(f"packed\0{seq_len}\0{dtype}\0{stream_sha256}".encode()).hexdigest()
+    return {"samples_sha256": samples, "tokenizer_sha256": tokenizer_sha256}
 
 
 def is_prepared(path: str | os.PathLike[str]) -> bool:
     """Whether ``path`` is a folder made by ``scripts/prepare_data.py`` (finished or not)."""
     root = Path(path).expanduser()
     return root.is_dir() and ((root / MANIFEST).is_file() or (root / SHARDS).is_dir())
-
-
-def read_manifest(root: Path) -> dict[str, Any]:
-    """The manifest of the prepared folder ``root``, its format checked."""
-    file = root / MANIFEST
-    if not file.is_file():
-        raise FileNotFoundError(
-            f"{str(root)!r} is a prepared folder whose preparation did not finish (no {MANIFEST}); "
-            "rerun scripts/prepare_data.py with the same arguments: it keeps the finished shards."
-        )
-    try:
-        manifest = json.loads(file.read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(
-            f"{file}: unreadable manifest ({exc}); re-prepare the folder with scripts/prepare_data.py."
-        ) from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise ValueError(f"{file} is not a meshtrain prepared-data manifest; point `training.dataset_path` elsewhere.")
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise ValueError(
-            f"{file} has format version {manifest.get('format_version')!r}; this meshtrain reads version "
-            f"{FORMAT_VERSION}. Re-prepare the data with this version's scripts/prepare_data.py."
-        )
-    return manifest
 
 
 class PreparedDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
@@ -74,26 +55,21 @@ class PreparedDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         self.seq_len = seq_len
         self.pad_id = tokenizer.pad_id
         self.dtype: str = manifest["dtype"]
-        itemsize = token_itemsize(self.dtype)
+        self.hashed = check_shards(self.root, manifest, tokenizer.vocab_size)
         # Empty shards (blank units) hold no tokens; map only the others.
         shards = [shard for shard in manifest["shards"] if shard["tokens"] > 0]
-        for shard in shards:
-            _check_size(self.root / shard["file"], shard["tokens"] * itemsize)
         self._files = [str(self.root / shard["file"]) for shard in shards]
         self._starts = [0]
         for shard in shards:
             self._starts.append(self._starts[-1] + shard["tokens"])
         self._num_samples = self._starts[-1] // (seq_len + 1)
         if self._num_samples == 0:
-            raise ValueError(
+            raise DataError(
                 f"`training.dataset_path` = {folder!r} holds {self._starts[-1]} tokens, fewer than one sample of "
                 f"`training.seq_len` + 1 = {seq_len + 1}; add data or lower `training.seq_len`."
             )
-        stream = hashlib.sha256(self.dtype.encode())
-        for shard in shards:
-            stream.update(bytes.fromhex(shard["sha256"]))
-        self.identity = {"data_sha256": stream.hexdigest(), "tokenizer_sha256": tokenizer.sha256}
-        self._views: list[torch.Tensor | None] | None = None
+        self.identity = packed_identity(seq_len, self.dtype, manifest["stream_sha256"], tokenizer.sha256)
+        self._views: list[np.memmap | None] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_views": None}  # each process maps the shards itself
@@ -101,15 +77,12 @@ class PreparedDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     def __len__(self) -> int:
         return self._num_samples
 
-    def _view(self, shard: int) -> torch.Tensor:
+    def _view(self, shard: int) -> np.memmap:
         if self._views is None:
             self._views = [None] * len(self._files)
         view = self._views[shard]
         if view is None:
-            with open(self._files[shard], "rb") as fh:
-                # A private (copy-on-write) map is writable for torch.frombuffer, yet nothing is copied.
-                buffer = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
-            view = self._views[shard] = torch.frombuffer(buffer, dtype=_SIGNED[self.dtype])
+            view = self._views[shard] = map_tokens(self._files[shard], self.dtype)
         return view
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,37 +99,23 @@ class PreparedDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
             pieces.append(self._view(shard)[offset : offset + take])
             start += take
             shard += 1
-        sequence = (pieces[0] if len(pieces) == 1 else torch.cat(pieces)).to(torch.int64) & _MASK[self.dtype]
+        # The copy to int64 leaves the map's pages behind: a sample holds no reference to the shard.
+        sequence = torch.from_numpy(np.concatenate(pieces).astype(np.int64))
         return sequence[:-1], sequence[1:]
 
 
 def _check_tokenizer(root: Path, manifest: dict[str, Any], tokenizer: Tokenizer) -> None:
     prepared_with = manifest["tokenizer"]
     if prepared_with["sha256"] != tokenizer.sha256:
-        raise ValueError(
+        raise DataError(
             f"{str(root)!r} was prepared with the tokenizer {prepared_with['file']!r} (sha256 "
-            f"{prepared_with['sha256'][:12]}...), but `model.tokenizer_path` = {str(tokenizer.path)!r} is another file "
-            f"(sha256 {tokenizer.sha256[:12]}...). Set `model.tokenizer_path` to the tokenizer the data was prepared "
+            f"{prepared_with['sha256'][:12]}...), but `model.tokenizer_path` = {str(tokenizer.path)!r} is another "
+            f"tokenizer (sha256 {tokenizer.sha256[:12]}... of its files, tokenizer_config.json included). Set `model.tokenizer_path` to the tokenizer the data was prepared "
             f"with, or re-prepare it: scripts/prepare_data.py --tokenizer {tokenizer.path} ..."
         )
     if manifest["max_token_id"] >= tokenizer.vocab_size:
-        raise ValueError(
+        raise DataError(
             f"{str(root)!r} holds the token id {manifest['max_token_id']}, beyond the vocabulary of "
             f"{tokenizer.vocab_size} of `model.tokenizer_path` = {str(tokenizer.path)!r}; re-prepare the data "
             "with scripts/prepare_data.py."
-        )
-
-
-def _check_size(file: Path, expected: int) -> None:
-    try:
-        size = file.stat().st_size
-    except OSError:
-        raise FileNotFoundError(
-            f"{file}: a shard of the prepared folder is missing; rerun scripts/prepare_data.py with the same "
-            "arguments to redo it."
-        ) from None
-    if size != expected:
-        raise ValueError(
-            f"{file}: {size} bytes, the manifest says {expected}; the shard is truncated or damaged. Rerun "
-            "scripts/prepare_data.py with the same arguments (scripts/prepare_data.py --verify FOLDER checks every shard)."
         )

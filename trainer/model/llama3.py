@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from trainer.loss import CrossEntropy, cross_entropy_sum, linear_cross_entropy_sum
 from trainer.model.tiled_init import fill_local_, local_box
 
 
@@ -288,7 +289,31 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+class OutputProjection(nn.Linear):
+    """The output projection: logits, or given the labels, their summed cross-entropy computed
+    over chunks of ``chunk_tokens`` tokens (``trainer/loss.py``) so that the whole logits never
+    exist. Computing the loss inside the module's own call keeps FSDP's gather of the weight and
+    tensor parallelism's input and output handling around it, as for the logits."""
+
+    def __init__(self, dim: int, vocab_size: int) -> None:
+        super().__init__(dim, vocab_size, bias=False)
+        self.chunk_tokens = 0
+        self.cross_entropy: CrossEntropy = cross_entropy_sum
+
+    def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        if labels is None:
+            return super().forward(h)
+        return linear_cross_entropy_sum(h, self.weight, labels, self.chunk_tokens, self.cross_entropy)
+
+
 class Transformer(nn.Module):
+    # A pipeline stage sets the ends it does not hold to None.
+    tok_embeddings: nn.Embedding | None
+    layers: nn.ModuleDict
+    norm: nn.RMSNorm | None
+    output: OutputProjection | None
+    freqs_cis: torch.Tensor
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
@@ -296,7 +321,7 @@ class Transformer(nn.Module):
         # A ModuleDict keyed "0".."L-1" keeps torchtitan's names and lets blocks be wrapped by name.
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output = OutputProjection(args.dim, args.vocab_size)
         self.register_buffer(
             "freqs_cis", rope_frequencies(args, device=self.tok_embeddings.weight.device), persistent=False
         )
@@ -305,9 +330,14 @@ class Transformer(nn.Module):
         self.attention_mask: Callable[[torch.Tensor, torch.dtype], object] = document_causal_mask
 
     def forward(
-        self, tokens: torch.Tensor, positions: torch.Tensor | None = None, document_ids: torch.Tensor | None = None
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logits of ``tokens`` (``batch, seq``).
+        """Logits of ``tokens`` (``batch, seq``), or given ``labels`` (``batch, seq``) the summed
+        cross-entropy, computed without the whole logits (``OutputProjection``).
 
         ``positions`` are the tokens' RoPE positions when they are not ``0..seq-1``: ``(seq,)``
         for every sample (a context-parallel rank holds two separate chunks) or ``(batch, seq)``
@@ -323,7 +353,12 @@ class Transformer(nn.Module):
         mask = None if document_ids is None else self.attention_mask(document_ids, h.dtype)
         for layer in self.layers.values():
             h = layer(h, freqs_cis, mask)
-        return h if self.output is None else self.output(self.norm(h))
+        if self.output is None:
+            return h
+        assert self.norm is not None  # a stage holds norm and output together
+        if labels is None:
+            return self.output(self.norm(h))
+        return self.output(self.norm(h), labels=labels)
 
     def init_std(self, name: str) -> tuple[str, float]:
         """How parameter ``name`` is initialised: ``(kind, std)``."""
@@ -337,6 +372,7 @@ class Transformer(nn.Module):
             return "trunc_normal", 0.02
         if name.endswith(("wo.weight", "w2.weight", "w3.weight")):
             layer = self.layers[name.split(".")[1]]
+            assert isinstance(layer, TransformerBlock)
             return "trunc_normal", layer.output_init_std
         raise ValueError(f"no initialisation rule for parameter {name}")
 
@@ -363,8 +399,15 @@ class Transformer(nn.Module):
         self.freqs_cis = rope_frequencies(self.args, device=self.freqs_cis.device)
 
 
-def num_params(model: nn.Module, exclude_embedding: bool = False) -> int:
+def num_params(model: Transformer, exclude_embedding: bool = False) -> int:
     total = sum(p.numel() for p in model.parameters())
     if exclude_embedding and model.tok_embeddings is not None:
         total -= model.tok_embeddings.weight.numel()
     return total
+
+
+def whole_model(args: ModelArgs) -> Transformer:
+    """The unsplit model on the meta device (no memory): what FLOPs and parameter counts describe
+    even when a rank holds only some pipeline stages."""
+    with torch.device("meta"):
+        return Transformer(args)

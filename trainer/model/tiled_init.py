@@ -116,8 +116,8 @@ def fill_local_(
             block.uniform_(-edge, edge, generator=gen)
         lo = [max(a, o) for a, o in zip(start, offset)]
         hi = [min(b, o + s) for b, o, s in zip(stop, offset, local.shape)]
-        values[tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, offset))] = block[
-            tuple(slice(l - a, h - a) for l, h, a in zip(lo, hi, start))
+        values[tuple(slice(low - o, high - o) for low, high, o in zip(lo, hi, offset))] = block[
+            tuple(slice(low - a, high - a) for low, high, a in zip(lo, hi, start))
         ]
     if kind == "trunc_normal":
         bound = TRUNCATE_AT_STD * std

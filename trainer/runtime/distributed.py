@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 from torch.distributed.checkpoint.api import CheckpointException
 
-from trainer.runtime.errors import JobError
+from trainer.runtime.errors import JobError, UserError
 
 
 def init_distributed(device_type: str, timeout_s: float) -> torch.device:
@@ -91,7 +91,7 @@ class CollectiveTimeouts:
         try:
             yield
         except (Exception, CheckpointException) as error:
-            if not is_collective_timeout(error):
+            if isinstance(error, UserError) or not is_collective_timeout(error):
                 raise
             first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
             raise JobError(
@@ -112,17 +112,19 @@ def is_collective_timeout(error: BaseException) -> bool:
     NCCL's watchdog a ``DistBackendError``; neither has a dedicated exception type.
     """
     seen: set[int] = set()
-    pending = [error]
+    pending: list[BaseException | None] = [error]
     while pending:
-        error = pending.pop()
-        if error is None or id(error) in seen:
+        found = pending.pop()
+        if found is None or id(found) in seen:
             continue
-        seen.add(id(error))
-        if isinstance(error, (RuntimeError, dist.DistError)):
-            text = str(error).lower()
+        seen.add(id(found))
+        if isinstance(found, UserError):
+            continue  # explained already; its words ("timeout") are not a collective's
+        if isinstance(found, (RuntimeError, dist.DistError)):
+            text = str(found).lower()
             if any(word in text for word in _TIMEOUT_WORDS):
                 return True
-        if isinstance(error, CheckpointException):  # a checkpoint collective, wrapped per rank
-            pending.extend(exc for exc, _ in error.failures.values())
-        pending.extend((error.__cause__, error.__context__))
+        if isinstance(found, CheckpointException):  # a checkpoint collective, wrapped per rank
+            pending.extend(exc for exc, _ in found.failures.values())
+        pending.extend((found.__cause__, found.__context__))
     return False

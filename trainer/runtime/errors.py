@@ -38,12 +38,19 @@ class DataError(UserError, ValueError):
 class BusyFolderError(UserError):
     """The dump folder is held by a running job."""
 
+    label = "busy dump folder"
+
 
 class JobError(UserError, RuntimeError):
     """The job cannot go on once running (divergence, a stalled rank, a full disk, a checkpoint
     that does not fit): exit 1, after the message says what is kept."""
 
     exit_code = 1
+
+
+class CheckpointError(JobError):
+    """A checkpoint that cannot be loaded into this run: missing, damaged, of another model or
+    trained on other data; or a Hugging Face folder that cannot be converted."""
 
 
 def report(error: UserError, program: str = "meshtrain") -> int:

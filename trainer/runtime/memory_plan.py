@@ -25,9 +25,10 @@ make it fit, instead of spending minutes initialising and then dying of an out-o
   their repeats for grouped-query attention up to each local chunk's end; document masking
   keeps one additive attention mask (queries x keys, in the compute dtype) shared by all blocks;
 * **logits and loss**: the logits of one micro-batch (vocabulary-sharded under loss parallel),
-  their float32 copy, the log-softmax kept for backward and the gradient. Backward frees them
-  before it recomputes the first checkpointed block, so on CUDA that block counts only by what
-  it exceeds them by;
+  their float32 copy, the log-softmax kept for backward and the gradient; with the chunked loss
+  (``training.loss_chunk_tokens``) of one chunk of tokens, plus the final hidden states. Backward
+  frees them before it recomputes the first checkpointed block, so on CUDA that block counts only
+  by what it exceeds them by;
 * **pipeline stages**: under pipeline parallelism each ``pp`` rank holds its stages' blocks, the
   embedding on the first stage, the final norm and output on the last
   (``parallelisms/pipeline_parallel.py`` splits them; the estimate is the largest rank's).
@@ -49,11 +50,12 @@ make it fit, instead of spending minutes initialising and then dying of an out-o
   the CPU process's own memory).
 
 The estimate is meant to be close, not exact: ``tests/test_memory_plan.py`` compares it with the
-measured peak on CPU (within 25%; the README gives the figures).
+measured peak on CPU (docs/performance.md gives the figures).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shutil
@@ -63,6 +65,7 @@ from pathlib import Path
 
 from parallelisms.parallel_dims import ParallelismError
 from parallelisms.pipeline_parallel import plan_split
+from trainer.simulation.targets import GPUS
 
 _GIB = 1024**3
 RUNTIME_BYTES = {"cpu": int(0.40 * _GIB), "cuda": int(1.5 * _GIB)}
@@ -70,15 +73,9 @@ RUNTIME_BYTES = {"cpu": int(0.40 * _GIB), "cuda": int(1.5 * _GIB)}
 NCCL's buffers."""
 ALLOCATOR_SLACK = {"cpu": 0.45, "cuda": 0.1}
 """Peak memory beyond the live activations, as a fraction of them (see the module docstring)."""
-TARGET_MEMORY_BYTES = {
-    "h100": 85_029_158_912,
-    "h200": 150_754_820_096,
-    "a100": 85_089_697_792,
-    "b200": 183_359 * 1024**2,
-}
+TARGET_MEMORY_BYTES = {name: gpu.memory_bytes for name, gpu in GPUS.items()}
 """``--target-gpu``: one GPU's memory as ``torch.cuda.get_device_properties().total_memory``
-reports it (a little under the marketed 80, 141, 80 and 192 GB), as ``trainer/simulation/targets.py`` has it.
-``cpu`` is this machine's available memory."""
+reports it (``trainer/simulation/targets.py``); ``cpu`` is this machine's available memory."""
 
 
 @dataclass(frozen=True)
@@ -105,11 +102,14 @@ class Workload:
     ac_mode: str = "none"
     ac_option: str = "op"
     loss_parallel: bool = True
+    loss_chunk_tokens: int = 0
+    """Tokens per chunk of the output projection and loss; 0: the whole micro-batch's logits."""
     defer_gradient_reduction: bool = False
     accumulation: int = 1
     """Micro-batches per optimizer step on each data-parallel rank (gradient accumulation)."""
     reshard_after_forward: str = "default"
     cp_allgather_kv: bool = True
+    cp_ulysses: bool = False
     document_mask: bool = False
     device: str = "cpu"
     pp: int = 1
@@ -267,6 +267,12 @@ def _activations(w: Workload, share: _Share) -> tuple[float, float]:
         sequence = w.local_batch_size * w.seq_len
         repeated = 2 * d / t * (sequence * (2 * w.cp + 1) / (2 * w.cp) - tokens)
         full_block += (repeated + 2 * kv / t * sequence) * b
+    if w.cp > 1 and w.cp_ulysses:
+        # The all-to-all's q, k, v in head layout and again in natural order (k and v with their
+        # key/value heads repeated until cp divides them), and the output in rank order.
+        kv_heads = max(w.kv_heads // t, 1)
+        replicated = kv / t * (w.cp // math.gcd(kv_heads, w.cp))
+        full_block += tokens * (3 * d / t + 4 * replicated) * b
     block_input = tokens * d / t * b
     blocks = share.blocks
     if w.ac_mode == "full":
@@ -284,11 +290,12 @@ def _activations(w: Workload, share: _Share) -> tuple[float, float]:
 
 
 def _document_mask(w: Workload) -> float:
-    """The attention mask, kept once for every block: queries x keys per sample, or under CP
-    its two query chunks of ``seq / 2cp`` tokens against the keys up to each chunk's end."""
+    """The attention mask, kept once for every block: queries x keys per sample (also under
+    Ulysses CP, which attends whole sequences), or under all-gather-K/V CP its two query chunks
+    of ``seq / 2cp`` tokens against the keys up to each chunk's end."""
     if not w.document_mask:
         return 0.0
-    if w.cp == 1:
+    if w.cp == 1 or w.cp_ulysses:
         return w.local_batch_size * w.seq_len**2 * w.compute_bytes
     chunk = w.seq_len / (2 * w.cp)
     return w.local_batch_size * chunk**2 * (2 * w.cp + 1) * w.compute_bytes
@@ -300,7 +307,10 @@ def _logits(w: Workload) -> float:
     tokens = w.local_batch_size * w.seq_len / w.cp
     vocab = w.vocab_size / w.tp if w.loss_parallel else w.vocab_size
     float_copy = 4 if w.compute_bytes != 4 else 0
-    return tokens * vocab * (w.compute_bytes + float_copy + 4 + 4) + tokens * w.dim * w.compute_bytes
+    # The logits, their float32 copy, the log-softmax kept for backward, and its gradient: of
+    # one chunk of tokens at a time when the loss is chunked (recomputed in backward).
+    live = min(tokens, w.loss_chunk_tokens) if w.loss_chunk_tokens > 0 else tokens
+    return live * vocab * (w.compute_bytes + float_copy + 4 + 4) + tokens * w.dim * w.compute_bytes
 
 
 # ------------------------------------------------------------------------------------ limits

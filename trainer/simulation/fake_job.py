@@ -1,7 +1,7 @@
 """One rank of the real job, run in this process on fake tensors and a fake process group.
 
 The rank joins a fake process group of the job's world size (collectives move no data and
-return at once), then the trainer's own code builds it: ``build_trainer`` makes the mesh and
+return at once), then the trainer's own code builds it: ``build_step_parts`` makes the mesh and
 parallelises the model on the meta device outside the fake mode (FSDP x TP mesh concatenation
 reads tensor values, which fake tensors do not have), then materialises it (drawing no initial
 values: fake tensors hold none) and builds the optimizer, the accumulator and the pipeline
@@ -34,7 +34,7 @@ from torch.utils.data import Dataset
 
 from parallelisms.parallel_dims import Meshes
 from parallelisms.pipeline_parallel import Pipeline
-from trainer.build import Trainer, build_trainer
+from trainer.build import StepParts, build_step_parts
 from trainer.grad_accumulator import StepResult
 from trainer.plan import Plan
 from trainer.simulation.cost_model import CostRecorder, TracedCost, group_infos
@@ -144,7 +144,7 @@ def run_rank(plan: Plan, rank: int, gpus_per_node: int, metadata: PipelineMetada
         tracker = MemoryTracker()
         allocating = _Allocating(FakeTensorMode(allow_non_fake_inputs=True), tracker)
         samples = SyntheticSamples(STEPS * plan.global_batch_size, plan.config.training.seq_len)
-        trainer = build_trainer(plan, samples, allocating)
+        trainer = build_step_parts(plan, samples, allocating)
         if trainer.pipeline is not None:
             metadata.attach(trainer.pipeline)
         recorder = CostRecorder(group_infos(mesh_groups(trainer.meshes), gpus_per_node))
@@ -202,7 +202,7 @@ def mesh_groups(meshes: Meshes) -> dict[str, dist.ProcessGroup]:
     return groups
 
 
-def _phase_finalize(trainer: Trainer, tracker: MemoryTracker) -> None:
+def _phase_finalize(trainer: StepParts, tracker: MemoryTracker) -> None:
     """Mark the accumulator's finalize as a phase of its own (the loop calls it inside
     ``forward_backward``), and label the gradients it is about to scale."""
     finalize: Callable[[], StepResult] = trainer.accumulator.finalize
@@ -216,6 +216,6 @@ def _phase_finalize(trainer: Trainer, tracker: MemoryTracker) -> None:
     trainer.accumulator.finalize = phased  # type: ignore[method-assign]
 
 
-def _label_state(tracker: MemoryTracker, trainer: Trainer) -> None:
+def _label_state(tracker: MemoryTracker, trainer: StepParts) -> None:
     modules = [trainer.model] + ([s.submod for s in trainer.pipeline.stages] if trainer.pipeline else [])
     label_training_state(tracker, modules, trainer.optimizer)

@@ -1,4 +1,4 @@
-r"""Training metrics: throughput/MFU accounting, console lines and TensorBoard.
+r"""Where and when metrics go: the console line and TensorBoard.
 
 The trainer hands one :class:`StepStats` per optimizer step to
 :class:`MetricsLogger`, which owns every decision about *when* and *where*
@@ -27,11 +27,10 @@ from __future__ import annotations
 import logging
 import os
 import re
-import resource
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
+from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 import torch
@@ -41,123 +40,9 @@ if TYPE_CHECKING:
 
     from trainer.validation import ValidationResult
 
+from trainer.metrics.accounting import MemoryStats, device_memory, tokens_per_second_per_device
+
 logger = logging.getLogger("meshtrain")
-
-_GIB = 1024**3
-
-# Dense (no 2:4 sparsity) bf16 tensor-core peaks from the vendor datasheets.
-# Keys are substrings that must all appear in ``torch.cuda.get_device_name()``
-# (case-insensitive). The first matching entry wins, so variants that share a
-# family name with a faster part (H100 NVL/PCIe vs. SXM) must come first.
-PEAK_BF16_FLOPS: dict[tuple[str, ...], float] = {
-    ("H100", "NVL"): 835e12,
-    ("H100", "PCIe"): 756e12,
-    ("H100",): 989e12,
-    ("H200",): 989e12,
-    ("A100",): 312e12,
-    ("B200",): 2.25e15,
-}
-
-
-def peak_flops(device: torch.device, override: float | None = None) -> float | None:
-    """Peak dense bf16 FLOP/s of ``device``, or None when MFU is meaningless.
-
-    CPUs have no comparable "peak" so MFU is only reported on CUDA devices.
-    ``override`` exists because the table cannot know about power-capped,
-    clock-locked or newer GPUs; it takes precedence over the table so a user
-    can always correct the MFU denominator.
-    """
-    if override is not None and override <= 0:
-        raise ValueError(f"peak FLOPs override must be positive, got {override}")
-    if device.type != "cuda":
-        return None
-    if override is not None:
-        return override
-    name = torch.cuda.get_device_name(device)
-    lowered = name.lower()
-    for substrings, flops in PEAK_BF16_FLOPS.items():
-        if all(s.lower() in lowered for s in substrings):
-            return flops
-    logger.warning(
-        "Unknown peak bf16 FLOP/s for GPU %r; MFU will not be reported. Set the peak FLOPs override to enable it.",
-        name,
-    )
-    return None
-
-
-def flops_per_token(num_params_non_embedding: int, n_layers: int, dim: int, seq_len: int) -> int:
-    """Training FLOPs (forward + backward) per token.
-
-    ``6·N`` covers the matmuls against the weights (2 forward, 4 backward per
-    parameter); ``12·L·d·S`` adds the attention score and value matmuls, which
-    have no parameters but grow with sequence length. This is the same
-    estimate torchtitan uses, so MFU numbers are comparable across the two.
-    """
-    return 6 * num_params_non_embedding + 12 * n_layers * dim * seq_len
-
-
-def tokens_per_second_per_device(tokens: int, seconds: float, devices_per_replica: int) -> float:
-    """Throughput per device, as torchtitan counts it.
-
-    ``tokens`` are those one data-parallel replica processed; the replica's
-    ``devices_per_replica`` (tensor x context parallel) devices share them, so
-    TP or CP does not inflate the figure.
-    """
-    return tokens / (seconds * devices_per_replica) if seconds > 0 else 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class MemoryStats:
-    """Peak memory since the previous :func:`device_memory` call, as torchtitan reports it.
-
-    Only ``active_gib`` exists on every device; the rest is None where the device
-    cannot tell (CPU), so nothing is logged that would have to be made up.
-    """
-
-    active_gib: float
-    reserved_gib: float | None = None
-    active_pct: float | None = None
-    """``active_gib`` as a share of the device's total memory."""
-    reserved_pct: float | None = None
-    num_alloc_retries: int | None = None
-    """Times the caching allocator freed its cache and retried (cumulative): the sign of a run near OOM."""
-    num_ooms: int | None = None
-    """Out-of-memory errors the allocator raised (cumulative), including caught ones."""
-
-
-def device_memory(device: torch.device) -> MemoryStats:
-    """Peak memory since the previous call.
-
-    On CUDA the peaks are reset after reading so each logged line reflects the
-    steps since the last line, not the whole run; the retry and OOM counts are
-    cumulative (``reset_peak_memory_stats`` leaves them), as in torchtitan.
-    ``reserved`` (what the caching allocator holds) is the number that predicts
-    OOMs, ``active`` is what the tensors actually need.
-
-    On CPU there is no allocator to ask, so ``active`` falls back to the process
-    peak RSS, a lifetime peak that cannot be reset, and there is no percentage:
-    the "device" is the host's RAM, shared with the other ranks and processes on
-    it, so one process's share of it would suggest headroom that is not there.
-    """
-    if device.type == "cuda":
-        stats = torch.cuda.memory_stats(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        total = torch.cuda.get_device_properties(device).total_memory
-        active = stats.get("active_bytes.all.peak", 0)
-        reserved = stats.get("reserved_bytes.all.peak", 0)
-        return MemoryStats(
-            active_gib=active / _GIB,
-            reserved_gib=reserved / _GIB,
-            active_pct=100 * active / total,
-            reserved_pct=100 * reserved / total,
-            num_alloc_retries=stats.get("num_alloc_retries", 0),
-            num_ooms=stats.get("num_ooms", 0),
-        )
-    max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    # Linux reports ru_maxrss in KiB, macOS in bytes.
-    rss_bytes = max_rss if sys.platform == "darwin" else max_rss * 1024
-    return MemoryStats(active_gib=rss_bytes / _GIB)
-
 
 CONSOLE_TTY_ENV = "MESHTRAIN_CONSOLE_TTY"
 """Set by ``./run_train.sh`` for the workers: "1" when its own stderr is a terminal, else "0"."""
@@ -284,6 +169,26 @@ _DASHBOARD: dict[str, dict[str, tuple[str, ...]]] = {
 """Categories and charts of the Custom Scalars tab, by torchtitan tag."""
 
 
+RUN_RECORD = "run-of-this-job.txt"
+"""In the TensorBoard folder: the name of the run the job writes, continued when it resumes."""
+
+
+def tensorboard_run(dump_folder: Path, tb_folder: str, resumed: bool) -> Path:
+    """The TensorBoard run directory: named after the job (its dump folder) and its start time,
+    so runs of different jobs are told apart in TensorBoard's list; a job that resumes from a
+    checkpoint continues the run it wrote before (its name is kept in :data:`RUN_RECORD`)."""
+    folder = dump_folder / tb_folder
+    record = folder / RUN_RECORD
+    if resumed and record.is_file():
+        previous = folder / record.read_text().strip()
+        if previous.is_dir():
+            return previous
+    name = f"{dump_folder.resolve().name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    folder.mkdir(parents=True, exist_ok=True)
+    record.write_text(name + "\n")
+    return folder / name
+
+
 def format_duration(seconds: float) -> str:
     """h:mm:ss, with hours allowed past 24 so long runs stay readable at a glance."""
     minutes, secs = divmod(round(seconds), 60)
@@ -318,6 +223,7 @@ class MetricsLogger:
         global_tokens_per_step: int,
         devices_per_replica: int = 1,
         validation: bool = False,
+        resumed: bool = False,
     ) -> None:
         self._console = console
         self._log_freq = log_freq
@@ -343,7 +249,7 @@ class MetricsLogger:
             # when it is disabled.
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb_dir = os.path.join(dump_folder, tb_folder, datetime.now().strftime("%Y%m%d-%H%M%S"))
+            self.tb_dir = str(tensorboard_run(Path(dump_folder), tb_folder, resumed))
             self._writer = SummaryWriter(log_dir=self.tb_dir)
             self._writer.add_custom_scalars(self._dashboard_layout())
 
@@ -490,7 +396,7 @@ class MetricsLogger:
             f"{c['green']}max loss: {stats.loss_max:.4f}",
             f"{c['yellow']}grad norm: {stats.grad_norm:.4f}",
             f"{c['blue']}memory: {shown_memory}",
-            f"{c['magenta']}tps: {tps:,.0f}",
+            f"{c['magenta']}tps/device: {tps:,.0f}",
             f"{c['magenta']}tflops: {tflops:.2f}",
         ]
         if mfu is not None:

@@ -1,0 +1,94 @@
+"""Every entry point prepares the job the same way and tells user errors from bugs the same way.
+
+A :class:`~trainer.runtime.errors.UserError` is one line on stderr with its exit code; anything
+else (a ``ValueError`` deep in torch, say) is a bug and must keep its traceback, never be printed
+as "config error". Tested on every entry point, for a bug while preparing and a bug in a step.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+import trainer.runtime.job as job_module
+from trainer.model.llama3 import Transformer
+from trainer.runtime import launch
+from trainer.runtime.errors import BusyFolderError, ConfigError, DataError, JobError, UserError
+from trainer.runtime.job import parse_request, prepare
+from trainer.train import main as train_main
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+import show_batch  # noqa: E402
+
+TINY = ["--training.steps", "1", "--training.seq_len", "32", "--metrics.enable_tensorboard=false"]
+
+ENTRY_POINTS: dict[str, Callable[[list[str]], int]] = {
+    "launcher": lambda argv: launch.main(argv),
+    "launcher --dry-run": lambda argv: launch.main([*argv, "--dry-run"]),
+    "worker": lambda argv: train_main(argv),
+    "worker --dry-run": lambda argv: train_main([*argv, "--dry-run"]),
+    "show_batch": lambda argv: show_batch.main(["--step", "1", *argv]),
+}
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_a_user_error_is_one_line_with_its_exit_code(entry, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("NGPU", "1")
+    code = ENTRY_POINTS[entry]([*TINY, "--job.dump_folder", str(tmp_path), "--training.seq_len", "zero"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "config error: `training.seq_len` expects" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_a_bug_while_preparing_keeps_its_traceback(entry, tmp_path, monkeypatch):
+    def broken(*args: object, **kwargs: object) -> None:
+        raise ValueError("a bug deep inside the plan")
+
+    monkeypatch.setenv("NGPU", "1")
+    monkeypatch.setattr(job_module, "plan", broken)
+    with pytest.raises(ValueError, match="a bug deep inside the plan"):
+        ENTRY_POINTS[entry]([*TINY, "--job.dump_folder", str(tmp_path)])
+
+
+def test_a_bug_inside_the_model_during_a_step_keeps_its_traceback(tmp_path, monkeypatch, capsys):
+    def broken_forward(self: Transformer, *args: object, **kwargs: object) -> None:
+        raise ValueError("a bug inside the model")
+
+    monkeypatch.setattr(Transformer, "forward", broken_forward)
+    try:
+        with pytest.raises(ValueError, match="a bug inside the model"):
+            train_main([*TINY, "--job.dump_folder", str(tmp_path)])
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert "config error" not in capsys.readouterr().err
+
+
+def test_the_user_error_family():
+    """Exit 2 for what is wrong before the job runs, 1 for what stops a running job; input
+    errors stay ValueErrors for library callers."""
+    assert all(issubclass(cls, UserError) for cls in (ConfigError, DataError, BusyFolderError, JobError))
+    assert ConfigError.exit_code == DataError.exit_code == BusyFolderError.exit_code == 2
+    assert JobError.exit_code == 1
+    assert issubclass(ConfigError, ValueError) and issubclass(DataError, ValueError)
+
+
+def test_every_entry_point_prepares_through_one_function(tmp_path):
+    """The entry points' own flags are split off the same way, and what they prepare is the same."""
+    request = parse_request(["--dry-run", "--target-gpu", "h100", "--target.memory_gib=75", "--mesh", "dp_shard=1"])
+    assert (request.mode, request.target_gpu, request.target_overrides) == ("dry_run", "h100", {"memory_gib": "75"})
+    assert request.argv == ["--mesh", "dp_shard=1"]
+    with pytest.raises(ConfigError, match="--target-gpu"):
+        parse_request(["--target-gpu", "h100"])
+    job = prepare([*TINY, "--job.dump_folder", str(tmp_path)], 1, local_ranks=1)
+    assert job.plan.dims.world_size == 1 and len(job.dataset) > 0
+    for source in ("trainer/runtime/launch.py", "trainer/train.py", "scripts/show_batch.py"):
+        text = (ROOT / source).read_text()
+        assert "prepare(" in text and "except UserError" in text, source

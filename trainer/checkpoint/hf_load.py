@@ -1,0 +1,53 @@
+"""Starting weights from a Hugging Face Llama folder (``checkpoint.initial_load_in_hf``).
+
+A Hugging Face folder has no sharding metadata for DCP to reshard from, so each rank works out
+the box of every global tensor it holds (FSDP shard x TP shard, its pipeline stages' parameters)
+from the parameter's placements and reads only that box from the safetensors files, the q/k RoPE
+permutation applied to the heads the box covers. A rank's host memory thus follows its shard,
+not the model; the values are those of converting the whole folder and slicing it, bit for bit.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from trainer.checkpoint.folders import PARAMETER_FIELDS, model_differences
+from trainer.checkpoint.hf_folders import HFFolder
+from trainer.model.hf_llama3 import InteropError, check_hf_shapes, model_args_from_hf_config, read_box
+from trainer.model.llama3 import ModelArgs, Transformer
+from trainer.model.tiled_init import local_box
+
+logger = logging.getLogger("meshtrain")
+
+HF_FIELDS = PARAMETER_FIELDS + ("norm_eps", "rope_theta", "rope_scaling", "rope_scaling_factor")
+"""Checked against ``config.json``: shapes alone would let a different RoPE base or norm epsilon
+load silently."""
+
+
+def load_hf_weights(model: Transformer, model_args: ModelArgs, path: Path) -> None:
+    """Copy the weights of the Hugging Face folder ``path`` into ``model``, each rank its own
+    slices, after checking that the folder describes the model of ``model_args``; raises
+    ``UserError`` for a folder that cannot be loaded."""
+    logger.info("loading Hugging Face weights from %s", path)
+    folder = HFFolder(path)
+    differ = model_differences(model_args_from_hf_config(folder.config), model_args, HF_FIELDS)
+    if differ:
+        raise InteropError(
+            f"{path} holds a different model than `model.flavor` describes ({'; '.join(differ)}); pick the "
+            "matching flavor and tokenizer."
+        )
+    tied = bool(folder.config.get("tie_word_embeddings"))
+    check_hf_shapes(folder.shapes, model_args, tie_word_embeddings=tied)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            offset, shape = local_box(param)
+            box = tuple(slice(o, o + n) for o, n in zip(offset, shape))
+            local = param.to_local() if isinstance(param, DTensor) else param
+            if local.numel() == 0:
+                continue
+            values = read_box(name, model_args, box, folder.read, tie_word_embeddings=tied)
+            local.copy_(values.to(local.device, local.dtype))

@@ -1,0 +1,67 @@
+"""What a checkpoint holds of the model and the optimizer: DCP ``Stateful`` views keyed by
+parameter name, so that both reshard onto any mesh on load."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+
+
+class ModelState(Stateful):
+    """The model's parameters by name, as (sharded) DTensors: DCP reshards them on load."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype | None = None):
+        self.model, self.dtype = model, dtype
+
+    def state_dict(self) -> dict[str, Any]:
+        state = get_model_state_dict(self.model)
+        if self.dtype is not None:
+            state = {k: v.to(self.dtype) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        set_model_state_dict(self.model, state_dict)
+
+
+class OptimizerState(Stateful):
+    """Optimizer state keyed by parameter name, so it reshards like the parameters.
+
+    The parameter groups' hyperparameters are saved per parameter name too (``flatten``):
+    a list of groups, each naming its parameters, would be saved once, from the rank that
+    wins DCP's deduplication, and a pipeline stage's groups name only its own parameters, so
+    a run on another pipeline degree would lose the others'. Checkpoints from before pipeline
+    parallelism hold the list form; ``flatten = False`` loads them.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer = model, optimizer
+        self.flatten = True
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_optimizer_state_dict(self.model, self.optimizer, options=self._options())
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        set_optimizer_state_dict(self.model, self.optimizer, state_dict, options=self._options())
+
+    def _options(self) -> StateDictOptions:
+        return StateDictOptions(flatten_optimizer_state_dict=self.flatten)
+
+
+def optimizer_groups_flattened(path: Path) -> bool:
+    """Whether the checkpoint at ``path`` keys parameter-group settings by parameter name
+    (``optimizer.param_groups.<fqn>.lr``) rather than by group index (``...param_groups.0.lr``)."""
+    keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    prefix = "optimizer.param_groups."
+    return not any(k.startswith(prefix) and k[len(prefix) :].split(".")[0].isdigit() for k in keys)

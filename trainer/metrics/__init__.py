@@ -1,0 +1,34 @@
+"""Training metrics: what a step costs (``accounting``), where and when figures go (``logger``:
+console and TensorBoard), and what the run says when it starts and ends (``reports``)."""
+
+from trainer.metrics.accounting import (
+    PEAK_BF16_FLOPS,
+    MemoryStats,
+    device_memory,
+    flops_per_token,
+    peak_flops,
+    tokens_per_second_per_device,
+)
+from trainer.metrics.logger import (
+    CONSOLE_TTY_ENV,
+    DASHBOARD_ALIASES,
+    MetricsLogger,
+    StepStats,
+    format_duration,
+    use_color,
+)
+
+__all__ = [
+    "CONSOLE_TTY_ENV",
+    "DASHBOARD_ALIASES",
+    "PEAK_BF16_FLOPS",
+    "MemoryStats",
+    "MetricsLogger",
+    "StepStats",
+    "device_memory",
+    "flops_per_token",
+    "format_duration",
+    "peak_flops",
+    "tokens_per_second_per_device",
+    "use_color",
+]

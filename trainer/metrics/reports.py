@@ -1,0 +1,103 @@
+"""What the run says when it starts and when it ends (rank 0): the resolved config, the model,
+the mesh, the batch and the data at the start; what was done and where the results are at the end.
+A user reading only these lines knows what ran and where to look next."""
+
+from __future__ import annotations
+
+import logging
+import textwrap
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from parallelisms.parallelize import pipeline_split
+from trainer.checkpoint.folders import step_folders
+from trainer.config import changed_settings, to_toml
+from trainer.metrics.logger import MetricsLogger, StepStats, format_duration
+from trainer.model.llama3 import num_params, whole_model
+
+if TYPE_CHECKING:
+    import torch
+
+    from trainer.plan import Plan
+
+logger = logging.getLogger("meshtrain")
+
+
+def save_config(plan: Plan) -> Path:
+    """Write the resolved config to the dump folder and log the settings that differ from the
+    code's defaults; return the file's path."""
+    config_file = Path(plan.config.job.dump_folder) / "config.toml"
+    config_file.write_text(to_toml(plan.config))
+    changed = changed_settings(plan.config)
+    summary = textwrap.fill(" ".join(changed), width=110, initial_indent="  ", subsequent_indent="  ")
+    logger.info(
+        "config: %d settings differ from the code's defaults (all in %s):\n%s", len(changed), config_file, summary
+    )
+    return config_file
+
+
+def batch_line(plan: Plan) -> str:
+    """How a rank's share of the global batch is run: accumulation micro-batches, or under PP
+    the schedule's pipeline micro-batches and the stage layout (blocks per stage)."""
+    training, settings = plan.config.training, plan.parallel
+    if plan.dims.pp == 1:
+        return f"{plan.microbatches} micro-batch(es) of {training.local_batch_size} per rank"
+    split = pipeline_split(plan.dims, settings, plan.model_args.n_layers)
+    stages = ", ".join(f"{len(blocks)}" for blocks in split.stage_blocks)
+    return (
+        f"{settings.pp_rank_batch // settings.pp_microbatch_size} pipeline micro-batches of "
+        f"{settings.pp_microbatch_size} per rank ({settings.pp_schedule}); {split.num_stages} stages of "
+        f"[{stages}] blocks, {split.stages_per_rank} per pp rank"
+    )
+
+
+def log_start(plan: Plan, device: torch.device, metrics: MetricsLogger, data_lines: str) -> None:
+    config, dims, training = plan.config, plan.dims, plan.config.training
+    logger.info(
+        "%s %s: %s parameters | mesh pp=%d dp_replicate=%d dp_shard=%d cp=%d tp=%d on %s | "
+        "global batch %d x %d tokens = %s",
+        config.model.name,
+        config.model.flavor,
+        f"{num_params(whole_model(plan.model_args)):,}",
+        dims.pp,
+        dims.dp_replicate,
+        dims.dp_shard,
+        dims.cp,
+        dims.tp,
+        device.type,
+        plan.global_batch_size,
+        training.seq_len,
+        batch_line(plan),
+    )
+    logger.info(data_lines)
+    if metrics.tb_dir:
+        logger.info("TensorBoard: tensorboard --logdir %s", metrics.tb_dir)
+
+
+def log_end(
+    plan: Plan,
+    last_step: int,
+    n_skipped_steps: int,
+    last: StepStats,
+    steps: int,
+    seconds: float,
+    checkpoint_folder: Path,
+    metrics: MetricsLogger,
+) -> None:
+    """What the run did and where its results are, in a few lines."""
+    tokens = steps * plan.global_batch_size * plan.config.training.seq_len
+    saved = step_folders(checkpoint_folder) if plan.config.checkpoint.enable else []
+    logger.info(
+        "done: steps %d-%d of %d (%d skipped in all) in %s, %s tokens (%s tokens/s, whole job); final loss %.4f\n"
+        "  checkpoint: %s\n  TensorBoard: %s",
+        last_step - steps + 1,
+        last_step,
+        plan.config.training.steps,
+        n_skipped_steps,
+        format_duration(seconds),
+        f"{tokens:,}",
+        f"{tokens / max(seconds, 1e-9):,.0f}",
+        last.loss_avg,
+        saved[-1][1] if saved else "none (`--checkpoint.enable` saves them)",
+        f"tensorboard --logdir {metrics.tb_dir}" if metrics.tb_dir else "off",
+    )

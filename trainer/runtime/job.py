@@ -1,0 +1,110 @@
+"""The one way in: every entry point prepares the job here, the same way.
+
+The launcher (``./run_train.sh``), each worker (``python -m trainer.train``), ``--dry-run``,
+``--simulate`` and ``scripts/show_batch.py`` all call :func:`prepare`: config -> plan for the world
+size -> memory check -> datasets. Whatever can be wrong with the config, the mesh, the tokenizer or
+the data raises a :class:`~trainer.runtime.errors.UserError` here, before any process group exists,
+and the entry point prints it as one line; any other exception is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trainer.config import load_config
+from trainer.data.datasets import TokenDataset, data_lines, load_dataset, load_validation_dataset
+from trainer.plan import Plan, check_memory, describe, memory_limit, plan, target_device
+from trainer.runtime.errors import ConfigError
+
+MODES = ("train", "dry_run", "simulate", "help")
+
+
+@dataclass
+class Request:
+    """What the command line asks of an entry point, apart from the training settings."""
+
+    mode: str = "train"
+    """``train``; ``dry_run`` (check and describe); ``simulate`` (run one step on fake tensors);
+    ``help``."""
+    argv: list[str] = field(default_factory=list)
+    """The training settings (``--config``, ``--mesh``, ``--section.key VALUE``)."""
+    target_gpu: str | None = None
+    """``--target-gpu NAME``: plan for that GPU instead of this machine."""
+    target_overrides: dict[str, str] = field(default_factory=dict)
+    """``--target.KEY VALUE``: the target's figures as the user states them."""
+
+
+def parse_request(argv: list[str]) -> Request:
+    """Split the entry point's own flags from the training settings."""
+    request, rest, i = Request(), [], 0
+    while i < len(argv):
+        arg = argv[i]
+        name, has_value, value = arg.partition("=")
+        if arg in ("--help", "-h"):
+            request.mode = "help"
+        elif arg in ("--dry-run", "--simulate"):
+            request.mode = "dry_run" if arg == "--dry-run" else "simulate"
+        elif name == "--target-gpu" or name.startswith("--target."):
+            if not has_value:
+                if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+                    raise ConfigError(f"`{name}` needs a value, e.g. `{name} h100`.")
+                i, value = i + 1, argv[i + 1]
+            if name == "--target-gpu":
+                request.target_gpu = value
+            else:
+                request.target_overrides[name.removeprefix("--target.")] = value
+        else:
+            rest.append(arg)
+        i += 1
+    if (request.target_gpu or request.target_overrides) and request.mode not in ("dry_run", "simulate", "help"):
+        raise ConfigError(
+            "`--target-gpu` and `--target.*` plan for another machine: use them with `--dry-run` or `--simulate`."
+        )
+    request.argv = rest
+    return request
+
+
+@dataclass
+class PreparedJob:
+    """A job checked from end to end and ready to build: its plan and its data."""
+
+    plan: Plan
+    dataset: TokenDataset
+    validation_dataset: TokenDataset | None
+
+    def data_lines(self) -> str:
+        return data_lines(self.plan, self.dataset, self.validation_dataset)
+
+
+def prepare(
+    argv: list[str],
+    world_size: int,
+    *,
+    local_ranks: int,
+    device_index: int | None = None,
+    started: bool = False,
+    target: str | None = None,
+    describe_to: list[str] | None = None,
+    memory: bool = True,
+) -> PreparedJob:
+    """Load the config, plan it for ``world_size``, check its memory, open its datasets.
+
+    ``local_ranks``, ``device_index`` and ``started`` say where the memory limit comes from: this
+    node's ranks sharing its RAM or GPUs, and whether they have started (see
+    :func:`trainer.plan.memory_limit`); ``target`` (``--target-gpu``) plans for one GPU of that
+    kind per rank instead, from any machine. ``describe_to`` collects what the job will be, for
+    ``--dry-run``, before the memory check can refuse it. ``memory=False`` skips the check (a tool
+    that only reads the data).
+    """
+    job_plan = plan(load_config(argv), world_size, target_device(target) if target else None)
+    limit, where = memory_limit(local_ranks, device_index, started=started, target=target)
+    if describe_to is not None:
+        describe_to.append(describe(job_plan, limit, where))
+    elif memory:
+        check_memory(job_plan, limit, where)
+    job = PreparedJob(job_plan, load_dataset(job_plan), load_validation_dataset(job_plan))
+    if describe_to is not None:
+        describe_to.append(job.data_lines())
+        if memory:
+            check_memory(job_plan, limit, where)
+    return job
