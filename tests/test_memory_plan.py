@@ -7,7 +7,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from dataclasses import replace
 
 import pytest
@@ -16,7 +15,6 @@ from harness import ROOT, run_train
 from trainer.config import ConfigError, load_config
 from trainer.plan import check_memory, memory_limit, plan, target_device
 from trainer.runtime.launch import main as launch_main
-from trainer.runtime.launch import take_option
 from trainer.runtime.memory_plan import TARGET_MEMORY_BYTES, Workload, estimate, estimates, fixes
 
 GIB = 1024**3
@@ -168,14 +166,11 @@ def test_an_oversized_pipeline_job_names_the_changes_that_fit():
 
 
 def test_target_gpu_is_a_launcher_option_for_the_dry_run(monkeypatch, capsys):
-    assert take_option(["--dry-run", "--target-gpu", "h200", "--x"], "--target-gpu") == ("h200", ["--dry-run", "--x"])
-    assert take_option(["--target-gpu=a100"], "--target-gpu") == ("a100", [])
-    assert take_option(["--dry-run"], "--target-gpu") == (None, ["--dry-run"])
     monkeypatch.setenv("NGPU", "8")
     assert launch_main(["--config", "llama3_8b.toml", "--dry-run", "--target-gpu", "v100"]) == 2
     assert "--target-gpu v100: unknown; use one of h100, h200, a100, b200, cpu" in capsys.readouterr().err
     assert launch_main(["--config", "llama3_8b.toml", "--target-gpu", "h100"]) == 2
-    assert "give it with --dry-run or --simulate" in capsys.readouterr().err
+    assert "use them with `--dry-run` or `--simulate`" in capsys.readouterr().err
     assert launch_main(["--config", "llama3_8b.toml", "--target-gpu"]) == 2
 
 
@@ -183,7 +178,6 @@ def test_target_gpu_is_a_launcher_option_for_the_dry_run(monkeypatch, capsys):
 def test_a_job_that_does_not_fit_stops_before_launch():
     """The 8B preset on a CPU machine, named the torchtitan way (CONFIG_FILE): before this
     estimate, every rank spent minutes initialising it in silence."""
-    start = time.monotonic()
     proc = subprocess.run(
         [str(ROOT / "run_train.sh")],
         env={**os.environ, "NGPU": "4", "CONFIG_FILE": "llama3_8b.toml"},
@@ -194,7 +188,7 @@ def test_a_job_that_does_not_fit_stops_before_launch():
     assert proc.returncode == 2
     assert "this job needs about" in proc.stderr and "params+grads+AdamW" in proc.stderr
     assert "[rank" not in proc.stdout + proc.stderr  # no worker was started
-    assert time.monotonic() - start < 30
+
     dry = run_train(4, ["--dry-run"])
     assert dry.returncode == 0 and "memory:" in dry.stdout and "mesh: pp=1 dp_replicate=1 dp_shard=4" in dry.stdout
     assert "[rank" not in dry.stdout + dry.stderr
