@@ -6,7 +6,7 @@ grows with its index, so pairing an early chunk with a late one gives every rank
 amount of attention work. Inputs, labels and RoPE positions are sharded the same way; RoPE
 uses the tokens' true positions.
 
-Attention has one interface and two backends:
+Attention has one interface and three backends:
 
 - ``allgather_kv`` (every device; selectable on CUDA for checking): all-gather K and V over
   the CP group with an autograd-aware collective whose backward is a reduce-scatter, then
@@ -16,14 +16,19 @@ Attention has one interface and two backends:
 - ``ring`` (CUDA): PyTorch's context parallelism (ring attention over the flash or memory-
   efficient SDPA kernels), with ``context_parallel_rotate_method`` choosing how K/V shards move.
   Its own head-tail load balancer lays out the sequence exactly as above; a run checks that.
+- ``ulysses`` (every device; ``parallelisms/ulysses.py``): an all-to-all turns the sequence
+  shards of q, k and v into whole sequences of ``heads / cp`` heads, the model's own attention
+  runs on them, and the inverse all-to-all brings the output back to sequence shards. Needs
+  ``cp x tp`` to divide the attention heads.
 
 Every CP rank holds different tokens, so the gradient accumulator counts valid labels over
 data-parallel ranks *and* CP shards, and the loss needs no CP correction.
 
-Document masking (``training.document_mask``) works with ``allgather_kv``: the document ids,
-derived on the whole sequence and sharded like the tokens, are all-gathered once per forward
-(``AllGatherKVMask``), so every gathered key carries its document and each local query chunk
-gets a mask that is causal *and* same-document. The ring backend takes no mask and is refused
+Document masking (``training.document_mask``) works with ``allgather_kv`` and ``ulysses``: the
+document ids, derived on the whole sequence and sharded like the tokens, are all-gathered once
+per forward (:func:`gather_document_ids`). ``allgather_kv`` gives each local query chunk a mask
+that is causal *and* same-document against the gathered keys (``AllGatherKVMask``); ``ulysses``
+masks its whole sequences as one process would. The ring backend takes no mask and is refused
 with document masking (``auto`` then picks ``allgather_kv``).
 """
 
@@ -39,7 +44,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from parallelisms.model_parts import block_settings, blocks, model_settings
 
-BACKENDS = ("allgather_kv", "ring")
+BACKENDS = ("allgather_kv", "ring", "ulysses")
 """What ``parallelism.context_parallel_backend`` may name, besides ``auto``."""
 
 
@@ -151,6 +156,14 @@ def local_chunk_masks(
     return masks[0], masks[1]
 
 
+def gather_document_ids(document_ids: torch.Tensor, group: dist.ProcessGroup, degree: int) -> torch.Tensor:
+    """Every CP rank's ``(batch, local)`` document ids -> the whole sequence's ``(batch, seq)``."""
+    batch, local = document_ids.shape
+    gathered = document_ids.new_empty((degree * batch, local))
+    _all_gather(gathered, document_ids.contiguous(), group=group)
+    return natural_order(gathered.view(degree, batch, 1, local, 1)).view(batch, degree * local)
+
+
 class AllGatherKVMask:
     """The model's ``attention_mask`` under ``allgather_kv``: this rank's document ids are all-
     gathered once per forward (the keys of every rank carry their documents), then cut into
@@ -160,10 +173,7 @@ class AllGatherKVMask:
         self.group, self.rank, self.degree = group, rank, degree
 
     def __call__(self, document_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        batch, local = document_ids.shape
-        gathered = document_ids.new_empty((self.degree * batch, local))
-        _all_gather(gathered, document_ids.contiguous(), group=self.group)
-        whole = natural_order(gathered.view(self.degree, batch, 1, local, 1)).view(batch, self.degree * local)
+        whole = gather_document_ids(document_ids, self.group, self.degree)
         return local_chunk_masks(whole, self.rank, self.degree, dtype)
 
 
@@ -198,18 +208,29 @@ class ContextParallel:
         self.positions = head_tail_positions(seq_len, self.rank, self.degree)
 
     def apply(self, model: nn.Module) -> None:
-        """Give every block's attention the K/V of the whole sequence (``allgather_kv``), and
-        the model the document masks that go with it.
+        """Give every block's attention the whole sequence (``allgather_kv``: its K/V;
+        ``ulysses``: all of it for a share of the heads), and the model the document masks that
+        go with it. The ring backend patches SDPA instead (:meth:`attention_context`).
 
         Expects torchtitan's Llama names: ``model.layers[i].attention.attention_fn``.
         """
-        if self.backend != "allgather_kv":
-            return
+        # Imported here: the Ulysses module builds on this one's layout.
+        from parallelisms.ulysses import UlyssesAttention, UlyssesMask
+
         group = self.mesh.get_group()
-        model_settings(model).attention_mask = AllGatherKVMask(group, self.rank, self.degree)
+        if self.backend == "allgather_kv":
+            model_settings(model).attention_mask = AllGatherKVMask(group, self.rank, self.degree)
+        elif self.backend == "ulysses":
+            model_settings(model).attention_mask = UlyssesMask(group, self.degree)
+        else:
+            return
         for block in blocks(model).values():
             attention = block_settings(block).attention
-            attention.attention_fn = AllGatherKVAttention(attention.attention_fn, group, self.rank, self.degree)
+            inner = attention.attention_fn
+            if self.backend == "ulysses":
+                attention.attention_fn = UlyssesAttention(inner, group, self.degree)
+            else:
+                attention.attention_fn = AllGatherKVAttention(inner, group, self.rank, self.degree)
 
     def shard(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's tokens of ``x`` (``batch, seq, ...``), in head-tail layout."""

@@ -83,7 +83,7 @@ class ModelShape:
 def check(dims: ParallelDims, settings: ParallelSettings, shape: ModelShape, device_type: str) -> None:
     """Raise :class:`ParallelismError` for the first combination that cannot work."""
     _check_tensor_parallel(dims, settings, shape, device_type)
-    _check_context_parallel(dims, settings, device_type)
+    _check_context_parallel(dims, settings, shape, device_type)
     if dims.pp > 1:
         split = pipeline_split(dims, settings, shape.n_layers)
         check_pipeline(
@@ -94,12 +94,6 @@ def check(dims: ParallelDims, settings: ParallelSettings, shape: ModelShape, dev
             split,
             settings.compile_model,
         )
-        if settings.document_mask:
-            raise ParallelismError(
-                "{document_mask} with {pp} > 1: the pipeline stages receive only the hidden states "
-                "and one set of RoPE positions for every micro-batch, not each sample's document ids "
-                "and restarting positions; turn one of them off."
-            )
     if settings.compile_loss and dims.tp > 1 and settings.loss_parallel:
         raise ParallelismError(
             "{compile_loss}: torch.compile does not trace the loss correctly inside "
@@ -133,8 +127,11 @@ def _check_tensor_parallel(dims: ParallelDims, settings: ParallelSettings, shape
             raise ParallelismError(f"{{tp}} = {dims.tp} does not divide the {size} {what}; choose a tp that does.")
 
 
-def _check_context_parallel(dims: ParallelDims, settings: ParallelSettings, device_type: str) -> None:
-    """Head-tail sharding needs 2 x cp equal chunks, each split again by sequence-parallel TP."""
+def _check_context_parallel(
+    dims: ParallelDims, settings: ParallelSettings, shape: ModelShape, device_type: str
+) -> None:
+    """Head-tail sharding needs 2 x cp equal chunks, each split again by sequence-parallel TP;
+    Ulysses splits each TP rank's heads over cp."""
     if dims.cp == 1:
         return
     backend = resolve_backend(settings.cp_backend, device_type, settings.document_mask)
@@ -156,10 +153,17 @@ def _check_context_parallel(dims: ParallelDims, settings: ParallelSettings, devi
             'cannot keep packed documents apart under {document_mask}; use "allgather_kv" or '
             '"auto" (which picks it), or turn document masking off.'
         )
-    if backend == "allgather_kv" and settings.cp_rotate_method != "allgather":
+    if backend == "ulysses" and shape.n_heads % (dims.cp * dims.tp):
         raise ParallelismError(
-            "{cp_rotate_method} applies to the ring backend only; the allgather_kv backend always "
-            'all-gathers keys and values. Remove the setting or use {cp_backend} = "ring" on CUDA.'
+            f'{{cp_backend}} = "ulysses" splits each tensor-parallel rank\'s attention heads over the '
+            f"context-parallel ranks, but {{cp}} x {{tp}} = {dims.cp} x {dims.tp} does not divide the "
+            f"model's {shape.n_heads} heads; choose degrees whose product divides {shape.n_heads}, or "
+            f'use {{cp_backend}} = "allgather_kv".'
+        )
+    if backend != "ring" and settings.cp_rotate_method != "allgather":
+        raise ParallelismError(
+            f"{{cp_rotate_method}} applies to the ring backend only; the {backend} backend moves keys "
+            'and values its own way. Remove the setting or use {cp_backend} = "ring" on CUDA.'
         )
 
 

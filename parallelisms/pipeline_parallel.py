@@ -27,15 +27,25 @@ valid-token count N, as without PP. Every schedule here (their FSDP handling in
 step after the last backward: one reduce-scatter, and under HSDP one cross-replica all-reduce,
 per FSDP unit and step.
 
+**Document masking.** Each sample then has its own RoPE positions (restarting at every
+document) and document ids. Both go to ``schedule.step`` as keyword arguments cut along the
+batch like the inputs, and the schedule hands every stage its micro-batch's share with the
+hidden states, so each stage's blocks build the same masks as the unsplit model. Without
+masking one ``positions`` (the sequence's, or a CP rank's shard) is replicated to every
+micro-batch.
+
 This module knows nothing of the trainer; it expects torchtitan's Llama module names
 (``tok_embeddings``, ``layers``, ``norm``, ``output``) and a model whose ``forward`` accepts a
-missing embedding (hidden states in) and missing output (hidden states out).
+missing embedding (hidden states in) and missing output (hidden states out). With
+``labels_to_model`` the labels are the model's ``labels`` argument too, and the last stage
+returns the summed loss itself (the chunked loss of ``trainer/loss.py``) instead of logits.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -46,7 +56,7 @@ from torch.distributed.pipelining import PipelineStage
 
 # torch's micro-batch splitter replicates an argument whose chunk spec is ``_Replicate`` (private,
 # unchanged from torch 2.2 to 2.13): every micro-batch gets the same RoPE positions.
-from torch.distributed.pipelining.microbatch import _Replicate
+from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
 from parallelisms import model_parts
@@ -259,7 +269,11 @@ class Pipeline:
         microbatches: int,
         microbatch_size: int,
         positions: torch.Tensor,
+        labels_to_model: bool = False,
+        document_mask: bool = False,
     ):
+        """``positions``: the RoPE positions of every sample without document masking; with it
+        each call of :meth:`step` and :meth:`evaluate` passes its samples' own."""
         self.pp_rank = pp_mesh.get_local_rank()
         self.group = pp_mesh.get_group()
         stage_ids = split.rank_stages(self.pp_rank)
@@ -268,6 +282,8 @@ class Pipeline:
         self.microbatches = microbatches
         self.microbatch_size = microbatch_size
         self.positions = positions
+        self.labels_to_model = labels_to_model
+        self.document_mask = document_mask
         self.stages = [
             PipelineStage(module, index, split.num_stages, device, group=self.group)
             for module, index in zip(stage_modules, stage_ids)
@@ -277,30 +293,54 @@ class Pipeline:
         self.schedule = schedule_class(
             first,
             microbatches,
-            loss_fn=loss_fn,
-            kwargs_chunk_spec={"positions": _Replicate()},
+            loss_fn=_output_is_the_loss if labels_to_model else loss_fn,
+            kwargs_chunk_spec={
+                **(
+                    {"positions": TensorChunkSpec(0), "document_ids": TensorChunkSpec(0)}
+                    if document_mask
+                    else {"positions": _Replicate()}
+                ),
+                **({"labels": TensorChunkSpec(0)} if labels_to_model else {}),
+            },
             scale_grads=False,
         )
-        # Logits of every micro-batch would otherwise be kept until the step returns.
+        self._forward_order = _forward_only_order(self.schedule)
+        # Logits of every micro-batch would otherwise be kept until the step returns (and merged:
+        # a last stage returning its loss returns scalars, which do not concatenate).
         self._step_kwargs = (
             {"return_outputs": False} if "return_outputs" in inspect.signature(self.schedule.step).parameters else {}
         )
 
-    def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
+    def step(
+        self,
+        inputs: torch.Tensor,
+        labels: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> list[torch.Tensor]:
         """Forward and backward of every micro-batch; the last stage's summed micro-batch
-        losses (other stages: an empty list). Gradients are left summed, not normalised."""
+        losses (other stages: an empty list). Gradients are left summed, not normalised.
+        ``positions`` and ``document_ids`` (``batch, seq``): the samples' own, under document
+        masking."""
         losses: list[torch.Tensor] = []
         self.schedule.step(
             *self._inputs(inputs),
             target=self._target(labels),
             losses=losses,
-            positions=self.positions,
+            **self._stage_kwargs(positions, document_ids),
+            **self._labels(labels),
             **self._step_kwargs,
         )
         return losses
 
     @torch.no_grad()
-    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def evaluate(
+        self,
+        inputs: torch.Tensor,
+        labels: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Forward only: the summed loss of ``inputs`` / ``labels`` (any number of sequences of
         the training length), on every rank of the pipeline.
 
@@ -312,23 +352,88 @@ class Pipeline:
         step_batch = self.microbatches * self.microbatch_size
         total = torch.zeros((), dtype=torch.float32, device=inputs.device)
         for start in range(0, inputs.shape[0], step_batch):
-            chunk_inputs, chunk_labels = _padded(
-                inputs[start : start + step_batch], labels[start : start + step_batch], step_batch
+            rows = slice(start, start + step_batch)
+            chunk_inputs, chunk_labels = _padded(inputs[rows], labels[rows], step_batch)
+            kwargs = self._stage_kwargs(
+                None if positions is None else _padded_rows(positions[rows], step_batch),
+                None if document_ids is None else _padded_rows(document_ids[rows], step_batch),
             )
             losses: list[torch.Tensor] = []
-            self.schedule.eval(
-                *self._inputs(chunk_inputs), target=self._target(chunk_labels), losses=losses, positions=self.positions
-            )
+            with self._running_forward_only():
+                self.schedule.eval(
+                    *self._inputs(chunk_inputs),
+                    target=self._target(chunk_labels),
+                    losses=losses,
+                    **kwargs,
+                    **self._labels(chunk_labels),
+                    **self._step_kwargs,
+                )
             for loss in losses:
                 total += (loss.to_local() if hasattr(loss, "to_local") else loss).float()
         dist.all_reduce(total, group=self.group)  # only the last stage holds a non-zero sum
         return total
+
+    def _stage_kwargs(
+        self, positions: torch.Tensor | None, document_ids: torch.Tensor | None
+    ) -> dict[str, torch.Tensor]:
+        """What every stage's forward takes besides the hidden states."""
+        if not self.document_mask:
+            return {"positions": self.positions}
+        if positions is None or document_ids is None:
+            raise ValueError("a pipeline built for document masking needs each sample's positions and document ids")
+        return {"positions": positions, "document_ids": document_ids}
+
+    @contextlib.contextmanager
+    def _running_forward_only(self) -> Iterator[None]:
+        """Swap the forward-only order in for an evaluation (see :func:`_forward_only_order`)."""
+        if self._forward_order is None:
+            yield
+            return
+        training_order = self.schedule.pipeline_order_with_comms
+        self.schedule.pipeline_order_with_comms = self._forward_order
+        try:
+            yield
+        finally:
+            self.schedule.pipeline_order_with_comms = training_order
 
     def _inputs(self, inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return (inputs,) if self.holds_first else ()
 
     def _target(self, labels: torch.Tensor) -> torch.Tensor | None:
         return labels if self.holds_last else None
+
+    def _labels(self, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The labels as the model's own argument (every stage gets it; the last, holding the
+        output projection, returns the summed loss)."""
+        return {"labels": labels} if self.labels_to_model else {}
+
+
+def _output_is_the_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The schedule's loss when the last stage computed it (``labels_to_model``)."""
+    return output
+
+
+_FORWARD_ACTIONS = frozenset({"F", "SEND_F", "RECV_F", "UNSHARD", "RESHARD"})
+"""Action kinds of a forward pass in torch's schedule IR (``_ComputationType`` values)."""
+
+
+def _forward_only_order(schedule: object) -> dict[int, list] | None:
+    """The multi-stage schedule's own action order with every backward action removed, or None
+    for a single-stage schedule (whose ``eval`` already runs forwards only).
+
+    ``eval`` of a multi-stage schedule replays the training order with backward turned off,
+    and the zero-bubble schedules' split backward actions then fail ("can't steal_bwd_input if
+    this stage doesn't have backward"). Each rank's forward actions, kept in their training
+    order, are a valid schedule on their own (dropping actions adds no dependency), over the
+    same stages and their placement, so every schedule evaluates the same way.
+    """
+    order = getattr(schedule, "pipeline_order_with_comms", None)
+    if not order:
+        return None
+    return {
+        rank: [action for action in actions if action is not None and action.computation_type.value in _FORWARD_ACTIONS]
+        for rank, actions in order.items()
+    }
 
 
 def _padded(inputs: torch.Tensor, labels: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -338,6 +443,11 @@ def _padded(inputs: torch.Tensor, labels: torch.Tensor, rows: int) -> tuple[torc
     pad_inputs = inputs.new_zeros((missing, *inputs.shape[1:]))
     pad_labels = labels.new_full((missing, *labels.shape[1:]), IGNORE_LABEL)
     return torch.cat([inputs, pad_inputs]), torch.cat([labels, pad_labels])
+
+
+def _padded_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """Positions or document ids of padded evaluation rows: zeros; their labels are all ignored."""
+    return torch.cat([x, x.new_zeros((rows - x.shape[0], *x.shape[1:]))]) if x.shape[0] < rows else x
 
 
 IGNORE_LABEL = -100

@@ -46,6 +46,17 @@ class EmbeddingParallel(RowwiseParallel):
         return outputs.clone() if use_local_output else outputs
 
 
+class OutputParallel(ColwiseParallel):
+    """``ColwiseParallel`` for an output projection that may return its summed loss instead of
+    logits (given the labels): a scalar passes the output hook as it is, a replicated DTensor."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        if outputs.ndim == 0:
+            return outputs
+        return ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+
+
 def llama3_tp_plan(loss_parallel: bool) -> dict[str, ParallelStyle]:
     """Module name pattern -> how its parameters and activations are split over TP ranks."""
     return {
@@ -68,7 +79,7 @@ def llama3_tp_plan(loss_parallel: bool) -> dict[str, ParallelStyle]:
         "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
         "layers.*.feed_forward.w3": ColwiseParallel(),
         "norm": SequenceParallel(),
-        "output": ColwiseParallel(
+        "output": OutputParallel(
             input_layouts=Shard(1),
             # Loss parallel keeps the logits a vocabulary-sharded DTensor for the loss.
             output_layouts=Shard(-1) if loss_parallel else Replicate(),

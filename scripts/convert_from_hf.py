@@ -7,7 +7,8 @@ CHECKPOINT_DIR, new or empty, receives a ``torch.distributed.checkpoint`` folder
 ``{"model": ...}`` plus ``model_args.json`` derived from ``config.json``; the trainer loads it on
 any mesh. Weights are stored in float32, the dtype of the trainer's parameters (casting from
 bfloat16 or float16 is exact). A tied ``lm_head`` (Llama 3.2) becomes a separate output matrix
-that starts as a copy of the embedding.
+that starts as a copy of the embedding. Tensors are read and cast one at a time, so memory
+peaks at the float32 model the checkpoint is written from, with no second copy in the folder's dtype.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))  # run as a plain script from anywhere
 
 from trainer.checkpoint.folders import write_dcp_model  # noqa: E402
-from trainer.checkpoint.hf_folders import load_hf_folder  # noqa: E402
-from trainer.model.hf_llama3 import from_hf_state_dict, model_args_from_hf_config  # noqa: E402
+from trainer.checkpoint.hf_folders import HFFolder  # noqa: E402
+from trainer.model.hf_llama3 import check_hf_shapes, hf_layout, model_args_from_hf_config, read_box  # noqa: E402
 from trainer.runtime.errors import UserError, report  # noqa: E402
 
 
@@ -31,10 +32,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("checkpoint_dir", type=Path, help="new or empty folder for the training checkpoint")
     opts = parser.parse_args(argv)
     try:
-        hf_state_dict, config = load_hf_folder(opts.hf_dir)
-        args = model_args_from_hf_config(config)
-        ours = from_hf_state_dict(hf_state_dict, args, tie_word_embeddings=bool(config.get("tie_word_embeddings")))
-        write_dcp_model(opts.checkpoint_dir, {k: t.float() for k, t in ours.items()}, args)
+        folder = HFFolder(opts.hf_dir)
+        args = model_args_from_hf_config(folder.config)
+        tied = bool(folder.config.get("tie_word_embeddings"))
+        check_hf_shapes(folder.shapes, args, tie_word_embeddings=tied)
+        ours = {
+            name: read_box(name, args, tuple(slice(0, n) for n in shape), folder.read, tie_word_embeddings=tied).float()
+            for name, (_, shape) in hf_layout(args).items()
+        }
+        write_dcp_model(opts.checkpoint_dir, ours, args)
     except UserError as err:
         sys.exit(report(err, program="convert_from_hf"))
     n_params = sum(t.numel() for t in ours.values())

@@ -3,10 +3,12 @@
 Usage: ``python scripts/convert_to_hf.py CHECKPOINT_DIR OUTPUT_DIR [--dtype bfloat16|float32|float16]``
 
 CHECKPOINT_DIR is a ``{dump_folder}/checkpoint/step-N`` folder (DCP files and
-``model_args.json``). OUTPUT_DIR receives ``config.json`` and safetensors weights, loadable with
-``LlamaForCausalLM.from_pretrained(OUTPUT_DIR)``. Runs in one process without a GPU or a process
-group, whatever mesh saved the checkpoint; it holds the full model in memory. The tokenizer is
-not exported: Hugging Face tokenizers are a separate format.
+``model_args.json``). OUTPUT_DIR receives ``config.json``, ``generation_config.json`` and safetensors weights
+(``model-0000k-of-0000n.safetensors`` shards with an index past ``--max-shard-bytes``), loadable
+with ``LlamaForCausalLM.from_pretrained(OUTPUT_DIR)``; with ``--tokenizer`` (the run's
+``model.tokenizer_path``) also the tokenizer files. Runs in one process without a GPU or a process
+group, whatever mesh saved the checkpoint, and streams: one tensor is read from the checkpoint,
+converted and written before the next, so memory stays at about the largest tensor, not the model.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))  # run as a plain script from anywhere
 
-from trainer.checkpoint.folders import read_dcp_model, read_model_args  # noqa: E402
-from trainer.checkpoint.hf_folders import save_hf_folder  # noqa: E402
+from trainer.checkpoint.folders import dcp_model_reader, read_model_args  # noqa: E402
+from trainer.checkpoint.hf_folders import DEFAULT_MAX_SHARD_BYTES, export_hf_folder  # noqa: E402
 from trainer.model.hf_llama3 import HF_DTYPES  # noqa: E402
 from trainer.runtime.errors import UserError, report  # noqa: E402
 
@@ -36,15 +38,31 @@ def main(argv: list[str] | None = None) -> None:
         default="bfloat16",
         help="dtype of the exported weights (default: bfloat16, as published Llama 3 weights)",
     )
+    parser.add_argument(
+        "--tokenizer",
+        type=Path,
+        help="the run's tokenizer (`model.tokenizer_path`: a tokenizer.json or a SentencePiece .model), copied along",
+    )
+    parser.add_argument(
+        "--max-shard-bytes",
+        type=int,
+        default=DEFAULT_MAX_SHARD_BYTES,
+        help="largest safetensors file before the weights are split into shards (default: 5 GB, as Hugging Face)",
+    )
     opts = parser.parse_args(argv)
     try:
         args = read_model_args(opts.checkpoint_dir)
-        state_dict = read_dcp_model(opts.checkpoint_dir)
-        save_hf_folder(opts.output_dir, state_dict, args, DTYPES[opts.dtype])
+        export_hf_folder(
+            opts.output_dir,
+            dcp_model_reader(opts.checkpoint_dir),
+            args,
+            DTYPES[opts.dtype],
+            max_shard_bytes=opts.max_shard_bytes,
+            tokenizer=opts.tokenizer,
+        )
     except UserError as err:
         sys.exit(report(err, program="convert_to_hf"))
-    n_params = sum(t.numel() for t in state_dict.values())
-    print(f"wrote {opts.output_dir}: {n_params:,} parameters in {opts.dtype}")
+    print(f"wrote {opts.output_dir}: {args.n_layers}-layer Llama 3 in {opts.dtype}")
 
 
 if __name__ == "__main__":

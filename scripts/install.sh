@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install meshtrain and a supported torch into the active Python environment.
+# Install meshtrain and a supported torch into the active Python environment (or that of python3).
 #
 #   ./scripts/install.sh            # picks the torch build for this machine, then `pip install -e ".[test]"`
 #
@@ -12,7 +12,19 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 supported=">=2.11,<2.14"   # keep in sync with pyproject.toml's dependency and the check below
-python=${PYTHON:-python}
+# $PYTHON, else an active virtual environment's interpreter, else `python`, else `python3`.
+if [[ -n "${PYTHON:-}" ]]; then
+  python="$PYTHON"
+elif [[ -n "${VIRTUAL_ENV:-}" && -x "${VIRTUAL_ENV}/bin/python" ]]; then
+  python="${VIRTUAL_ENV}/bin/python"
+elif command -v python >/dev/null 2>&1; then
+  python=python
+elif command -v python3 >/dev/null 2>&1; then
+  python=python3
+else
+  echo "install.sh: no Python found (neither python nor python3 on PATH); set PYTHON=/path/to/python." >&2
+  exit 2
+fi
 
 if "$python" - <<'PY' 2>/dev/null; then
 import sys

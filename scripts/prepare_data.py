@@ -6,7 +6,9 @@
 
 Inputs are .txt files (one document each), .jsonl and .jsonl.gz files (one document per line's
 "text"), or folders of them (searched recursively). Rerunning after an interruption keeps the
-finished shards. ``--verify FOLDER`` re-hashes every shard of a prepared folder.
+finished shards (verified by hash). Preparing into a folder prepared before keeps its old
+contents whole until the new ones are complete; one run at a time may write a folder.
+``--verify FOLDER`` re-hashes every shard of a prepared folder.
 See trainer/data/shards.py for the folder's format.
 """
 
@@ -55,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         return report(exc, program="prepare_data")
     except KeyboardInterrupt:
         print(
-            "\nprepare_data: interrupted; rerun the same command to continue (finished shards are kept)",
+            "\nprepare_data: interrupted; what --out held before is intact: rerun the same command to continue "
+            "(finished shards are kept)",
             file=sys.stderr,
         )
         return 130

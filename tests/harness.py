@@ -51,6 +51,10 @@ BASE_ARGV = [
     "--debug.seed",
     "7",
     "--metrics.enable_tensorboard=false",
+    # Chunks of the output projection and loss that cut micro-batches (64 to 512 tokens) unevenly,
+    # against the reference's whole logits.
+    "--training.loss_chunk_tokens",
+    "48",
 ]
 
 
@@ -336,7 +340,7 @@ def tensorboard_scalars(dump: Path, tags: tuple[str, ...], run: int = -1) -> dic
     """``{tag: {step: value}}`` of the ``run``-th (default: newest) TensorBoard run in ``dump``."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # slow to import
 
-    run_dir = sorted((dump / "tb").iterdir())[run]
+    run_dir = sorted(p for p in (dump / "tb").iterdir() if p.is_dir())[run]
     events = EventAccumulator(str(run_dir))
     events.Reload()
     return {tag: {s.step: s.value for s in events.Scalars(tag)} for tag in tags}

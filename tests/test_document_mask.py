@@ -3,9 +3,10 @@
 The definition of right: each document fragment of each window run on its own through the
 plain model (positions from 0, causal attention over the fragment only), its token losses
 summed over the whole batch and divided by the same N. The masked batch must give that loss
-and every gradient within float32 round-off, on one process and on context-parallel meshes
-(with FSDP, TP, activation checkpointing, compile). Turning the mask off, or deriving the
-documents on a shard instead of the whole sequence, must break the equality.
+and every gradient within float32 round-off, on one process, on context-parallel meshes of both
+masking backends (all-gather K/V and Ulysses, with FSDP, TP, activation checkpointing, compile)
+and through pipeline stages. Turning the mask off, or deriving the documents on a shard
+instead of the whole sequence, must break the equality.
 """
 
 from __future__ import annotations
@@ -15,9 +16,19 @@ import random
 
 import pytest
 import torch
-from harness import GLOBAL_BATCH, MAX_NORM, assert_matches, clipped, max_relative_error, run_ranks, step_worker
+from harness import (
+    GLOBAL_BATCH,
+    MAX_NORM,
+    assert_matches,
+    clipped,
+    full,
+    max_relative_error,
+    run_ranks,
+    trainer_for,
+)
 
 from parallelisms.context_parallel import attend_local_chunks, head_tail_positions, local_chunk_masks, resolve_backend
+from trainer.build import MicroBatch
 from trainer.config import ConfigError, load_config
 from trainer.data.datasets import load_dataset
 from trainer.data.documents import document_ids, document_positions, split_documents
@@ -25,6 +36,7 @@ from trainer.data.loader import GlobalOrder
 from trainer.loss import IGNORE_INDEX, cross_entropy_sum
 from trainer.model.llama3 import ModelArgs, Transformer, causal_attention, document_causal_mask
 from trainer.plan import plan
+from trainer.train import fetch_step, forward_backward
 
 BOS, EOS = 1, 2
 SMALL = ModelArgs(
@@ -234,8 +246,9 @@ def masked_argv(data: str, local_batch_size: int, extra: list[str]) -> list[str]
     ]
 
 
-def per_document_reference(argv: list[str]) -> dict:
-    """The first global batch, every document fragment run on its own by the unsharded model."""
+def per_document_reference(argv: list[str]) -> tuple[dict, dict]:
+    """The first global batch, every document fragment run on its own by the unsharded model;
+    and the same windows and labels unmasked (one attention over each whole window)."""
     p = plan(load_config(argv), world_size=1)
     dataset = load_dataset(p)
     model = Transformer(p.model_args)
@@ -245,31 +258,70 @@ def per_document_reference(argv: list[str]) -> dict:
     labels, _, ids = split_documents(inputs, torch.stack([s[1] for s in samples]), p.tokenizer.bos_id)
     assert (ids.max(dim=1).values >= 2).all()  # every window holds several documents
     n = int((labels != IGNORE_INDEX).sum())
-    loss = per_document(model, inputs, labels, p.tokenizer.bos_id) / n
-    loss.backward()
-    grads = {name: prm.grad.detach().clone() for name, prm in model.named_parameters()}
-    norm = torch.stack([g.double().square().sum() for g in grads.values()]).sum().sqrt().item()
-    return {"loss": loss.item(), "norm": norm, "n": n, "grads": clipped(grads)}
+    masked = loss_and_grads(model, lambda: per_document(model, inputs, labels, p.tokenizer.bos_id) / n)
+    unmasked = loss_and_grads(model, lambda: cross_entropy_sum(model(inputs), labels) / n)
+    out = []
+    for loss, grads in (masked, unmasked):
+        norm = torch.stack([g.double().square().sum() for g in grads.values()]).sum().sqrt().item()
+        out.append({"loss": loss, "norm": norm, "n": n, "grads": clipped(grads)})
+    return out[0], out[1]
 
 
+ULYSSES = ["--parallelism.context_parallel_backend", "ulysses"]
 MESHES = {
     "dp_shard=2 x cp=2, 2 micro-batches, AC full": (
         2,
         ["--mesh", "dp_shard=2,cp=2", "--activation_checkpoint.mode", "full"],
     ),
     "cp=2 x tp=2, AC per op": (8, ["--mesh", "cp=2,tp=2", "--activation_checkpoint.mode", "selective"]),
+    "ulysses dp_shard=2 x cp=2, 2 micro-batches": (2, ["--mesh", "dp_shard=2,cp=2", *ULYSSES]),
+    "ulysses cp=2 x tp=2, compile + AC per op": (
+        8,
+        ["--mesh", "cp=2,tp=2", *ULYSSES, "--activation_checkpoint.mode", "selective", "--compile.enable"]
+        + ["--compile.components", "model"],
+    ),
+    "pp=2 x dp_shard=2, 2 micro-batches": (2, ["--mesh", "pp=2,dp_shard=2"]),
+    "pp=2 x cp=2 ulysses, Interleaved1F1B": (
+        8,
+        ["--mesh", "pp=2,cp=2", *ULYSSES, "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"],
+    ),
 }
 """Four ranks each (local batch size, extra argv), run in one process group."""
 
 
-def meshes_worker(argvs: dict[str, list[str]]) -> dict[str, dict] | None:
-    return {name: step_worker(argv) for name, argv in argvs.items()}
+def masked_step(argv: list[str]) -> dict:
+    """One step through the trainer; every rank returns its step result and the full gradients
+    of the parameters it holds (under PP, its stages'), to be merged over the ranks. Under PP
+    also the pipeline's forward-only summed loss of the rank's samples (what validation runs)."""
+    _, trainer = trainer_for(argv)
+    microbatches = fetch_step(trainer)
+    result = forward_backward(trainer, microbatches)
+    grads = {name: full(prm.grad) for name, prm in trainer.model.named_parameters()}
+    out = {"loss": result.loss_avg, "norm": result.grad_norm, "n": result.n_valid_tokens, "grads": grads}
+    if trainer.pipeline is not None:
+        batch = [torch.cat([getattr(mb, field) for mb in microbatches]) for field in MicroBatch._fields]
+        out["evaluated"] = trainer.pipeline.evaluate(*batch).item()
+    return out
+
+
+def meshes_worker(argvs: dict[str, list[str]]) -> dict[str, dict]:
+    return {name: masked_step(argv) for name, argv in argvs.items()}
 
 
 @pytest.mark.slow
-def test_masked_context_parallel_equals_documents_on_their_own(short_documents):
-    ref = per_document_reference(masked_argv(short_documents, GLOBAL_BATCH, []))
+def test_masked_meshes_equal_documents_on_their_own(short_documents):
+    """Context parallel (both masking backends) and pipeline meshes equal the per-document
+    reference, and differ from the same batch unmasked."""
+    ref, unmasked = per_document_reference(masked_argv(short_documents, GLOBAL_BATCH, []))
+    assert max_relative_error(unmasked["grads"], ref["grads"]) > 1e-2
     argvs = {name: masked_argv(short_documents, local_batch, extra) for name, (local_batch, extra) in MESHES.items()}
-    results = run_ranks(meshes_worker, 4, argvs)[0]
+    ranks = run_ranks(meshes_worker, 4, argvs)
     for name in MESHES:
-        assert_matches(results[name], ref)
+        result = {**ranks[0][name], "grads": {k: v for r in ranks for k, v in r[name]["grads"].items()}}
+        for r in ranks:
+            assert r[name]["n"] == result["n"] and r[name]["loss"] == pytest.approx(result["loss"], rel=1e-6)
+        assert_matches(result, ref)
+        assert max_relative_error(result["grads"], unmasked["grads"]) > 1e-2, name
+        if name.startswith("pp=2"):  # ranks 0 and 1: the first stage's two data or CP shards
+            evaluated = ranks[0][name]["evaluated"] + ranks[1][name]["evaluated"]
+            assert evaluated == pytest.approx(ref["loss"] * ref["n"], rel=1e-5), name

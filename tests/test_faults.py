@@ -5,6 +5,7 @@ with the other checkpoint tests in ``test_checkpoint.py``.)"""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import ROOT, Launched, run_train
+from harness import ROOT, Launched, children, run_train
 
 from trainer.checkpoint.folders import read_dcp_model, step_folders
 from trainer.config import ConfigError, load_config
@@ -174,24 +175,30 @@ def test_the_entry_point_refuses_a_locked_folder_before_any_process_group(tmp_pa
 
 
 @pytest.mark.launcher
-def test_a_second_job_on_the_same_folder_is_refused(tmp_path):
-    first = Launched(1, QUICK + ["--training.steps", "200", "--job.dump_folder", str(tmp_path)], tmp_path / "first.log")
+def test_of_two_jobs_started_together_on_one_folder_the_second_is_refused_at_once(tmp_path):
+    """The launcher holds the lock from its check through the job (its rank 0 inherits it), so
+    there is no window between the check and the workers' lock for a second job to slip in."""
+    args = QUICK + ["--training.steps", "200", "--job.dump_folder", str(tmp_path)]
+    jobs = [Launched(1, args, tmp_path / f"job{i}.log") for i in range(2)]
     try:
-        first.wait_for("step: 1/200")
-        start = time.monotonic()
-        second = run_train(2, QUICK + ["--training.steps", "2", "--job.dump_folder", str(tmp_path)])
-        assert second.returncode == 2
-        assert time.monotonic() - start < 30
-        owner = first.workers()[0]
-        assert f"is in use by another job: pid {owner} on host {socket.gethostname()}" in second.stderr
-        assert "torch.distributed" not in second.stderr + second.stdout  # refused before torchrun
-        # Without the launcher's check, the job's rank 0 refuses before its process group exists.
+        deadline = time.monotonic() + 120
+        while all(job.proc.poll() is None for job in jobs):
+            assert time.monotonic() < deadline, "neither job was refused"
+            time.sleep(0.2)
+        loser = next(job for job in jobs if job.proc.poll() is not None)
+        winner = next(job for job in jobs if job is not loser)
+        assert loser.proc.returncode == 2, loser.output()[-3000:]
+        assert f"is in use by another job: pid {winner.proc.pid} on host {socket.gethostname()}" in loser.output()
+        assert "torch.distributed" not in loser.output()  # refused before its torchrun
+        winner.wait_for("step: 1/200")
+        # Without a launcher, the job's rank 0 refuses before its process group exists.
         direct = python_train(QUICK + ["--training.steps", "2", "--job.dump_folder", str(tmp_path)])
-        assert direct.returncode == 2 and f"pid {owner}" in direct.stderr
-        first.proc.send_signal(signal.SIGTERM)
-        assert first.finish() == 128 + signal.SIGTERM
+        assert direct.returncode == 2 and f"pid {winner.proc.pid}" in direct.stderr
+        winner.proc.send_signal(signal.SIGTERM)
+        assert winner.finish() == 128 + signal.SIGTERM
     finally:
-        first.finish(timeout=60)
+        for job in jobs:
+            job.finish(timeout=60)
     assert not (tmp_path / LOCK_FILE).exists()
 
 
@@ -339,7 +346,214 @@ def test_resuming_on_other_data_of_the_same_size_is_refused(tmp_path):
     other = args + ["--training.dataset_path", str(pairs("b.jsonl", "How")), "--training.steps", "4"]
     refused = python_train(other)
     assert refused.returncode == 1
-    assert "was trained on other data than this run's (data_sha256" in refused.stderr
+    assert "was trained on other data than this run's (samples_sha256" in refused.stderr
     assert "checkpoint.allow_data_change" in refused.stderr and "Traceback" not in refused.stderr
     allowed = python_train(other + ["--checkpoint.allow_data_change"])
     assert allowed.returncode == 0 and "resuming" in allowed.stderr and "on changed data" in allowed.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# A stop request is never lost, whenever it arrives
+# --------------------------------------------------------------------------------------------
+
+
+def wait_until(condition, timeout: float, what: str, job: Launched) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert job.proc.poll() is None, f"job ended (exit {job.proc.returncode}) before {what}:\n{job.output()[-3000:]}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout} s:\n{job.output()[-3000:]}"
+        time.sleep(0.02)
+
+
+@pytest.mark.launcher
+@pytest.mark.parametrize(
+    "moment, sig, restarts",
+    [
+        ("torchrun started, no worker yet", signal.SIGTERM, "0"),
+        ("workers importing, torchrun may restart them", signal.SIGTERM, "2"),
+        ("Ctrl-C after the first step, checkpointing off", signal.SIGINT, "0"),
+    ],
+)
+def test_a_stop_request_holds_from_the_first_instant_to_the_last(moment, sig, restarts, tmp_path):
+    """The request reaches workers that do not exist yet, that are importing (and would be
+    restarted), or are training; each ends without training a step more than asked, with exit
+    128 + the signal and a resume promise only where a checkpoint exists to resume from."""
+    job = Launched(
+        1,
+        QUICK + ["--training.steps", "60", "--job.dump_folder", str(tmp_path)],
+        tmp_path / "job.log",
+        MAX_RESTARTS=restarts,
+    )
+    try:
+        torchrun = lambda: children(job.proc.pid)  # noqa: E731
+        if moment.startswith("torchrun"):
+            wait_until(lambda: torchrun() and not job.workers(), 120, "torchrun", job)
+        elif moment.startswith("workers"):
+            wait_until(lambda: len(job.workers()) == 1, 120, "the workers", job)
+        else:
+            job.wait_for("step: 1/60")
+        job.proc.send_signal(sig)
+        code = job.finish(timeout=120)
+    finally:
+        job.finish(timeout=60)
+    out = job.output()
+    assert code == 128 + sig, out[-3000:]
+    name = signal.Signals(sig).name
+    assert f"meshtrain: stopped by {name}" in out and "step: 60/60" not in out
+    if moment.startswith("Ctrl-C"):
+        assert f"the launcher received {name}" in out and "SIGTERM" not in out
+        assert "no checkpoint to resume from" in out and "rerun the same command to resume" not in out
+    else:
+        assert "step: 1/60" not in out, out[-3000:]  # stopped before the first step, restarts included
+    assert not (tmp_path / LOCK_FILE).exists()
+
+
+@pytest.mark.launcher
+@pytest.mark.parametrize("ending", ["stop request while waiting", "data timeout"])
+def test_a_stalled_data_loader_worker_never_hangs_silently(ending, tmp_path):
+    """One process, no collective to time out: the loader's own timeout names it, and a stop
+    request while the loop waits for data stops the job with the last finished step saved."""
+    job = Launched(
+        1,
+        QUICK
+        + [
+            "--training.steps",
+            "60",
+            "--training.num_workers",
+            "1",
+            "--training.data_timeout_seconds",
+            "4",
+            "--checkpoint.enable",
+            "--checkpoint.interval",
+            "50",
+            "--job.dump_folder",
+            str(tmp_path),
+        ],
+        tmp_path / "job.log",
+    )
+    stalled: list[int] = []
+    try:
+        job.wait_for("step: 2/60")
+        stalled = children(job.workers()[0])
+        assert stalled, "no data-loader worker process"
+        for pid in stalled:
+            os.kill(pid, signal.SIGSTOP)
+        if ending.startswith("stop"):
+            job.proc.send_signal(signal.SIGTERM)
+        code = job.finish(timeout=120)
+    finally:
+        job.finish(timeout=60)
+        for pid in stalled:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    out = job.output()
+    if ending.startswith("stop"):
+        assert code == 128 + signal.SIGTERM, out[-3000:]
+        last = max(step for step, _ in step_folders(tmp_path / "checkpoint"))
+        assert f"stopped by SIGTERM after step {last}" in out and last >= 2
+    else:
+        assert code == 1, out[-3000:]
+        assert "the data loader delivered nothing for step" in out and "`training.data_timeout_seconds` = 4 s" in out
+        assert "[rank0]:Traceback" not in out and "the job failed (exit 1): local rank 0: error: the data loader" in out
+
+
+# --------------------------------------------------------------------------------------------
+# Errors that name their cause, whichever rank has it
+# --------------------------------------------------------------------------------------------
+
+FAULT_ON_RANK_1 = """
+import importlib.abc, importlib.machinery, os, sys
+
+class _Inject(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name != "trainer.loss" or os.environ.get("LOCAL_RANK") != "1":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        run = spec.loader.exec_module
+        def exec_module(module):
+            run(module)
+            def failing(*args, **kwargs):
+                {raise_it}
+            module.cross_entropy_sum = failing
+        spec.loader.exec_module = exec_module
+        return spec
+
+sys.meta_path.insert(0, _Inject())
+"""
+
+
+@pytest.mark.launcher
+@pytest.mark.parametrize(
+    "fault, expected",
+    [
+        ("raise RuntimeError('injected fault of rank one')", "RuntimeError: injected fault of rank one"),
+        (
+            "from trainer.runtime.errors import JobError; raise JobError('injected user error of rank one')",
+            "error: injected user error of rank one",
+        ),
+    ],
+    ids=["bug", "user error"],
+)
+def test_the_error_of_a_rank_whose_output_is_hidden_reaches_the_console(fault, expected, tmp_path):
+    (tmp_path / "inject").mkdir()
+    (tmp_path / "inject" / "sitecustomize.py").write_text(FAULT_ON_RANK_1.replace("{raise_it}", fault))
+    proc = run_train(
+        2,
+        QUICK + ["--training.steps", "2", "--job.dump_folder", str(tmp_path / "out")],
+        PYTHONPATH=str(tmp_path / "inject"),
+    )
+    assert proc.returncode == 1
+    assert f"local rank 1 (not shown: LOG_RANK=0) failed: {expected}" in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("value", ["9", "abc", "0,2", "-1"])
+def test_log_rank_outside_the_local_ranks_is_one_line(value, monkeypatch, capsys):
+    from trainer.runtime.launch import main as launch
+
+    monkeypatch.setenv("NGPU", "2")
+    monkeypatch.setenv("LOG_RANK", value)
+    assert launch(["--training.steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"LOG_RANK={value}" in err and "0..1" in err
+
+
+@needs_tmpfs
+@pytest.mark.launcher
+def test_a_stop_whose_checkpoint_cannot_be_written_is_a_failure_not_a_stop(tmp_path):
+    """The debug model's state (about 70 MB) does not fit a 20 MB disk: the stop's save fails, and
+    the launcher reports that cause with the job's error code, promising no resume."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    args = QUICK + [
+        "--training.steps",
+        "60",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "1000",
+        "--metrics.enable_tensorboard=false",
+        "--job.dump_folder",
+        str(mount / "out"),
+    ]
+    log = tmp_path / "job.log"
+    script = f"mount -t tmpfs -o size=20m tmpfs {mount} && exec {ROOT / 'run_train.sh'} {' '.join(args)}"
+    with open(log, "w") as out:
+        launcher = subprocess.Popen(
+            ["unshare", "-rm", "sh", "-c", script],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "NGPU": "1", "OMP_NUM_THREADS": "1"},
+        )
+    try:
+        deadline = time.monotonic() + 180
+        while "step: 2/60" not in log.read_text():
+            assert launcher.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        launcher.send_signal(signal.SIGTERM)
+        code = launcher.wait(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    out = log.read_text()
+    assert code == 1, out[-3000:]
+    assert "SIGTERM received, but the job failed while stopping (exit 1): error: checkpoint step-" in out, out[-3000:]
+    assert "no space left on the device" in out and "rerun the same command to resume" not in out

@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 from transformers import LlamaForCausalLM
 
 from trainer.checkpoint.folders import read_dcp_model, read_model_args, write_dcp_model
-from trainer.checkpoint.hf_folders import load_hf_folder, save_hf_folder
+from trainer.checkpoint.hf_folders import HFFolder, load_hf_folder, save_hf_folder
 from trainer.model.hf_llama3 import (
     InteropError,
     from_hf_state_dict,
@@ -138,7 +138,7 @@ def test_round_trip_is_bitwise(model: Transformer):
 
 def test_folder_round_trip_is_bitwise(model: Transformer, tmp_path: Path):
     save_hf_folder(tmp_path, model.state_dict(), model.args, torch.float32)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
     hf_sd, config = load_hf_folder(tmp_path)
     args = model_args_from_hf_config(config)
     assert_same_shapes(args, model.args)
@@ -381,8 +381,9 @@ def test_damaged_hf_folders_are_named(tmp_path: Path):
 
 
 def test_safetensors_is_optional(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    args = CONFIGS["gqa_rope_scaling"]
+    save_hf_folder(tmp_path, build_model("gqa_rope_scaling").state_dict(), args, torch.float32)
     monkeypatch.setitem(sys.modules, "safetensors", None)
     monkeypatch.setitem(sys.modules, "safetensors.torch", None)
-    args = CONFIGS["gqa_rope_scaling"]
     with pytest.raises(ConfigError, match=r"pip install safetensors"):
-        save_hf_folder(tmp_path, build_model("gqa_rope_scaling").state_dict(), args, torch.float32)
+        HFFolder(tmp_path)

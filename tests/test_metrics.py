@@ -222,7 +222,7 @@ def test_tensorboard_scalars_on_cpu(tmp_path: os.PathLike[str]) -> None:
     logger = _make_logger(tmp_path, console=False)
     assert logger.tb_dir is not None
     assert os.path.dirname(logger.tb_dir) == os.path.join(str(tmp_path), "tb")
-    assert re.fullmatch(r"\d{8}-\d{6}", os.path.basename(logger.tb_dir))
+    assert re.fullmatch(re.escape(tmp_path.name) + r"-\d{8}-\d{6}", os.path.basename(logger.tb_dir))
     steps = [_stats(s, n_skipped_steps=int(s >= 3)) for s in range(1, 6)]
     steps[2] = _stats(3, n_skipped_steps=1, local_tokens=2 * LOCAL_TOKENS, data_time_s=0.3)
     _run(logger, steps)
@@ -377,7 +377,7 @@ def test_console_plain_line(tmp_path: os.PathLike[str], caplog: pytest.LogCaptur
     assert first.startswith("step: 1/10")
     for field in ("loss: 10.0000", "max loss: 12.0000", "grad norm: 1.5000", "memory: ", "GiB"):
         assert field in first
-    assert "tps: 256" in first
+    assert "tps/device: 256" in first
     assert "tflops: " in first
     assert "mfu" not in first
     assert "skipped" not in first

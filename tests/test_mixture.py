@@ -24,7 +24,7 @@ class Member(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     def __init__(self, member: int, n: int) -> None:
         self.member, self.n = member, n
         self.seq_len, self.pad_id = 1, 0
-        self.identity = {"data_sha256": f"member{member}-{n}", "tokenizer_sha256": "t"}
+        self.identity = {"samples_sha256": f"member{member}-{n}", "tokenizer_sha256": "t"}
 
     def __len__(self) -> int:
         return self.n
@@ -109,10 +109,16 @@ def test_global_batches_do_not_depend_on_the_mesh_and_resume(dp: int, lbs: int) 
 
 
 def test_identity_covers_members_and_weights() -> None:
-    base = mixture_of().identity["data_sha256"]
-    assert mixture_of(weights=[6, 3, 1]).identity["data_sha256"] == base  # only the normalised shares count
-    assert mixture_of(weights=[0.5, 0.4, 0.1]).identity["data_sha256"] != base
-    assert mixture_of(sizes=[50, 7, 24]).identity["data_sha256"] != base
+    """Other weights are other data under the key a refused resume names: `training.dataset_weights`."""
+    base = mixture_of().identity
+    assert mixture_of(weights=[6, 3, 1]).identity == base  # only the normalised shares count
+    reweighted = mixture_of(weights=[0.5, 0.4, 0.1]).identity
+    assert reweighted["samples_sha256"] == base["samples_sha256"]
+    assert (base["training.dataset_weights"], reweighted["training.dataset_weights"]) == (
+        "0.6, 0.3, 0.1",
+        "0.5, 0.4, 0.1",
+    )
+    assert mixture_of(sizes=[50, 7, 24]).identity["samples_sha256"] != base["samples_sha256"]
 
 
 def test_config_errors_name_the_keys() -> None:

@@ -43,6 +43,10 @@ TWO_RANKS = {
         ["--mesh", "pp=2", "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"],
     ),
     "pp=2 ZBVZeroBubble": (8, ["--mesh", "pp=2", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]),
+    "pp=2 InterleavedZeroBubble, schedule named in lower case": (
+        8,
+        ["--mesh", "pp=2", "--parallelism.pipeline_parallel_schedule", "interleavedzerobubble"],
+    ),
 }
 FOUR_RANKS = {
     "pp=2 x dp_shard=2, 4 accumulation micro-batches, GPipe": (
@@ -221,11 +225,10 @@ def pp_step(argv: list[str], bug: bool = False) -> dict | None:
     result = forward_backward(trainer, microbatches)
     grads = {name: full(prm.grad) for name, prm in trainer.model.named_parameters()}
     out = {"loss": result.loss_avg, "loss_max": result.loss_max, "norm": result.grad_norm, "n": result.n_valid_tokens}
-    if bug:
-        inputs, labels = torch.cat([mb.inputs for mb in microbatches]), torch.cat([mb.labels for mb in microbatches])
-        out["evaluated"] = trainer.pipeline.evaluate(inputs, labels).item()
-        out["evaluated_short"] = trainer.pipeline.evaluate(inputs[:3], labels[:3]).item()
-        out["short_count"] = int((labels[:3] != IGNORE_INDEX).sum())
+    # Every schedule evaluates (forward only, as validation does), its own training order notwithstanding.
+    inputs, labels = torch.cat([mb.inputs for mb in microbatches]), torch.cat([mb.labels for mb in microbatches])
+    out["evaluated"] = trainer.pipeline.evaluate(inputs, labels).item()
+    out["evaluated_short"] = trainer.pipeline.evaluate(inputs[:3], labels[:3]).item()
     owner = trainer.meshes.loss.get_local_rank() == 0 and trainer.meshes.tp.get_local_rank() == 0
     if owner:
         out.update(grads=grads, writes=seen["writes"], bug=seen.get("bug"))
@@ -284,18 +287,21 @@ def test_torchtitan_logging_only_division_is_caught(two_ranks, ref):
 
 
 @pytest.mark.slow
-def test_pipeline_evaluation_sums_the_same_loss(two_ranks, ref):
-    """The forward-only helper a validation pass calls: the summed loss on every stage, padded
-    groups included (3 sequences of an 8-sequence step)."""
+@pytest.mark.parametrize("case", list(TWO_RANKS))
+def test_pipeline_evaluation_sums_the_same_loss(two_ranks, case, ref):
+    """The forward-only pass a validation calls, under every schedule (the zero-bubble ones
+    included, whose own eval fails): the summed loss on every stage, padded groups included
+    (3 sequences of an 8-sequence step)."""
+    index = list(TWO_RANKS).index(case)
     for r in two_ranks:
-        assert r[0]["evaluated"] == pytest.approx(ref["loss"] * ref["n"], rel=TOLERANCE)
+        assert r[index]["evaluated"] == pytest.approx(ref["loss"] * ref["n"], rel=TOLERANCE)
     model, inputs, labels = ref["model"], ref["inputs"][:3], ref["labels"][:3]
     with torch.no_grad():
         expected = torch.nn.functional.cross_entropy(
             model(inputs).flatten(0, 1), labels.flatten(), reduction="sum", ignore_index=IGNORE_INDEX
         )
     for r in two_ranks:
-        assert r[0]["evaluated_short"] == pytest.approx(expected.item(), rel=TOLERANCE)
+        assert r[index]["evaluated_short"] == pytest.approx(expected.item(), rel=TOLERANCE)
 
 
 def reshard_worker(dump: str) -> dict:

@@ -22,7 +22,7 @@ from trainer.data.loader import GlobalOrder, build_dataloader
 from trainer.data.prepare import prepare
 from trainer.data.prepared import PreparedDataset, is_prepared
 from trainer.data.samples import SampleDataset, build_dataset, open_dataset
-from trainer.data.shards import MANIFEST_KEYS, SHARD_KEYS, TOKENIZER_KEYS, shard_paths, verify
+from trainer.data.shards import MANIFEST_KEYS, SHARD_KEYS, TOKENIZER_KEYS, manifest_checksum, verify
 from trainer.data.sources import read_sources
 from trainer.data.tokenizer import Tokenizer, load_tokenizer
 from trainer.runtime.errors import DataError
@@ -120,13 +120,13 @@ def test_rerun_redoes_only_unfinished_or_changed_units(corpus: Path, tmp_path: P
     mtimes = {p.name: p.stat().st_mtime_ns for p in (out / "shards").iterdir()}
     # An interruption: the manifest was never written and one shard is gone.
     (out / "manifest.json").unlink()
-    bin_file, _, _ = shard_paths(out, 2)
+    bin_file = out / first["shards"][2]["file"]
     bin_file.unlink()
     second = prepared(source, out)
     assert second["reused_units"] == len(first["shards"]) - 1
     assert folder_bytes(out) == before and second["shards"] == first["shards"]
     changed = {p.name for p in (out / "shards").iterdir() if p.stat().st_mtime_ns != mtimes.get(p.name)}
-    assert changed == {"000002.bin", "000002.idx", "000002.json"}
+    assert changed == {bin_file.name, bin_file.with_suffix(".idx").name, bin_file.with_suffix(".json").name}
     # A changed source redoes its unit (and only it), and the samples follow the new text.
     write(source / "a.txt", "Another first file.\n" * 50)
     third = prepared(source, out)
@@ -155,7 +155,7 @@ def test_output_folder_and_empty_corpus_errors(tmp_path: Path) -> None:
         prepare([str(tmp_path / "in")], str(TOKENIZER_PATH), str(tmp_path / "other"), 1, progress=None)
     with pytest.raises(DataError, match="no documents"):
         prepare([str(tmp_path / "in")], str(TOKENIZER_PATH), str(tmp_path / "out"), 1, progress=None)
-    with pytest.raises(DataError, match="input = .* does not exist"):
+    with pytest.raises(DataError, match="prepare_data input .* does not exist; name a .txt"):
         prepare([str(tmp_path / "nowhere")], str(TOKENIZER_PATH), str(tmp_path / "out"), 1, progress=None)
     with pytest.raises(DataError, match="preparation did not finish.*rerun scripts/prepare_data.py"):
         open_dataset("shakespeare", str(tmp_path / "out"), load_tokenizer(str(TOKENIZER_PATH)), SEQ_LEN)
@@ -186,7 +186,8 @@ def test_open_errors(corpus: Path, tokenizer: Tokenizer, tmp_path: Path) -> None
         ),
         ({"format_version": 99}, "format version 99; this meshtrain reads version 1. Re-prepare"),
     ):
-        manifest_file.write_text(json.dumps({**manifest, **change}))
+        edited = {**manifest, **change}
+        manifest_file.write_text(json.dumps({**edited, "manifest_sha256": manifest_checksum(edited)}))
         with pytest.raises(DataError, match=message):
             PreparedDataset(str(out), SEQ_LEN, tokenizer)
     manifest_file.write_text(json.dumps(manifest))
@@ -199,8 +200,9 @@ def test_open_errors(corpus: Path, tokenizer: Tokenizer, tmp_path: Path) -> None
     bin_file.unlink()
     with pytest.raises(DataError, match=f"{bin_file}: a shard of the prepared folder is missing"):
         PreparedDataset(str(out), SEQ_LEN, tokenizer)
-    bin_file.write_bytes(bytes([data[0] ^ 1]) + data[1:])  # same size, other bytes: only --verify sees it
-    PreparedDataset(str(out), SEQ_LEN, tokenizer)
+    bin_file.write_bytes(bytes([data[0] ^ 1]) + data[1:])  # same size, other bytes
+    with pytest.raises(DataError, match=f"{bin_file}: its bytes are not the ones prepared"):
+        PreparedDataset(str(out), SEQ_LEN, tokenizer)
     assert verify(str(out)) == [f"{bin_file}: its bytes differ from the manifest's size or sha256"]
 
 
@@ -257,6 +259,7 @@ def hand_written_folder(folder: Path, dtype: str, base: int, code: str) -> list[
         data = struct.pack(f"<{len(stream)}{code}", *stream)
         (folder / "shards" / f"{index:06d}.bin").write_bytes(data)
         (folder / "shards" / f"{index:06d}.idx").write_bytes(struct.pack("<QQ", 0, len(stream)))
+        (folder / "shards" / f"{index:06d}.json").write_text(json.dumps({"sha256": hashlib.sha256(data).hexdigest()}))
         shards.append(
             {
                 "file": f"shards/{index:06d}.bin",
@@ -288,7 +291,9 @@ def hand_written_folder(folder: Path, dtype: str, base: int, code: str) -> list[
         "total_tokens": sum(map(len, streams)),
         "total_documents": 2,
         "max_token_id": base + 255,
+        "stream_sha256": hashlib.sha256(b"".join((folder / s["file"]).read_bytes() for s in shards)).hexdigest(),
     }
+    manifest["manifest_sha256"] = manifest_checksum(manifest)
     (folder / "manifest.json").write_text(json.dumps(manifest, indent=1))
     return [token for stream in streams for token in stream]
 
@@ -297,7 +302,7 @@ def hand_written_folder(folder: Path, dtype: str, base: int, code: str) -> list[
 def test_shards_are_the_documented_layout(
     dtype: str, base: int, code: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Prepared folders written to the version-1 layout (by any release) read back token for token,
+    """Prepared folders written to the documented layout, by hand, read back token for token,
     and prepare writes exactly that layout: little-endian ids and uint64 document offsets."""
     stream = hand_written_folder(tmp_path / "hand", dtype, base, code)
     tokenizer = ByteTokenizer(base)
@@ -316,7 +321,8 @@ def test_shards_are_the_documented_layout(
         1: ([1, base + ord("c"), base + ord("d"), base + ord("e"), 2, 1, base + ord("f"), 2], [0, 5, 8]),
     }
     for index, (tokens, offsets) in written.items():
-        bin_file, idx_file, _ = shard_paths(tmp_path / "out", index)
+        bin_file = tmp_path / "out" / manifest["shards"][index]["file"]
+        idx_file = tmp_path / "out" / manifest["shards"][index]["index"]
         assert bin_file.read_bytes() == struct.pack(f"<{len(tokens)}{code}", *tokens)
         assert idx_file.read_bytes() == struct.pack(f"<{len(offsets)}Q", *offsets)
     on_disk = json.loads((tmp_path / "out" / "manifest.json").read_text())
@@ -353,7 +359,7 @@ def test_a_damaged_manifest_names_the_key(tmp_path: Path) -> None:
         file.write_text(json.dumps(manifest))
         with pytest.raises(DataError, match=re.escape(f"{file}: {message}")):
             verify(str(tmp_path))
-    with pytest.raises(DataError, match="not a folder"):
+    with pytest.raises(DataError, match="nowhere' does not exist"):
         verify(str(tmp_path / "nowhere"))
 
 

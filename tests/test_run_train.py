@@ -4,9 +4,10 @@ Several optimizer steps of chat fine-tuning with a Llama-3-style ``tokenizer.jso
 valid tokens: only the assistant's are labels) with a fixed global batch; the logged global
 loss, valid-token count and grad norm of every step, and the validation loss, must agree. Every mesh is compared with the
 reference in-process (``test_grad_accumulator.py`` and the TP, CP, PP, chat tests); here the
-launcher itself is under test, so three meshes suffice: one process with accumulation 4, data x
-context parallel over four processes, and pipeline x data parallel (interleaved schedule) over
-four, whose loss is computed on the last stage only.
+launcher itself is under test, so four meshes suffice: one process with accumulation 4, data x
+context parallel over four processes, pipeline x data parallel (interleaved schedule) over
+four, whose loss is computed on the last stage only, and HSDP x Ulysses context parallel x tensor
+parallel over eight (the one eight-process launch: Ulysses' all-to-alls inside TP's heads).
 """
 
 from __future__ import annotations
@@ -64,6 +65,11 @@ MESHES = {
             "--parallelism.pipeline_parallel_microbatch_size",
             "2",
         ],
+    ),
+    "dp_replicate2xcp2xtp2_ulysses": (
+        8,
+        2,
+        ["--mesh", "dp_replicate=2,cp=2,tp=2", "--parallelism.context_parallel_backend", "ulysses"],
     ),
 }
 
@@ -123,3 +129,27 @@ def test_curve_is_not_trivial(curves):
     assert reference[VALIDATION_TAG][1] < reference[VALIDATION_TAG][0]
     sharded = curves["dp_shard2xcp2x2"]
     assert all(m > a for m, a in zip(sharded["loss_metrics/global_max_loss"], sharded["loss_metrics/global_avg_loss"]))
+
+
+def test_runs_on_a_plain_path_with_python3_only(tmp_path):
+    """No venv, no `python` command: the launcher runs with `python3`."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").symlink_to(sys.executable)
+    for tool in ("bash", "dirname"):
+        (bin_dir / tool).symlink_to(shutil.which(tool))
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [str(bin_dir / "bash"), str(root / "run_train.sh"), "--help"],
+        env={"PATH": str(bin_dir), "HOME": os.environ.get("HOME", "/")},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "--training.steps" in proc.stdout

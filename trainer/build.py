@@ -32,7 +32,7 @@ from trainer.data.documents import split_documents
 from trainer.data.loader import MicroBatchLoader, build_dataloader
 from trainer.grad_accumulator import GradAccumulator
 from trainer.layout_invariant import LayoutInvariantReduction
-from trainer.loss import cross_entropy_sum
+from trainer.loss import CrossEntropy, ModelLoss, cross_entropy_sum
 from trainer.metrics import MetricsLogger, flops_per_token, peak_flops, use_color
 from trainer.metrics.reports import log_start, save_config
 from trainer.model.llama3 import Transformer, num_params, whole_model
@@ -73,7 +73,7 @@ class StepParts:
     loader: MicroBatchLoader
     accumulator: GradAccumulator
     loss_parallel: bool
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    model_loss: ModelLoss
     context_parallel: ContextParallel | None
     positions: torch.Tensor | None
     """Sequence positions of this rank's tokens under context parallelism (else 0..seq-1)."""
@@ -107,13 +107,18 @@ class StepParts:
     ``model`` then holds only these stages' modules."""
 
 
-def build_model(plan: Plan, meshes: Meshes, device: torch.device) -> tuple[Transformer, Parallelized]:
+def build_model(
+    plan: Plan, meshes: Meshes, device: torch.device, cross_entropy: CrossEntropy = cross_entropy_sum
+) -> tuple[Transformer, Parallelized]:
     """Build on the meta device, parallelise, then materialise and initialise only the local shards
     (under pipeline parallelism: of this rank's stages)."""
     start = time.monotonic()
     rank0 = dist.get_rank() == 0
     with torch.device("meta"):
         model = Transformer(plan.model_args)
+    if model.output is not None:  # the whole model: no pipeline split yet
+        model.output.chunk_tokens = plan.config.training.loss_chunk_tokens
+        model.output.cross_entropy = cross_entropy
     total = num_params(model)
     if rank0:
         logger.info("parallelising the model (%s parameters) on the meta device", f"{total:,}")
@@ -176,9 +181,10 @@ def build_step_parts(plan: Plan, dataset: TokenDataset) -> StepParts:
         torch.set_num_threads(1)  # CPU kernels may split a reduction by thread: one thread everywhere
     torch.manual_seed(config.debug.seed)
     meshes = plan.dims.build_mesh(dev_type)
-    model, parallelized = build_model(plan, meshes, device)
+    cross_entropy = torch.compile(cross_entropy_sum) if plan.parallel.compile_loss else cross_entropy_sum
+    model, parallelized = build_model(plan, meshes, device, cross_entropy)
     context_parallel = parallelized.context_parallel
-    loss_fn = torch.compile(cross_entropy_sum) if plan.parallel.compile_loss else cross_entropy_sum
+    model_loss = ModelLoss(plan.loss_in_model, cross_entropy)
     positions = context_parallel.positions.to(device) if context_parallel else None
     optimizer = build_optimizer(model, config.optimizer, dev_type, layout_invariant)
     loader = build_dataloader(
@@ -192,6 +198,7 @@ def build_step_parts(plan: Plan, dataset: TokenDataset) -> StepParts:
         pin_memory=dev_type == "cuda",
         prefetch_factor=training.prefetch_factor if training.num_workers > 0 else None,
         allow_data_change=config.checkpoint.allow_data_change,
+        timeout_s=training.data_timeout_seconds,
     )
     accumulator = GradAccumulator(
         model,
@@ -214,10 +221,12 @@ def build_step_parts(plan: Plan, dataset: TokenDataset) -> StepParts:
             parallelized.split,
             meshes.pp,
             device,
-            loss_fn,
+            cross_entropy,
+            labels_to_model=plan.loss_in_model,
             microbatches=plan.pipeline_microbatches,
             microbatch_size=plan.parallel.pp_microbatch_size,
             positions=positions if positions is not None else torch.arange(training.seq_len, device=device),
+            document_mask=training.document_mask,
         )
     return StepParts(
         device=device,
@@ -228,7 +237,7 @@ def build_step_parts(plan: Plan, dataset: TokenDataset) -> StepParts:
         loader=loader,
         accumulator=accumulator,
         loss_parallel=plan.parallel.loss_parallel,
-        loss_fn=loss_fn,
+        model_loss=model_loss,
         context_parallel=context_parallel,
         positions=positions,
         document_bos_id=plan.tokenizer.bos_id if training.document_mask else None,
@@ -253,7 +262,7 @@ def build_run(plan: Plan, parts: StepParts, dataset: TokenDataset, validation_da
     resolved config and says what is about to run."""
     state, checkpointer = resume(plan, dataset, parts)
     rank = dist.get_rank()
-    metrics = build_metrics(plan, parts.device, rank)
+    metrics = build_metrics(plan, parts.device, rank, resumed=state.step > 0)
     if rank == 0:
         save_config(plan)
         log_start(plan, parts.device, metrics, data_lines(plan, dataset, validation_dataset))
@@ -281,7 +290,7 @@ def resume(plan: Plan, dataset: TokenDataset, parts: StepParts) -> tuple[TrainSt
     return state, checkpointer
 
 
-def build_metrics(plan: Plan, device: torch.device, rank: int) -> MetricsLogger:
+def build_metrics(plan: Plan, device: torch.device, rank: int, resumed: bool = False) -> MetricsLogger:
     config, training, args = plan.config, plan.config.training, plan.model_args
     return MetricsLogger(
         rank=rank,
@@ -303,6 +312,7 @@ def build_metrics(plan: Plan, device: torch.device, rank: int) -> MetricsLogger:
         # non-data-parallel size): tokens/s and MFU are per device of the whole job.
         devices_per_replica=plan.dims.pp * plan.dims.tp * plan.dims.cp,
         validation=plan.validates,
+        resumed=resumed,
     )
 
 

@@ -2,17 +2,86 @@
 
 A *sum*, not a mean: ``GradAccumulator`` divides by the number of valid tokens of the whole
 global batch, which no single micro-batch knows.
+
+The output projection and the loss are computed together, over chunks of tokens
+(``training.loss_chunk_tokens``): each chunk's logits, their float32 copy and the log-softmax
+live only while that chunk's loss is computed, and are recomputed from the chunk's hidden
+states in backward (``torch.utils.checkpoint``), so a rank never holds the logits of the whole
+micro-batch (8B at seq 8192: 4.2 GB a float32 copy, several copies). The summed loss and every
+gradient are those of the unchunked computation up to float32 round-off: the loss is a sum over
+tokens and each token's term depends only on its own logits. Under loss parallel the logits of a
+chunk are a vocabulary-sharded DTensor and its cross-entropy runs inside ``loss_parallel()``, as
+for whole logits.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 IGNORE_INDEX = -100
 """Label value of a token that is not trained on (prompt, padding); PyTorch's default."""
 
+CrossEntropy = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Sum of per-token cross-entropies, in float32 whatever the logits' dtype."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)
+    return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)
+
+
+def _chunk_loss(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, cross_entropy: CrossEntropy
+) -> torch.Tensor:
+    return cross_entropy(F.linear(hidden, weight), labels)
+
+
+def linear_cross_entropy_sum(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_tokens: int,
+    cross_entropy: CrossEntropy = cross_entropy_sum,
+) -> torch.Tensor:
+    """``cross_entropy(hidden @ weight.T, labels)`` over chunks of ``chunk_tokens`` tokens, each
+    chunk's logits recomputed in backward; one chunk (no recomputation) when ``chunk_tokens`` is 0
+    or covers every token."""
+    hidden, labels = hidden.flatten(0, -2), labels.flatten()
+    if chunk_tokens <= 0 or hidden.shape[0] <= chunk_tokens:
+        return _chunk_loss(hidden, weight, labels, cross_entropy)
+    losses = [
+        checkpoint(_chunk_loss, hidden_chunk, weight, labels_chunk, cross_entropy, use_reentrant=False)
+        for hidden_chunk, labels_chunk in zip(hidden.split(chunk_tokens), labels.split(chunk_tokens))
+    ]
+    return sum(losses[1:], losses[0])
+
+
+@dataclass(frozen=True)
+class ModelLoss:
+    """The summed loss of one micro-batch through ``model``, however the trainer computes it.
+
+    ``in_model``: the labels go into the model, whose output projection computes the loss over
+    chunks (``training.loss_chunk_tokens``, set on the model when it is built). Otherwise the
+    model returns the whole logits for ``cross_entropy``: tensor parallelism without loss
+    parallel, whose logits are gathered to every rank by the projection's output hook.
+    """
+
+    in_model: bool
+    cross_entropy: CrossEntropy = cross_entropy_sum
+
+    def __call__(
+        self,
+        model: nn.Module,
+        inputs: torch.Tensor,
+        positions: torch.Tensor | None,
+        document_ids: torch.Tensor | None,
+        labels: torch.Tensor,
+    ) -> torch.Tensor:
+        if self.in_model:
+            return model(inputs, positions, document_ids, labels=labels)
+        return self.cross_entropy(model(inputs, positions, document_ids), labels)

@@ -68,6 +68,12 @@ class Plan:
         return self.global_batch_size // self.dims.dp // self.parallel.pp_microbatch_size
 
     @property
+    def loss_in_model(self) -> bool:
+        """The model's output projection computes the loss in chunks (``trainer/loss.py``);
+        tensor parallelism without loss parallel gathers whole logits for it instead."""
+        return loss_in_model(self.dims, self.parallel)
+
+    @property
     def memory(self) -> Estimate:
         return estimate(self.workload)
 
@@ -188,6 +194,10 @@ def check_layout_invariant(config: JobConfig, dims: ParallelDims, settings: Para
             raise ConfigError(f"`debug.layout_invariant` cannot be combined with {key}: {why}; turn one of them off.")
 
 
+def loss_in_model(dims: ParallelDims, settings: ParallelSettings) -> bool:
+    return dims.tp == 1 or settings.loss_parallel
+
+
 def memory_workload(config: JobConfig, dims: ParallelDims, settings: ParallelSettings, args: ModelArgs) -> Workload:
     training = config.training
     return Workload(
@@ -206,11 +216,13 @@ def memory_workload(config: JobConfig, dims: ParallelDims, settings: ParallelSet
         ac_mode=settings.ac_mode,
         ac_option=settings.ac_option,
         loss_parallel=settings.loss_parallel,
+        loss_chunk_tokens=training.loss_chunk_tokens if loss_in_model(dims, settings) else 0,
         # Approximately: the layout-invariant mode holds up to log2(micro-batches) + 1 gradient shards
         # and a unit's exchange buffers, counted as deferral's one unsharded gradient.
         defer_gradient_reduction=training.defer_gradient_reduction or config.debug.layout_invariant,
         reshard_after_forward=settings.reshard_after_forward,
         cp_allgather_kv=resolve_backend(settings.cp_backend, device_type(), settings.document_mask) == "allgather_kv",
+        cp_ulysses=resolve_backend(settings.cp_backend, device_type(), settings.document_mask) == "ulysses",
         document_mask=settings.document_mask,
         device=device_type(),
     )

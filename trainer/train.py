@@ -21,10 +21,12 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from parallelisms.pipeline_parallel import Pipeline
 from parallelisms.tensor_parallel import loss_context
@@ -32,12 +34,13 @@ from trainer.build import MicroBatch, Run, StepParts, build_run, build_step_part
 from trainer.checkpoint.manager import create_seed_checkpoint
 from trainer.config import help_text
 from trainer.data.datasets import TokenDataset
+from trainer.data.loader import StoppedWaitingForData
 from trainer.grad_accumulator import StepResult
 from trainer.metrics import StepStats
 from trainer.metrics.reports import log_end
 from trainer.plan import Plan
 from trainer.runtime.distributed import CollectiveTimeouts
-from trainer.runtime.dump_folder import DumpFolderLock
+from trainer.runtime.dump_folder import TOKEN_ENV, DumpFolderLock
 from trainer.runtime.errors import JobError, UserError, report
 from trainer.runtime.job import parse_request, prepare
 from trainer.runtime.profiling import profiling
@@ -47,7 +50,10 @@ from trainer.train_state import TrainState
 logger = logging.getLogger("meshtrain")
 
 
+@record
 def main(argv: list[str]) -> int:
+    """Run the job; a bug's traceback also goes to torchrun's error file (``@record``), so the
+    launcher can show it whichever rank it happened on."""
     logging.basicConfig(
         level=logging.INFO, format="[%(name)s] %(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S"
     )
@@ -78,7 +84,8 @@ def _main(argv: list[str], stop: StopRequests) -> int:
     )
     if int(os.environ.get("RANK", 0)) == 0:
         logger.info("memory estimate: %s", job.plan.memory.line())
-    lock = DumpFolderLock(job.plan.config.job.dump_folder) if int(os.environ.get("RANK", 0)) == 0 else None
+    rank0 = int(os.environ.get("RANK", 0)) == 0
+    lock = DumpFolderLock(job.plan.config.job.dump_folder, os.environ.get(TOKEN_ENV)) if rank0 else None
     if lock is not None:
         lock.acquire()
     try:
@@ -119,7 +126,10 @@ def train(
             return
         run = build_run(job_plan, parts, dataset, validation_dataset)
         first_step, start = run.state.step + 1, time.monotonic()
-        last = loop(job_plan, run, stop, timeouts)
+        try:
+            last = loop(job_plan, run, stop, timeouts)
+        finally:
+            parts.loader.close()
         run.checkpointer.close()
         run.metrics.close()
         if dist.get_rank() == 0 and last is not None:
@@ -144,12 +154,19 @@ def loop(job_plan: Plan, run: Run, stop: StopRequests, timeouts: CollectiveTimeo
     training, parts, state = job_plan.config.training, run.parts, run.state
     # On GPUs the stop flag travels on a CPU group of its own, so it never syncs the device.
     stop.group = dist.new_group(backend="gloo") if parts.device.type == "cuda" else None
+    stop.checkpointing = job_plan.config.checkpoint.enable
     first_step, stats = state.step + 1, None
     stopping = stop.stop_after_step()  # asked to stop while building: there is no step to save
     with profiling(job_plan.config.profiling, job_plan.config.job.dump_folder, dist.get_rank()) as profiler:
         while state.step < training.steps and not stopping:
             state.step += 1
-            stats = train_step(parts, state, local_tokens_per_step(job_plan))
+            try:
+                stats = train_step(parts, state, local_tokens_per_step(job_plan), stop.requested)
+            except StoppedWaitingForData as waited:
+                state.step -= 1
+                stop_while_waiting(job_plan, run, state, first_step, str(waited))
+                stopping = True
+                break
             run.metrics.log(stats)
             if run.validator is not None and run.validator.due(state.step, training.steps):
                 run.metrics.log_validation(state.step, run.validator.run(parts))
@@ -160,8 +177,34 @@ def loop(job_plan: Plan, run: Run, stop: StopRequests, timeouts: CollectiveTimeo
             if state.step == first_step:
                 timeouts.start_training([*parts.meshes.groups(), *filter(None, [stop.group])])
     if stopping:
-        logger.warning("stopped by %s after step %d", stop.signal_name or "a signal to another rank", state.step)
+        kept = (
+            "rerun the same command to resume from the newest checkpoint"
+            if job_plan.config.checkpoint.enable
+            else "checkpointing is off (`checkpoint.enable`): there is no checkpoint to resume from"
+        )
+        logger.warning(
+            "stopped by %s after step %d; %s", stop.signal_name or "a signal to another rank", state.step, kept
+        )
     return stats
+
+
+def stop_while_waiting(job_plan: Plan, run: Run, state: TrainState, first_step: int, waited: str) -> None:
+    """A stop request while the next step waits for its data: save the last finished step.
+
+    The other ranks of a larger job are inside that step's collectives, where no checkpoint can
+    be agreed on; the job then ends with an error, and the newest checkpoint stays the one to
+    resume from.
+    """
+    if dist.get_world_size() > 1:
+        raise JobError(
+            f"stopped on request {waited}, while the other ranks were inside that step: no checkpoint of "
+            f"step {state.step} can be written; checkpoints already written are kept. A data-loader worker "
+            "may be stalled (`training.data_timeout_seconds` bounds that wait)."
+        )
+    checkpoint = job_plan.config.checkpoint
+    if checkpoint.enable and state.step >= first_step and state.step % checkpoint.interval:
+        run.checkpointer.save(state.step)
+    logger.warning("the stop request came %s; the data loader had not delivered it", waited)
 
 
 def check_skipped_steps(state: TrainState, stats: StepStats, limit: int) -> None:
@@ -177,10 +220,13 @@ def check_skipped_steps(state: TrainState, stats: StepStats, limit: int) -> None
         )
 
 
-def train_step(trainer: StepParts, state: TrainState, local_tokens: int) -> StepStats:
-    """Fetch the step's micro-batches, forward and backward each, finalize, step."""
+def train_step(
+    trainer: StepParts, state: TrainState, local_tokens: int, stop_requested: Callable[[], bool] = lambda: False
+) -> StepStats:
+    """Fetch the step's micro-batches, forward and backward each, finalize, step.
+    ``stop_requested`` is asked while the data is late (see :meth:`MicroBatchLoader.next_step`)."""
     step_start = time.perf_counter()
-    microbatches = fetch_step(trainer)
+    microbatches = fetch_step(trainer, stop_requested)
     data_time = time.perf_counter() - step_start
     result = forward_backward(trainer, microbatches)
     lr = optimizer_step(trainer, result)
@@ -200,9 +246,9 @@ def train_step(trainer: StepParts, state: TrainState, local_tokens: int) -> Step
     )
 
 
-def fetch_step(trainer: StepParts) -> list[MicroBatch]:
+def fetch_step(trainer: StepParts, stop_requested: Callable[[], bool] = lambda: False) -> list[MicroBatch]:
     """This rank's micro-batches of the next step, on the device."""
-    return [trainer.place(inputs, labels) for inputs, labels in trainer.loader.next_step()]
+    return [trainer.place(inputs, labels) for inputs, labels in trainer.loader.next_step(stop_requested)]
 
 
 def forward_backward(trainer: StepParts, microbatches: list[MicroBatch]) -> StepResult:
@@ -215,7 +261,7 @@ def forward_backward(trainer: StepParts, microbatches: list[MicroBatch]) -> Step
     with loss_context(trainer.loss_parallel), cp.attention_context() if cp else nullcontext():
         for i, (inputs, labels, positions, document_ids) in enumerate(microbatches):
             accumulator.prepare_backward(i)
-            loss = trainer.loss_fn(trainer.model(inputs, positions, document_ids), labels)
+            loss = trainer.model_loss(trainer.model, inputs, positions, document_ids, labels)
             loss.backward()
             accumulator.record_loss(loss)
     return accumulator.finalize()
@@ -228,9 +274,14 @@ def pipeline_forward_backward(trainer: StepParts, pipeline: Pipeline, microbatch
     accumulator = trainer.accumulator
     accumulator.begin_step([mb.labels for mb in microbatches])
     inputs, labels = torch.cat([mb.inputs for mb in microbatches]), torch.cat([mb.labels for mb in microbatches])
+    # Under document masking, each sample's positions and document ids go through the schedule.
+    positions = document_ids = None
+    if microbatches[0].document_ids is not None:
+        positions = torch.cat([mb.positions for mb in microbatches if mb.positions is not None])
+        document_ids = torch.cat([mb.document_ids for mb in microbatches if mb.document_ids is not None])
     cp = trainer.context_parallel
     with loss_context(trainer.loss_parallel), cp.attention_context() if cp else nullcontext():
-        losses = pipeline.step(inputs, labels)
+        losses = pipeline.step(inputs, labels, positions, document_ids)
     accumulator.record_pipeline_losses(losses)
     return accumulator.finalize()
 

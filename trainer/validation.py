@@ -101,10 +101,10 @@ class Validator:
                 samples = [self._sample(i) for i in indices]
                 batch = trainer.place(torch.stack([s[0] for s in samples]), torch.stack([s[1] for s in samples]))
                 if trainer.pipeline is not None:  # the summed loss, known on every pipeline rank
-                    loss = trainer.pipeline.evaluate(batch.inputs, batch.labels)
+                    loss = trainer.pipeline.evaluate(batch.inputs, batch.labels, batch.positions, batch.document_ids)
                 else:
-                    loss = trainer.loss_fn(
-                        trainer.model(batch.inputs, batch.positions, batch.document_ids), batch.labels
+                    loss = trainer.model_loss(
+                        trainer.model, batch.inputs, batch.positions, batch.document_ids, batch.labels
                     )
                 if isinstance(loss, DTensor):  # loss parallel: replicated over TP, counted once
                     loss = loss.to_local()

@@ -17,7 +17,7 @@ import os
 import re
 import shutil
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -26,6 +26,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from trainer.checkpoint.integrity import CHECKSUMMED, MANIFEST_FILE, METADATA_FILE, add_to_manifest
 from trainer.model.hf_llama3 import InteropError, check_state_dict, preview_names
 from trainer.model.llama3 import ModelArgs
 
@@ -75,7 +76,10 @@ def checkpoint_problem(path: Path) -> str | None:
     try:
         metadata = FileSystemReader(str(path)).read_metadata()
     except Exception as e:  # a missing or corrupt .metadata raises whatever its reader raises
-        return f"its metadata cannot be read ({type(e).__name__}: {e})"
+        return f"its metadata ({METADATA_FILE}) cannot be read ({type(e).__name__}: {e})"
+    storage_meta = getattr(metadata, "storage_meta", None)
+    if storage_meta is not None and CHECKSUMMED in storage_meta.modules and not (path / MANIFEST_FILE).is_file():
+        return f"its {MANIFEST_FILE} is missing, though its {METADATA_FILE} records that one was written"
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
@@ -95,11 +99,12 @@ def is_model_only(path: Path) -> bool:
 
 
 def publish(partial: Path, final: Path, model_args: ModelArgs, data_identity: dict[str, str] | None = None) -> None:
-    """Add the model's shape (for converters) and the data's fingerprints, then rename: the
-    checkpoint appears whole or not at all."""
+    """Add the model's shape (for converters) and the data's fingerprints (both checksummed),
+    then rename: the checkpoint appears whole or not at all."""
     write_model_args(partial, model_args)
     if data_identity:
         (partial / DATA_FILE).write_text(json.dumps(data_identity))
+    add_to_manifest(partial, [MODEL_ARGS_FILE] + ([DATA_FILE] if data_identity else []))
     if final.exists():
         shutil.rmtree(final)
     os.replace(partial, final)
@@ -179,12 +184,37 @@ def read_dcp_model(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
     Only ``model.`` entries are read; optimizer, scheduler and dataloader state is skipped.
     """
     folder = Path(checkpoint_dir)
+    model = {
+        name: torch.empty(entry.size, dtype=entry.properties.dtype) for name, entry in _model_entries(folder).items()
+    }
+    with _quiet_no_dist():
+        dcp.load({MODEL_KEY: model}, checkpoint_id=str(folder), no_dist=True)
+    return model
+
+
+def dcp_model_reader(checkpoint_dir: str | Path) -> Callable[[str], torch.Tensor]:
+    """``read(name)``: one full model tensor of a training checkpoint, read alone (``read_dcp_model``
+    one entry at a time), so that an export holds one tensor, not the model."""
+    folder = Path(checkpoint_dir)
+    entries = _model_entries(folder)
+
+    def read(name: str) -> torch.Tensor:
+        tensor = torch.empty(entries[name].size, dtype=entries[name].properties.dtype)
+        with _quiet_no_dist():
+            dcp.load({MODEL_KEY: {name: tensor}}, checkpoint_id=str(folder), no_dist=True)
+        return tensor
+
+    return read
+
+
+def _model_entries(folder: Path) -> dict[str, TensorStorageMetadata]:
+    """The checkpoint's model tensors by our name, from its metadata."""
     try:
         metadata = dcp.FileSystemReader(str(folder)).read_metadata()
     except (FileNotFoundError, NotADirectoryError) as err:
         raise _not_a_checkpoint(folder) from err
     prefix = MODEL_KEY + "."
-    model: dict[str, torch.Tensor] = {}
+    model: dict[str, TensorStorageMetadata] = {}
     for key, entry in metadata.state_dict_metadata.items():
         if not key.startswith(prefix):
             continue
@@ -192,12 +222,10 @@ def read_dcp_model(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
             raise InteropError(
                 f"{folder}: checkpoint entry `{key}` is not a tensor; the model entry must hold only tensors."
             )
-        model[key.removeprefix(prefix)] = torch.empty(entry.size, dtype=entry.properties.dtype)
+        model[key.removeprefix(prefix)] = entry
     if not model:
         tops = sorted({key.split(".", 1)[0] for key in metadata.state_dict_metadata})
         raise InteropError(f"{folder}: the checkpoint has no `{MODEL_KEY}` entry (top-level entries: {tops}).")
-    with _quiet_no_dist():
-        dcp.load({MODEL_KEY: model}, checkpoint_id=str(folder), no_dist=True)
     return model
 
 

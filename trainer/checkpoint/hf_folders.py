@@ -8,18 +8,34 @@ Hugging Face's (``trainer/model/hf_llama3.py`` converts the names and the q/k la
 from __future__ import annotations
 
 import json
+import math
+import os
+import shutil
+import struct
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import torch
 
-from trainer.model.hf_llama3 import CONFIG_FILE, InteropError, hf_config, preview_names, to_hf_state_dict
+from trainer.data.tokenizer import load_tokenizer
+from trainer.model.hf_llama3 import (
+    CONFIG_FILE,
+    InteropError,
+    check_state_dict,
+    hf_config,
+    hf_layout,
+    preview_names,
+    to_hf_tensor,
+)
 from trainer.model.llama3 import ModelArgs
 from trainer.runtime.errors import ConfigError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 """Hugging Face's default shard size (5 GB): the Hub and ``from_pretrained`` expect shards near it."""
 
@@ -56,54 +72,168 @@ def save_hf_folder(
     dtype: torch.dtype,
     *,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    tokenizer: str | Path | None = None,
 ) -> None:
-    """Write ``config.json`` and the weights in ``dtype`` as a folder ``from_pretrained`` loads.
+    """``export_hf_folder`` of a state dict of full tensors held in memory."""
+    check_state_dict(state_dict_ours, args)
+    export_hf_folder(
+        path, state_dict_ours.__getitem__, args, dtype, max_shard_bytes=max_shard_bytes, tokenizer=tokenizer
+    )
 
-    One ``model.safetensors`` when the weights fit in ``max_shard_bytes``, else numbered shards
-    and ``model.safetensors.index.json``. Shards are cast one at a time, so the extra memory is
-    one shard, not a second copy of the model. A folder that already holds a config or weights is
-    refused: ``from_pretrained`` prefers a stale ``model.safetensors`` over a new index.
+
+def export_hf_folder(
+    path: str | Path,
+    read: Callable[[str], torch.Tensor],
+    args: ModelArgs,
+    dtype: torch.dtype,
+    *,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    tokenizer: str | Path | None = None,
+) -> None:
+    """Write a folder ``from_pretrained`` loads: the weights in ``dtype``, ``config.json``,
+    ``generation_config.json`` and, given the run's ``tokenizer`` file, its Hugging Face files.
+
+    ``read(name)`` gives one full tensor of ours at a time and each is written out before the
+    next is read, so the memory needed is one tensor, never a shard or the model: a safetensors
+    header needs only names, dtypes and shapes, which ``args`` gives. One ``model.safetensors``
+    when the weights fit in ``max_shard_bytes``, else numbered shards and
+    ``model.safetensors.index.json``. Every file is readable by all (0644). A folder that already
+    holds a config or weights is refused: ``from_pretrained`` prefers a stale
+    ``model.safetensors`` over a new index.
     """
-    st = _safetensors()
     out = Path(path)
     stale = sorted(p.name for p in out.glob("*") if p.name == CONFIG_FILE or ".safetensors" in p.name)
     if stale:
         raise InteropError(f"{out} already holds {stale}; export into a new or empty folder.")
     config = hf_config(args, dtype)
-    hf_sd = to_hf_state_dict(state_dict_ours, args)
-    out.mkdir(parents=True, exist_ok=True)
+    layout = hf_layout(args)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    sizes = {name: t.numel() * itemsize for name, t in hf_sd.items()}
+    sizes = {hf_name: math.prod(shape) * itemsize for hf_name, shape in layout.values()}
     shards = _plan_shards(sizes, max_shard_bytes)
     files = (
         [SINGLE_FILE]
         if len(shards) == 1
         else [f"model-{k:05d}-of-{len(shards):05d}.safetensors" for k in range(1, len(shards) + 1)]
     )
+    ours = {hf_name: name for name, (hf_name, _) in layout.items()}
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
     for names, filename in zip(shards, files):
-        tensors = {n: hf_sd[n].detach().to(device="cpu", dtype=dtype).contiguous() for n in names}
-        st.save_file(tensors, str(out / filename), metadata={"format": "pt"})
+        shapes = {n: tuple(layout[ours[n]][1]) for n in names}
+        with open(out / filename, "wb") as file:
+            file.write(_safetensors_header(shapes, dtype))
+            for n in names:
+                tensor = to_hf_tensor(ours[n], read(ours[n]).detach(), args)
+                file.write(tensor.to(device="cpu", dtype=dtype).contiguous().view(torch.uint8).numpy().data)
+        written.append(filename)
     if len(shards) > 1:
         index = {
             "metadata": {"total_size": sum(sizes.values())},
             "weight_map": {n: f for names, f in zip(shards, files) for n in names},
         }
-        (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        written.append(_write_json(out / INDEX_FILE, index))
+    written.append(_write_json(out / CONFIG_FILE, config))
+    generation: dict[str, Any] = {"_from_model_config": True}
+    if tokenizer is not None:
+        written += _copy_tokenizer(Path(tokenizer), out)
+        loaded = load_tokenizer(str(tokenizer))
+        generation.update(bos_token_id=loaded.bos_id, eos_token_id=loaded.eos_id)
+    written.append(_write_json(out / GENERATION_CONFIG_FILE, generation))
+    for name in written:
+        os.chmod(out / name, 0o644)
+
+
+def _safetensors_header(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype) -> bytes:
+    """A safetensors file's length-prefixed JSON header for tensors written in this order, contiguous.
+
+    The JSON is padded with spaces to a multiple of 8 bytes, as safetensors writes it, so the
+    data that follows is aligned.
+    """
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape in shapes.items():
+        end = offset + math.prod(shape) * itemsize
+        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, end]}
+        offset = end
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def _copy_tokenizer(tokenizer: Path, out: Path) -> list[str]:
+    """The run's tokenizer as Hugging Face reads it: a ``tokenizer.json`` with the
+    ``tokenizer_config.json`` and ``special_tokens_map.json`` beside it, or a SentencePiece model
+    as ``tokenizer.model``; the names written."""
+    if not tokenizer.is_file():
+        raise InteropError(f"tokenizer {tokenizer} does not exist; pass the run's `model.tokenizer_path`.")
+    if tokenizer.suffix != ".json":
+        shutil.copyfile(tokenizer, out / "tokenizer.model")
+        return ["tokenizer.model"]
+    shutil.copyfile(tokenizer, out / "tokenizer.json")
+    written = ["tokenizer.json"]
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        if (tokenizer.parent / name).is_file():
+            shutil.copyfile(tokenizer.parent / name, out / name)
+            written.append(name)
+    return written
+
+
+def _write_json(path: Path, value: dict[str, Any]) -> str:
+    path.write_text(json.dumps(value, indent=2) + "\n")
+    return path.name
 
 
 def load_hf_folder(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The Hugging Face state dict (CPU tensors, stored dtype) and ``config.json`` of a folder.
 
-    Reads a single ``model.safetensors`` or a sharded folder with its index, as ``from_pretrained`` does.
+    Reads a single ``model.safetensors`` or a sharded folder with its index, as ``from_pretrained``
+    does. Holds the whole model: the trainer and the converters read slices through ``HFFolder``.
     """
-    folder = Path(path)
-    config_path = folder / CONFIG_FILE
-    if not config_path.is_file():
-        raise InteropError(f"{folder} has no {CONFIG_FILE}; pass a Hugging Face model folder.")
-    config = _read_json(config_path)
+    folder = HFFolder(path)
+    state_dict: dict[str, torch.Tensor] = {}
+    for file in folder.files:
+        state_dict.update(_read_safetensors(file))
+    return state_dict, folder.config
+
+
+class HFFolder:
+    """A Hugging Face folder opened for reading slices: ``config.json`` and, from the safetensors
+    headers alone, which file holds each tensor and its shape. ``read`` copies out one box of one
+    tensor and touches no other bytes, so a rank's memory follows what it holds, not the model."""
+
+    def __init__(self, path: str | Path):
+        self.path = folder = Path(path)
+        config_path = folder / CONFIG_FILE
+        if not config_path.is_file():
+            raise InteropError(f"{folder} has no {CONFIG_FILE}; pass a Hugging Face model folder.")
+        self.config = _read_json(config_path)
+        self.files = _weight_files(folder)
+        self.where: dict[str, Path] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        for file in self.files:
+            with _open(file) as handle:
+                for name in handle.keys():  # noqa: SIM118 (safe_open is no mapping)
+                    self.where[name] = file
+                    self.shapes[name] = tuple(handle.get_slice(name).get_shape())
+        if (folder / INDEX_FILE).is_file():
+            weight_map = _read_json(folder / INDEX_FILE)["weight_map"]
+            absent = sorted(set(weight_map) - set(self.where))
+            if absent:
+                raise InteropError(
+                    f"{folder / INDEX_FILE} maps {preview_names(absent)} to shards that do not hold them."
+                )
+
+    def read(self, name: str, box: tuple[slice, ...]) -> torch.Tensor:
+        """``tensor[box]`` of tensor ``name`` in its stored dtype; the file is mapped only while reading."""
+        with _open(self.where[name]) as handle:
+            return handle.get_slice(name)[box]
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    """The safetensors files of a folder: ``model.safetensors``, or the shards its index names."""
     if (folder / SINGLE_FILE).is_file():
-        return _read_safetensors(folder / SINGLE_FILE), config
+        return [folder / SINGLE_FILE]
     if not (folder / INDEX_FILE).is_file():
         found = sorted(p.name for p in folder.iterdir())
         raise InteropError(
@@ -114,15 +244,22 @@ def load_hf_folder(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str,
     weight_map = _read_json(folder / INDEX_FILE).get("weight_map")
     if not isinstance(weight_map, dict):
         raise InteropError(f"{folder / INDEX_FILE} has no `weight_map`; re-save the model with `save_pretrained`.")
-    state_dict: dict[str, torch.Tensor] = {}
-    for filename in sorted(set(weight_map.values())):
-        if not (folder / filename).is_file():
-            raise InteropError(f"{folder / INDEX_FILE} lists {filename}, which is missing from the folder.")
-        state_dict.update(_read_safetensors(folder / filename))
-    absent = sorted(set(weight_map) - set(state_dict))
-    if absent:
-        raise InteropError(f"{folder / INDEX_FILE} maps {preview_names(absent)} to shards that do not hold them.")
-    return state_dict, config
+    files = [folder / name for name in sorted(set(weight_map.values()))]
+    for file in files:
+        if not file.is_file():
+            raise InteropError(f"{folder / INDEX_FILE} lists {file.name}, which is missing from the folder.")
+    return files
+
+
+def _open(path: Path) -> Any:
+    """``safe_open`` on ``path`` (a context manager); a truncated or damaged file is named as such."""
+    _safetensors()
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(str(path), framework="pt")
+    except SafetensorError as err:
+        raise InteropError(f"{path} is not a readable safetensors file ({err}); re-download or re-save it.") from err
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -5,7 +5,10 @@ after a rank has written its data files it reads them back and computes their CR
 background thread with async saves, so off the training's critical path). The checksums travel
 to the coordinator with DCP's own write results, and after DCP has written ``.metadata`` the
 coordinator writes them, with every file's size and the metadata's own checksum, into
-``checksums.json``: the last file of the folder before it is published by a rename. At load,
+``checksums.json``; the files written beside it before the rename that publishes the folder
+(``model_args.json``, ``data.json``) are added to it. The writer also marks DCP's ``.metadata``
+as checksummed, so a folder whose ``checksums.json`` went missing is refused rather than taken
+for one written before checksums existed. At load,
 :func:`checksum_problem` recomputes them (each rank a share of the files), so a checkpoint with
 a flipped byte is skipped instead of silently loading garbage. CRC-32 detects accidental
 corruption (bad disk, torn copy), which is the threat here, at about twice SHA-256's speed.
@@ -26,12 +29,15 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 MANIFEST_FILE = "checksums.json"
 METADATA_FILE = ".metadata"
+CHECKSUMMED = "meshtrain.checksums"
+"""Recorded in ``.metadata``'s ``storage_meta.modules`` (which DCP does not interpret): this
+checkpoint was written with a ``checksums.json``."""
 _CHUNK = 8 << 20
 
 
@@ -55,6 +61,11 @@ class _Checksummed:
 
 class ChecksummingWriter(FileSystemWriter):
     """``FileSystemWriter`` that records every file's CRC-32 in ``checksums.json`` (see above)."""
+
+    def storage_meta(self) -> StorageMeta | None:
+        meta = super().storage_meta() or StorageMeta()
+        meta.modules = [*meta.modules, CHECKSUMMED]
+        return meta
 
     def write_data(self, plan, planner) -> Future[list[WriteResult]]:
         written = super().write_data(plan, planner)
@@ -94,6 +105,17 @@ class ChecksummingWriter(FileSystemWriter):
 def write_manifest(folder: Path, files: dict[str, dict[str, Any]]) -> None:
     manifest = {"format": 1, "algorithm": "crc32", "files": dict(sorted(files.items()))}
     (folder / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1))
+
+
+def add_to_manifest(folder: Path, names: Iterable[str]) -> None:
+    """Record files written beside the checkpoint after DCP's (a folder without checksums gets none)."""
+    files = read_manifest(folder)
+    if files is None:
+        return
+    for name in names:
+        file = folder / name
+        files[name] = {"size": file.stat().st_size, "crc32": file_crc32(file)}
+    write_manifest(folder, files)
 
 
 def read_manifest(folder: Path) -> dict[str, dict[str, Any]] | None:

@@ -14,14 +14,17 @@ and is removed when the next job starts on the folder (the dump-folder lock guar
 live job is writing it). Loading checks every ``step-N`` before trusting it: metadata readable,
 every file present, as long as recorded and matching its checksum (each rank verifies a share
 of the files). A failing checkpoint is skipped with a warning naming it and the file, and the
-next older one is tried. A checkpoint that cannot serve this run (a ``load_step`` that is missing
-or damaged, another model, other data, an unusable ``initial_load_path``) raises
+next older one is tried; checkpoints passed over that way, and those after a rollback with
+``load_step``, are moved aside into a new timeline (``timeline.py``), so that the next resume
+continues the run that trains now. A checkpoint that cannot serve this run (a ``load_step`` that
+is missing or damaged, another model, other data, an unusable ``initial_load_path``) raises
 ``CheckpointError``, a ``JobError``: one line, exit 1, nothing deleted.
 
 Nothing non-finite is published: before a save every rank checks its weights and optimizer
-state, and a NaN or infinity fails the job with the older checkpoints left alone. A save that
-fails for lack of disk space says so, removes its partial folder and keeps the older
-checkpoints too. The folder itself (layout, the whole-or-not check, ``model_args.json``) is
+state, and a NaN or infinity fails the job with the older checkpoints left alone. A save the
+disk refuses (full, read-only) says so in one line, removes its partial folder and keeps the
+older checkpoints too (``save_failures.py``); rotation (``keep_latest_k``) never deletes the
+save just written. The folder itself (layout, the whole-or-not check, ``model_args.json``) is
 ``trainer/checkpoint/folders.py``'s; checksums and the finite check are ``integrity.py``'s; what
 DCP saves of the model and optimizer is ``states.py``'s; starting weights from a Hugging Face
 folder are ``hf_load.py``'s.
@@ -29,14 +32,13 @@ folder are ``hf_load.py``'s.
 
 from __future__ import annotations
 
-import errno
 import logging
 import shutil
 from collections.abc import Callable
 from concurrent.futures import Future
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 import torch
 import torch.distributed as dist
@@ -59,8 +61,16 @@ from trainer.checkpoint.folders import (
     step_folders,
 )
 from trainer.checkpoint.hf_load import load_hf_weights
-from trainer.checkpoint.integrity import ChecksummingWriter, checksum_problem, first_non_finite, read_manifest
+from trainer.checkpoint.integrity import (
+    MANIFEST_FILE,
+    ChecksummingWriter,
+    checksum_problem,
+    first_non_finite,
+    read_manifest,
+)
+from trainer.checkpoint.save_failures import disk_refusal, refusal_message
 from trainer.checkpoint.states import ModelState, OptimizerState, optimizer_groups_flattened
+from trainer.checkpoint.timeline import Timeline, candidates, follow, reasons, start_over
 from trainer.config import Checkpoint
 from trainer.model.llama3 import ModelArgs, Transformer
 from trainer.runtime.errors import CheckpointError, JobError, UserError
@@ -112,55 +122,70 @@ class CheckpointManager:
     # ----------------------------------------------------------------------------------- load
 
     def load(self) -> int:
-        """Restore the newest complete checkpoint (or ``load_step``); return the step to resume after.
+        """Restore the newest checkpoint of the current timeline (or ``load_step``'s); return the
+        step to resume after.
 
-        With no checkpoint in the folder (or with checkpoints disabled), ``initial_load_path``
-        (if set) provides the starting weights. Returns 0 when training starts from scratch or
-        from weights only. Raises ``CheckpointError`` for a checkpoint that cannot serve this run.
+        With no checkpoint that loads (or with checkpoints disabled), ``initial_load_path`` (if
+        set) provides the starting weights. Returns 0 when training starts from scratch or from
+        weights only. Raises ``CheckpointError`` for a checkpoint that cannot serve this run.
         """
-        choice = self._choose_checkpoint() if self.config.enable else None
-        if choice is not None:
-            path = Path(choice)
-            if is_model_only(path):
-                logger.info("loading weights from %s (model-only checkpoint)", path)
-                self._load(path, keys=("model",), what="checkpoint")
-                return 0
-            keys = tuple(k for k in self.states if k not in self.config.exclude_from_loading)
-            if "dataloader" in keys:
-                self._check_same_data(path)
-            logger.info("resuming from %s (%s)", path, ", ".join(keys))
-            self._load(path, keys=keys, what="checkpoint")
-            return self.train_state.step
-        if self.config.initial_load_path:
-            return self._initial_load(Path(self.config.initial_load_path))
-        return 0
+        if not self.config.enable:
+            return self._initial_load(Path(self.config.initial_load_path)) if self.config.initial_load_path else 0
+        choice, rejected = self._choose_checkpoint()
+        if choice is None:
+            self._start_over(rejected)
+            return self._initial_load(Path(self.config.initial_load_path)) if self.config.initial_load_path else 0
+        path = Path(choice)
+        if is_model_only(path):
+            self._load(path, keys=("model",), what="checkpoint")
+            timeline = self._follow(path, rejected)
+            logger.info("loading weights from %s (model-only checkpoint; %s)", path, timeline.describe())
+            return 0
+        keys = tuple(k for k in self.states if k not in self.config.exclude_from_loading)
+        if "dataloader" in keys:
+            self._check_same_data(path)
+        self._load(path, keys=keys, what="checkpoint")
+        timeline = self._follow(path, rejected)
+        logger.info("resuming from %s (%s): %s", path, timeline.describe(), ", ".join(keys))
+        return self.train_state.step
 
-    def _choose_checkpoint(self) -> str | None:
-        """The newest checkpoint that passes every check (or ``load_step``'s), the same on every rank."""
-        for path in map(Path, self._agree(self._candidates)):
+    def _choose_checkpoint(self) -> tuple[str | None, dict[str, str]]:
+        """The newest checkpoint of the timeline that passes every check (or ``load_step``'s),
+        the same on every rank, and the newer ones that failed (folder -> why)."""
+        paths, continuing = self._agree(self._candidates)
+        rejected: dict[str, str] = {}
+        for path in map(Path, paths):
             problem = self._problem(path)
             if problem is None:
-                return str(path)
-            if self.config.load_step >= 0:
+                return str(path), rejected
+            if self.config.load_step >= 0 and not continuing:
                 raise CheckpointError(f"`checkpoint.load_step`: {path} cannot be loaded: {problem}.")
             if self.rank == 0:
                 logger.warning("skipping checkpoint %s: %s", path, problem)
-        return None
+            rejected[str(path)] = problem
+        if continuing:
+            raise CheckpointError(
+                f"`checkpoint.load_step` = {self.config.load_step} began the current timeline of {self.folder}, "
+                f"but none of its checkpoints can be loaded ({reasons(rejected)}); pass an older `load_step`."
+            )
+        return None, rejected
 
-    def _candidates(self) -> list[str]:
-        """Rank 0: remove what dead jobs left half-written, then list the checkpoints, newest first."""
+    def _candidates(self) -> tuple[list[str], bool]:
+        """Rank 0: remove what dead jobs left half-written, then list the checkpoints to try."""
         for stale in remove_partial_folders(self.folder):
             logger.warning("removed %s, left by a save that never finished", stale)
-        candidates = step_folders(self.folder)
-        if self.config.load_step < 0:
-            return [str(p) for _, p in reversed(candidates)]
-        wanted = [str(p) for step, p in candidates if step == self.config.load_step]
-        if not wanted:
-            raise CheckpointError(
-                f"`checkpoint.load_step` = {self.config.load_step}: no folder step-{self.config.load_step} "
-                f"in {self.folder}; found {[p.name for _, p in candidates] or 'none'}."
-            )
-        return wanted
+        paths, continuing = candidates(self.folder, self.config.load_step)
+        return [str(p) for p in paths], continuing
+
+    def _follow(self, path: Path, rejected: dict[str, str]) -> Timeline:
+        """The timeline this run trains, decided by rank 0 once ``path`` has loaded."""
+        return self._agree(lambda: follow(self.folder, path, self.config.load_step, rejected))
+
+    def _start_over(self, rejected: dict[str, str]) -> None:
+        """Checkpoints exist but none loads: rank 0 says so loudly and moves them aside."""
+        if rejected:
+            start = "from `checkpoint.initial_load_path`" if self.config.initial_load_path else "FROM SCRATCH"
+            self._agree(lambda: start_over(self.folder, rejected, start))
 
     def _problem(self, path: Path) -> str | None:
         """Why ``path`` must not be loaded, agreed by every rank: rank 0 checks its structure,
@@ -172,7 +197,11 @@ class CheckpointManager:
         dist.all_gather_object(found, checksum_problem(path, self.rank, self.world_size), group=self.group)
         problem = next((p for p in found if p is not None), None)
         if problem is None and self.rank == 0 and read_manifest(path) is None:
-            logger.warning("%s has no checksums (written before they existed): its contents are not verified", path)
+            logger.warning(
+                "%s has no %s (written by a version without checksums): its contents are not verified",
+                path,
+                MANIFEST_FILE,
+            )
         return problem
 
     def _check_same_data(self, path: Path) -> None:
@@ -194,7 +223,7 @@ class CheckpointManager:
             return
         raise CheckpointError(
             f"{path} was trained on other data than this run's ({'; '.join(differ)}). Point "
-            "`training.dataset`, `training.dataset_path`, `training.seq_len` and `model.tokenizer_path` "
+            "`training.dataset`, `training.dataset_path`, `training.dataset_weights`, `training.seq_len` and `model.tokenizer_path` "
             "at the data it was trained on, or set `checkpoint.allow_data_change = true` to resume on "
             "the new data deliberately (or exclude `dataloader` from loading to start its order afresh)."
         )
@@ -232,9 +261,15 @@ class CheckpointManager:
         saved = self._agree(lambda: _saved_model_args(path))
         differ = model_differences(saved, self.model_args, PARAMETER_FIELDS) if saved is not None else []
         if differ:
+            vocabulary = (
+                " The vocabulary size comes from the tokenizer: set `model.tokenizer_path` to the one the "
+                "checkpoint was trained with (`checkpoint.allow_data_change` allows other data, not another model)."
+                if saved is not None and saved.vocab_size != self.model_args.vocab_size
+                else ""
+            )
             raise CheckpointError(
-                f"{what} {path} holds another model than this run's ({'; '.join(differ)}). Set the "
-                "`model` keys (`model.flavor`) to the checkpoint's, or point `job.dump_folder` or "
+                f"{what} {path} holds another model than this run's ({'; '.join(differ)}).{vocabulary} Set "
+                "the `model` keys (`model.flavor`) to the checkpoint's, or point `job.dump_folder` or "
                 "`checkpoint.folder` elsewhere to start afresh."
             )
 
@@ -275,10 +310,10 @@ class CheckpointManager:
         self._check_finite(step, include_optimizer=not model_only)
         final = self.folder / f"step-{step}"
         partial = final.with_name(final.name + PARTIAL_SUFFIX)
-        if self.rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)
-            partial.mkdir(parents=True)
-        dist.barrier(group=self.group)
+        try:
+            self._agree(lambda: _empty_folder(partial))  # rank 0's failure reaches every rank
+        except OSError as error:
+            self._save_failed(error, partial, step)
         if model_only:
             dtype = getattr(torch, self.config.export_dtype)
             state: dict[str, Any] = {"model": ModelState(self.model, dtype)}
@@ -292,7 +327,7 @@ class CheckpointManager:
                 self._pending = (future, partial, final, step)
             else:
                 dcp.save(state, storage_writer=writer, process_group=self.group)
-                self._publish(partial, final)
+                self._publish(partial, final, step)
         except (Exception, CheckpointException) as error:
             self._save_failed(error, partial, step)
 
@@ -317,24 +352,14 @@ class CheckpointManager:
                 "the newest checkpoint (`checkpoint.load_step` picks an older one)."
             )
 
-    def _save_failed(self, error: BaseException, partial: Path, step: int) -> None:
-        """Remove the half-written folder, name a full disk as such, and raise."""
+    def _save_failed(self, error: BaseException, partial: Path, step: int) -> NoReturn:
+        """Remove the half-written folder, name a full or read-only disk as such, and raise."""
         if self.rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
-        if not _out_of_space(error):
+        refusal = disk_refusal(error)
+        if refusal is None:
             raise error
-        kept = step_folders(self.folder)
-        free = shutil.disk_usage(self.folder).free
-        needed = (
-            f"; the newest checkpoint, {kept[-1][1].name}, takes {_folder_bytes(kept[-1][1]):,} bytes" if kept else ""
-        )
-        raise JobError(
-            f"checkpoint step-{step} could not be written: no space left on the device of "
-            f"{self.folder} ({free:,} bytes free{needed}). The partial folder was removed and the "
-            f"older checkpoints are kept ({', '.join(p.name for _, p in kept) or 'none'}). Free some "
-            "space, lower `checkpoint.keep_latest_k`, or point `job.dump_folder` at a larger disk; "
-            "then rerun to resume."
-        ) from error
+        raise JobError(refusal_message(refusal, self.folder, partial, step)) from error
 
     def _finish_pending(self, wait: bool) -> None:
         if self._pending is None:
@@ -347,20 +372,26 @@ class CheckpointManager:
             future.result()
         except (Exception, CheckpointException) as error:
             self._save_failed(error, partial, step)
-        self._publish(partial, final)
+        self._publish(partial, final, step)
 
-    def _publish(self, partial: Path, final: Path) -> None:
+    def _publish(self, partial: Path, final: Path, step: int) -> None:
         """Make a written checkpoint visible, then drop the oldest beyond ``keep_latest_k``.
 
         Only rank 0 renames: DCP writes the metadata on rank 0 after every rank reported its
-        data written, so once rank 0's save returns the folder is complete.
+        data written, so once rank 0's save returns the folder is complete. Rotation counts only
+        checkpoints older than this one: the save just written is always kept, and a newer
+        folder is not this timeline's (the load moved every newer one aside) and not ours to delete.
         """
         if self.rank != 0:
             return
-        publish(partial, final, self.model_args, self.data_identity)
+        try:
+            publish(partial, final, self.model_args, self.data_identity)
+        except OSError as error:
+            self._save_failed(error, partial, step)
         logger.info("saved checkpoint %s", final)
         if self.config.keep_latest_k > 0:
-            for _, old in step_folders(self.folder)[: -self.config.keep_latest_k]:
+            older = [p for s, p in step_folders(self.folder) if s < step]
+            for old in older[: max(0, len(older) - (self.config.keep_latest_k - 1))]:
                 shutil.rmtree(old, ignore_errors=True)
 
     def close(self) -> None:
@@ -370,30 +401,6 @@ class CheckpointManager:
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def _out_of_space(error: BaseException) -> bool:
-    """Whether a failed save ran out of disk space, anywhere in its chain of causes.
-
-    DCP wraps each rank's failure in a ``CheckpointException`` (a ``BaseException``), and
-    torch's zip writer reports a short write as ``unexpected pos`` rather than ``ENOSPC``, so the
-    text is searched too.
-    """
-    seen: set[int] = set()
-    pending: list[BaseException] = [error]
-    while pending:
-        e = pending.pop()
-        if id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        if any(text in str(e) for text in ("No space left on device", "unexpected pos", "Disk quota exceeded")):
-            return True
-        pending.extend(x for x in (e.__cause__, e.__context__) if x is not None)
-        if isinstance(e, CheckpointException):
-            pending.extend(exc for exc, _ in e.failures.values())
-    return False
 
 
 def _saved_model_args(path: Path) -> ModelArgs | None:
@@ -406,8 +413,9 @@ def _saved_model_args(path: Path) -> ModelArgs | None:
         raise CheckpointError(f"{path} cannot be loaded: {error}") from error
 
 
-def _folder_bytes(folder: Path) -> int:
-    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+def _empty_folder(folder: Path) -> None:
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
 
 
 def create_seed_checkpoint(config: Checkpoint, dump_folder: str, model: Transformer, model_args: ModelArgs) -> Path:

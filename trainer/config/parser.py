@@ -103,10 +103,16 @@ def _coerce(key: str, value: Any, from_cli: bool) -> Any:
         result = value
     choices = f.metadata["choices"]
     items = result if isinstance(result, tuple) else (result,)
+    if choices is None:
+        return result
+    # A choice is a name: its spelling in any case means it (`zbvzerobubble` is `ZBVZeroBubble`).
+    canonical = {choice.lower(): choice for choice in choices}
     for item in items:
-        if choices is not None and item not in choices:
+        if item.lower() not in canonical:
             raise ConfigError(f"`{key}` must be one of {', '.join(choices)}; got {item!r}.")
-    return result
+    if isinstance(result, tuple):
+        return type(result)(canonical[item.lower()] for item in result)
+    return canonical[result.lower()]
 
 
 def _not_boolean(key: str, value: Any, from_cli: bool) -> ConfigError:
@@ -151,9 +157,11 @@ def parse_mesh(spec: str) -> dict[str, int]:
         name, sep, value = part.partition("=")
         name = name.strip()
         if not sep or name not in MESH_DIMS:
+            close = ["dp_shard", "dp_replicate"] if name == "dp" else difflib.get_close_matches(name, MESH_DIMS, 2)
+            hint = f" Did you mean {' or '.join(f'`{c}`' for c in close)}?" if close else ""
             raise ConfigError(
                 f"--mesh: cannot read `{part}`; write e.g. `--mesh dp_replicate=2,dp_shard=2,tp=2` "
-                f"with dimensions from {', '.join(MESH_DIMS)}."
+                f"with dimensions from {', '.join(MESH_DIMS)}.{hint}"
             )
         try:
             degrees[name] = int(value)

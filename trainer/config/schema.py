@@ -126,6 +126,7 @@ class Training:
         "document, RoPE positions restart at each document's BOS, and the label predicting a "
         "document's BOS from the previous document is ignored (see README, Document masking).",
     )
+    loss_chunk_tokens: int = _field(1024, "Output projection + loss in chunks of this many tokens; 0: unchunked.", ge=0)
     max_norm: float = _field(1.0, "Gradient clipping threshold on the true global grad norm; <= 0 disables clipping.")
     steps: int = _field(10000, "Optimizer steps to train.", ge=1)
     max_consecutive_skipped_steps: int = _field(
@@ -157,6 +158,13 @@ class Training:
     )
     num_workers: int = _field(0, "Data loader worker processes per rank (0 loads in the training process).", ge=0)
     prefetch_factor: int = _field(2, "Micro-batches each data loader worker prepares ahead (workers > 0 only).", ge=1)
+    data_timeout_seconds: int = _field(
+        300,
+        "With data loader workers: the longest wait for one micro-batch before the job stops with "
+        "an error naming the data loader (a stalled or hung worker), instead of waiting silently.",
+        ge=1,
+        le=MAX_TIMEOUT_SECONDS,
+    )
     peak_flops: float = _field(
         0.0, "Peak dense bf16 FLOP/s of one device, for MFU; 0 looks the GPU up in the built-in table.", ge=0.0
     )
@@ -183,8 +191,9 @@ class Parallelism:
     context_parallel_backend: str = _field(
         "auto",
         "Attention across context-parallel shards: `ring` (PyTorch's ring attention, CUDA only), "
-        "`allgather_kv` (all-gather keys and values, any device), or `auto` (ring on CUDA, "
-        "allgather_kv elsewhere).",
+        "`allgather_kv` (all-gather keys and values, any device), `ulysses` (all-to-all to whole "
+        "sequences of heads / cp heads, any device; cp x tp must divide the heads), or `auto` "
+        "(ring on CUDA, allgather_kv elsewhere or with `training.document_mask`).",
         ("auto", *CONTEXT_PARALLEL_BACKENDS),
     )
     context_parallel_rotate_method: str = _field(
@@ -318,9 +327,15 @@ class Checkpoint:
     )
     folder: str = _field("checkpoint", "Folder inside `job.dump_folder`; each checkpoint is `step-N` in it.")
     interval: int = _field(500, "Save every N steps; the last step is always saved.", ge=1)
-    keep_latest_k: int = _field(10, "Keep the newest k checkpoints, delete older ones; 0 keeps all.", ge=0)
+    keep_latest_k: int = _field(
+        10, "Keep the newest k checkpoints of the current timeline, delete older ones; 0 keeps all.", ge=0
+    )
     load_step: int = _field(
-        -1, "Resume from `step-N` exactly; -1 takes the newest complete checkpoint.", ge=0, allowed=(-1,)
+        -1,
+        "Roll back to `step-N`: newer checkpoints are moved aside and a new timeline begins; rerunning "
+        "with the same value continues that timeline. -1 takes the newest complete checkpoint.",
+        ge=0,
+        allowed=(-1,),
     )
     exclude_from_loading: StrList = _field(  # noqa: RUF009 - an immutable tuple
         StrList(),

@@ -10,9 +10,11 @@ Files to samples to batches, one module per stage:
 * ``samples``: the dataset kinds (``training.dataset``), tokenized into ``TokenArrays`` and served
   as ``(input_ids, labels)`` by ``SampleDataset``.
 * ``mixture``: several datasets sharing every global batch by weight.
-* ``shards`` / ``prepare`` / ``prepared``: ``scripts/prepare_data.py``'s token shards: their
-  on-disk format, written by worker processes, and memory-mapped for training, so start-up and
-  memory do not grow with the corpus.
+* ``shards`` / ``prepare`` / ``progress`` / ``prepared``: ``scripts/prepare_data.py``'s token
+  shards: their on-disk format, written by worker processes (with a progress line), and
+  memory-mapped for training, so start-up and memory do not grow with the corpus.
+* ``verification``: a prepared folder's shards checked against its manifest's hashes before they
+  are trained on, once per file version.
 * ``documents``: where packed documents begin, for ``training.document_mask``.
 * ``cache``: the on-disk token cache, which spares the ranks of a job from each tokenizing the
   corpus at start-up.

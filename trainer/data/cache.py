@@ -25,7 +25,7 @@ from pathlib import Path
 
 logger = logging.getLogger("meshtrain")
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 """The version of the code that turns files into tokens: the cleaning in ``sources``, the
 packing and dialogue pairing in ``samples``. The key sees every other input but not that code,
 so bump this with any change there that alters the samples made from the same files; otherwise
@@ -69,7 +69,7 @@ def load_or_build(
     """The arrays (of ``typecodes``) cached for these inputs, or ``build()``'s, then cached."""
     key = cache_key(kind, seq_len, tokenizer_sha256, tokenizer_library, files)
     file = cache_dir() / "datasets" / f"{kind}-{seq_len}-{key[:32]}.bin"
-    with _lock(file.with_suffix(".lock")):
+    with locked(file.with_suffix(".lock")):
         arrays = _load(file, key, typecodes)
         if arrays is None:
             arrays = list(build())
@@ -78,9 +78,9 @@ def load_or_build(
 
 
 @contextlib.contextmanager
-def _lock(lock_file: Path) -> Iterator[None]:
-    """Serialize the ranks that start together: one tokenizes while the others wait and then
-    read its cache file, instead of all of them doing the same work on the same few cores."""
+def locked(lock_file: Path) -> Iterator[None]:
+    """Serialize the ranks that start together: one tokenizes (or hashes) while the others wait
+    and then read its cache file, instead of all of them doing the same work on the same few cores."""
     with contextlib.ExitStack() as stack:
         try:
             lock_file.parent.mkdir(parents=True, exist_ok=True)

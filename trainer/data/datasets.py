@@ -1,18 +1,30 @@
 """The run's training and validation datasets, as the plan names them, and how they are described
-to the user (at start, by ``--dry-run`` and by ``scripts/show_batch.py``)."""
+to the user (at start, by ``--dry-run`` and by ``scripts/show_batch.py``).
+
+Inputs that cannot be what the user meant are refused or warned about here, where every path is
+known: a file named twice in ``training.dataset_path`` (it would silently get twice its share),
+data too small for one global batch (every batch would repeat samples), and a validation set
+that is part of the training set (its loss would measure memorisation)."""
 
 from __future__ import annotations
 
+import hashlib
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from trainer.config import resolve_path
 from trainer.data.mixture import Member, MixtureDataset
-from trainer.data.prepared import PreparedDataset
+from trainer.data.prepared import PreparedDataset, is_prepared
 from trainer.data.samples import SampleDataset, open_dataset
+from trainer.data.shards import MANIFEST
+from trainer.data.sources import local_files
+from trainer.runtime.errors import DataError
 
 if TYPE_CHECKING:
     from trainer.plan import Plan
+
+logger = logging.getLogger("meshtrain")
 
 TokenDataset = SampleDataset | PreparedDataset | MixtureDataset
 """What a run trains or validates on: ``(input_ids, labels)`` samples of ``seq_len`` tokens."""
@@ -23,13 +35,25 @@ def load_dataset(plan: Plan) -> TokenDataset:
     several (``training.dataset_path``, ``training.dataset_weights``)."""
     training = plan.config.training
     paths = [resolve_path(path) for path in training.dataset_path]
+    _check_named_once(paths)
     if len(paths) <= 1:
-        return open_dataset(training.dataset, paths[0] if paths else None, plan.tokenizer, training.seq_len)
-    members = [open_dataset(training.dataset, path, plan.tokenizer, training.seq_len) for path in paths]
-    names = [Path(path).name for path in paths]
-    if len(set(names)) < len(names):
-        names = list(training.dataset_path)
-    return MixtureDataset(members, names, training.dataset_weights or [1.0] * len(paths))
+        dataset: TokenDataset = open_dataset(
+            training.dataset, paths[0] if paths else None, plan.tokenizer, training.seq_len
+        )
+    else:
+        members = [open_dataset(training.dataset, path, plan.tokenizer, training.seq_len) for path in paths]
+        names = [Path(path).name for path in paths]
+        if len(set(names)) < len(names):
+            names = list(training.dataset_path)
+        dataset = MixtureDataset(members, names, training.dataset_weights or [1.0] * len(paths))
+    if len(dataset) < plan.global_batch_size:
+        where = f"`training.dataset_path` = {', '.join(training.dataset_path)}" if paths else "the bundled plays"
+        raise DataError(
+            f"{where} gives {len(dataset):,} samples of `training.seq_len` = {training.seq_len} tokens, fewer than "
+            f"one global batch of {plan.global_batch_size}, so every batch would repeat samples; add data, or lower "
+            "`training.global_batch_size` (or `training.local_batch_size`) or `training.seq_len`."
+        )
+    return dataset
 
 
 def load_validation_dataset(plan: Plan) -> TokenDataset | None:
@@ -37,21 +61,73 @@ def load_validation_dataset(plan: Plan) -> TokenDataset | None:
     validation, training = plan.config.validation, plan.config.training
     if not plan.validates:
         return None
+    path = resolve_path(validation.dataset_path) if validation.dataset_path else None
+    if path:
+        _warn_overlap(path, [resolve_path(p) for p in training.dataset_path])
     return open_dataset(
-        validation.dataset or training.dataset,
-        resolve_path(validation.dataset_path) if validation.dataset_path else None,
-        plan.tokenizer,
-        plan.validation_seq_len,
-        split="validation",
+        validation.dataset or training.dataset, path, plan.tokenizer, plan.validation_seq_len, split="validation"
     )
+
+
+def _contents(path: str, key: str) -> dict[Path, Path]:
+    """The files (a prepared folder: its manifest) ``path`` reads, by real path."""
+    if is_prepared(path):
+        return {(Path(path) / MANIFEST).resolve(): Path(path) / MANIFEST}
+    return {file.resolve(): file for file in local_files(path, key)}
+
+
+def _check_named_once(paths: list[str]) -> None:
+    seen: dict[Path, str] = {}
+    for path in paths:
+        for real, file in _contents(path, "`training.dataset_path`").items():
+            if real in seen:
+                raise DataError(
+                    f"`training.dataset_path` names {str(file)!r} twice (through {seen[real]!r} and {path!r}), which "
+                    "would give it two shares of every batch; name it once (weigh it with `training.dataset_weights`)."
+                )
+            seen[real] = path
+
+
+def _fingerprint(file: Path) -> tuple[int, str]:
+    return file.stat().st_size, hashlib.sha256(file.read_bytes()).hexdigest()
+
+
+def _warn_overlap(path: str, training_paths: list[str]) -> None:
+    """Warn, loudly and naming the file, when validation data is training data: the same file, or
+    a file with identical bytes (a copy)."""
+    held_out = _contents(path, "`validation.dataset_path`")
+    trained = {real: file for p in training_paths for real, file in _contents(p, "`training.dataset_path`").items()}
+    sizes = {file.stat().st_size for file in held_out.values()}  # only files of equal size are hashed
+    copies = {_fingerprint(file): file for file in trained.values() if file.stat().st_size in sizes}
+    trained_sizes = {size for size, _ in copies}
+    overlap = []
+    for real, file in held_out.items():
+        if real in trained:
+            overlap.append(f"{file} (the same file)")
+        elif file.stat().st_size in trained_sizes and (copy := copies.get(_fingerprint(file))) is not None:
+            overlap.append(f"{file} (identical to {copy})")
+    if overlap:
+        logger.warning(
+            "`validation.dataset_path` = %r overlaps the training data: %s%s. Validation on training data measures "
+            "memorisation, not generalisation: point `validation.dataset_path` at held-out data.",
+            path,
+            ", ".join(overlap[:3]),
+            f" and {len(overlap) - 3} more" if len(overlap) > 3 else "",
+        )
 
 
 def describe_data(plan: Plan, dataset: TokenDataset, validation: bool = False) -> str:
     """What the run trains (or validates) on, in a line or two."""
     training = plan.config.training
     kind = (plan.config.validation.dataset or training.dataset) if validation else training.dataset
+    paths = (
+        ([plan.config.validation.dataset_path] if plan.config.validation.dataset_path else [])
+        if validation
+        else list(training.dataset_path)
+    )
+    source = f"{kind} from {', '.join(paths)}" if paths else f"{kind}, bundled"
     seq_len = plan.validation_seq_len if validation else training.seq_len
-    text = f"{len(dataset):,} samples of {seq_len} tokens ({kind})"
+    text = f"{len(dataset):,} samples of {seq_len} tokens ({source})"
     members: list[Member]
     if isinstance(dataset, MixtureDataset):
         text += "; mixture over the run: " + dataset.describe_shares(

@@ -8,14 +8,26 @@ checkpoint resume on another mesh with the same sample stream.
 
 from __future__ import annotations
 
+import contextlib
+import queue
+import threading
+import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sized
+from typing import Any
 
 import torch
 from torch.utils.data import Dataset, Sampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from trainer.runtime.errors import ConfigError, DataError
+from trainer.runtime.errors import ConfigError, DataError, JobError
+
+POLL_S = 1.0
+"""How often a wait for a worker's micro-batch looks at the stop request and the data timeout."""
+
+
+class StoppedWaitingForData(Exception):
+    """A stop request arrived while the step waited for its data: the step cannot finish."""
 
 
 class GlobalOrder:
@@ -101,6 +113,59 @@ class _RankBatchSampler(Sampler[list[int]]):
             step += 1
 
 
+class _Fetcher:
+    """Takes micro-batches out of a loader's iterator on a thread of its own, so that the training
+    loop waits for them with a timeout.
+
+    A batch from a worker process arrives as shared-memory handles that the receiver fetches
+    from the worker itself; a stopped (``kill -STOP``) or hung worker blocks that fetch
+    forever, past the DataLoader's own ``timeout``. Only a wait on another thread can be
+    abandoned. The thread is a daemon: a fetch it never finishes does not keep the process alive.
+    """
+
+    def __init__(self) -> None:
+        self._requests: queue.Queue[Iterator[list[torch.Tensor]]] = queue.Queue()
+        self._results: queue.Queue[tuple[bool, Any]] = queue.Queue()
+        threading.Thread(target=self._serve, name="data-fetch", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            iterator = self._requests.get()
+            try:
+                self._results.put((True, next(iterator)))
+            except BaseException as error:  # handed to the training loop, which raises it
+                self._results.put((False, error))
+
+    def request(self, iterator: Iterator[list[torch.Tensor]]) -> None:
+        self._requests.put(iterator)
+
+    def result(self, timeout_s: float) -> tuple[bool, Any]:
+        """``(True, micro-batch)``, or ``(False, None)`` when none came within ``timeout_s``;
+        raises what the fetch raised."""
+        try:
+            ok, value = self._results.get(timeout=timeout_s)
+        except queue.Empty:
+            return False, None
+        if not ok:
+            raise value
+        return True, value
+
+
+def _end_workers(iterator: Iterator[list[torch.Tensor]]) -> None:
+    """End the loader's worker processes: torch's own shutdown first (it waits a few seconds for
+    each, then sends SIGTERM), then SIGKILL for any still there. A stopped or hung worker
+    ignores the SIGTERM, and Python's exit handlers would wait for it forever. Both
+    ``_shutdown_workers`` and ``_workers`` belong to the multiprocessing iterator of torch and
+    torchdata alike (private, unchanged since torch 1.x)."""
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()
+    for worker in getattr(iterator, "_workers", []):
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            if worker.is_alive():
+                worker.kill()
+
+
 class MicroBatchLoader:
     """Hands out one optimizer step's micro-batches at a time and checkpoints by step.
 
@@ -117,23 +182,66 @@ class MicroBatchLoader:
         microbatches: int,
         open_at: Callable[[int], Iterable[list[torch.Tensor]]],
         allow_data_change: bool = False,
+        timeout_s: float = 0.0,
+        workers: int = 0,
     ) -> None:
         self._order = order
         self._open_at = open_at
         self._allow_data_change = allow_data_change
+        self._timeout_s = timeout_s
+        self._workers = workers
         self._iterator: Iterator[list[torch.Tensor]] | None = None
+        self._fetcher: _Fetcher | None = None
         self._step = 0
         self.microbatches_per_step = microbatches
 
-    def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def next_step(self, stop_requested: Callable[[], bool] = lambda: False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The next step's micro-batches. With worker processes, a wait for one is bounded:
+        ``stop_requested`` is asked every :data:`POLL_S` seconds (raising
+        :class:`StoppedWaitingForData` when it says yes), and a wait past the data timeout
+        raises a :class:`JobError` naming the loader; a stalled worker has no collective to
+        time out on, so without this a one-process job would wait silently forever."""
         if self._iterator is None:
             self._iterator = iter(self._open_at(self._step))
         microbatches = []
         for _ in range(self.microbatches_per_step):
-            input_ids, labels = next(self._iterator)
+            input_ids, labels = self._next(self._iterator, stop_requested)
             microbatches.append((input_ids, labels))
         self._step += 1
         return microbatches
+
+    def _next(self, iterator: Iterator[list[torch.Tensor]], stop_requested: Callable[[], bool]) -> list[torch.Tensor]:
+        if self._workers == 0:
+            return next(iterator)  # loaded here: nothing else can stall
+        if self._fetcher is None:
+            self._fetcher = _Fetcher()
+        started = time.monotonic()
+        self._fetcher.request(iterator)
+        while True:
+            done, value = self._fetcher.result(POLL_S)
+            if done:
+                return value
+            waited = time.monotonic() - started
+            if stop_requested():
+                _end_workers(iterator)
+                raise StoppedWaitingForData(f"after waiting {waited:.0f} s for micro-batches of step {self._step + 1}")
+            if waited >= self._timeout_s:
+                _end_workers(iterator)
+                raise JobError(
+                    f"the data loader delivered nothing for step {self._step + 1} within "
+                    f"`training.data_timeout_seconds` = {self._timeout_s:g} s: one of its "
+                    f"`training.num_workers` = {self._workers} worker processes has stalled, died or hangs "
+                    "on its input (a stopped process, an unresponsive file system). Checkpoints already "
+                    "written are kept; rerun to resume. If loading legitimately takes that long, raise "
+                    "`training.data_timeout_seconds`."
+                )
+
+    def close(self) -> None:
+        """End the worker processes: gracefully, then by SIGKILL for any that cannot stop (a
+        stopped or hung one would otherwise keep the finished job from exiting)."""
+        if self._iterator is not None:
+            _end_workers(self._iterator)
+            self._iterator = None
 
     def state_dict(self) -> dict[str, int]:
         return {
@@ -183,6 +291,7 @@ def build_dataloader(
     pin_memory: bool = False,
     prefetch_factor: int | None = None,
     allow_data_change: bool = False,
+    timeout_s: float = 300.0,
 ) -> MicroBatchLoader:
     """This rank's loader, handing out ``microbatches`` micro-batches per step.
 
@@ -190,7 +299,8 @@ def build_dataloader(
     depends on the step, dataset, global batch size and seed only, never on ``dp_degree``,
     ``dp_rank`` or ``local_batch_size``. ``prefetch_factor`` is ignored without workers
     (``num_workers = 0``), where PyTorch rejects it. ``allow_data_change`` lets a checkpoint made
-    on a dataset of another size resume (``checkpoint.allow_data_change``).
+    on a dataset of another size resume (``checkpoint.allow_data_change``); ``timeout_s`` bounds
+    the wait for a worker's micro-batch (``training.data_timeout_seconds``).
     """
     if not 0 <= dp_rank < dp_degree:
         raise ValueError(f"data-parallel rank {dp_rank} is outside the data-parallel degree {dp_degree}.")
@@ -211,4 +321,4 @@ def build_dataloader(
                 prefetch_factor=prefetch_factor if num_workers > 0 else None,
             )
 
-    return MicroBatchLoader(order, microbatches, open_at, allow_data_change)
+    return MicroBatchLoader(order, microbatches, open_at, allow_data_change, timeout_s, num_workers)

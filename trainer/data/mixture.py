@@ -143,13 +143,15 @@ class MixtureDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
             self.offsets.append(self.offsets[-1] + len(member))
         self.seq_len = self.members[0].seq_len
         self.pad_id = self.members[0].pad_id
-        # The weights decide the order of samples: a resume with other weights is other data.
-        data = hashlib.sha256(repr([round(w, 12) for w in self.weights]).encode())
+        data = hashlib.sha256()
         for member in self.members:
-            data.update(member.identity["data_sha256"].encode())
+            data.update(member.identity["samples_sha256"].encode())
+        # The weights decide the order of samples: a resume with other weights is other data, and
+        # the identity's key names the setting to restore.
         self.identity = {
-            "data_sha256": data.hexdigest(),
+            "samples_sha256": data.hexdigest(),
             "tokenizer_sha256": self.members[0].identity["tokenizer_sha256"],
+            "training.dataset_weights": ", ".join(f"{w:.6g}" for w in self.weights),
         }
 
     def __len__(self) -> int:

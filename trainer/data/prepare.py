@@ -12,18 +12,29 @@ the folder is the same whatever ``--workers`` is. Documents are framed ``[bos] +
 the in-memory ``shakespeare`` dataset packs, and give the same samples. The folder's layout
 is ``trainer.data.shards``.
 
-A unit's files are written under temporary names and renamed, its done-record last, so an
-interrupted run leaves finished units whole; the rerun reuses a unit whose done-record matches
-its source bytes (re-hashed) and tokenizer, and redoes the others.
+**Nothing good is destroyed before the new output is complete.** A unit's files are written
+under temporary names and renamed, its done-record last, so an interrupted run leaves finished
+units whole; shard files are named by their content (``trainer.data.shards``), so a rerun writes
+beside the shards the current manifest names, never over them. The new manifest replaces the old
+in one rename at the very end; only then are the files no manifest names any more removed. A
+failure at any point before leaves the previous folder exactly as it was. The rerun reuses a unit
+whose done-record matches its source bytes and tokenizer and whose shard still has the sha256 the
+record says (re-hashed: sizes prove nothing), and redoes the others.
+
+One run at a time: the folder is locked (``.meshtrain.lock``, the dump folder's lock, taken over
+when its owner is gone), and worker processes die with the run, even on ``kill -9``.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import multiprocessing as mp
 import os
+import signal
 import sys
+import threading
 import time
 from array import array
 from collections.abc import Callable, Iterable, Sequence
@@ -32,26 +43,30 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from trainer.data.progress import Counters, Progress
 from trainer.data.shards import (
     FORMAT_VERSION,
     MANIFEST,
     SHARDS,
     build_manifest,
+    done_record_of,
+    done_records,
     encode_shard,
     file_sizes,
     manifest_entry,
+    sha256_file,
     shard_paths,
+    stream_sha256,
     token_array,
     token_dtype,
 )
-from trainer.data.sources import decode, file_documents, local_files
+from trainer.data.sources import PREPARE_INPUT, decode, file_documents, unique_files
 from trainer.data.tokenizer import Tokenizer, load_tokenizer
-from trainer.runtime.errors import DataError
+from trainer.runtime.dump_folder import LOCK_FILE, DumpFolderLock, describe_holder, read_lock
+from trainer.runtime.errors import BusyFolderError, DataError
 
 UNIT_BYTES = 64 << 20
 """Target size of the byte ranges a big uncompressed ``.jsonl`` file is cut into."""
-KIND = "shakespeare"
-"""The packed dataset kind whose documents the shards hold (named in sources' error messages)."""
 
 
 @dataclass(frozen=True)
@@ -67,13 +82,12 @@ class Unit:
 def plan_units(inputs: Sequence[str], unit_bytes: int = UNIT_BYTES) -> list[Unit]:
     """The units of ``inputs`` (files or folders searched recursively, each in sorted order)."""
     units: list[Unit] = []
-    for path in inputs:
-        for file in local_files(path, key="input"):
-            size = file.stat().st_size
-            if file.name.lower().endswith(".jsonl") and size > unit_bytes:
-                units.extend(Unit(str(file), start, end, size) for start, end in _line_ranges(file, size, unit_bytes))
-            else:
-                units.append(Unit(str(file), 0, size, size))
+    for file in unique_files(inputs, PREPARE_INPUT):
+        size = file.stat().st_size
+        if file.name.lower().endswith(".jsonl") and size > unit_bytes:
+            units.extend(Unit(str(file), start, end, size) for start, end in _line_ranges(file, size, unit_bytes))
+        else:
+            units.append(Unit(str(file), 0, size, size))
     return units
 
 
@@ -93,26 +107,34 @@ def _line_ranges(file: Path, size: int, unit_bytes: int) -> Iterable[tuple[int, 
 # --------------------------------------------------------------------------------------------
 
 
-class Counters:
-    """Documents, tokens and source bytes tokenized so far, shared by the worker processes."""
-
-    def __init__(self, context: Any) -> None:
-        self.documents = context.Value("q", 0)
-        self.tokens = context.Value("q", 0)
-        self.bytes = context.Value("q", 0)
-
-    def add(self, documents: int, tokens: int, nbytes: int) -> None:
-        for value, amount in ((self.documents, documents), (self.tokens, tokens), (self.bytes, nbytes)):
-            with value.get_lock():
-                value.value += amount
-
-
 _worker: dict[str, Any] = {}
 """The process's tokenizer, counters and (in-process only) progress callback, set once."""
 
 
-def _init_worker(tokenizer_path: str, counters: Counters, tick: Callable[[], None] | None = None) -> None:
+def _init_worker(
+    tokenizer_path: str, counters: Counters, tick: Callable[[], None] | None = None, parent: int | None = None
+) -> None:
+    if parent is not None:
+        _die_with(parent)
     _worker.update(tokenizer=load_tokenizer(tokenizer_path), counters=counters, tick=tick)
+
+
+def _die_with(parent: int) -> None:
+    """End this pool worker when the run that started it is gone: a run killed with ``kill -9``
+    never shuts its pool down, and its workers would wait for work forever."""
+    try:
+        if ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL) != 0:  # 1: PR_SET_PDEATHSIG (Linux)
+            raise OSError
+    except (OSError, AttributeError):
+        threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    if os.getppid() != parent:  # died before the request took effect
+        os._exit(1)
+
+
+def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
 
 
 @dataclass(frozen=True)
@@ -129,28 +151,37 @@ def _read_range(unit: Unit) -> bytes:
         return fh.read(unit.end - unit.start)
 
 
-def _reusable(record_file: Path, bin_file: Path, idx_file: Path, identity: dict[str, Any]) -> dict | None:
-    try:
-        record = json.loads(record_file.read_text())
-        sizes = file_sizes(identity["dtype"], record["tokens"], record["documents"])
-        sizes_ok = (bin_file.stat().st_size, idx_file.stat().st_size) == sizes
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return record if sizes_ok and record.get("identity") == identity else None
+def _reusable(out: Path, index: int, identity: dict[str, Any]) -> dict | None:
+    """The done-record of a shard of unit ``index`` that an earlier run finished from the same
+    source bytes and tokenizer and whose bytes still hash to what the record says, or None."""
+    for record_file in done_records(out, index):
+        try:
+            record = json.loads(record_file.read_text())
+            if record.get("identity") != identity:
+                continue
+            bin_file, idx_file = out / record["file"], out / record["index"]
+            sizes = file_sizes(identity["dtype"], record["tokens"], record["documents"])
+            if (bin_file.stat().st_size, idx_file.stat().st_size) == sizes and sha256_file(bin_file) == record[
+                "sha256"
+            ]:
+                return record
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
+    return None
 
 
 def _unit_documents(unit: Unit, data: bytes) -> list[str]:
     file = Path(unit.source)
     text = decode(file, data)
     try:
-        return file_documents(file, text, KIND)
+        return file_documents(file, text, PREPARE_INPUT)
     except DataError:
         if unit.start == 0:
             raise
         # Only now count the lines before the range, to name the file's own line number.
         with open(file, "rb") as fh:
             first_line = 1 + fh.read(unit.start).count(b"\n")
-        return file_documents(file, text, KIND, first_line)
+        return file_documents(file, text, PREPARE_INPUT, first_line)
 
 
 def _run_unit(task: _Task) -> tuple[dict[str, Any], bool]:
@@ -162,7 +193,6 @@ def _run_unit(task: _Task) -> tuple[dict[str, Any], bool]:
     counters: Counters = _worker["counters"]
     tick = _worker["tick"]
     out, unit = Path(task.out), task.unit
-    bin_file, idx_file, record_file = shard_paths(out, task.index)
     data = _read_range(unit)
     identity = {
         **asdict(unit),
@@ -171,10 +201,9 @@ def _run_unit(task: _Task) -> tuple[dict[str, Any], bool]:
         "dtype": task.dtype,
         "format_version": FORMAT_VERSION,
     }
-    record = _reusable(record_file, bin_file, idx_file, identity)
+    record = _reusable(out, task.index, identity)
     if record is not None:
         return record, True
-    record_file.unlink(missing_ok=True)
 
     documents = _unit_documents(unit, data)
     tokens = token_array(task.dtype)
@@ -206,15 +235,17 @@ def _run_unit(task: _Task) -> tuple[dict[str, Any], bool]:
 
     max_token_id = max(tokens) if tokens else -1
     token_bytes, offset_bytes = encode_shard(tokens, offsets, task.dtype)
+    digest = hashlib.sha256(token_bytes).hexdigest()
+    bin_file, idx_file, record_file = shard_paths(out, task.index, digest)
     _write_atomic(bin_file, token_bytes)
     _write_atomic(idx_file, offset_bytes)
     record = {
         "identity": identity,
-        "file": str(bin_file.relative_to(out)),
-        "index": str(idx_file.relative_to(out)),
+        "file": bin_file.relative_to(out).as_posix(),
+        "index": idx_file.relative_to(out).as_posix(),
         "tokens": len(tokens),
         "documents": len(documents),
-        "sha256": hashlib.sha256(token_bytes).hexdigest(),
+        "sha256": digest,
         "max_token_id": max_token_id,
     }
     _write_atomic(record_file, json.dumps(record, indent=1).encode())
@@ -222,12 +253,20 @@ def _run_unit(task: _Task) -> tuple[dict[str, Any], bool]:
 
 
 def _write_atomic(file: Path, data: bytes) -> None:
-    tmp = file.with_name(f".{file.name}.tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, file)
+    tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, file)
+    except OSError as exc:
+        raise DataError(
+            f"{file}: cannot be written ({exc.strerror or exc}); free space or give another --out. What --out held "
+            "before this run is intact."
+        ) from None
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -235,62 +274,37 @@ def _write_atomic(file: Path, data: bytes) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-class Progress:
-    """``documents, tokens, tokens/s, % of bytes, ETA`` on one line, at most every ``interval`` s.
-
-    A terminal gets the line rewritten in place; a log file gets one line per refresh. Units
-    reused from an earlier run count as done but not toward the rate.
-    """
-
-    def __init__(self, counters: Counters, total_bytes: int, stream: TextIO | None, interval: float = 1.0) -> None:
-        self.counters, self.total_bytes, self.stream, self.interval = counters, total_bytes, stream, interval
-        self.start = self.last = time.monotonic()
-        self.reused_bytes = 0
-        self.tty = bool(stream is not None and stream.isatty())
-
-    def line(self) -> str:
-        elapsed = max(time.monotonic() - self.start, 1e-9)
-        new_bytes = self.counters.bytes.value
-        done = new_bytes + self.reused_bytes
-        rate = self.counters.tokens.value / elapsed
-        remaining = max(self.total_bytes - done, 0)
-        eta = elapsed * remaining / new_bytes if new_bytes else float("nan")
-        percent = 100 * done / self.total_bytes if self.total_bytes else 100.0
-        eta_text = _duration(eta) if eta == eta else "?"
-        return (
-            f"prepare_data: {self.counters.documents.value:,} documents, {self.counters.tokens.value:,} tokens, "
-            f"{rate:,.0f} tokens/s, {percent:.1f}% of {self.total_bytes / 1e6:,.1f} MB, ETA {eta_text}"
-        )
-
-    def tick(self, force: bool = False) -> None:
-        if self.stream is None or (not force and time.monotonic() - self.last < self.interval):
-            return
-        self.last = time.monotonic()
-        self.stream.write(("\r" + self.line() + "\x1b[K") if self.tty else self.line() + "\n")
-        self.stream.flush()
-
-    def finish(self) -> None:
-        self.tick(force=True)
-        if self.stream is not None and self.tty:
-            self.stream.write("\n")
-
-
-def _duration(seconds: float) -> str:
-    minutes, secs = divmod(round(seconds), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}:{minutes:02d}:{secs:02d}"
-
-
 def _check_out(out: Path) -> None:
     if out.exists() and not out.is_dir():
         raise DataError(f"--out {str(out)!r} is a file; give a folder (new, empty or prepared before).")
     if out.is_dir():
-        foreign = sorted(p.name for p in out.iterdir() if p.name not in (MANIFEST, SHARDS))
+        foreign = sorted(p.name for p in out.iterdir() if p.name not in (MANIFEST, SHARDS, LOCK_FILE))
         if foreign:
             raise DataError(
                 f"--out {str(out)!r} holds other things ({', '.join(foreign[:5])}{', ...' if len(foreign) > 5 else ''}); "
                 "prepare_data writes into a new or empty folder, or one it prepared before: choose another --out."
             )
+
+
+class BusyOutError(BusyFolderError):
+    """``--out`` is being written by another prepare_data run."""
+
+    label = "busy --out folder"
+
+
+def _lock(out: Path) -> DumpFolderLock:
+    """Hold ``out`` for this run: two runs writing one folder would tear each other's files."""
+    lock = DumpFolderLock(out)
+    try:
+        lock.acquire()
+    except BusyFolderError:
+        found = read_lock(out)
+        holder = describe_holder(*found) if found else "another run"
+        raise BusyOutError(
+            f"--out {str(out)!r} is being prepared by another prepare_data run: {holder}. Wait for it or stop it, "
+            f"or give another --out. A lock left by a run that died ({out / LOCK_FILE}) is taken over automatically."
+        ) from None
+    return lock
 
 
 def prepare(
@@ -305,6 +319,8 @@ def prepare(
     manifest. Rerunning after an interruption redoes only the units not finished (or changed)."""
     if workers < 1:
         raise DataError(f"--workers = {workers}: at least one worker is needed; give --workers 1 or more.")
+    if unit_bytes < 1:
+        raise DataError(f"--unit-mb = {unit_bytes >> 20}: units need at least 1 MB; give --unit-mb 1 or more.")
     if not inputs:
         raise DataError("no inputs: name .txt, .jsonl or .jsonl.gz files, or folders of them.")
     tokenizer = load_tokenizer(tokenizer_path)
@@ -312,17 +328,34 @@ def prepare(
     _check_out(out_dir)
     units = plan_units(inputs, unit_bytes)
     dtype = token_dtype(tokenizer.vocab_size)
-    (out_dir / SHARDS).mkdir(parents=True, exist_ok=True)
-    (out_dir / MANIFEST).unlink(missing_ok=True)  # the folder is incomplete until the manifest is back
-    for stale in (out_dir / SHARDS).iterdir():
-        if not stale.stem.isdigit() or int(stale.stem) >= len(units):
-            stale.unlink()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lock = _lock(out_dir)
+    try:
+        (out_dir / SHARDS).mkdir(exist_ok=True)
+        records, reused = _run_units(out_dir, units, tokenizer_path, dtype, workers, progress)
+        entries = [manifest_entry(record) for record in records]
+        manifest = _manifest(tokenizer, dtype, units, entries, stream_sha256(out_dir, entries))
+        if manifest["total_tokens"] == 0:
+            raise DataError(
+                f"{', '.join(inputs)}: no documents (blank .txt files and .jsonl files without lines); nothing to "
+                "prepare: name files that hold text."
+            )
+        _write_atomic(out_dir / MANIFEST, json.dumps(manifest, indent=1).encode())
+        _remove_unnamed(out_dir, entries)
+    finally:
+        lock.release()
+    return {**manifest, "reused_units": reused}  # how this run went; not part of the data's identity
 
+
+def _run_units(
+    out: Path, units: list[Unit], tokenizer_path: str, dtype: str, workers: int, progress: TextIO | None
+) -> tuple[list[dict[str, Any]], int]:
+    """Every unit's done-record, in order, and how many were reused."""
     # fork: workers need no re-import of the caller's main module (a script, a notebook, stdin).
     context = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
     counters = Counters(context)
     meter = Progress(counters, sum(u.end - u.start for u in units), progress)
-    tasks = [_Task(i, unit, str(out_dir), dtype) for i, unit in enumerate(units)]
+    tasks = [_Task(i, unit, str(out), dtype) for i, unit in enumerate(units)]
     records: list[dict[str, Any]] = [{}] * len(tasks)
     reused = 0
 
@@ -339,7 +372,8 @@ def prepare(
             collect(task, *_run_unit(task))
             meter.tick()
     else:
-        with ProcessPoolExecutor(workers, context, _init_worker, (tokenizer_path, counters)) as pool:
+        init_args = (tokenizer_path, counters, None, os.getpid())
+        with ProcessPoolExecutor(workers, context, _init_worker, init_args) as pool:
             pending = {pool.submit(_run_unit, task): task for task in tasks}
             try:
                 while pending:
@@ -352,28 +386,36 @@ def prepare(
                     future.cancel()
                 raise
     meter.finish()
-
-    manifest = _manifest(tokenizer, dtype, units, records)
-    manifest["reused_units"] = reused  # how this run went; not part of the data's identity
-    if manifest["total_tokens"] == 0:
-        raise DataError(
-            f"{', '.join(inputs)}: no documents (blank .txt files and .jsonl files without lines); nothing to prepare: name files that hold text."
-        )
-    _write_atomic(
-        out_dir / MANIFEST, json.dumps({k: v for k, v in manifest.items() if k != "reused_units"}, indent=1).encode()
-    )
-    return manifest
+    return records, reused
 
 
-def _manifest(tokenizer: Tokenizer, dtype: str, units: list[Unit], records: list[dict]) -> dict[str, Any]:
+def _remove_unnamed(out: Path, entries: list[dict[str, Any]]) -> None:
+    """Remove the shard files the new manifest does not name (the previous run's, superseded)."""
+    named = {name for entry in entries for name in (entry["file"], entry["index"])}
+    named |= {done_record_of(Path(entry["file"])).as_posix() for entry in entries}
+    for file in (out / SHARDS).iterdir():
+        if f"{SHARDS}/{file.name}" not in named and file.is_file():
+            file.unlink(missing_ok=True)
+
+
+def _manifest(
+    tokenizer: Tokenizer, dtype: str, units: list[Unit], entries: list[dict[str, Any]], stream: str
+) -> dict[str, Any]:
     sources: dict[str, int] = {}
     for unit in units:
         sources.setdefault(unit.source, unit.file_size)
-    return build_manifest(tokenizer, dtype, sources, [manifest_entry(record) for record in records])
+    return build_manifest(tokenizer, dtype, sources, entries, stream)
 
 
 def write_manifest(out: Path, tokenizer: Tokenizer, dtype: str, shards: list[dict[str, Any]]) -> None:
-    """A manifest for shards written by other means (``benchmarks/data.py`` synthesises them)."""
-    records = [{**shard, "identity": {"source": "", "start": 0, "end": 0, "sha256": ""}} for shard in shards]
-    manifest = _manifest(tokenizer, dtype, [], records)
-    _write_atomic(out / MANIFEST, json.dumps(manifest, indent=1).encode())
+    """A manifest (and the done-records) for shards written by other means (``benchmarks/data.py``
+    synthesises them)."""
+    identity = {"source": "", "start": 0, "end": 0, "sha256": ""}
+    records = [{**shard, "identity": identity} for shard in shards]
+    for record in records:
+        _write_atomic(out / done_record_of(Path(record["file"])), json.dumps(record, indent=1).encode())
+    entries = [manifest_entry(record) for record in records]
+    _write_atomic(
+        out / MANIFEST,
+        json.dumps(_manifest(tokenizer, dtype, [], entries, stream_sha256(out, entries)), indent=1).encode(),
+    )

@@ -5,8 +5,9 @@ the same way: sample i is tokens ``[i * (seq_len + 1), (i + 1) * (seq_len + 1))`
 (windows may span shards; the incomplete tail is dropped), so every label is valid and the
 samples equal the in-memory ones made from the same files.
 
-Opening reads the manifest and checks each shard's size, nothing more: start-up time and
-resident memory do not grow with the corpus. Shards are mapped on first access in each process,
+Opening reads the manifest and checks the shards against it (``trainer.data.verification``:
+hashed the first time, then only their sizes, times and inodes), so resident memory does not
+grow with the corpus, nor start-up time after the first. Shards are mapped on first access in each process,
 so the dataset pickles to loader workers as a few paths and numbers; the operating system pages
 in the windows a batch touches and can drop them again.
 """
@@ -23,9 +24,18 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from trainer.data.shards import MANIFEST, SHARDS, file_sizes, map_tokens, read_manifest
+from trainer.data.shards import MANIFEST, SHARDS, map_tokens, read_manifest
 from trainer.data.tokenizer import Tokenizer
+from trainer.data.verification import check_shards
 from trainer.runtime.errors import DataError
+
+
+def packed_identity(seq_len: int, dtype: str, stream_sha256: str, tokenizer_sha256: str) -> dict[str, str]:
+    """What packed samples are: the token stream (its bytes as ``dtype`` shards, hashed), cut into
+    windows of ``seq_len + 1``, of the tokenizer's ids. The same for a prepared folder and for the
+    files it was prepared from, so a run may resume from either form of the same data."""
+    samples = hashlib.sha256(f"packed\0{seq_len}\0{dtype}\0{stream_sha256}".encode()).hexdigest()
+    return {"samples_sha256": samples, "tokenizer_sha256": tokenizer_sha256}
 
 
 def is_prepared(path: str | os.PathLike[str]) -> bool:
@@ -45,10 +55,9 @@ class PreparedDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         self.seq_len = seq_len
         self.pad_id = tokenizer.pad_id
         self.dtype: str = manifest["dtype"]
+        self.hashed = check_shards(self.root, manifest, tokenizer.vocab_size)
         # Empty shards (blank units) hold no tokens; map only the others.
         shards = [shard for shard in manifest["shards"] if shard["tokens"] > 0]
-        for shard in shards:
-            _check_size(self.root / shard["file"], file_sizes(self.dtype, shard["tokens"], shard["documents"])[0])
         self._files = [str(self.root / shard["file"]) for shard in shards]
         self._starts = [0]
         for shard in shards:
@@ -59,10 +68,7 @@ class PreparedDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
                 f"`training.dataset_path` = {folder!r} holds {self._starts[-1]} tokens, fewer than one sample of "
                 f"`training.seq_len` + 1 = {seq_len + 1}; add data or lower `training.seq_len`."
             )
-        stream = hashlib.sha256(self.dtype.encode())
-        for shard in shards:
-            stream.update(bytes.fromhex(shard["sha256"]))
-        self.identity = {"data_sha256": stream.hexdigest(), "tokenizer_sha256": tokenizer.sha256}
+        self.identity = packed_identity(seq_len, self.dtype, manifest["stream_sha256"], tokenizer.sha256)
         self._views: list[np.memmap | None] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -103,8 +109,8 @@ def _check_tokenizer(root: Path, manifest: dict[str, Any], tokenizer: Tokenizer)
     if prepared_with["sha256"] != tokenizer.sha256:
         raise DataError(
             f"{str(root)!r} was prepared with the tokenizer {prepared_with['file']!r} (sha256 "
-            f"{prepared_with['sha256'][:12]}...), but `model.tokenizer_path` = {str(tokenizer.path)!r} is another file "
-            f"(sha256 {tokenizer.sha256[:12]}...). Set `model.tokenizer_path` to the tokenizer the data was prepared "
+            f"{prepared_with['sha256'][:12]}...), but `model.tokenizer_path` = {str(tokenizer.path)!r} is another "
+            f"tokenizer (sha256 {tokenizer.sha256[:12]}... of its files, tokenizer_config.json included). Set `model.tokenizer_path` to the tokenizer the data was prepared "
             f"with, or re-prepare it: scripts/prepare_data.py --tokenizer {tokenizer.path} ..."
         )
     if manifest["max_token_id"] >= tokenizer.vocab_size:
@@ -112,19 +118,4 @@ def _check_tokenizer(root: Path, manifest: dict[str, Any], tokenizer: Tokenizer)
             f"{str(root)!r} holds the token id {manifest['max_token_id']}, beyond the vocabulary of "
             f"{tokenizer.vocab_size} of `model.tokenizer_path` = {str(tokenizer.path)!r}; re-prepare the data "
             "with scripts/prepare_data.py."
-        )
-
-
-def _check_size(file: Path, expected: int) -> None:
-    try:
-        size = file.stat().st_size
-    except OSError:
-        raise DataError(
-            f"{file}: a shard of the prepared folder is missing; rerun scripts/prepare_data.py with the same "
-            "arguments to redo it."
-        ) from None
-    if size != expected:
-        raise DataError(
-            f"{file}: {size} bytes, the manifest says {expected}; the shard is truncated or damaged. Rerun "
-            "scripts/prepare_data.py with the same arguments (scripts/prepare_data.py --verify FOLDER checks every shard)."
         )

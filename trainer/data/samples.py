@@ -23,12 +23,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset
 
 from trainer.data import cache
 from trainer.data.chat import ChatStats, render
-from trainer.data.prepared import PreparedDataset, is_prepared
+from trainer.data.prepared import PreparedDataset, is_prepared, packed_identity
+from trainer.data.shards import TOKEN_DTYPES, token_dtype
 from trainer.data.sources import Sources, read_sources
 from trainer.data.tokenizer import Tokenizer
 from trainer.loss import IGNORE_INDEX
@@ -73,7 +75,7 @@ def _packed(kind: str, sources: Sources, tokenizer: Tokenizer, seq_len: int) -> 
     for document in sources.documents(kind):
         tokens.extend(tokenizer.encode(document, bos=True, eos=True))
     n = len(tokens) // (seq_len + 1)
-    del tokens[n * (seq_len + 1) :]
+    # The tail past the last sample stays: the whole stream is what the data identity hashes.
     return TokenArrays(tokens, array("q", range(0, n * (seq_len + 1) + 1, seq_len + 1)), array("i", [0]) * n)
 
 
@@ -155,11 +157,11 @@ class SampleDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     """Map-style dataset of ``(input_ids, labels)``, both ``LongTensor[seq_len]``.
 
     Padding and masking happen on access, so storage holds each sample's real tokens only.
-    ``identity`` fingerprints what the samples are made of (their tokens and the tokenizer): a
-    checkpoint records it, so a resume on other data is noticed.
+    ``identity`` fingerprints what the samples are (:func:`samples_identity`): a checkpoint
+    records it, so a resume on other data is noticed.
     """
 
-    def __init__(self, arrays: TokenArrays, seq_len: int, pad_id: int, tokenizer_sha256: str = "") -> None:
+    def __init__(self, arrays: TokenArrays, seq_len: int, pad_id: int, identity: dict[str, str]) -> None:
         self._tokens = torch.frombuffer(arrays.tokens, dtype=torch.int32)  # shares the array's memory
         self._offsets = arrays.offsets
         self._num_masked = arrays.num_masked
@@ -167,10 +169,7 @@ class SampleDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         self.chat_stats = ChatStats(*arrays.stats) if arrays.stats else None
         self.seq_len = seq_len
         self.pad_id = pad_id
-        data = hashlib.sha256()
-        for part in arrays.parts():
-            data.update(part)
-        self.identity = {"data_sha256": data.hexdigest(), "tokenizer_sha256": tokenizer_sha256}
+        self.identity = identity
 
     def __len__(self) -> int:
         return len(self._offsets) - 1
@@ -193,6 +192,12 @@ def _build_arrays(kind: str, sources: Sources, tokenizer: Tokenizer, seq_len: in
     arrays = _KINDS[kind].build(kind, sources, tokenizer, seq_len)
     if not arrays.num_masked:
         key = f"{'validation' if sources.split == 'validation' else 'training'}.seq_len"
+        stats = ChatStats(*arrays.stats) if arrays.stats else None
+        if stats is not None and stats.conversations and stats.without_assistant == stats.conversations:
+            raise DataError(
+                f"{sources.describe()}: none of its {stats.conversations:,} conversations has a message with the "
+                f'role "assistant", the only one learned; name the answering role "assistant" in the data.'
+            )
         raise DataError(
             f"{sources.describe()} yields no {kind} samples of `{key}` = {seq_len} tokens"
             f"{_KINDS[kind].sample_needs}; add data or {'raise' if kind == 'chat' else 'lower'} `{key}`."
@@ -232,7 +237,22 @@ def build_dataset(
         TokenArrays.TYPECODES,
         lambda: _build_arrays(kind, sources, tokenizer, seq_len).parts(),
     )
-    return SampleDataset(TokenArrays(*parts), seq_len, tokenizer.pad_id, tokenizer.sha256)
+    arrays = TokenArrays(*parts)
+    return SampleDataset(arrays, seq_len, tokenizer.pad_id, samples_identity(kind, arrays, seq_len, tokenizer))
+
+
+def samples_identity(kind: str, arrays: TokenArrays, seq_len: int, tokenizer: Tokenizer) -> dict[str, str]:
+    """What the samples are. Packed kinds: the token stream as a prepared folder would hold it
+    (:func:`~trainer.data.prepared.packed_identity`, equal for both forms of the same files);
+    the others: every array the samples are read from."""
+    if _KINDS[kind].packed:
+        dtype = token_dtype(tokenizer.vocab_size)
+        stream = hashlib.sha256(np.asarray(arrays.tokens, dtype=TOKEN_DTYPES[dtype]).tobytes()).hexdigest()
+        return packed_identity(seq_len, dtype, stream, tokenizer.sha256)
+    data = hashlib.sha256(f"{kind}\0{seq_len}\0".encode())
+    for part in arrays.parts():
+        data.update(part)
+    return {"samples_sha256": data.hexdigest(), "tokenizer_sha256": tokenizer.sha256}
 
 
 def open_dataset(

@@ -3,14 +3,22 @@
 
 Folder layout (``FORMAT_VERSION`` 1)::
 
-    manifest.json          written last: its presence means the folder is complete
-    shards/000000.bin      the unit's tokens, uint16 (vocabulary <= 65536) or uint32, little-endian
-    shards/000000.idx      uint64 little-endian document offsets into the shard, documents + 1 of them
-    shards/000000.json     the done-record: the unit's source range and its sha256, the tokenizer's
-                           sha256, the shard's counts and sha256
+    manifest.json               written last: its presence means the folder is complete
+    shards/000000-<sha>.bin     unit 0's tokens, uint16 (vocabulary <= 65536) or uint32, little-endian
+    shards/000000-<sha>.idx     uint64 little-endian document offsets into the shard, documents + 1 of them
+    shards/000000-<sha>.json    the done-record: the unit's source range and its sha256, the tokenizer's
+                                sha256, the shard's counts and sha256
+
+``<sha>`` is the first 16 hex digits of the ``.bin`` file's sha256 (folders written before had
+none: ``shards/000000.bin``; the manifest names each file). Naming shards by content lets a rerun
+write its new shards beside the ones the current manifest names, so the folder stays whole until
+the new manifest replaces the old in one rename.
 
 There is no header: a shard's size and sha256 live in the manifest, so a ``.bin`` file is a bare
-token array that ``numpy.memmap`` maps as it is.
+token array that ``numpy.memmap`` maps as it is. The manifest also holds ``stream_sha256``, the
+sha256 of all shards' bytes in order (the token stream, whatever its cut into units: what the
+in-memory path hashes to tell the same samples), and ``manifest_sha256``, the sha256 of its own
+other keys (:func:`manifest_checksum`), so an edited shard list or total is noticed.
 """
 
 from __future__ import annotations
@@ -48,7 +56,15 @@ MANIFEST_KEYS: dict[str, type] = {
     "total_tokens": int,
     "total_documents": int,
     "max_token_id": int,
+    "stream_sha256": str,
+    "manifest_sha256": str,
 }
+PROOF_KEYS = ("stream_sha256", "manifest_sha256")
+"""Manifest keys written by prepare_data since it names shards by content; a rerun adds them."""
+RERUN = (
+    "rerun scripts/prepare_data.py with the same arguments: it keeps the shards whose bytes verify by hash, "
+    "redoes the others and rewrites the manifest"
+)
 TOKENIZER_KEYS: dict[str, type] = {
     "file": str,
     "sha256": str,
@@ -74,10 +90,20 @@ def token_dtype(vocab_size: int) -> str:
     return "uint16" if vocab_size <= 1 << 16 else "uint32"
 
 
-def shard_paths(out: Path, index: int) -> tuple[Path, Path, Path]:
-    """The tokens, document offsets and done-record of unit ``index``."""
-    stem = out / SHARDS / f"{index:06d}"
+def shard_paths(out: Path, index: int, sha256: str) -> tuple[Path, Path, Path]:
+    """The tokens, document offsets and done-record of unit ``index``, whose tokens hash to ``sha256``."""
+    stem = out / SHARDS / f"{index:06d}-{sha256[:16]}"
     return stem.with_suffix(".bin"), stem.with_suffix(".idx"), stem.with_suffix(".json")
+
+
+def done_records(out: Path, index: int) -> list[Path]:
+    """The done-records of unit ``index`` in ``out``: the current one, and those of earlier runs."""
+    return sorted((out / SHARDS).glob(f"{index:06d}*.json"))
+
+
+def done_record_of(bin_file: Path) -> Path:
+    """The done-record beside a shard: the proof that a worker finished writing it."""
+    return bin_file.with_suffix(".json")
 
 
 def file_sizes(dtype: str, tokens: int, documents: int) -> tuple[int, int]:
@@ -128,12 +154,28 @@ def manifest_entry(record: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def stream_sha256(root: Path, shards: list[dict[str, Any]]) -> str:
+    """The sha256 of the shards' bytes, read in order: the token stream's fingerprint."""
+    digest = hashlib.sha256()
+    for shard in shards:
+        with open(root / shard["file"], "rb") as fh:
+            while chunk := fh.read(1 << 24):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def manifest_checksum(manifest: Mapping[str, Any]) -> str:
+    """The sha256 of a manifest's keys other than ``manifest_sha256``, in a canonical form."""
+    body = {key: value for key, value in manifest.items() if key != "manifest_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def build_manifest(
-    tokenizer: Tokenizer, dtype: str, sources: Mapping[str, int], shards: list[dict[str, Any]]
+    tokenizer: Tokenizer, dtype: str, sources: Mapping[str, int], shards: list[dict[str, Any]], stream: str
 ) -> dict[str, Any]:
     """The manifest of the shards ``shards`` (manifest entries), tokenized by ``tokenizer`` from
-    ``sources`` (path -> size in bytes)."""
-    return {
+    ``sources`` (path -> size in bytes), whose bytes in order hash to ``stream``."""
+    manifest = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "tokenizer": {
@@ -150,11 +192,15 @@ def build_manifest(
         "total_tokens": sum(s["tokens"] for s in shards),
         "total_documents": sum(s["documents"] for s in shards),
         "max_token_id": max((s["max_token_id"] for s in shards), default=-1),
+        "stream_sha256": stream,
     }
+    return {**manifest, "manifest_sha256": manifest_checksum(manifest)}
 
 
 def read_manifest(root: Path) -> dict[str, Any]:
     """The manifest of the prepared folder ``root``, its format and keys checked."""
+    if not root.exists():
+        raise DataError(f"{str(root)!r} does not exist; name a folder made by scripts/prepare_data.py.")
     if not root.is_dir():
         raise DataError(f"{str(root)!r} is not a folder; name a folder made by scripts/prepare_data.py.")
     file = root / MANIFEST
@@ -185,6 +231,11 @@ def read_manifest(root: Path) -> dict[str, Any]:
             f"{file}: dtype {manifest['dtype']!r}, byte order {manifest['byte_order']!r}; shards are little-endian "
             f"{' or '.join(TOKEN_DTYPES)}. The manifest is damaged: re-prepare the folder with scripts/prepare_data.py."
         )
+    if manifest_checksum(manifest) != manifest["manifest_sha256"]:
+        raise DataError(
+            f"{file}: its contents do not match its manifest_sha256, so it was edited or damaged (shards added, "
+            f"dropped or changed); {RERUN}."
+        )
     return manifest
 
 
@@ -197,20 +248,24 @@ def _check_keys(file: Path, where: str, value: Any, keys: Mapping[str, type]) ->
     for key, kind in keys.items():
         # bool is an int to isinstance, never a count or an id here.
         if not isinstance(value.get(key), kind) or isinstance(value.get(key), bool):
+            fix = RERUN if key in PROOF_KEYS and not where else "re-prepare the folder with scripts/prepare_data.py"
             raise DataError(
-                f"{file}: {where}{key} is missing or not a {kind.__name__}; the manifest is "
-                "damaged: re-prepare the folder with scripts/prepare_data.py."
+                f"{file}: {where}{key} is missing or not a {kind.__name__}; the manifest is damaged or "
+                f"incomplete: {fix}."
             )
 
 
 def verify(folder: str) -> list[str]:
-    """Every problem a full check of a prepared folder finds: the manifest, each shard's size and
-    sha256 and each index's size (an empty list: the folder is sound)."""
+    """Every problem a full check of a prepared folder finds: the manifest, each shard's size,
+    sha256 and done-record and each index's size (an empty list: the folder is sound)."""
     root = Path(folder)
     manifest = read_manifest(root)
     problems = []
     for shard in manifest["shards"]:
         bin_file, idx_file = root / shard["file"], root / shard["index"]
+        problem = done_record_problem(bin_file, shard["sha256"])
+        if problem:
+            problems.append(problem)
         bin_size, idx_size = file_sizes(manifest["dtype"], shard["tokens"], shard["documents"])
         try:
             digest = sha256_file(bin_file)
@@ -224,3 +279,17 @@ def verify(folder: str) -> list[str]:
         if not idx_ok:
             problems.append(f"{idx_file}: its size does not match {shard['documents']} documents")
     return problems
+
+
+def done_record_problem(bin_file: Path, sha256: str) -> str | None:
+    """What is wrong with a shard's done-record (missing, unreadable, of other bytes), or None."""
+    record_file = done_record_of(bin_file)
+    try:
+        record = json.loads(record_file.read_text())
+    except FileNotFoundError:
+        return f"{record_file}: missing; a shard without its done-record was never finished by prepare_data"
+    except (OSError, ValueError) as exc:
+        return f"{record_file}: unreadable done-record ({exc})"
+    if not isinstance(record, dict) or record.get("sha256") != sha256:
+        return f"{record_file}: its sha256 is not the manifest's for {bin_file.name}"
+    return None

@@ -8,13 +8,14 @@ made from them: bump ``trainer.data.cache.FORMAT_VERSION`` with it.
 
 from __future__ import annotations
 
+import difflib
 import gzip
 import importlib.util
 import itertools
 import json
 import re
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -140,31 +141,60 @@ def is_jsonl(file: Path) -> bool:
     return file.name.lower().endswith((".jsonl", ".jsonl.gz"))
 
 
+PREPARE_INPUT = "prepare_data input"
+"""The ``key`` of :func:`local_files` for ``scripts/prepare_data.py``'s inputs, whose fixes differ."""
+
+
 def local_files(path: str, key: str = "`training.dataset_path`") -> list[Path]:
     """The file ``path``, or the ``.txt``/``.jsonl``/``.jsonl.gz`` files of the folder ``path``
     found recursively, in sorted order. ``key`` names where the path came from in errors."""
     root = Path(path).expanduser()
+    preparing = key == PREPARE_INPUT
+    accepted = (
+        "a .txt, .jsonl or .jsonl.gz file or a folder of them"
+        if preparing
+        else "a .txt, .jsonl or .jsonl.gz file, a folder of them, or a folder made by scripts/prepare_data.py"
+    )
     if root.is_file():
-        if not has_local_suffix(root):
+        if root.name == "manifest.json" and not preparing:
             raise DataError(
-                f"{key} = {path!r} is a {root.suffix or 'suffix-less'} file; "
-                "use a .txt, .jsonl or .jsonl.gz file, a folder of them, or a folder made by "
-                "scripts/prepare_data.py."
+                f"{key} = {path!r} is a prepared folder's manifest; point {key} at the folder itself: "
+                f"{str(root.parent)!r}."
             )
+        if not has_local_suffix(root):
+            raise DataError(f"{key} = {path!r} is a {root.suffix or 'suffix-less'} file; use {accepted}.")
         return [root]
     if root.is_dir():
         files = sorted(p for p in root.rglob("*") if has_local_suffix(p) and p.is_file())
         if not files:
+            inside = " (the shards of a prepared folder: name the folder above it)" if root.name == "shards" else ""
             raise DataError(
-                f"{key} = {path!r} is a folder without .txt or .jsonl(.gz) files; "
-                "add some, or point the key at another folder (or at one made by scripts/prepare_data.py)."
+                f"{key} = {path!r} is a folder without .txt or .jsonl(.gz) files{inside}; add some, or name {accepted}."
             )
         return files
+    if preparing:
+        raise DataError(f"{key} {path!r} does not exist; name {accepted} (check the spelling and the working folder).")
     raise DataError(
-        f"{key} = {path!r} does not exist; point it at a .txt/.jsonl/.jsonl.gz file, a "
-        "folder of them or a folder made by scripts/prepare_data.py, or leave it empty to train "
-        "on the bundled plays."
+        f"{key} = {path!r} does not exist; point it at {accepted}, or leave it empty to train on the bundled plays."
     )
+
+
+def unique_files(paths: Sequence[str], key: str) -> list[Path]:
+    """The files of ``paths`` (:func:`local_files` each, in order), refusing a file named twice
+    (the same path given twice, or a file also reached through its folder): it would be trained on
+    twice as often as the user asked, without a word."""
+    seen: dict[Path, str] = {}
+    files = []
+    for path in paths:
+        for file in local_files(path, key):
+            real = file.resolve()
+            if real in seen:
+                raise DataError(
+                    f"{key}: {str(file)!r} is named twice (by {seen[real]!r} and by {path!r}); name every file once."
+                )
+            seen[real] = path
+            files.append(file)
+    return files
 
 
 def decode(file: Path, data: bytes) -> str:
@@ -177,10 +207,20 @@ def decode(file: Path, data: bytes) -> str:
             raise DataError(
                 f"{file}: not a complete gzip file ({exc}); compress it again, or move it out of the inputs."
             ) from None
+    elif data[:2] == b"\x1f\x8b":
+        raise DataError(f"{file}: gzip-compressed data in a file not named .gz; rename it {file.name}.gz.")
+    if b"\0" in data:
+        raise DataError(
+            f"{file}: holds NUL bytes, so it is binary data, not text; move it out of the inputs "
+            "(meshtrain reads UTF-8 .txt, .jsonl and .jsonl.gz files)."
+        )
     try:
-        return data.decode("utf-8").replace("\r\n", "\n")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise DataError(f"{file}: not UTF-8 text ({exc}); files under `training.dataset_path` must be UTF-8.") from None
+        raise DataError(
+            f"{file}: not UTF-8 text ({exc}); convert it to UTF-8 (e.g. iconv -t UTF-8) or move it out of the inputs."
+        ) from None
+    return text.replace("\r\n", "\n")
 
 
 def jsonl_records(
@@ -188,10 +228,12 @@ def jsonl_records(
 ) -> Iterator[tuple[str, ...]]:
     """The string fields ``keys`` of each non-blank line, with errors pointing at file:line
     (``text`` starts at line ``first_line`` of ``file``)."""
-    hint = (
-        f"with `training.dataset` = {kind!r}, every line of a .jsonl file under "
-        f"`training.dataset_path` must be a JSON object with string keys {', '.join(map(json.dumps, keys))}"
+    where = (
+        "of a .jsonl input of prepare_data"
+        if kind == PREPARE_INPUT
+        else f"of a .jsonl file under `training.dataset_path`, with `training.dataset` = {kind!r},"
     )
+    hint = f"every line {where} must be a JSON object with string keys {', '.join(map(json.dumps, keys))}"
     for lineno, record in _json_lines(file, text, hint, first_line):
         if not isinstance(record, dict):
             raise DataError(f"{file}:{lineno}: not a JSON object; {hint}.")
@@ -221,6 +263,23 @@ def _alternating(turns: tuple[str, ...] | list[str]) -> tuple[tuple[str, str], .
     return tuple(("user" if i % 2 == 0 else ASSISTANT, turn) for i, turn in enumerate(turns))
 
 
+ROLES = ("system", "user", ASSISTANT, "tool", "ipython")
+"""The roles chat formats know; only ``assistant`` messages are learned."""
+
+
+def _check_role(file: Path, lineno: int, number: int, role: str) -> None:
+    """A role that is almost a known one (``Assistant``, ``assitant``) is a typo that would
+    silently turn answers into context the model never learns."""
+    if role in ROLES:
+        return
+    close = [r for r in ROLES if r == role.lower()] or difflib.get_close_matches(role.lower(), ROLES, 1, 0.75)
+    if close:
+        raise DataError(
+            f'{file}:{lineno}: message {number} has the role "{role}": did you mean "{close[0]}"? Roles are '
+            f'lower case: {", ".join(map(json.dumps, ROLES))}; only "{ASSISTANT}" messages are learned.'
+        )
+
+
 def _jsonl_conversations(file: Path, text: str, kind: str) -> Iterator[Conversation]:
     hint = (
         f"with `training.dataset` = {kind!r}, every line of a .jsonl file under `training.dataset_path` "
@@ -240,6 +299,7 @@ def _jsonl_conversations(file: Path, text: str, kind: str) -> Iterator[Conversat
                 raise DataError(
                     f'{file}:{lineno}: message {number} needs a non-empty string "role" and a string "content"; {hint}.'
                 )
+            _check_role(file, lineno, number, message["role"].strip())
         yield Conversation(tuple((m["role"].strip(), m["content"]) for m in messages), f"{file}:{lineno}")
 
 
@@ -295,6 +355,7 @@ class Sources:
             if is_jsonl(file):
                 conversations.extend(_jsonl_conversations(file, text, kind))
             else:
+                _refuse_json_lines(file, text)
                 turns = [block.strip() for block in _PARAGRAPH_BREAK.split(text) if block.strip()]
                 if len(turns) > 1:
                     conversations.append(Conversation(_alternating(turns), str(file)))
@@ -314,6 +375,7 @@ class Sources:
                 pairs.extend((prompt, response) for prompt, response in records)
             else:
                 # Like the plays: each block answers the one before it.
+                _refuse_json_lines(file, text)
                 turns = [block.strip() for block in _PARAGRAPH_BREAK.split(text) if block.strip()]
                 pairs.extend(itertools.pairwise(turns))
         return pairs
@@ -326,7 +388,27 @@ def file_documents(file: Path, text: str, kind: str, first_line: int = 1) -> lis
     so both make the same token stream from the same files."""
     if is_jsonl(file):
         return [text for (text,) in jsonl_records(file, text, ("text",), kind, first_line)]
+    _refuse_json_lines(file, text)
     return [text] if text.strip() else []
+
+
+def _refuse_json_lines(file: Path, text: str) -> None:
+    """A ``.txt`` file whose first lines are JSON records would be trained on as one document of
+    JSON syntax: almost certainly a ``.jsonl`` file with the wrong name."""
+    lines = [line for line in text.split("\n", 50)[:50] if line.strip()][:5]
+    if not lines:
+        return
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            return
+        if not (isinstance(record, dict) and record.keys() & {"text", "messages", "prompt"}):
+            return
+    raise DataError(
+        f"{file}: a .txt file whose lines are JSON records; a .txt file is one document of plain text: "
+        f"rename it {file.stem}.jsonl to read one document per line."
+    )
 
 
 def read_sources(path: str | None, split: str = "train") -> Sources:

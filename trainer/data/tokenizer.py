@@ -32,6 +32,8 @@ from trainer.runtime.errors import DataError
 BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "<|bos|>", "<|startoftext|>", "[BOS]")
 EOS_NAMES = ("<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "<|endoftext|>", "[EOS]")
 PAD_NAMES = ("<|finetune_right_pad_id|>", "<pad>", "<|pad|>", "[PAD]")
+CONFIG_FILE = "tokenizer_config.json"
+"""Beside a ``tokenizer.json``: names its BOS, EOS and pad tokens, so it is part of the tokenizer."""
 
 
 class Tokenizer(ABC):
@@ -40,7 +42,8 @@ class Tokenizer(ABC):
     def __init__(self, file: Path, data: bytes) -> None:
         self.path = file
         self.sha256 = hashlib.sha256(data).hexdigest()
-        """Of the tokenizer file's bytes: two files that tokenize alike but differ are different."""
+        """Of the bytes of every file that decides the ids (the model file, and a Hugging Face
+        tokenizer's ``tokenizer_config.json``): two tokenizers whose files differ are different."""
 
     @property
     @abstractmethod
@@ -174,7 +177,13 @@ class HuggingFaceTokenizer(Tokenizer):
                 "`model.tokenizer_path` to a tokenizer.json or a SentencePiece .model file."
             ) from exc
         self._tk.encode_special_tokens = True  # special tokens in the text stay text
-        named = _configured_specials(file.with_name("tokenizer_config.json"))
+        config_file = file.with_name(CONFIG_FILE)
+        named = _configured_specials(config_file)
+        if config_file.is_file():
+            # BOS/EOS/pad come from it: an edited EOS is another tokenizer (cache, data identity).
+            self.sha256 = hashlib.sha256(
+                bytes.fromhex(self.sha256) + f"\0{CONFIG_FILE}\0".encode() + config_file.read_bytes()
+            ).hexdigest()
         bos = self._special(named.get("bos_token"), BOS_NAMES)
         eos = self._special(named.get("eos_token"), EOS_NAMES)
         if bos is None or eos is None:
@@ -227,11 +236,21 @@ class HuggingFaceTokenizer(Tokenizer):
 
 
 def _configured_specials(config_file: Path) -> dict[str, str]:
-    """``bos_token`` / ``eos_token`` / ``pad_token`` of a ``tokenizer_config.json``, if any."""
-    try:
-        config: dict[str, Any] = json.loads(config_file.read_text())
-    except (OSError, ValueError):
+    """``bos_token`` / ``eos_token`` / ``pad_token`` of a ``tokenizer_config.json``, if there is one."""
+    if not config_file.is_file():
         return {}
+    try:
+        config: Any = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise DataError(
+            f"{config_file}: unreadable tokenizer config ({exc}); it names the BOS, EOS and pad tokens of the "
+            "tokenizer.json beside it: repair it (valid JSON) or remove it to use the well-known names."
+        ) from None
+    if not isinstance(config, dict):
+        raise DataError(
+            f"{config_file}: not a JSON object; it names the BOS, EOS and pad tokens of the tokenizer.json "
+            "beside it: repair it or remove it to use the well-known names."
+        )
     found = {}
     for key in ("bos_token", "eos_token", "pad_token"):
         value = config.get(key)

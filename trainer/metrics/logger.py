@@ -30,6 +30,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
+from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 import torch
@@ -168,6 +169,26 @@ _DASHBOARD: dict[str, dict[str, tuple[str, ...]]] = {
 """Categories and charts of the Custom Scalars tab, by torchtitan tag."""
 
 
+RUN_RECORD = "run-of-this-job.txt"
+"""In the TensorBoard folder: the name of the run the job writes, continued when it resumes."""
+
+
+def tensorboard_run(dump_folder: Path, tb_folder: str, resumed: bool) -> Path:
+    """The TensorBoard run directory: named after the job (its dump folder) and its start time,
+    so runs of different jobs are told apart in TensorBoard's list; a job that resumes from a
+    checkpoint continues the run it wrote before (its name is kept in :data:`RUN_RECORD`)."""
+    folder = dump_folder / tb_folder
+    record = folder / RUN_RECORD
+    if resumed and record.is_file():
+        previous = folder / record.read_text().strip()
+        if previous.is_dir():
+            return previous
+    name = f"{dump_folder.resolve().name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    folder.mkdir(parents=True, exist_ok=True)
+    record.write_text(name + "\n")
+    return folder / name
+
+
 def format_duration(seconds: float) -> str:
     """h:mm:ss, with hours allowed past 24 so long runs stay readable at a glance."""
     minutes, secs = divmod(round(seconds), 60)
@@ -202,6 +223,7 @@ class MetricsLogger:
         global_tokens_per_step: int,
         devices_per_replica: int = 1,
         validation: bool = False,
+        resumed: bool = False,
     ) -> None:
         self._console = console
         self._log_freq = log_freq
@@ -227,7 +249,7 @@ class MetricsLogger:
             # when it is disabled.
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb_dir = os.path.join(dump_folder, tb_folder, datetime.now().strftime("%Y%m%d-%H%M%S"))
+            self.tb_dir = str(tensorboard_run(Path(dump_folder), tb_folder, resumed))
             self._writer = SummaryWriter(log_dir=self.tb_dir)
             self._writer.add_custom_scalars(self._dashboard_layout())
 
@@ -374,7 +396,7 @@ class MetricsLogger:
             f"{c['green']}max loss: {stats.loss_max:.4f}",
             f"{c['yellow']}grad norm: {stats.grad_norm:.4f}",
             f"{c['blue']}memory: {shown_memory}",
-            f"{c['magenta']}tps: {tps:,.0f}",
+            f"{c['magenta']}tps/device: {tps:,.0f}",
             f"{c['magenta']}tflops: {tflops:.2f}",
         ]
         if mfu is not None:

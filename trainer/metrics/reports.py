@@ -9,6 +9,7 @@ import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from parallelisms.parallelize import pipeline_split
 from trainer.checkpoint.folders import step_folders
 from trainer.config import changed_settings, to_toml
 from trainer.metrics.logger import MetricsLogger, StepStats, format_duration
@@ -35,11 +36,26 @@ def save_config(plan: Plan) -> Path:
     return config_file
 
 
+def batch_line(plan: Plan) -> str:
+    """How a rank's share of the global batch is run: accumulation micro-batches, or under PP
+    the schedule's pipeline micro-batches and the stage layout (blocks per stage)."""
+    training, settings = plan.config.training, plan.parallel
+    if plan.dims.pp == 1:
+        return f"{plan.microbatches} micro-batch(es) of {training.local_batch_size} per rank"
+    split = pipeline_split(plan.dims, settings, plan.model_args.n_layers)
+    stages = ", ".join(f"{len(blocks)}" for blocks in split.stage_blocks)
+    return (
+        f"{settings.pp_rank_batch // settings.pp_microbatch_size} pipeline micro-batches of "
+        f"{settings.pp_microbatch_size} per rank ({settings.pp_schedule}); {split.num_stages} stages of "
+        f"[{stages}] blocks, {split.stages_per_rank} per pp rank"
+    )
+
+
 def log_start(plan: Plan, device: torch.device, metrics: MetricsLogger, data_lines: str) -> None:
     config, dims, training = plan.config, plan.dims, plan.config.training
     logger.info(
         "%s %s: %s parameters | mesh pp=%d dp_replicate=%d dp_shard=%d cp=%d tp=%d on %s | "
-        "global batch %d x %d tokens = %d micro-batch(es) of %d per rank",
+        "global batch %d x %d tokens = %s",
         config.model.name,
         config.model.flavor,
         f"{num_params(whole_model(plan.model_args)):,}",
@@ -51,8 +67,7 @@ def log_start(plan: Plan, device: torch.device, metrics: MetricsLogger, data_lin
         device.type,
         plan.global_batch_size,
         training.seq_len,
-        plan.microbatches,
-        training.local_batch_size,
+        batch_line(plan),
     )
     logger.info(data_lines)
     if metrics.tb_dir:
@@ -73,7 +88,7 @@ def log_end(
     tokens = steps * plan.global_batch_size * plan.config.training.seq_len
     saved = step_folders(checkpoint_folder) if plan.config.checkpoint.enable else []
     logger.info(
-        "done: steps %d-%d of %d (%d skipped in all) in %s, %s tokens (%s tokens/s); final loss %.4f\n"
+        "done: steps %d-%d of %d (%d skipped in all) in %s, %s tokens (%s tokens/s, whole job); final loss %.4f\n"
         "  checkpoint: %s\n  TensorBoard: %s",
         last_step - steps + 1,
         last_step,

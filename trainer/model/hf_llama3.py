@@ -14,6 +14,7 @@ folders is ``trainer/checkpoint/hf_folders.py``'s job (safetensors) and
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -154,11 +155,18 @@ def to_hf_state_dict(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, 
     """
     expected = _expected(args)
     _check_state_dict(sd, {k: shape for k, (_, shape) in expected.items()}, "the state dict", args)
-    out: dict[str, torch.Tensor] = {}
-    for name, (hf_name, _) in expected.items():
-        heads = _heads_of(name, args)
-        out[hf_name] = sd[name] if heads is None else _interleaved_to_half(sd[name], heads)
-    return out
+    return {hf_name: to_hf_tensor(name, sd[name], args) for name, (hf_name, _) in expected.items()}
+
+
+def hf_layout(args: ModelArgs) -> dict[str, tuple[str, torch.Size]]:
+    """Our parameter name -> (Hugging Face name, shape), in the model's order."""
+    return _expected(args)
+
+
+def to_hf_tensor(name: str, tensor: torch.Tensor, args: ModelArgs) -> torch.Tensor:
+    """One full tensor of ours in Hugging Face's layout (``to_hf_state_dict`` for one entry)."""
+    heads = _heads_of(name, args)
+    return tensor if heads is None else _interleaved_to_half(tensor, heads)
 
 
 def from_hf_state_dict(
@@ -179,6 +187,45 @@ def from_hf_state_dict(
         heads = _heads_of(name, args)
         out[name] = hf_sd[hf_name] if heads is None else _half_to_interleaved(hf_sd[hf_name], heads)
     return out
+
+
+def check_hf_shapes(shapes: dict[str, tuple[int, ...]], args: ModelArgs, *, tie_word_embeddings: bool) -> None:
+    """Raise ``InteropError`` unless a folder's tensor shapes (no data read) are ``LlamaForCausalLM``'s
+    for ``args``: the check ``from_hf_state_dict`` makes, for a loader that reads slices."""
+    expected = _expected(args)
+    meta = {name: torch.empty(shape, device="meta") for name, shape in shapes.items()}
+    if tie_word_embeddings and "lm_head.weight" not in meta and "model.embed_tokens.weight" in meta:
+        meta["lm_head.weight"] = meta["model.embed_tokens.weight"]
+    _check_state_dict(meta, dict(expected.values()), "the Hugging Face state dict", args)
+
+
+def read_box(
+    name: str,
+    args: ModelArgs,
+    box: tuple[slice, ...],
+    read_hf: Callable[[str, tuple[slice, ...]], torch.Tensor],
+    *,
+    tie_word_embeddings: bool = False,
+) -> torch.Tensor:
+    """``from_hf_state_dict(...)[name][box]``, reading through ``read_hf(hf_name, hf_box)`` only the
+    Hugging Face rows it needs: the box itself, or for ``wq`` / ``wk`` the whole heads covering its rows.
+
+    The RoPE permutation reorders rows within each head and never across heads, so the heads
+    ``h0..h1`` covering rows ``start..stop`` of our tensor are rows ``h0 * hd .. h1 * hd`` of
+    Hugging Face's, permuted as ``h1 - h0`` heads; a box that cuts through a head is sliced after
+    permuting. ``box`` holds one ``slice(start, stop)`` per dimension.
+    """
+    hf_name = _hf_name(name)
+    if hf_name == "lm_head.weight" and tie_word_embeddings:
+        hf_name = "model.embed_tokens.weight"
+    heads = _heads_of(name, args)
+    if heads is None:
+        return read_hf(hf_name, box)
+    rows, cols = box
+    hd = args.head_dim
+    first, last = rows.start // hd, -(-rows.stop // hd)
+    covering = read_hf(hf_name, (slice(first * hd, last * hd), cols))
+    return _half_to_interleaved(covering, last - first)[rows.start - first * hd : rows.stop - first * hd]
 
 
 # --------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from trainer.loss import CrossEntropy, cross_entropy_sum, linear_cross_entropy_sum
 from trainer.model.tiled_init import fill_local_, local_box
 
 
@@ -288,12 +289,29 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+class OutputProjection(nn.Linear):
+    """The output projection: logits, or given the labels, their summed cross-entropy computed
+    over chunks of ``chunk_tokens`` tokens (``trainer/loss.py``) so that the whole logits never
+    exist. Computing the loss inside the module's own call keeps FSDP's gather of the weight and
+    tensor parallelism's input and output handling around it, as for the logits."""
+
+    def __init__(self, dim: int, vocab_size: int) -> None:
+        super().__init__(dim, vocab_size, bias=False)
+        self.chunk_tokens = 0
+        self.cross_entropy: CrossEntropy = cross_entropy_sum
+
+    def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        if labels is None:
+            return super().forward(h)
+        return linear_cross_entropy_sum(h, self.weight, labels, self.chunk_tokens, self.cross_entropy)
+
+
 class Transformer(nn.Module):
     # A pipeline stage sets the ends it does not hold to None.
     tok_embeddings: nn.Embedding | None
     layers: nn.ModuleDict
     norm: nn.RMSNorm | None
-    output: nn.Linear | None
+    output: OutputProjection | None
     freqs_cis: torch.Tensor
 
     def __init__(self, args: ModelArgs):
@@ -303,7 +321,7 @@ class Transformer(nn.Module):
         # A ModuleDict keyed "0".."L-1" keeps torchtitan's names and lets blocks be wrapped by name.
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output = OutputProjection(args.dim, args.vocab_size)
         self.register_buffer(
             "freqs_cis", rope_frequencies(args, device=self.tok_embeddings.weight.device), persistent=False
         )
@@ -312,9 +330,14 @@ class Transformer(nn.Module):
         self.attention_mask: Callable[[torch.Tensor, torch.dtype], object] = document_causal_mask
 
     def forward(
-        self, tokens: torch.Tensor, positions: torch.Tensor | None = None, document_ids: torch.Tensor | None = None
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logits of ``tokens`` (``batch, seq``).
+        """Logits of ``tokens`` (``batch, seq``), or given ``labels`` (``batch, seq``) the summed
+        cross-entropy, computed without the whole logits (``OutputProjection``).
 
         ``positions`` are the tokens' RoPE positions when they are not ``0..seq-1``: ``(seq,)``
         for every sample (a context-parallel rank holds two separate chunks) or ``(batch, seq)``
@@ -333,7 +356,9 @@ class Transformer(nn.Module):
         if self.output is None:
             return h
         assert self.norm is not None  # a stage holds norm and output together
-        return self.output(self.norm(h))
+        if labels is None:
+            return self.output(self.norm(h))
+        return self.output(self.norm(h), labels=labels)
 
     def init_std(self, name: str) -> tuple[str, float]:
         """How parameter ``name`` is initialised: ``(kind, std)``."""

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 from torch.distributed.checkpoint.api import CheckpointException
 
-from trainer.runtime.errors import JobError
+from trainer.runtime.errors import JobError, UserError
 
 
 def init_distributed(device_type: str, timeout_s: float) -> torch.device:
@@ -91,7 +91,7 @@ class CollectiveTimeouts:
         try:
             yield
         except (Exception, CheckpointException) as error:
-            if not is_collective_timeout(error):
+            if isinstance(error, UserError) or not is_collective_timeout(error):
                 raise
             first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
             raise JobError(
@@ -118,6 +118,8 @@ def is_collective_timeout(error: BaseException) -> bool:
         if found is None or id(found) in seen:
             continue
         seen.add(id(found))
+        if isinstance(found, UserError):
+            continue  # explained already; its words ("timeout") are not a collective's
         if isinstance(found, (RuntimeError, dist.DistError)):
             text = str(found).lower()
             if any(word in text for word in _TIMEOUT_WORDS):

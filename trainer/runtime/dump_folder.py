@@ -16,6 +16,12 @@ forever. It is *stale*, and taken over with a warning, when
   (another host's processes cannot be asked; clocks are assumed to agree within a minute).
 
 A job stopped with ``kill -STOP`` on the same host keeps its lock: it can still be continued.
+
+Under ``./run_train.sh`` the launcher takes the lock when it checks the folder and holds it for
+the whole job, so of two jobs started at the same instant the second is refused before its
+torchrun starts. The launcher hands the lock to its workers with a token (:data:`TOKEN_ENV`):
+a rank 0 whose token matches the lock's inherits it instead of finding it busy, on its first
+start and after every torchrun restart.
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ from trainer.runtime.errors import BusyFolderError
 logger = logging.getLogger("meshtrain")
 
 LOCK_FILE = ".meshtrain.lock"
+TOKEN_ENV = "MESHTRAIN_LOCK_TOKEN"
+"""Set by the launcher for its workers: the token of the lock it holds for them."""
 HEARTBEAT_S = 10.0
 STALE_AFTER_S = 120.0
 
@@ -127,7 +135,9 @@ def busy_message(folder: str | Path, holder: dict[str, Any], heartbeat_age_s: fl
 class DumpFolderLock:
     """The exclusive claim of one job on its dump folder; ``acquire`` before the process group."""
 
-    def __init__(self, folder: str | Path):
+    def __init__(self, folder: str | Path, token: str | None = None):
+        """``token``: a job's shared secret; a lock holding the same one is this job's already
+        (taken by its launcher), and is inherited rather than refused."""
         self.folder = Path(folder)
         self.path = self.folder / LOCK_FILE
         self._owner = {
@@ -136,16 +146,24 @@ class DumpFolderLock:
             "pid_start": _process_start(os.getpid()),
             "started": time.time(),
             "command": " ".join(sys.argv),
+            "token": token,
         }
+        self.token = token
+        self.inherited = False
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
 
     def acquire(self) -> None:
-        """Take the lock, or raise :class:`JobError` naming the job that holds it."""
+        """Take the lock (or inherit it, see ``token``), or raise :class:`BusyFolderError` naming
+        the job that holds it."""
         for _ in range(5):
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
+                found = read_lock(self.folder)
+                if self.token and found is not None and found[0].get("token") == self.token:
+                    self.inherited = True  # its holder, this job's launcher, keeps the heartbeat
+                    return
                 self._take_over_if_stale()
                 continue
             with os.fdopen(fd, "w") as fh:
@@ -191,15 +209,24 @@ class DumpFolderLock:
                 logger.error("cannot refresh the dump-folder lock %s (%s)", self.path, e)
 
     def release(self) -> None:
-        """Remove the lock if it is still this job's."""
+        """Remove the lock if this process took it and it is still this job's."""
         self._stop.set()
         if self._heartbeat is not None:
             self._heartbeat.join()
             self._heartbeat = None
-        found = read_lock(self.folder)
-        if (
-            found is not None
-            and found[0].get("pid") == self._owner["pid"]
-            and found[0].get("host") == self._owner["host"]
-        ):
-            self.path.unlink(missing_ok=True)
+        if self.inherited:
+            return
+        try:
+            found = read_lock(self.folder)
+            if (
+                found is not None
+                and found[0].get("pid") == self._owner["pid"]
+                and found[0].get("host") == self._owner["host"]
+            ):
+                self.path.unlink(missing_ok=True)
+        except OSError as e:
+            logger.warning(
+                "could not remove the dump-folder lock %s (%s); the next job on this folder takes it over",
+                self.path,
+                e.strerror or e,
+            )

@@ -8,11 +8,17 @@
    memory estimate and exits.
 2. **Launch.** torchrun (``python -m torch.distributed.run`` of this interpreter) runs in a
    session of its own, so Ctrl-C in the terminal reaches this launcher only.
-3. **Stop well.** On SIGTERM or SIGINT the launcher sends SIGTERM to the training processes
-   (torchrun's children), never to torchrun itself: they finish the step, save a checkpoint and
-   exit 0, torchrun ends without restarting anything, and the launcher exits with 128 + the
-   signal's number after one line saying how to resume. A second signal stops torchrun, and so
-   the job, at once.
+3. **Stop well.** On SIGTERM or SIGINT the launcher writes the request into a stop file that
+   every training process reads at its start and after every step (never signalling them, so
+   none is killed while importing and restarted by torchrun): they finish the step, save a
+   checkpoint (when checkpointing is on) and exit 0, and the launcher exits with 128 + the
+   signal's number after one line saying how to resume. A request before any process exists
+   holds for all of them, restarts included. A second signal stops torchrun, and so the job, at
+   once. A stop that fails (its checkpoint cannot be written) exits with the job's error code
+   and its cause, never the code of a successful stop.
+4. **Say what failed.** The dump folder's lock is taken in step 1 and held until the job ends
+   (rank 0 inherits it). torchrun keeps every rank's output in a private folder; when the job
+   fails, the error of each rank whose output ``LOG_RANK`` hides is printed.
 
 Environment (all optional): ``NGPU`` (processes on this node; the GPUs present, or 4 without
 one), ``NNODES``, ``RDZV_ENDPOINT`` and ``RDZV_ID`` (multi-node), ``LOG_RANK`` (local ranks whose
@@ -23,18 +29,22 @@ output is shown), ``MAX_RESTARTS`` (torchrun restarts after a failure), ``CONFIG
 from __future__ import annotations
 
 import ctypes
+import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from trainer.config import help_text
 from trainer.metrics import CONSOLE_TTY_ENV
-from trainer.runtime.dump_folder import busy_message, is_stale, read_lock
+from trainer.runtime.dump_folder import TOKEN_ENV, DumpFolderLock, busy_message, is_stale, read_lock
 from trainer.runtime.errors import BusyFolderError, ConfigError, UserError, report
 from trainer.runtime.job import Request, parse_request, prepare
+from trainer.runtime.stop_requests import STOP_FILE_ENV
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -72,24 +82,46 @@ def training_argv(argv: list[str]) -> list[str]:
     return ["--config", config_file, *argv]
 
 
-def preflight(request: Request, nproc: int, nnodes: int) -> int:
-    """Everything the workers would check, once, here (raises a UserError); with ``--dry-run``,
-    print what the job would be and return its exit code."""
-    if request.mode == "dry_run":
-        lines: list[str] = []
-        try:
-            prepare(request.argv, nproc * nnodes, local_ranks=nproc, describe_to=lines)
-        finally:
-            print("\n".join(lines), flush=True)
-        return 0
-    job = prepare(request.argv, nproc * nnodes, local_ranks=nproc)
-    found = read_lock(job.plan.config.job.dump_folder)
-    if found is not None and not is_stale(*found):
-        raise BusyFolderError(busy_message(job.plan.config.job.dump_folder, *found))
-    return 0
+def log_ranks(nproc: int) -> str:
+    """``LOG_RANK`` checked against this node's local ranks (torchrun would print nothing, or a
+    traceback, for a rank that does not exist)."""
+    value = os.environ.get("LOG_RANK", "0")
+    fix = (
+        f"NGPU={nproc} starts local ranks 0..{nproc - 1}; give comma-separated numbers in that range (e.g. LOG_RANK=0)."
+    )
+    try:
+        ranks = [int(part) for part in value.split(",")]
+    except ValueError:
+        raise ConfigError(f"environment variable LOG_RANK={value} is not a list of local ranks: {fix}") from None
+    if not all(0 <= rank < nproc for rank in ranks):
+        raise ConfigError(f"environment variable LOG_RANK={value} names a local rank this node does not have: {fix}")
+    return ",".join(map(str, ranks))
 
 
-def torchrun_command(argv: list[str], nproc: int, nnodes: int) -> list[str]:
+def describe_job(request: Request, nproc: int, nnodes: int) -> None:
+    """``--dry-run``: check everything and print what the job would be."""
+    lines: list[str] = []
+    try:
+        prepare(request.argv, nproc * nnodes, local_ranks=nproc, describe_to=lines)
+    finally:
+        print("\n".join(lines), flush=True)
+
+
+def hold_dump_folder(folder: str, nnodes: int) -> DumpFolderLock | None:
+    """Take the dump folder's lock for the whole job (one node), so that of two jobs started
+    together the second is refused here, before its torchrun; the workers inherit it. With
+    several nodes each node's launcher only checks it: the job's rank 0 takes it."""
+    if nnodes > 1:
+        found = read_lock(folder)
+        if found is not None and not is_stale(*found):
+            raise BusyFolderError(busy_message(folder, *found))
+        return None
+    lock = DumpFolderLock(folder, token=secrets.token_hex(16))
+    lock.acquire()
+    return lock
+
+
+def torchrun_command(argv: list[str], nproc: int, nnodes: int, log_dir: Path) -> list[str]:
     endpoint = os.environ.get("RDZV_ENDPOINT", "")
     if nnodes > 1 and not endpoint:
         raise ConfigError(
@@ -105,7 +137,8 @@ def torchrun_command(argv: list[str], nproc: int, nnodes: int) -> list[str]:
         f"--rdzv_endpoint={endpoint or 'localhost:0'}",
         f"--rdzv_id={os.environ.get('RDZV_ID', 'meshtrain')}",
         f"--max-restarts={_env_int('MAX_RESTARTS', 0)}",
-        f"--local-ranks-filter={os.environ.get('LOG_RANK', '0')}",
+        f"--local-ranks-filter={log_ranks(nproc)}",
+        f"--log-dir={log_dir}",
         "--role=rank",
         "--tee=3",
         "-m",
@@ -123,13 +156,8 @@ def _die_with_parent() -> None:
         _LIBC.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def _children(pid: int) -> list[int]:
-    try:
-        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
-    except OSError:
-        listed = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
-        text = listed.stdout
-    return [int(p) for p in text.split()]
+class _StoppedBeforeLaunch(Exception):
+    """A signal while the job was still being checked: nothing has started."""
 
 
 def run(argv: list[str]) -> int:
@@ -140,43 +168,137 @@ def run(argv: list[str]) -> int:
         return 0
     nproc, nnodes = _env_int("NGPU", 0) or local_device_count(), _env_int("NNODES", 1)
     if request.mode == "dry_run":
-        return preflight(request, nproc, nnodes)
-    command = torchrun_command(request.argv, nproc, nnodes)
-    preflight(request, nproc, nnodes)
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
-        # Workers write into torchrun's --tee files; their lines reach this process's stderr.
-        CONSOLE_TTY_ENV: "1" if sys.stderr.isatty() else "0",
-    }
-    torchrun = subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+        describe_job(request, nproc, nnodes)
+        return 0
+    log_ranks(nproc)
     received: list[int] = []
+    torchrun: subprocess.Popen | None = None
+    private = Path(tempfile.mkdtemp(prefix="meshtrain-"))
+    stop_file = private / "stop"
 
-    def forward(signum: int, frame: object) -> None:
+    def on_signal(signum: int, frame: object) -> None:
         received.append(signum)
+        name = signal.Signals(signum).name
         if len(received) == 1:
+            # Read by every worker at start and after every step: workers not started yet, still
+            # importing or restarted by torchrun find it too.
+            stop_file.write_text(name)
+            if torchrun is None and not launching:
+                raise _StoppedBeforeLaunch(name)
             print(
-                f"meshtrain: {signal.Signals(signum).name}: the training processes finish their step "
-                "and save a checkpoint (when checkpointing is on); send it again to stop at once.",
+                f"meshtrain: {name}: the training processes finish their step and stop"
+                f"{' with a checkpoint' if checkpointing else ''}; send it again to stop at once.",
                 file=sys.stderr,
                 flush=True,
             )
-            for pid in _children(torchrun.pid):
-                os.kill(pid, signal.SIGTERM)
-        else:
+        elif torchrun is not None:
             os.killpg(torchrun.pid, signal.SIGTERM)
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, forward)
-    code = torchrun.wait()
+    launching, checkpointing = False, True
+    lock = None
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        command = torchrun_command(request.argv, nproc, nnodes, private / "logs")
+        # Everything the workers would check, once, here (raises a UserError).
+        job = prepare(request.argv, nproc * nnodes, local_ranks=nproc)
+        checkpointing = job.plan.config.checkpoint.enable
+        lock = hold_dump_folder(job.plan.config.job.dump_folder, nnodes)
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+            # Workers write into torchrun's --tee files; their lines reach this process's stderr.
+            CONSOLE_TTY_ENV: "1" if sys.stderr.isatty() else "0",
+            STOP_FILE_ENV: str(stop_file),
+            **({TOKEN_ENV: str(lock.token)} if lock is not None else {}),
+        }
+        launching = True
+        torchrun = subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+        code = torchrun.wait()
+    except _StoppedBeforeLaunch as stopped:
+        shutil.rmtree(private, ignore_errors=True)
+        print(f"meshtrain: stopped by {stopped} before any training process started.", file=sys.stderr)
+        return 128 + received[0]
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if lock is not None:
+            lock.release()
+    return outcome(code, received, checkpointing, private, log_ranks(nproc))
+
+
+def outcome(code: int, received: list[int], checkpointing: bool, private: Path, shown: str) -> int:
+    """Say how the job ended and return the launcher's exit code: 128 + the signal's number for
+    a stop that went as asked, the job's own code otherwise."""
+    failures = failed_ranks(private / "logs")
+    hidden = {rank: cause for rank, cause in failures.items() if str(rank) not in shown.split(",")}
+    for rank, cause in hidden.items():
+        print(f"meshtrain: local rank {rank} (not shown: LOG_RANK={shown}) failed: {cause}", file=sys.stderr)
+    resume = (
+        "rerun the same command to resume from the newest checkpoint."
+        if checkpointing
+        else "checkpointing is off (`checkpoint.enable`), so there is no checkpoint to resume from."
+    )
     if received:
+        name = signal.Signals(received[0]).name
+        if len(received) > 1:
+            print(
+                f"meshtrain: stopped at once by a second {name}; the step in flight is lost; {resume}", file=sys.stderr
+            )
+            shutil.rmtree(private, ignore_errors=True)
+            return 128 + received[0]
+        if code != 0:
+            cause = next(iter(failures.values()), "see the error above")
+            print(
+                f"meshtrain: {name} received, but the job failed while stopping (exit {code}): {cause} "
+                f"Checkpoints written before are kept; the logs of every rank are in {private / 'logs'}.",
+                file=sys.stderr,
+            )
+            return code if code > 0 else 1
+        print(f"meshtrain: stopped by {name}; {resume}", file=sys.stderr)
+    elif code != 0:
+        # torchrun's own report (a ChildFailedError traceback) hides the cause: say it last.
+        first = next((f"local rank {rank}: {cause}" for rank, cause in failures.items()), "see the output above.")
         print(
-            f"meshtrain: stopped by {signal.Signals(received[0]).name}; rerun the same command to resume "
-            "from the newest checkpoint.",
+            f"meshtrain: the job failed (exit {code}): {first} The logs of every rank are in {private / 'logs'}.",
             file=sys.stderr,
         )
-        return 128 + received[0]
-    return code
+    if code == 0:
+        shutil.rmtree(private, ignore_errors=True)
+    return 128 + received[0] if received else code
+
+
+def failed_ranks(log_dir: Path) -> dict[int, str]:
+    """Local rank -> the error it ended with, from torchrun's logs of the newest attempt: the
+    exception ``@record`` wrote, or the one-line error the worker printed."""
+    attempts = sorted(log_dir.glob("*/attempt_*"), key=lambda p: int(p.name.removeprefix("attempt_")))
+    if not attempts:
+        return {}
+    failures: dict[int, str] = {}
+    for folder in sorted((p for p in attempts[-1].iterdir() if p.name.isdigit()), key=lambda p: int(p.name)):
+        cause = _recorded_error(folder / "error.json") or _printed_error(folder / "stderr.log")
+        if cause:
+            failures[int(folder.name)] = cause
+    return failures
+
+
+def _recorded_error(path: Path) -> str | None:
+    try:
+        message = json.loads(path.read_text())["message"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    text = message.get("message", "") if isinstance(message, dict) else str(message)
+    return f"{text.strip().splitlines()[-1] if text.strip() else 'an exception'} (traceback: {path})"
+
+
+def _printed_error(path: Path) -> str | None:
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines[-50:]):
+        if line.startswith("meshtrain: ") and "error" in line.split(":", 2)[1]:
+            return line.removeprefix("meshtrain: ")
+    return None
 
 
 def main(argv: list[str]) -> int:

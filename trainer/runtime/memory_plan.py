@@ -21,7 +21,8 @@ make it fit, instead of spending minutes initialising and then dying of an out-o
   their repeats for grouped-query attention up to each local chunk's end; document masking
   keeps one additive attention mask (queries x keys, in the compute dtype) shared by all blocks;
 * **logits and loss**: the logits of one micro-batch (vocabulary-sharded under loss parallel),
-  their float32 copy, the log-softmax kept for backward and the gradient;
+  their float32 copy, the log-softmax kept for backward and the gradient; with the chunked loss
+  (``training.loss_chunk_tokens``) of one chunk of tokens, plus the final hidden states;
 * **allocator slack**: memory freed by backward that the allocator cannot hand back or reuse
   at once. On CPU glibc's heap fragments as activations are freed and gradients allocated
   (measured here: the peak RSS exceeds the live activations by 13% with full checkpointing to
@@ -36,6 +37,7 @@ measured peak on CPU (docs/performance.md gives the figures).
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shutil
@@ -71,9 +73,12 @@ class Workload:
     ac_mode: str = "none"
     ac_option: str = "op"
     loss_parallel: bool = True
+    loss_chunk_tokens: int = 0
+    """Tokens per chunk of the output projection and loss; 0: the whole micro-batch's logits."""
     defer_gradient_reduction: bool = False
     reshard_after_forward: str = "default"
     cp_allgather_kv: bool = True
+    cp_ulysses: bool = False
     document_mask: bool = False
     device: str = "cpu"
 
@@ -152,6 +157,12 @@ def _activations(w: Workload) -> float:
         sequence = w.local_batch_size * w.seq_len
         repeated = 2 * d / t * (sequence * (2 * w.cp + 1) / (2 * w.cp) - tokens)
         full_block += (repeated + 2 * kv / t * sequence) * b
+    if w.cp > 1 and w.cp_ulysses:
+        # The all-to-all's q, k, v in head layout and again in natural order (k and v with their
+        # key/value heads repeated until cp divides them), and the output in rank order.
+        kv_heads = max(w.kv_heads // t, 1)
+        replicated = kv / t * (w.cp // math.gcd(kv_heads, w.cp))
+        full_block += tokens * (3 * d / t + 4 * replicated) * b
     block_input = tokens * d / t * b
     if w.ac_mode == "full":
         return w.n_layers * block_input + full_block
@@ -166,11 +177,12 @@ def _activations(w: Workload) -> float:
 
 
 def _document_mask(w: Workload) -> float:
-    """The attention mask, kept once for every block: queries x keys per sample, or under CP
-    its two query chunks of ``seq / 2cp`` tokens against the keys up to each chunk's end."""
+    """The attention mask, kept once for every block: queries x keys per sample (also under
+    Ulysses CP, which attends whole sequences), or under all-gather-K/V CP its two query chunks
+    of ``seq / 2cp`` tokens against the keys up to each chunk's end."""
     if not w.document_mask:
         return 0.0
-    if w.cp == 1:
+    if w.cp == 1 or w.cp_ulysses:
         return w.local_batch_size * w.seq_len**2 * w.compute_bytes
     chunk = w.seq_len / (2 * w.cp)
     return w.local_batch_size * chunk**2 * (2 * w.cp + 1) * w.compute_bytes
@@ -180,8 +192,10 @@ def _logits(w: Workload) -> float:
     tokens = w.local_batch_size * w.seq_len / w.cp
     vocab = w.vocab_size / w.tp if w.loss_parallel else w.vocab_size
     float_copy = 4 if w.compute_bytes != 4 else 0
-    # The logits, their float32 copy, the log-softmax kept for backward, and its gradient.
-    return tokens * vocab * (w.compute_bytes + float_copy + 4 + 4) + tokens * w.dim * w.compute_bytes
+    # The logits, their float32 copy, the log-softmax kept for backward, and its gradient: of
+    # one chunk of tokens at a time when the loss is chunked (recomputed in backward).
+    live = min(tokens, w.loss_chunk_tokens) if w.loss_chunk_tokens > 0 else tokens
+    return live * vocab * (w.compute_bytes + float_copy + 4 + 4) + tokens * w.dim * w.compute_bytes
 
 
 # ------------------------------------------------------------------------------------ limits

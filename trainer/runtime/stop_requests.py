@@ -6,6 +6,12 @@ no GPU synchronisation), so every rank sees a request after the same step, saves
 there (when checkpointing is on) and returns normally; the next run resumes from it as if
 nothing had happened.
 
+Under ``./run_train.sh`` the signal reaches the launcher, not the workers: it writes the
+request into the file named by :data:`STOP_FILE_ENV`, which every worker reads with its flag.
+The file outlives any worker, so a request is never lost: workers that do not exist yet, are
+still importing, or are restarted by torchrun (``MAX_RESTARTS``) find it at their first check
+and stop before their first step, instead of being killed mid-import and restarted.
+
 Signals may arrive twice for one request (the terminal's SIGINT and torchrun's SIGTERM reach a
 worker together), so repeats within ``GRACE_S`` seconds are ignored; a repeat after that aborts
 at once, for a user who does not want to wait for the step and the checkpoint.
@@ -15,10 +21,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -27,27 +35,47 @@ logger = logging.getLogger("meshtrain")
 
 GRACE_S = 3.0
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+STOP_FILE_ENV = "MESHTRAIN_STOP_FILE"
+"""Set by the launcher for its workers: the file it writes a stop request into (the signal's name)."""
 
 
 class StopRequests:
     """Each rank's stop flag, agreed on by all ranks once per step."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None):
+    def __init__(self, group: dist.ProcessGroup | None = None, stop_file: str | None = None):
         self.group = group
         self.signal_name: str | None = None
+        self.checkpointing = True
+        """Whether a stop saves a checkpoint (``checkpoint.enable``), for what the request's log line promises."""
+        stop_file = stop_file or os.environ.get(STOP_FILE_ENV)
+        self._stop_file = Path(stop_file) if stop_file else None
         self._first_at = 0.0
 
     def _handle(self, signum: int, frame: object) -> None:
         name = signal.Signals(signum).name
         if self.signal_name is None:
-            self.signal_name, self._first_at = name, time.monotonic()
-            logger.warning(
-                "received %s: stopping after this step (with a checkpoint when checkpointing is on); "
-                "send it again to stop at once",
-                name,
-            )
+            self._record(name, "received")
         elif time.monotonic() - self._first_at > GRACE_S:
             raise KeyboardInterrupt(f"a second {name}")
+
+    def _record(self, name: str, how: str) -> None:
+        self.signal_name, self._first_at = name, time.monotonic()
+        then = (
+            "with a checkpoint"
+            if self.checkpointing
+            else "without a checkpoint (`checkpoint.enable` is off: a rerun starts from the beginning)"
+        )
+        logger.warning("%s %s: stopping after this step, %s; send it again to stop at once", how, name, then)
+
+    def requested(self) -> bool:
+        """Whether this rank has been asked to stop: by a signal, or by the launcher's stop file."""
+        if self.signal_name is None and self._stop_file is not None:
+            try:
+                name = self._stop_file.read_text().strip()
+            except FileNotFoundError:
+                return False
+            self._record(name or "a stop request", "the launcher received")
+        return self.signal_name is not None
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[StopRequests]:
@@ -64,6 +92,6 @@ class StopRequests:
 
     def stop_after_step(self) -> bool:
         """Whether any rank has been asked to stop (a collective: every rank calls it after every step)."""
-        flag = torch.tensor([int(self.signal_name is not None)], dtype=torch.int32)
+        flag = torch.tensor([int(self.requested())], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         return bool(flag.item())
