@@ -33,6 +33,7 @@ from trainer.data.datasets import TokenDataset, data_lines
 from trainer.data.documents import split_documents
 from trainer.data.loader import MicroBatchLoader, build_dataloader
 from trainer.grad_accumulator import GradAccumulator
+from trainer.layout_invariant import LayoutInvariantReduction
 from trainer.loss import CrossEntropy, ModelLoss, cross_entropy_sum
 from trainer.metrics import MetricsLogger, flops_per_token, peak_flops, use_color
 from trainer.metrics.reports import log_start, save_config
@@ -190,9 +191,12 @@ def build_step_parts(
     config = plan.config
     dev_type = device_type()
     device = init_distributed(dev_type, config.comm.init_timeout_seconds)
-    if config.debug.deterministic:
+    layout_invariant = config.debug.layout_invariant
+    if config.debug.deterministic or (layout_invariant and dev_type == "cuda"):
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
+    if layout_invariant and dev_type == "cpu":
+        torch.set_num_threads(1)  # CPU kernels may split a reduction by thread: one thread everywhere
     torch.manual_seed(config.debug.seed)
     meshes = plan.dims.build_mesh(dev_type)
     cross_entropy = torch.compile(cross_entropy_sum) if plan.parallel.compile_loss else cross_entropy_sum
@@ -212,10 +216,11 @@ def _assemble(
 ) -> StepParts:
     """The optimizer, loader, accumulator and pipeline around the built model."""
     config, training, dev_type = plan.config, plan.config.training, device.type
+    layout_invariant = config.debug.layout_invariant
     context_parallel = parallelized.context_parallel
     model_loss = ModelLoss(plan.loss_in_model, cross_entropy)
     positions = context_parallel.positions.to(device) if context_parallel else None
-    optimizer = build_optimizer(model, config.optimizer, dev_type)
+    optimizer = build_optimizer(model, config.optimizer, dev_type, layout_invariant)
     loader = build_dataloader(
         dataset,
         microbatches=plan.microbatches,
@@ -238,6 +243,9 @@ def _assemble(
         defer_gradient_reduction=training.defer_gradient_reduction,
         stats_group=meshes.stats.get_group() if plan.dims.pp > 1 else None,
         pp_degree=plan.dims.pp,
+        layout_invariant=(
+            LayoutInvariantReduction(model, meshes.batch.get_group(), plan.dims.dp_shard) if layout_invariant else None
+        ),
     )
     pipeline = None
     if parallelized.split is not None:

@@ -23,6 +23,10 @@ same labels, so every stage counts N itself over its own loss mesh (never over P
 last stage has losses, so the logged loss sum and maximum are reduced over ``stats_group``
 (the loss mesh times PP), where the other stages add nothing. The grad norm adds the squares of
 every stage's parameters (each held by one stage), and the one ``clip_coef / N`` scale follows.
+
+With ``debug.layout_invariant`` the micro-batch gradients, the norm and the logged loss sum are
+added in one order whatever the layout (``trainer/layout_invariant.py``) instead of by autograd
+and FSDP; N, the clip coefficient and the one scale stay as they are.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
+from trainer.layout_invariant import LayoutInvariantReduction
 from trainer.loss import IGNORE_INDEX
 
 logger = logging.getLogger("meshtrain")
@@ -88,6 +93,7 @@ class GradAccumulator:
         defer_gradient_reduction: bool = False,
         stats_group: dist.ProcessGroup | None = None,
         pp_degree: int = 1,
+        layout_invariant: LayoutInvariantReduction | None = None,
     ):
         self.model = model
         self.fsdp = model if isinstance(model, FSDPModule) else None
@@ -99,6 +105,7 @@ class GradAccumulator:
         self._distributed = loss_group is not None
         self.stats_group = stats_group or loss_group
         self.pp_degree = pp_degree
+        self.layout_invariant = layout_invariant
         self._holds_loss = True
         self._sums: _StepSums | None = None
         self._next_microbatch = 0
@@ -118,6 +125,8 @@ class GradAccumulator:
         self._sums = _StepSums(local_count, count, count_work, loss_sum)
         self._next_microbatch = 0
         self._holds_loss = True
+        if self.layout_invariant is not None:
+            self.layout_invariant.begin_step()
 
     def prepare_backward(self, microbatch: int) -> None:
         """Tell FSDP whether this is the step's last backward, before running it.
@@ -128,7 +137,7 @@ class GradAccumulator:
         """
         if microbatch != self._next_microbatch:
             raise ValueError(f"micro-batch {microbatch} out of order; expected {self._next_microbatch}")
-        if self.fsdp is None:
+        if self.fsdp is None or self.layout_invariant is not None:
             return
         is_last = microbatch == self.num_microbatches - 1
         self.fsdp.set_is_last_backward(is_last)
@@ -138,13 +147,16 @@ class GradAccumulator:
             self.fsdp.set_requires_gradient_sync(is_last)
 
     def record_loss(self, loss_sum: torch.Tensor) -> None:
-        """Add a micro-batch's summed loss (after its backward) to the step's total.
+        """Add a micro-batch's summed loss (after its backward) to the step's total; with
+        ``debug.layout_invariant`` also take its gradient into the layout-independent sum.
 
         A loss-parallel loss is a replicated DTensor: every TP rank holds the same value.
         """
         if isinstance(loss_sum, DTensor):
             loss_sum = loss_sum.to_local()
         self._begun().loss_sum += loss_sum.detach().float()
+        if self.layout_invariant is not None:
+            self.layout_invariant.add_microbatch(loss_sum)
         self._next_microbatch += 1
 
     def record_pipeline_losses(self, losses: list[torch.Tensor]) -> None:
@@ -179,15 +191,21 @@ class GradAccumulator:
         rank_mean = torch.where(local_count > 0, loss_sum / local_count.clamp(min=1), -math.inf)
         if not self._holds_loss:
             rank_mean.fill_(-math.inf)
+        loss_work = max_work = None
         if self._distributed:
-            loss_work = dist.all_reduce(loss_sum, group=self.stats_group, async_op=True)
+            if self.layout_invariant is None:
+                loss_work = dist.all_reduce(loss_sum, group=self.stats_group, async_op=True)
             max_work = dist.all_reduce(rank_mean, op=dist.ReduceOp.MAX, group=self.stats_group, async_op=True)
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        raw_norm = _total_norm(grads, self.pp_degree).reshape(1).to(loss_sum.device)
+        if self.layout_invariant is not None:
+            grads, squares, loss_sum = self.layout_invariant.finish()
+            raw_norm, loss_sum = squares.sqrt().reshape(1), loss_sum.reshape(1)
+        else:
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            raw_norm = _total_norm(grads, self.pp_degree).reshape(1).to(loss_sum.device)
         if self._distributed:
             for work in (sums.count_work, loss_work, max_work):
-                assert work is not None  # async_op on a group this rank belongs to
-                work.wait()
+                if work is not None:
+                    work.wait()
         # One host synchronisation for everything the step decision and the log need; float64
         # keeps token counts exact far beyond float32's 2**24.
         values = torch.cat([sums.count.double(), raw_norm.double(), loss_sum.double(), rank_mean.double()])
@@ -196,6 +214,8 @@ class GradAccumulator:
         true_norm = raw / max(n, 1)
         loss_avg = total / n if n else math.nan
         loss_max = worst if n else math.nan
+        if self.layout_invariant is not None and (not self._distributed or dist.get_rank() == 0):
+            logger.info("exact step values: loss %s, tokens %d, grad norm %s", loss_avg.hex(), n, true_norm.hex())
         if n == 0 or not math.isfinite(true_norm):
             reason = "no valid label token in the global batch" if n == 0 else "non-finite gradient norm"
             logger.warning("skipping the optimizer step: %s", reason)

@@ -11,8 +11,14 @@ from torch.optim.lr_scheduler import LambdaLR
 from trainer.config import LRScheduler, Optimizer
 
 
-def build_optimizer(model: nn.Module, config: Optimizer, device_type: str) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only: decaying norm gains toward 0 only hurts."""
+def build_optimizer(
+    model: nn.Module, config: Optimizer, device_type: str, layout_invariant: bool = False
+) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only: decaying norm gains toward 0 only hurts.
+
+    ``layout_invariant`` (``debug.layout_invariant``) resolves ``auto`` to ``foreach``, whose
+    update of an element does not depend on the shard it lies in; the fused CPU kernel's does.
+    """
     decay: list[nn.Parameter] = []
     no_decay: list[nn.Parameter] = []
     for param in model.parameters():
@@ -24,7 +30,7 @@ def build_optimizer(model: nn.Module, config: Optimizer, device_type: str) -> to
     ]
     impl = config.implementation
     if impl == "auto":
-        impl = "fused" if device_type == "cuda" else "foreach"
+        impl = "fused" if device_type == "cuda" and not layout_invariant else "foreach"
     return torch.optim.AdamW(
         groups,
         lr=config.lr,

@@ -138,6 +138,7 @@ def plan(config: JobConfig, world_size: int, device: str | None = None) -> Plan:
         check(dims, settings, ModelShape(args.n_heads, args.kv_heads, args.vocab_size, args.n_layers), device)
     except ParallelismError as e:
         raise ConfigError(e.render(SETTING_KEYS)) from None
+    check_layout_invariant(config, dims, settings)
     validation = config.validation
     if validation.enable and (dims.cp > 1 or dims.pp > 1) and validation.seq_len not in (-1, training.seq_len):
         which = (
@@ -158,6 +159,53 @@ def plan(config: JobConfig, world_size: int, device: str | None = None) -> Plan:
         )
     workload = memory_workload(config, dims, settings, args, device)
     return Plan(config, dims, settings, global_batch // per_microbatch, global_batch, args, tokenizer, workload)
+
+
+def check_layout_invariant(config: JobConfig, dims: ParallelDims, settings: ParallelSettings) -> None:
+    """``debug.layout_invariant`` promises the same bits on every data-parallel layout: refuse what
+    splits a micro-batch's arithmetic over ranks, or adds or updates in an order of its own."""
+    if not config.debug.layout_invariant:
+        return
+    refused = [
+        (
+            dims.tp > 1,
+            f"`parallelism.tensor_parallel_degree` = {dims.tp}",
+            "tensor parallelism splits each matmul's sum over ranks",
+        ),
+        (
+            dims.cp > 1,
+            f"`parallelism.context_parallel_degree` = {dims.cp}",
+            "context parallelism splits attention and its gradients over ranks",
+        ),
+        (
+            dims.pp > 1,
+            f"`parallelism.pipeline_parallel_degree` = {dims.pp}",
+            "the pipeline schedule cuts micro-batches of its own and accumulates their gradients itself",
+        ),
+        (
+            settings.compile_model or settings.compile_loss,
+            "`compile.enable`",
+            "compiled kernels are not checked to give the same bits on every layout",
+        ),
+        (
+            settings.reduce_dtype != torch.float32,
+            f"`training.mixed_precision_reduce` = {config.training.mixed_precision_reduce}",
+            "the layout-invariant sums are float32",
+        ),
+        (
+            config.training.defer_gradient_reduction,
+            "`training.defer_gradient_reduction`",
+            "the layout-invariant mode sends each micro-batch's gradient to its owners itself",
+        ),
+        (
+            config.optimizer.implementation == "fused",
+            '`optimizer.implementation` = "fused"',
+            'the fused AdamW\'s update of an element depends on where it lies in its shard (use "foreach" or "auto")',
+        ),
+    ]
+    for on, key, why in refused:
+        if on:
+            raise ConfigError(f"`debug.layout_invariant` cannot be combined with {key}: {why}; turn one of them off.")
 
 
 def loss_in_model(dims: ParallelDims, settings: ParallelSettings) -> bool:
@@ -189,7 +237,9 @@ def memory_workload(
         ac_option=settings.ac_option,
         loss_parallel=settings.loss_parallel,
         loss_chunk_tokens=training.loss_chunk_tokens if loss_in_model(dims, settings) else 0,
-        defer_gradient_reduction=training.defer_gradient_reduction,
+        # Approximately: the layout-invariant mode holds up to log2(micro-batches) + 1 gradient shards
+        # and a unit's exchange buffers, counted as deferral's one unsharded gradient.
+        defer_gradient_reduction=training.defer_gradient_reduction or config.debug.layout_invariant,
         accumulation=settings.pp_rank_batch // training.local_batch_size,
         reshard_after_forward=settings.reshard_after_forward,
         cp_allgather_kv=resolve_backend(settings.cp_backend, device, settings.document_mask) == "allgather_kv",

@@ -416,6 +416,14 @@ class Debug:
         le=MAX_SEED,
     )
     deterministic: bool = _field(False, "Use deterministic kernels (`torch.use_deterministic_algorithms`).")
+    layout_invariant: bool = _field(
+        False,
+        "Bit-identical losses, grad norms, weights and optimizer state on every data-parallel layout (FSDP, HSDP, "
+        "any accumulation) with the same global batch, `training.local_batch_size` and `training.seq_len`, "
+        "resumes included: every sum in one fixed order, one CPU thread per rank, deterministic kernels on CUDA. "
+        "Refuses TP, CP, PP, compile, a bfloat16 reduce, `training.defer_gradient_reduction` and the fused AdamW "
+        "(see docs/reproducibility.md).",
+    )
 
 
 @dataclass

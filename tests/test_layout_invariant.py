@@ -1,0 +1,239 @@
+"""``debug.layout_invariant``: the same bits on every data-parallel layout.
+
+Through ``./run_train.sh``, 10 steps of ``shakespeare_dialogue`` (masked prompts and padding:
+uneven valid tokens per micro-batch and rank) with clipping active, a global batch of 8
+micro-batches of 1: one process accumulating 8, FSDP on 4 ranks accumulating 2, HSDP 2 x 2
+accumulating 2, and the 4-rank run's step-5 checkpoint resumed on 2 ranks accumulating 4. Every
+step's exact loss, valid-token count and grad norm (the mode's console line, in hexadecimal)
+and every tensor of the step-10 checkpoints (weights, AdamW moments, step counters) must be
+bit-identical. The mutation: the same single process with the mode off, which adds the
+micro-batch gradients in autograd's order instead of the canonical tree, must differ, so the
+comparison can fail. The pieces the promise rests on are checked alone: the pairwise sums' trees,
+AdamW's and the clip scale's independence of where an element lies in its shard, the refusals,
+and ``scripts/compare_checkpoints.py``.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from harness import ROOT, run_train
+
+from trainer.config import ConfigError, load_config
+from trainer.layout_invariant import PairwiseSum, pairwise_rows
+from trainer.plan import plan
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import compare_checkpoints
+
+STEPS = 10
+COMMON = [
+    "--training.dataset",
+    "shakespeare_dialogue",
+    "--training.seq_len",
+    "64",
+    "--training.local_batch_size",
+    "1",
+    "--training.global_batch_size",
+    "8",
+    "--training.max_norm",
+    "0.5",  # below the debug model's grad norm (about 1.2 to 1.5 here): every step clips
+    "--training.steps",
+    str(STEPS),
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--metrics.log_freq",
+    "5",
+    "--metrics.enable_tensorboard=false",
+    "--metrics.disable_color_printing",
+    "--validation.enable=false",
+    "--debug.seed",
+    "5",
+    "--checkpoint.enable",
+    "--checkpoint.interval",
+    "5",
+]
+ON = ["--debug.layout_invariant"]
+EXACT = re.compile(r"exact step values: (loss \S+, tokens \d+, grad norm \S+)")
+
+# name: (NGPU, extra args)
+LAYOUTS = {
+    "1x8": (1, ON),
+    "fsdp4x2": (4, ON),
+    "hsdp2x2x2": (4, [*ON, "--mesh", "dp_replicate=2,dp_shard=2"]),
+    "off_1x8": (1, []),
+}
+
+
+def launch(ngpu: int, dump: Path, extra: list[str]) -> list[str]:
+    """Run to the end; the exact step values the mode logs, one per step run."""
+    done = run_train(ngpu, [*COMMON, "--job.dump_folder", str(dump), *extra], timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return EXACT.findall(done.stderr + done.stdout)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, tuple[Path, list[str]]]:
+    root = tmp_path_factory.mktemp("layouts")
+    out = {name: (root / name, launch(ngpu, root / name, extra)) for name, (ngpu, extra) in LAYOUTS.items()}
+    resumed = root / "fsdp4_resumed_on_2"
+    shutil.copytree(root / "fsdp4x2" / "checkpoint" / "step-5", resumed / "checkpoint" / "step-5")
+    out["resumed"] = (resumed, launch(2, resumed, ON))
+    return out
+
+
+def final_tensors(dump: Path) -> dict[str, torch.Tensor]:
+    """The weights and the optimizer state of the step-10 checkpoint (not the train state's RNG)."""
+    tensors = compare_checkpoints.read_tensors(dump / "checkpoint" / f"step-{STEPS}")
+    return {k: v for k, v in tensors.items() if k.startswith(("model.", "optimizer."))}
+
+
+@pytest.mark.launcher
+def test_every_layout_and_a_resume_give_the_same_bits(runs):
+    reference_dump, reference = runs["1x8"]
+    assert len(reference) == STEPS and len(set(reference)) == STEPS
+    expected = final_tensors(reference_dump)
+    assert any(k.startswith("optimizer.state.") and k.endswith("exp_avg_sq") for k in expected)
+    for name in ("fsdp4x2", "hsdp2x2x2", "resumed"):
+        dump, logged = runs[name]
+        steps = reference[5:] if name == "resumed" else reference
+        assert logged == steps, f"{name}: per-step exact values differ from 1 process x 8"
+        result = compare_checkpoints.compare(expected, final_tensors(dump))
+        assert result.compared == len(expected) and not result.differing, (name, result.differing[:3])
+
+
+@pytest.mark.launcher
+def test_another_summation_order_changes_the_bits(runs):
+    """The mode off on the same single process: autograd adds the 8 micro-batch gradients one
+    after the other, not as the canonical tree, and the final state differs."""
+    result = compare_checkpoints.compare(final_tensors(runs["1x8"][0]), final_tensors(runs["off_1x8"][0]))
+    assert result.differing and all(not k.endswith(".step") for k in result.differing)
+
+
+# --------------------------------------------------------------------------------------------
+# The pieces
+# --------------------------------------------------------------------------------------------
+
+
+def _tree(values: list[torch.Tensor]) -> torch.Tensor:
+    """The pairwise tree PairwiseSum promises, written recursively: the largest power-of-two
+    prefix as a balanced tree, plus the rest."""
+    if len(values) == 1:
+        return values[0].clone()
+    size = 1 << (len(values).bit_length() - 1)
+    if size == len(values):
+        return _tree(values[: size // 2]) + _tree(values[size // 2 :])
+    return _tree(values[:size]) + _tree(values[size:])
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 6, 8, 13])
+def test_pairwise_sum_is_the_tree_of_the_stream(n):
+    torch.manual_seed(n)
+    values = [torch.randn(37) * 10.0 ** torch.randint(-4, 5, (37,)) for _ in range(n)]
+    copies = [v.clone() for v in values]
+    acc = PairwiseSum()
+    for v in values:
+        acc.add(v)
+    assert torch.equal(acc.total(), _tree(copies))
+    assert all(torch.equal(v, c) for v, c in zip(values, copies)), "add must not modify the values it is given"
+
+
+def test_pairwise_sum_order_matters_where_sequential_differs():
+    """Float addition is not associative: the tree and a left-to-right sum give different bits here."""
+    values = [torch.tensor([x], dtype=torch.float32) for x in (1e8, 1.0, -1e8, 1.0)]
+    acc = PairwiseSum()
+    for v in values:
+        acc.add(v)
+    sequential = ((values[0] + values[1]) + values[2]) + values[3]
+    assert acc.total().item() == 0.0 and sequential.item() == 1.0
+
+
+def test_a_rows_sum_does_not_depend_on_the_other_rows():
+    torch.manual_seed(0)
+    x = torch.randn(67, 1001) * 10.0 ** torch.randint(-3, 4, (67, 1001))
+    whole = pairwise_rows(x)
+    for start, end in [(0, 1), (5, 6), (3, 40), (33, 67)]:
+        assert torch.equal(pairwise_rows(x[start:end].clone()), whole[start:end])
+    assert torch.allclose(whole.double(), x.double().sum(dim=1), rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.parametrize("implementation", ["foreach", "for-loop"])
+def test_adamw_and_the_clip_scale_update_an_element_the_same_in_any_shard(implementation):
+    """What lets the optimizer step on shards of any size: the update of an element does not
+    depend on the length of the tensor it lies in, nor its position in it (vectorised body or
+    scalar tail), for every split of a tensor into two shards."""
+    torch.manual_seed(1)
+    weights, grads = torch.randn(4099), torch.randn(4099) * 1e-2
+
+    def train(cut: int | None) -> list[torch.Tensor]:
+        pieces = [slice(0, None)] if cut is None else [slice(0, cut), slice(cut, None)]
+        params = [torch.nn.Parameter(weights[s].clone()) for s in pieces]
+        optimizer = torch.optim.AdamW(params, lr=3e-3, weight_decay=0.1, foreach=implementation == "foreach")
+        for step in range(3):
+            for p, s in zip(params, pieces):
+                p.grad = grads[s].clone()
+                torch._foreach_mul_([p.grad], 0.3 + step)
+            optimizer.step()
+        state = [torch.cat([optimizer.state[p][k] for p in params]) for k in ("exp_avg", "exp_avg_sq")]
+        return [torch.cat([p.detach() for p in params]), *state]
+
+    expected = train(None)
+    for cut in [*range(1, 33), 2048]:  # every tail length of a 16-float (AVX-512) body twice over
+        for got, want in zip(train(cut), expected):
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), f"split at {cut}"
+
+
+@pytest.mark.parametrize(
+    "extra, key",
+    [
+        (["--mesh", "dp_shard=2,tp=2"], "parallelism.tensor_parallel_degree"),
+        (["--mesh", "dp_shard=2,cp=2"], "parallelism.context_parallel_degree"),
+        (["--mesh", "pp=2,dp_shard=2"], "parallelism.pipeline_parallel_degree"),
+        (["--compile.enable"], "compile.enable"),
+        (["--training.mixed_precision_reduce", "bfloat16"], "training.mixed_precision_reduce"),
+        (["--training.defer_gradient_reduction"], "training.defer_gradient_reduction"),
+        (["--optimizer.implementation", "fused"], "optimizer.implementation"),
+    ],
+)
+def test_what_breaks_the_bits_is_refused_naming_both_keys(extra, key):
+    with pytest.raises(ConfigError, match=rf"`debug.layout_invariant`.*`{re.escape(key)}`"):
+        plan(load_config(["--debug.layout_invariant", *extra]), 4)
+    plan(load_config(extra), 4)  # accepted with the mode off
+
+
+def _save(folder: Path, tensors: dict[str, torch.Tensor]) -> Path:
+    dcp.save({k: v.clone() for k, v in tensors.items()}, checkpoint_id=str(folder), no_dist=True)
+    return folder
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_compare_checkpoints(tmp_path: Path, capsys):
+    torch.manual_seed(0)
+    base = {"model.w": torch.randn(8, 4), "model.b": torch.zeros(4), "optimizer.state.w.step": torch.tensor(3.0)}
+    a = _save(tmp_path / "a", base)
+    assert compare_checkpoints.main([str(a), str(_save(tmp_path / "same", base))]) == 0
+    assert "identical: 3 tensors" in capsys.readouterr().out
+
+    one_ulp = dict(base, **{"model.w": base["model.w"].clone()})
+    one_ulp["model.w"][2, 1] = torch.nextafter(one_ulp["model.w"][2, 1], torch.tensor(1e9))
+    assert compare_checkpoints.main([str(a), str(_save(tmp_path / "ulp", one_ulp))]) == 1
+    out = capsys.readouterr().out
+    assert "first differing tensor: model.w" in out and "largest relative difference: " in out
+
+    negative_zero = dict(base, **{"model.b": -torch.zeros(4)})  # equal as numbers, not as bits
+    assert compare_checkpoints.main([str(a), str(_save(tmp_path / "neg0", negative_zero))]) == 1
+    assert "first differing tensor: model.b" in capsys.readouterr().out
+
+    missing = {k: v for k, v in base.items() if k != "model.b"}
+    assert compare_checkpoints.main([str(a), str(_save(tmp_path / "missing", missing))]) == 1
+    assert "model.b: only in A" in capsys.readouterr().out
+
+    assert compare_checkpoints.main([str(a), str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "nowhere" in err and "checkpoint/step-N" in err
