@@ -5,9 +5,8 @@ projection and the loss; the transformer blocks are spread over the stages. The 
 the output count as ``first_less`` / ``last_less`` blocks (torchtitan's
 ``pipeline_parallel_first_stage_less_layers`` / ``last_stage_less_layers``), so stage sizes are
 ``n_layers + first_less + last_less`` units cut into equal parts: exactly
-(``layers_per_stage`` given: it must divide the total) or as evenly as possible (not given: the
-remainder goes one unit each to the middle stages first, which carry neither the embedding nor
-the output).
+(``layers_per_stage`` given: it must divide the total) or as evenly as possible (the remainder
+goes one unit each to the middle stages first, which carry neither the embedding nor the output).
 
 **Parameter names stay the whole model's.** A rank's model is the full model with the blocks of
 other stages deleted from its ``layers`` ModuleDict (keyed by the original block index) and the
@@ -17,28 +16,23 @@ checkpoints and Hugging Face export need no mapping. The stages a schedule runs 
 that model: modules of the same class holding the same block objects, one per stage (two or
 more per rank for the interleaved and zero-bubble schedules).
 
-**Placement.** Stage ``s`` of ``S`` runs on ``pp`` rank ``s mod pp`` (looped), except for the
-V-shaped zero-bubble schedule, where rank ``r`` holds stages ``r`` and ``2 pp - 1 - r``.
+**Placement.** Stage ``s`` runs on ``pp`` rank ``s mod pp`` (looped); under the V-shaped
+zero-bubble schedule rank ``r`` holds stages ``r`` and ``2 pp - 1 - r``.
 
 **Exactness.** The schedule runs with ``scale_grads=False`` and a *summed* loss: the gradients
 it leaves are sums over the rank's tokens, which ``GradAccumulator`` normalises by the global
-valid-token count N, as without PP. Every schedule here (their FSDP handling in
-``PipelineStage``) disables FSDP's gradient sync during the micro-batches and reduces once per
-step after the last backward: one reduce-scatter, and under HSDP one cross-replica all-reduce,
-per FSDP unit and step.
+valid-token count N, as without PP. Every schedule here (``PipelineStage``'s FSDP handling)
+reduces once per step after the last backward: one reduce-scatter, and under HSDP one
+cross-replica all-reduce, per FSDP unit and step.
 
-**Document masking.** Each sample then has its own RoPE positions (restarting at every
-document) and document ids. Both go to ``schedule.step`` as keyword arguments cut along the
-batch like the inputs, and the schedule hands every stage its micro-batch's share with the
-hidden states, so each stage's blocks build the same masks as the unsplit model. Without
-masking one ``positions`` (the sequence's, or a CP rank's shard) is replicated to every
-micro-batch.
+**Document masking.** Each sample's own positions and document ids go to ``schedule.step`` as
+keyword arguments cut along the batch, so every stage builds the unsplit model's masks; without
+masking one ``positions`` is replicated to every micro-batch.
 
-This module knows nothing of the trainer; it expects torchtitan's Llama module names
-(``tok_embeddings``, ``layers``, ``norm``, ``output``) and a model whose ``forward`` accepts a
-missing embedding (hidden states in) and missing output (hidden states out). With
-``labels_to_model`` the labels are the model's ``labels`` argument too, and the last stage
-returns the summed loss itself (the chunked loss of ``trainer/loss.py``) instead of logits.
+This module knows nothing of the trainer; it expects torchtitan's Llama module names and a
+model whose ``forward`` accepts a missing embedding (hidden states in) and output (hidden states
+out). With ``labels_to_model`` the last stage returns the summed loss itself (the chunked loss of
+``trainer/loss.py``) instead of logits.
 """
 
 from __future__ import annotations
@@ -347,7 +341,8 @@ class Pipeline:
         It equals ``loss_fn(model(inputs), labels)`` of the unsplit model, so a validation
         pass reduces it over the data-parallel ranks exactly as without PP. The schedule
         runs whole steps of its training shape: sequences are fed in groups of that many, and
-        a last short group is padded with ignored labels, which add nothing to the sum.
+        a last short group is padded with ignored labels, which add nothing to the sum. Call it,
+        as :meth:`step`, inside the loss context (``loss_parallel()`` for a sharded vocabulary).
         """
         step_batch = self.microbatches * self.microbatch_size
         total = torch.zeros((), dtype=torch.float32, device=inputs.device)

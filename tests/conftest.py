@@ -4,10 +4,16 @@
 (multi-process CPU runs) or ``launcher`` (through ``./run_train.sh``) is ``fast``.
 """
 
+from __future__ import annotations
+
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from trainer.model.llama3 import ModelArgs, Transformer
 
 ROOT = Path(__file__).resolve().parent.parent
 for path in (ROOT, Path(__file__).resolve().parent):
@@ -27,3 +33,33 @@ def ref():
     from harness import GLOBAL_BATCH, argv_for, reference
 
     return reference(argv_for(GLOBAL_BATCH, []))
+
+
+@pytest.fixture(scope="module")
+def vocab_size() -> int:
+    """The test tokenizer's vocabulary, which sizes the debug model of test_model*.py."""
+    from test_model import TOKENIZER
+
+    from trainer.data.tokenizer import load_tokenizer
+
+    return load_tokenizer(TOKENIZER).vocab_size
+
+
+@pytest.fixture(scope="module")
+def debug_args(vocab_size: int) -> ModelArgs:
+    from test_model import SEQ_LEN
+
+    from trainer.model.llama3 import model_args
+
+    return model_args("debugmodel", vocab_size, SEQ_LEN)
+
+
+@pytest.fixture(scope="module")
+def debug_model(debug_args: ModelArgs) -> Transformer:
+    from test_model import SEED
+
+    from trainer.model.llama3 import Transformer
+
+    model = Transformer(debug_args)
+    model.init_weights(SEED)
+    return model

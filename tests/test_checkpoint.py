@@ -295,8 +295,7 @@ def test_seed_checkpoint_gives_every_mesh_the_same_start(tmp_path):
     reference.init_weights(11)
     for name, param in reference.named_parameters():
         assert torch.equal(seed[name], param.detach()), name
-    # A job with another seed starts from the seed checkpoint's weights, not its own init.
-    resumed = run_ranks(resume_worker, 2, small_argv(tmp_path, "--debug.seed", "12"))[0]
+    resumed = run_ranks(resume_worker, 2, small_argv(tmp_path, "--debug.seed", "12"))[0]  # another seed: no own init
     assert resumed["start"] == 0
     for name, weight in resumed["weights"].items():
         assert torch.equal(weight, seed[name]), name

@@ -15,7 +15,8 @@ from harness import ROOT, run_train
 from trainer.config import ConfigError, load_config
 from trainer.plan import check_memory, memory_limit, plan, target_device
 from trainer.runtime.launch import main as launch_main
-from trainer.runtime.memory_plan import TARGET_MEMORY_BYTES, Workload, estimate, estimates, fixes
+from trainer.runtime.memory_limits import TARGET_MEMORY_BYTES
+from trainer.runtime.memory_plan import Workload, estimate, estimates, fixes
 
 GIB = 1024**3
 EIGHT_B = Workload(

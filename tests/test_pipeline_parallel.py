@@ -26,6 +26,7 @@ from harness import (
 )
 
 from parallelisms.pipeline_parallel import BUBBLE_FRACTION, SCHEDULES, plan_split, split_model
+from parallelisms.tensor_parallel import loss_context
 from trainer.build import resume
 from trainer.config import ConfigError, load_config
 from trainer.data.datasets import load_dataset
@@ -225,10 +226,12 @@ def pp_step(argv: list[str], bug: bool = False) -> dict | None:
     result = forward_backward(trainer, microbatches)
     grads = {name: full(prm.grad) for name, prm in trainer.model.named_parameters()}
     out = {"loss": result.loss_avg, "loss_max": result.loss_max, "norm": result.grad_norm, "n": result.n_valid_tokens}
-    # Every schedule evaluates (forward only, as validation does), its own training order notwithstanding.
+    # Every schedule evaluates (forward only, as validation does: inside the loss context, which under
+    # loss parallel the last stage's vocabulary-sharded loss needs), its own training order notwithstanding.
     inputs, labels = torch.cat([mb.inputs for mb in microbatches]), torch.cat([mb.labels for mb in microbatches])
-    out["evaluated"] = trainer.pipeline.evaluate(inputs, labels).item()
-    out["evaluated_short"] = trainer.pipeline.evaluate(inputs[:3], labels[:3]).item()
+    with loss_context(trainer.loss_parallel):
+        out["evaluated"] = trainer.pipeline.evaluate(inputs, labels).item()
+        out["evaluated_short"] = trainer.pipeline.evaluate(inputs[:3], labels[:3]).item()
     owner = trainer.meshes.loss.get_local_rank() == 0 and trainer.meshes.tp.get_local_rank() == 0
     if owner:
         out.update(grads=grads, writes=seen["writes"], bug=seen.get("bug"))

@@ -20,16 +20,8 @@ from trainer.config import ConfigError, JobConfig, resolve_path
 from trainer.data.tokenizer import Tokenizer, load_tokenizer
 from trainer.model.llama3 import ModelArgs, model_args
 from trainer.runtime.dump_folder import check_dump_folder
-from trainer.runtime.memory_plan import (
-    TARGET_MEMORY_BYTES,
-    Estimate,
-    Workload,
-    cpu_limit_per_rank,
-    estimate,
-    fixes,
-    gib,
-    gpu_limit,
-)
+from trainer.runtime.memory_limits import TARGET_MEMORY_BYTES, cpu_limit_per_rank, gpu_limit
+from trainer.runtime.memory_plan import Estimate, Workload, estimate, fixes, gib
 
 SETTING_KEYS = {
     "dp_replicate": "`parallelism.data_parallel_replicate_degree`",

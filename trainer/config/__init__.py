@@ -1,6 +1,7 @@
 """The job configuration: ``schema`` (what can be set), ``parser`` (TOML and command line),
 ``validate`` (the rules). The names below are the package's public API."""
 
+from trainer.config.fields import FloatList, StrList, type_name
 from trainer.config.limits import Limits
 from trainer.config.parser import (
     CONFIG_DIR,
@@ -23,7 +24,6 @@ from trainer.config.schema import (
     Comm,
     Compile,
     Debug,
-    FloatList,
     Job,
     JobConfig,
     LRScheduler,
@@ -32,10 +32,8 @@ from trainer.config.schema import (
     Optimizer,
     Parallelism,
     Profiling,
-    StrList,
     Training,
     Validation,
-    type_name,
 )
 from trainer.config.validate import validate
 from trainer.runtime.errors import ConfigError

@@ -15,7 +15,8 @@ from typing import Any
 
 import tomli_w
 
-from trainer.config.schema import FIELDS, MESH_DIMS, FloatList, JobConfig, StrList, type_name
+from trainer.config.fields import FloatList, StrList, type_name
+from trainer.config.schema import FIELDS, MESH_DIMS, JobConfig
 from trainer.config.validate import validate
 from trainer.runtime.errors import ConfigError
 

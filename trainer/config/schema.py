@@ -7,48 +7,34 @@ config reads the same here. ``--help`` and the README's table are generated from
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, get_type_hints
 
 from parallelisms.context_parallel import BACKENDS as CONTEXT_PARALLEL_BACKENDS
 from parallelisms.pipeline_parallel import SCHEDULES as PIPELINE_SCHEDULES
-from trainer.config.limits import MAX_LR, MAX_SEED, MAX_SEQ_LEN, MAX_TIMEOUT_SECONDS, MAX_WEIGHT_DECAY, Limits
+from trainer.config.fields import FloatList, StrList, fields_by_key, setting
+from trainer.config.limits import MAX_LR, MAX_SEED, MAX_SEQ_LEN, MAX_TIMEOUT_SECONDS, MAX_WEIGHT_DECAY
 from trainer.data.samples import DATASET_KINDS
-
-
-class StrList(tuple):
-    """A list of strings: a TOML array, or comma-separated on the command line."""
-
-
-class FloatList(tuple):
-    """A list of numbers: a TOML array, or comma-separated on the command line."""
-
-
-def _field(default: Any, doc: str, choices: tuple[str, ...] | None = None, **limits: Any) -> Any:
-    metadata = {"doc": doc, "choices": choices, "limits": Limits(**limits) if limits else None}
-    return field(default=default, metadata=metadata)
 
 
 @dataclass
 class Job:
-    dump_folder: str = _field(
+    dump_folder: str = setting(
         "./outputs",
         "Folder for everything the job writes: resolved config, TensorBoard logs, checkpoints. "
         "One job at a time: a running job holds a lock on it.",
     )
-    description: str = _field("", "Free text describing the run; printed at start-up.")
+    description: str = setting("", "Free text describing the run; printed at start-up.")
 
 
 @dataclass
 class Model:
-    name: str = _field("llama3", "Model family. Only `llama3` exists.", ("llama3",))
-    flavor: str = _field(
+    name: str = setting("llama3", "Model family. Only `llama3` exists.", ("llama3",))
+    flavor: str = setting(
         "debugmodel",
         "Model size preset.",
         ("debugmodel", "1B", "3B", "8B", "70B", "405B"),
     )
-    tokenizer_path: str = _field(
+    tokenizer_path: str = setting(
         "assets/tokenizer/shakespeare.model",
         "Tokenizer file: a SentencePiece `.model`, or a Hugging Face `tokenizer.json` (any `.json` file; "
         'needs `pip install -e ".[hf]"`). A relative path is resolved against the repository root '
@@ -58,15 +44,15 @@ class Model:
 
 @dataclass
 class Optimizer:
-    name: str = _field("AdamW", "Optimizer. Only AdamW exists.", ("AdamW",))
-    lr: float = _field(8e-4, "Peak learning rate.", ge=0.0, le=MAX_LR)
-    beta1: float = _field(0.9, "AdamW beta1.", ge=0.0, lt=1.0)
-    beta2: float = _field(0.95, "AdamW beta2.", ge=0.0, lt=1.0)
-    eps: float = _field(1e-8, "AdamW epsilon.", ge=0.0, le=1.0)
-    weight_decay: float = _field(
+    name: str = setting("AdamW", "Optimizer. Only AdamW exists.", ("AdamW",))
+    lr: float = setting(8e-4, "Peak learning rate.", ge=0.0, le=MAX_LR)
+    beta1: float = setting(0.9, "AdamW beta1.", ge=0.0, lt=1.0)
+    beta2: float = setting(0.95, "AdamW beta2.", ge=0.0, lt=1.0)
+    eps: float = setting(1e-8, "AdamW epsilon.", ge=0.0, le=1.0)
+    weight_decay: float = setting(
         0.1, "Decoupled weight decay, applied to matrices only (not norms).", ge=0.0, le=MAX_WEIGHT_DECAY
     )
-    implementation: str = _field(
+    implementation: str = setting(
         "auto",
         "AdamW kernel: `fused` (one kernel, GPU), `foreach` (multi-tensor), `for-loop`, or "
         "`auto` (fused on CUDA, foreach elsewhere).",
@@ -76,8 +62,8 @@ class Optimizer:
 
 @dataclass
 class LRScheduler:
-    warmup_steps: int = _field(200, "Linear warm-up steps from ~0 to `optimizer.lr`.", ge=0)
-    decay_ratio: float = _field(
+    warmup_steps: int = setting(200, "Linear warm-up steps from ~0 to `optimizer.lr`.", ge=0)
+    decay_ratio: float = setting(
         -1.0,
         "Fraction of the steps, at the end of training, over which the LR decays, reaching "
         "`min_lr_factor` on the last step; the steps between warm-up and decay hold the peak LR. "
@@ -86,109 +72,111 @@ class LRScheduler:
         le=1.0,
         allowed=(-1.0,),
     )
-    decay_type: str = _field("linear", "Shape of the decay.", ("linear", "sqrt", "cosine"))
-    min_lr_factor: float = _field(0.0, "Final LR as a fraction of the peak LR.", ge=0.0, le=1.0)
+    decay_type: str = setting("linear", "Shape of the decay.", ("linear", "sqrt", "cosine"))
+    min_lr_factor: float = setting(0.0, "Final LR as a fraction of the peak LR.", ge=0.0, le=1.0)
 
 
 @dataclass
 class Training:
-    dataset: str = _field(
+    dataset: str = setting(
         "shakespeare",
         "`shakespeare` (packed pre-training text), `shakespeare_dialogue` (prompt/response "
         "pairs with masked prompts and padding) or `chat` (multi-turn `messages`, loss on the "
         "assistant's tokens only).",
         DATASET_KINDS,
     )
-    dataset_path: StrList = _field(  # noqa: RUF009 - an immutable tuple
+    dataset_path: StrList = setting(  # noqa: RUF009 - an immutable tuple
         StrList(),
         "Your own data for the chosen kind: a .txt/.jsonl/.jsonl.gz file, a folder of them, or a folder written "
         "by scripts/prepare_data.py (memory-mapped); empty uses the bundled plays. Several paths (a "
         "TOML array, or comma-separated) train on their mixture, see `training.dataset_weights`.",
     )
-    dataset_weights: FloatList = _field(  # noqa: RUF009 - an immutable tuple
+    dataset_weights: FloatList = setting(  # noqa: RUF009 - an immutable tuple
         FloatList(),
         "With several `training.dataset_path`s: each one's share of every global batch, in the same "
         "order (normalised to sum to 1); empty gives every dataset the same share.",
         gt=0.0,
     )
-    local_batch_size: int = _field(8, "Sequences per micro-batch on each data-parallel rank.", ge=1)
-    global_batch_size: int = _field(
+    local_batch_size: int = setting(8, "Sequences per micro-batch on each data-parallel rank.", ge=1)
+    global_batch_size: int = setting(
         -1,
         "Sequences per optimizer step over all data-parallel ranks and micro-batches. "
         "Gradient accumulation = global / (local x data-parallel degree). -1 means no accumulation.",
         ge=1,
         allowed=(-1,),
     )
-    seq_len: int = _field(2048, "Tokens per sequence.", ge=1, le=MAX_SEQ_LEN)
-    document_mask: bool = _field(
+    seq_len: int = setting(2048, "Tokens per sequence.", ge=1, le=MAX_SEQ_LEN)
+    document_mask: bool = setting(
         False,
         "In packed samples (`shakespeare`), a token attends only to earlier tokens of its own "
         "document, RoPE positions restart at each document's BOS, and the label predicting a "
         "document's BOS from the previous document is ignored (see README, Document masking).",
     )
-    loss_chunk_tokens: int = _field(1024, "Output projection + loss in chunks of this many tokens; 0: unchunked.", ge=0)
-    max_norm: float = _field(1.0, "Gradient clipping threshold on the true global grad norm; <= 0 disables clipping.")
-    steps: int = _field(10000, "Optimizer steps to train.", ge=1)
-    max_consecutive_skipped_steps: int = _field(
+    loss_chunk_tokens: int = setting(
+        1024, "Output projection + loss in chunks of this many tokens; 0: unchunked.", ge=0
+    )
+    max_norm: float = setting(1.0, "Gradient clipping threshold on the true global grad norm; <= 0 disables clipping.")
+    steps: int = setting(10000, "Optimizer steps to train.", ge=1)
+    max_consecutive_skipped_steps: int = setting(
         20,
         "End the job (non-zero exit) after this many optimizer steps in a row were skipped "
         "(non-finite gradient norm, or no valid label token): the run has diverged or the data "
         "has no labels. 0 never ends it.",
         ge=0,
     )
-    mixed_precision_param: str = _field(
+    mixed_precision_param: str = setting(
         "auto",
         "Dtype of the parameters FSDP gathers for compute: `bfloat16`, `float32`, or `auto` "
         "(bfloat16 on GPU, float32 on CPU).",
         ("auto", "bfloat16", "float32"),
     )
-    mixed_precision_reduce: str = _field(
+    mixed_precision_reduce: str = setting(
         "float32", "Dtype of gradient reduction across ranks.", ("float32", "bfloat16")
     )
-    defer_gradient_reduction: bool = _field(
+    defer_gradient_reduction: bool = setting(
         False,
         "Skip FSDP's reduce-scatter on all but the last micro-batch: gradients accumulate "
         "unsharded (more memory) and are communicated once per step (less communication).",
     )
-    check_memory: bool = _field(
+    check_memory: bool = setting(
         True,
         "Before building the model, estimate each rank's memory and stop (with the settings that "
         "would fit) when it exceeds the GPU's memory, or on CPU the machine's available memory "
         "shared by its ranks; false only prints the estimate.",
     )
-    num_workers: int = _field(0, "Data loader worker processes per rank (0 loads in the training process).", ge=0)
-    prefetch_factor: int = _field(2, "Micro-batches each data loader worker prepares ahead (workers > 0 only).", ge=1)
-    data_timeout_seconds: int = _field(
+    num_workers: int = setting(0, "Data loader worker processes per rank (0 loads in the training process).", ge=0)
+    prefetch_factor: int = setting(2, "Micro-batches each data loader worker prepares ahead (workers > 0 only).", ge=1)
+    data_timeout_seconds: int = setting(
         300,
         "With data loader workers: the longest wait for one micro-batch before the job stops with "
         "an error naming the data loader (a stalled or hung worker), instead of waiting silently.",
         ge=1,
         le=MAX_TIMEOUT_SECONDS,
     )
-    peak_flops: float = _field(
+    peak_flops: float = setting(
         0.0, "Peak dense bf16 FLOP/s of one device, for MFU; 0 looks the GPU up in the built-in table.", ge=0.0
     )
 
 
 @dataclass
 class Parallelism:
-    data_parallel_replicate_degree: int = _field(
+    data_parallel_replicate_degree: int = setting(
         1, "HSDP replicas: full model copies, each sharded over `data_parallel_shard_degree` ranks."
     )
-    data_parallel_shard_degree: int = _field(
+    data_parallel_shard_degree: int = setting(
         -1, "FSDP shard degree; -1 infers it as world size / (pp x replicate x tp x cp)."
     )
-    tensor_parallel_degree: int = _field(
+    tensor_parallel_degree: int = setting(
         1,
         "Tensor-parallel degree: attention heads, feed-forward units and the vocabulary are split "
         "over this many ranks, which see the same tokens (sequence parallel between blocks).",
     )
-    context_parallel_degree: int = _field(
+    context_parallel_degree: int = setting(
         1,
         "Context-parallel degree: each sequence is split over this many ranks (head-tail load "
         "balanced), which also shard the parameters together with dp_shard.",
     )
-    context_parallel_backend: str = _field(
+    context_parallel_backend: str = setting(
         "auto",
         "Attention across context-parallel shards: `ring` (PyTorch's ring attention, CUDA only), "
         "`allgather_kv` (all-gather keys and values, any device), `ulysses` (all-to-all to whole "
@@ -196,30 +184,30 @@ class Parallelism:
         "(ring on CUDA, allgather_kv elsewhere or with `training.document_mask`).",
         ("auto", *CONTEXT_PARALLEL_BACKENDS),
     )
-    context_parallel_rotate_method: str = _field(
+    context_parallel_rotate_method: str = setting(
         "allgather",
         "How the ring backend moves key/value shards between ranks.",
         ("allgather", "alltoall"),
     )
-    pipeline_parallel_degree: int = _field(
+    pipeline_parallel_degree: int = setting(
         1,
         "Pipeline-parallel degree (the outermost mesh dimension): the layers are split into "
         "stages over this many ranks, embedding on the first, norm + output + loss on the last.",
     )
-    pipeline_parallel_schedule: str = _field(
+    pipeline_parallel_schedule: str = setting(
         "1F1B",
         "Pipeline schedule: `GPipe` and `1F1B` run one stage per rank; `Interleaved1F1B`, "
         "`InterleavedZeroBubble` (looped) and `ZBVZeroBubble` (V-shaped, exactly 2) run several.",
         PIPELINE_SCHEDULES,
     )
-    pipeline_parallel_microbatch_size: int = _field(
+    pipeline_parallel_microbatch_size: int = setting(
         1,
         "Sequences per pipeline micro-batch: a data-parallel rank's share of the global batch "
         "(global / data-parallel degree) is cut into micro-batches of this size, all run by one "
         "schedule step.",
         ge=1,
     )
-    pipeline_parallel_layers_per_stage: int = _field(
+    pipeline_parallel_layers_per_stage: int = setting(
         -1,
         "Stage units per stage (blocks, with the embedding and the output counted as the "
         "less-layers below); the number of stages is the model's units divided by this, which "
@@ -228,22 +216,22 @@ class Parallelism:
         ge=1,
         allowed=(-1,),
     )
-    pipeline_parallel_first_stage_less_layers: int = _field(
+    pipeline_parallel_first_stage_less_layers: int = setting(
         1, "Blocks fewer on the first stage, which also runs the token embedding.", ge=0
     )
-    pipeline_parallel_last_stage_less_layers: int = _field(
+    pipeline_parallel_last_stage_less_layers: int = setting(
         1, "Blocks fewer on the last stage, which also runs the norm, the output projection and the loss.", ge=0
     )
-    fsdp_reshard_after_forward: str = _field(
+    fsdp_reshard_after_forward: str = setting(
         "default",
         "Free gathered parameters after forward: `always`, `never` (faster backward, more "
         "memory), or `default` (every block but the last one, whose backward runs at once).",
         ("default", "always", "never"),
     )
-    disable_loss_parallel: bool = _field(
+    disable_loss_parallel: bool = setting(
         False, "With tensor parallelism, gather the logits instead of a vocabulary-parallel loss."
     )
-    enable_async_tensor_parallel: bool = _field(
+    enable_async_tensor_parallel: bool = setting(
         False,
         "Overlap tensor-parallel communication with the matmuls (CUDA only; needs "
         "`compile.enable`, since async TP is a torch.compile graph rewrite).",
@@ -252,14 +240,14 @@ class Parallelism:
 
 @dataclass
 class Comm:
-    init_timeout_seconds: int = _field(
+    init_timeout_seconds: int = setting(
         300,
         "Collective timeout until the first step has finished (process-group start-up, building, "
         "loading a checkpoint, the first step) and for checkpoint saves.",
         ge=1,
         le=MAX_TIMEOUT_SECONDS,
     )
-    train_timeout_seconds: int = _field(
+    train_timeout_seconds: int = setting(
         100,
         "Collective timeout from the second step on: a rank that stalls for longer (hung, "
         "stopped, dead) ends the job with an error naming this key instead of a silent hang. "
@@ -271,25 +259,25 @@ class Comm:
 
 @dataclass
 class Metrics:
-    log_freq: int = _field(10, "Log every N steps (and the first and last step).", ge=1)
-    enable_tensorboard: bool = _field(True, "Write TensorBoard scalars (rank 0).")
-    save_tb_folder: str = _field(
+    log_freq: int = setting(10, "Log every N steps (and the first and last step).", ge=1)
+    enable_tensorboard: bool = setting(True, "Write TensorBoard scalars (rank 0).")
+    save_tb_folder: str = setting(
         "tb", "TensorBoard folder inside `job.dump_folder`; each run gets a timestamped subfolder."
     )
-    disable_color_printing: bool = _field(
+    disable_color_printing: bool = setting(
         False, "Plain console output without ANSI colors (colors are only used on a terminal)."
     )
 
 
 @dataclass
 class ActivationCheckpoint:
-    mode: str = _field(
+    mode: str = setting(
         "none",
         "Recompute activations in backward instead of keeping them: `none`, `full` (every "
         "block), or `selective` (see `selective_ac_option`).",
         ("none", "full", "selective"),
     )
-    selective_ac_option: str = _field(
+    selective_ac_option: str = setting(
         "op",
         "With `selective`: `op` keeps matmul and attention outputs and recomputes the rest in "
         "every block; an integer k fully checkpoints every k-th block.",
@@ -298,22 +286,22 @@ class ActivationCheckpoint:
 
 @dataclass
 class Compile:
-    enable: bool = _field(False, "Compile with torch.compile: each transformer block, and the loss.")
-    components: StrList = _field(StrList(("model", "loss")), "What to compile when enabled.", ("model", "loss"))  # noqa: RUF009
+    enable: bool = setting(False, "Compile with torch.compile: each transformer block, and the loss.")
+    components: StrList = setting(StrList(("model", "loss")), "What to compile when enabled.", ("model", "loss"))  # noqa: RUF009
 
 
 @dataclass
 class Profiling:
-    enable_profiling: bool = _field(False, "Record torch.profiler traces (one per rank).")
-    profile_freq: int = _field(10, "Trace one step every N steps (after a warm-up step).", ge=2)
-    save_traces_folder: str = _field(
+    enable_profiling: bool = setting(False, "Record torch.profiler traces (one per rank).")
+    profile_freq: int = setting(10, "Trace one step every N steps (after a warm-up step).", ge=2)
+    save_traces_folder: str = setting(
         "profile_traces",
         "Folder in `job.dump_folder`: `iteration_N/rankR_trace.json`, for Perfetto or chrome://tracing.",
     )
-    enable_memory_snapshot: bool = _field(
+    enable_memory_snapshot: bool = setting(
         False, "Record CUDA memory history; dump a snapshot every `profile_freq` steps and on out-of-memory (GPU only)."
     )
-    save_memory_snapshot_folder: str = _field(
+    save_memory_snapshot_folder: str = setting(
         "memory_snapshot",
         "Folder in `job.dump_folder` for `rankR_memory_snapshot.pickle` files (open at pytorch.org/memory_viz).",
     )
@@ -321,55 +309,57 @@ class Profiling:
 
 @dataclass
 class Checkpoint:
-    enable: bool = _field(
+    enable: bool = setting(
         False,
         "Save checkpoints and resume from the newest complete one in `checkpoint.folder` at start.",
     )
-    folder: str = _field("checkpoint", "Folder inside `job.dump_folder`; each checkpoint is `step-N` in it.")
-    interval: int = _field(500, "Save every N steps; the last step is always saved.", ge=1)
-    keep_latest_k: int = _field(
+    folder: str = setting("checkpoint", "Folder inside `job.dump_folder`; each checkpoint is `step-N` in it.")
+    interval: int = setting(500, "Save every N steps; the last step is always saved.", ge=1)
+    keep_latest_k: int = setting(
         10, "Keep the newest k checkpoints of the current timeline, delete older ones; 0 keeps all.", ge=0
     )
-    load_step: int = _field(
+    load_step: int = setting(
         -1,
         "Roll back to `step-N`: newer checkpoints are moved aside and a new timeline begins; rerunning "
         "with the same value continues that timeline. -1 takes the newest complete checkpoint.",
         ge=0,
         allowed=(-1,),
     )
-    exclude_from_loading: StrList = _field(  # noqa: RUF009 - an immutable tuple
+    exclude_from_loading: StrList = setting(  # noqa: RUF009 - an immutable tuple
         StrList(),
         "Parts of the checkpoint not to restore when resuming (e.g. `optimizer,lr_scheduler`).",
         ("model", "optimizer", "lr_scheduler", "dataloader", "train_state"),
     )
-    initial_load_path: str = _field(
+    initial_load_path: str = setting(
         "",
         "A checkpoint folder (DCP `step-N`, or a Hugging Face folder with `initial_load_in_hf`) to "
         "start from when there is no checkpoint to resume (also with `checkpoint.enable` off).",
     )
-    initial_load_model_only: bool = _field(
+    initial_load_model_only: bool = setting(
         True, "From `initial_load_path`, load the weights only (fresh optimizer, step 0)."
     )
-    initial_load_in_hf: bool = _field(
+    initial_load_in_hf: bool = setting(
         False, "`initial_load_path` is a Hugging Face Llama folder (config.json + safetensors)."
     )
-    last_save_model_only: bool = _field(
+    last_save_model_only: bool = setting(
         False, "The final checkpoint holds the weights only (an export), cast to `checkpoint.export_dtype`."
     )
-    export_dtype: str = _field("float32", "Dtype of a model-only final checkpoint.", ("float32", "bfloat16", "float16"))
-    async_mode: str = _field(
+    export_dtype: str = setting(
+        "float32", "Dtype of a model-only final checkpoint.", ("float32", "bfloat16", "float16")
+    )
+    async_mode: str = setting(
         "disabled",
         "`async` writes checkpoints in the background while training goes on (at most one in "
         "flight); `disabled` blocks until written.",
         ("disabled", "async"),
     )
-    allow_data_change: bool = _field(
+    allow_data_change: bool = setting(
         False,
         "Resume although the data or the tokenizer differ from those the checkpoint was trained "
         "on (their fingerprints are compared at resume); the data order then continues at the "
         "checkpoint's step on the new data.",
     )
-    create_seed_checkpoint: bool = _field(
+    create_seed_checkpoint: bool = setting(
         False,
         "Write the initial weights as `step-0` (model only) on one process and exit; runs on any "
         "mesh then start from exactly these weights.",
@@ -378,27 +368,27 @@ class Checkpoint:
 
 @dataclass
 class Validation:
-    enable: bool = _field(
+    enable: bool = setting(
         False, "Evaluate the validation loss during training (`validation/loss`, `validation/perplexity`)."
     )
-    dataset: str = _field(
+    dataset: str = setting(
         "", "Dataset kind of the validation set; empty uses `training.dataset`.", ("",) + DATASET_KINDS
     )
-    dataset_path: str = _field(
+    dataset_path: str = setting(
         "",
         "Validation data (a file or folder as for `training.dataset_path`); empty uses the bundled "
         "held-out plays, which training on the bundled plays never sees.",
     )
-    freq: int = _field(10, "Validate every this many steps, and after the last step.", ge=1)
-    steps: int = _field(
+    freq: int = setting(10, "Validate every this many steps, and after the last step.", ge=1)
+    steps: int = setting(
         -1,
         "Validation batches of `validation.local_batch_size` per evaluation, in all (shared among the "
         "data-parallel ranks, so every mesh evaluates the same samples); -1 evaluates the whole set.",
         ge=1,
         allowed=(-1,),
     )
-    local_batch_size: int = _field(8, "Validation sequences per batch on each data-parallel rank.", ge=1)
-    seq_len: int = _field(
+    local_batch_size: int = setting(8, "Validation sequences per batch on each data-parallel rank.", ge=1)
+    seq_len: int = setting(
         -1,
         "Tokens per validation sequence; -1 uses `training.seq_len` (at most `training.seq_len`).",
         ge=1,
@@ -409,14 +399,14 @@ class Validation:
 
 @dataclass
 class Debug:
-    seed: int = _field(
+    seed: int = setting(
         0,
         "Seed of the weight initialisation and the data order; same seed, same run on any mesh.",
         ge=0,
         le=MAX_SEED,
     )
-    deterministic: bool = _field(False, "Use deterministic kernels (`torch.use_deterministic_algorithms`).")
-    layout_invariant: bool = _field(
+    deterministic: bool = setting(False, "Use deterministic kernels (`torch.use_deterministic_algorithms`).")
+    layout_invariant: bool = setting(
         False,
         "Bit-identical losses, grad norms, weights and optimizer state on every data-parallel layout (FSDP, HSDP, "
         "any accumulation) with the same global batch, `training.local_batch_size` and `training.seq_len`, "
@@ -453,20 +443,4 @@ MESH_DIMS = {
 }
 
 
-def _fields() -> dict[str, tuple[type, dataclasses.Field]]:
-    """All ``section.key`` names with their type and dataclass field."""
-    sections = {section.name: type(getattr(JobConfig(), section.name)) for section in dataclasses.fields(JobConfig)}
-    return {
-        f"{name}.{f.name}": (get_type_hints(cls)[f.name], f)
-        for name, cls in sections.items()
-        for f in dataclasses.fields(cls)
-    }
-
-
-FIELDS = _fields()
-
-
-def type_name(typ: type) -> str:
-    if typ is StrList:
-        return "comma-separated list"
-    return "comma-separated numbers" if typ is FloatList else typ.__name__
+FIELDS = fields_by_key(JobConfig)

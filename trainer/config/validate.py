@@ -10,8 +10,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from trainer.config.fields import FloatList
 from trainer.config.limits import Limits
-from trainer.config.schema import FIELDS, FloatList, JobConfig, Training
+from trainer.config.schema import FIELDS, JobConfig, Training
 from trainer.data.samples import PACKED_KINDS
 from trainer.runtime.errors import ConfigError
 

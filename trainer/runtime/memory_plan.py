@@ -56,16 +56,10 @@ measured peak on CPU (docs/performance.md gives the figures).
 from __future__ import annotations
 
 import math
-import os
-import re
-import shutil
-import subprocess
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 from parallelisms.parallel_dims import ParallelismError
 from parallelisms.pipeline_parallel import plan_split
-from trainer.simulation.targets import GPUS
 
 _GIB = 1024**3
 RUNTIME_BYTES = {"cpu": int(0.40 * _GIB), "cuda": int(1.5 * _GIB)}
@@ -73,9 +67,6 @@ RUNTIME_BYTES = {"cpu": int(0.40 * _GIB), "cuda": int(1.5 * _GIB)}
 NCCL's buffers."""
 ALLOCATOR_SLACK = {"cpu": 0.45, "cuda": 0.1}
 """Peak memory beyond the live activations, as a fraction of them (see the module docstring)."""
-TARGET_MEMORY_BYTES = {name: gpu.memory_bytes for name, gpu in GPUS.items()}
-"""``--target-gpu``: one GPU's memory as ``torch.cuda.get_device_properties().total_memory``
-reports it (``trainer/simulation/targets.py``); ``cpu`` is this machine's available memory."""
 
 
 @dataclass(frozen=True)
@@ -311,56 +302,6 @@ def _logits(w: Workload) -> float:
     # one chunk of tokens at a time when the loss is chunked (recomputed in backward).
     live = min(tokens, w.loss_chunk_tokens) if w.loss_chunk_tokens > 0 else tokens
     return live * vocab * (w.compute_bytes + float_copy + 4 + 4) + tokens * w.dim * w.compute_bytes
-
-
-# ------------------------------------------------------------------------------------ limits
-
-
-def _meminfo(field: str) -> int | None:
-    try:
-        text = Path("/proc/meminfo").read_text()
-    except OSError:
-        return None
-    match = re.search(rf"^{field}:\s+(\d+) kB", text, re.MULTILINE)
-    return int(match.group(1)) * 1024 if match else None
-
-
-def _own_rss() -> int:
-    try:
-        pages = int(Path("/proc/self/statm").read_text().split()[1])
-    except (OSError, IndexError, ValueError):
-        return 0
-    return pages * os.sysconf("SC_PAGE_SIZE")
-
-
-def cpu_limit_per_rank(local_ranks: int, started: bool) -> int | None:
-    """This machine's available memory shared by its ranks (None where unknown).
-
-    ``started``: called by a rank, whose siblings have started too and already hold about as
-    much as this process (the estimate counts that as runtime), so it is added back.
-    """
-    available = _meminfo("MemAvailable")
-    if available is None:
-        return None
-    if started:
-        available += local_ranks * _own_rss()
-    return available // max(local_ranks, 1)
-
-
-def gpu_limit(device_index: int | None) -> int | None:
-    """Total memory of one GPU: from torch in a rank (which owns a CUDA context anyway), from
-    ``nvidia-smi`` in the launcher (so that it does not hold a CUDA context for the whole job)."""
-    if device_index is not None:
-        import torch
-
-        return torch.cuda.get_device_properties(device_index).total_memory
-    if not shutil.which("nvidia-smi"):
-        return None
-    query = subprocess.run(
-        ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"], capture_output=True, text=True
-    )
-    sizes = [int(line) for line in query.stdout.split() if line.strip().isdigit()]
-    return min(sizes) * 1024**2 if query.returncode == 0 and sizes else None
 
 
 # ------------------------------------------------------------------------------- what fits

@@ -1,0 +1,164 @@
+"""Stop requests (SIGTERM, Ctrl-C) through ``./run_train.sh``: never lost, whenever they arrive
+(before any worker, while workers import or restart, while training, while the loop waits for a
+stalled data loader), and a stop whose checkpoint cannot be written is reported as a failure."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+from harness import ROOT, Launched, children
+from test_faults import QUICK, needs_tmpfs
+
+from trainer.checkpoint.folders import step_folders
+from trainer.runtime.dump_folder import LOCK_FILE
+
+# --------------------------------------------------------------------------------------------
+# A stop request is never lost, whenever it arrives
+# --------------------------------------------------------------------------------------------
+
+
+def wait_until(condition, timeout: float, what: str, job: Launched) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert job.proc.poll() is None, f"job ended (exit {job.proc.returncode}) before {what}:\n{job.output()[-3000:]}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout} s:\n{job.output()[-3000:]}"
+        time.sleep(0.02)
+
+
+@pytest.mark.launcher
+@pytest.mark.parametrize(
+    "moment, sig, restarts",
+    [
+        ("torchrun started, no worker yet", signal.SIGTERM, "0"),
+        ("workers importing, torchrun may restart them", signal.SIGTERM, "2"),
+        ("Ctrl-C after the first step, checkpointing off", signal.SIGINT, "0"),
+    ],
+)
+def test_a_stop_request_holds_from_the_first_instant_to_the_last(moment, sig, restarts, tmp_path):
+    """The request reaches workers that do not exist yet, that are importing (and would be
+    restarted), or are training; each ends without training a step more than asked, with exit
+    128 + the signal and a resume promise only where a checkpoint exists to resume from."""
+    job = Launched(
+        1,
+        QUICK + ["--training.steps", "60", "--job.dump_folder", str(tmp_path)],
+        tmp_path / "job.log",
+        MAX_RESTARTS=restarts,
+    )
+    try:
+        torchrun = lambda: children(job.proc.pid)  # noqa: E731
+        if moment.startswith("torchrun"):
+            wait_until(lambda: torchrun() and not job.workers(), 120, "torchrun", job)
+        elif moment.startswith("workers"):
+            wait_until(lambda: len(job.workers()) == 1, 120, "the workers", job)
+        else:
+            job.wait_for("step: 1/60")
+        job.proc.send_signal(sig)
+        code = job.finish(timeout=120)
+    finally:
+        job.finish(timeout=60)
+    out = job.output()
+    assert code == 128 + sig, out[-3000:]
+    name = signal.Signals(sig).name
+    assert f"meshtrain: stopped by {name}" in out and "step: 60/60" not in out
+    if moment.startswith("Ctrl-C"):
+        assert f"the launcher received {name}" in out and "SIGTERM" not in out
+        assert "no checkpoint to resume from" in out and "rerun the same command to resume" not in out
+    else:
+        assert "step: 1/60" not in out, out[-3000:]  # stopped before the first step, restarts included
+    assert not (tmp_path / LOCK_FILE).exists()
+
+
+@pytest.mark.launcher
+@pytest.mark.parametrize("ending", ["stop request while waiting", "data timeout"])
+def test_a_stalled_data_loader_worker_never_hangs_silently(ending, tmp_path):
+    """One process, no collective to time out: the loader's own timeout names it, and a stop
+    request while the loop waits for data stops the job with the last finished step saved."""
+    job = Launched(
+        1,
+        QUICK
+        + [
+            "--training.steps",
+            "60",
+            "--training.num_workers",
+            "1",
+            "--training.data_timeout_seconds",
+            "4",
+            "--checkpoint.enable",
+            "--checkpoint.interval",
+            "50",
+            "--job.dump_folder",
+            str(tmp_path),
+        ],
+        tmp_path / "job.log",
+    )
+    stalled: list[int] = []
+    try:
+        job.wait_for("step: 2/60")
+        stalled = children(job.workers()[0])
+        assert stalled, "no data-loader worker process"
+        for pid in stalled:
+            os.kill(pid, signal.SIGSTOP)
+        if ending.startswith("stop"):
+            job.proc.send_signal(signal.SIGTERM)
+        code = job.finish(timeout=120)
+    finally:
+        job.finish(timeout=60)
+        for pid in stalled:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    out = job.output()
+    if ending.startswith("stop"):
+        assert code == 128 + signal.SIGTERM, out[-3000:]
+        last = max(step for step, _ in step_folders(tmp_path / "checkpoint"))
+        assert f"stopped by SIGTERM after step {last}" in out and last >= 2
+    else:
+        assert code == 1, out[-3000:]
+        assert "the data loader delivered nothing for step" in out and "`training.data_timeout_seconds` = 4 s" in out
+        assert "[rank0]:Traceback" not in out and "the job failed (exit 1): local rank 0: error: the data loader" in out
+
+
+@needs_tmpfs
+@pytest.mark.launcher
+def test_a_stop_whose_checkpoint_cannot_be_written_is_a_failure_not_a_stop(tmp_path):
+    """The debug model's state (about 70 MB) does not fit a 20 MB disk: the stop's save fails, and
+    the launcher reports that cause with the job's error code, promising no resume."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    args = QUICK + [
+        "--training.steps",
+        "60",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "1000",
+        "--metrics.enable_tensorboard=false",
+        "--job.dump_folder",
+        str(mount / "out"),
+    ]
+    log = tmp_path / "job.log"
+    script = f"mount -t tmpfs -o size=20m tmpfs {mount} && exec {ROOT / 'run_train.sh'} {' '.join(args)}"
+    with open(log, "w") as out:
+        launcher = subprocess.Popen(
+            ["unshare", "-rm", "sh", "-c", script],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "NGPU": "1", "OMP_NUM_THREADS": "1"},
+        )
+    try:
+        deadline = time.monotonic() + 180
+        while "step: 2/60" not in log.read_text():
+            assert launcher.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        launcher.send_signal(signal.SIGTERM)
+        code = launcher.wait(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    out = log.read_text()
+    assert code == 1, out[-3000:]
+    assert "SIGTERM received, but the job failed while stopping (exit 1): error: checkpoint step-" in out, out[-3000:]
+    assert "no space left on the device" in out and "rerun the same command to resume" not in out
