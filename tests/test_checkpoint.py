@@ -53,10 +53,10 @@ COMMON = [
 
 
 def newest_scalars(dump: Path, first_step: int) -> dict[str, list[float]]:
-    out = {}
+    out = {}  # steps first_step..8 of the job's TensorBoard run, which a resumed job continues
     for tag, values in tensorboard_scalars(dump, ("loss_metrics/global_avg_loss", "grad_norm")).items():
-        assert list(values) == list(range(first_step, 9))
-        out[tag] = list(values.values())
+        assert list(values) == list(range(1, 9))
+        out[tag] = [values[step] for step in range(first_step, 9)]
     return out
 
 

@@ -84,9 +84,9 @@ def _main(argv: list[str], stop: StopRequests) -> int:
         device_index=int(os.environ.get("LOCAL_RANK", 0)),
         started=True,
     )
-    if int(os.environ.get("RANK", 0)) == 0:
-        logger.info("memory estimate: %s", job.plan.memory.line())
     rank0 = int(os.environ.get("RANK", 0)) == 0
+    if rank0:
+        logger.info("memory estimate: %s", job.plan.memory.line())
     lock = DumpFolderLock(job.plan.config.job.dump_folder, os.environ.get(TOKEN_ENV)) if rank0 else None
     if lock is not None:
         lock.acquire()
