@@ -155,8 +155,12 @@ def test_a_job_too_large_for_the_target_exits_2_naming_a_change_that_fits(tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", sorted(PRESETS))
-def test_every_preset_fits_an_h100_with_headroom(tmp_path, preset):
+@pytest.mark.parametrize("preset", ["1b"])
+def test_a_preset_fits_an_h100_with_headroom(tmp_path, preset):
+    """The 1B preset at its documented size (about half a minute). The others take minutes to
+    tens of minutes of CPU each (the 405B's 8 stages about 25), too long for the suite: their
+    estimates are checked at their sizes in ``test_memory_plan.py``, and ``docs/scale.md`` gives
+    the simulated figures."""
     nproc, nnodes = PRESETS[preset]
     config = Path(__file__).resolve().parent.parent / "train_configs" / f"llama3_{preset}.toml"
     code, _, report = _simulate(tmp_path, nproc, "--config", str(config), "--target-gpu", "h100", nnodes=nnodes)
