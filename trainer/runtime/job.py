@@ -16,8 +16,6 @@ from trainer.data.datasets import TokenDataset, data_lines, load_dataset, load_v
 from trainer.plan import Plan, check_memory, describe, memory_limit, plan, target_device
 from trainer.runtime.errors import ConfigError
 
-MODES = ("train", "dry_run", "simulate", "help")
-
 
 @dataclass
 class Request:
