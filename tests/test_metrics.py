@@ -24,6 +24,7 @@ from trainer.metrics import (
     peak_flops,
     use_color,
 )
+from trainer.runtime.errors import JobError
 from trainer.validation import ValidationResult
 
 CPU_TAGS = {
@@ -337,3 +338,22 @@ class _Stream(io.StringIO):
 )
 def test_color_only_on_a_terminal(disabled: bool, tty: bool, environ: dict[str, str], expected: bool) -> None:
     assert use_color(disabled, _Stream(tty), environ) is expected
+
+
+@pytest.mark.parametrize("failing", ["add_scalar", "flush"])
+@pytest.mark.parametrize("call", ["step", "validation"])
+def test_a_log_folder_that_cannot_be_written_ends_the_job_naming_it(tmp_path, monkeypatch, failing, call) -> None:
+    """A dump folder made read-only (or full) mid-run: one JobError naming the folder and the key,
+    whichever write fails and whatever is being logged."""
+    logger = _make_logger(tmp_path, log_freq=1)
+    assert logger._writer is not None
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(logger._writer, failing, refuse)
+    with pytest.raises(JobError, match="cannot write the TensorBoard logs in .*Permission denied.*job.dump_folder"):
+        if call == "step":
+            logger.log(_stats(1))
+        else:
+            logger.log_validation(1, ValidationResult(loss=1.0, n_valid_tokens=10, batches=1, seconds=0.1))

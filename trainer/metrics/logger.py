@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from trainer.validation import ValidationResult
 
 from trainer.metrics.accounting import MemoryStats, device_memory, tokens_per_second_per_device
+from trainer.runtime.errors import JobError
 
 logger = logging.getLogger("meshtrain")
 
@@ -346,13 +347,7 @@ class MetricsLogger:
                 _TAG_OOMS: memory.num_ooms,
             }
             scalars.update({tag: value for tag, value in optional.items() if value is not None})
-            for tag, value in scalars.items():
-                self._writer.add_scalar(tag, value, stats.step)
-                if tag in DASHBOARD_ALIASES:
-                    self._writer.add_scalar(DASHBOARD_ALIASES[tag], value, stats.step)
-            # Flushing per emitted step keeps the curves up to date for a run
-            # that gets killed (OOM, preemption) before close().
-            self._writer.flush()
+            self._write(scalars, stats.step)
 
         self._window_steps = 0
         self._window_tokens = 0
@@ -369,10 +364,27 @@ class MetricsLogger:
                 f"{result.batches} batches, {result.seconds:.1f}s){c['reset']}"
             )
         if self._writer is not None:
-            self._writer.add_scalar(_TAG_VAL_LOSS, result.loss, step)
-            self._writer.add_scalar(_TAG_VAL_PERPLEXITY, result.perplexity, step)
-            self._writer.add_scalar(_TAG_VAL_TIME, result.seconds, step)
+            values = {_TAG_VAL_LOSS: result.loss, _TAG_VAL_PERPLEXITY: result.perplexity, _TAG_VAL_TIME: result.seconds}
+            self._write(values, step)
+
+    def _write(self, scalars: Mapping[str, float], step: int) -> None:
+        """Add the scalars (and their dashboard aliases) and flush, so the curves stay up to date
+        for a run killed before ``close()``; a log folder that cannot be written any more (read-only,
+        full) ends the job with one line naming it."""
+        assert self._writer is not None
+        try:
+            for tag, value in scalars.items():
+                self._writer.add_scalar(tag, value, step)
+                if tag in DASHBOARD_ALIASES:
+                    self._writer.add_scalar(DASHBOARD_ALIASES[tag], value, step)
             self._writer.flush()
+        except OSError as e:
+            raise JobError(
+                f"cannot write the TensorBoard logs in {self.tb_dir} at step {step} ({e.strerror or e}): the "
+                "dump folder (`job.dump_folder`) must stay writable for the whole run; the checkpoints saved "
+                "so far are kept. Free space or restore its permissions, then rerun the same command to resume "
+                "(or turn TensorBoard off with `--metrics.enable_tensorboard false`)."
+            ) from e
 
     def _console_line(
         self,
