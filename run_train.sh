@@ -16,18 +16,6 @@ set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 export PYTHONPATH="${here}${PYTHONPATH:+:${PYTHONPATH}}"
 
-# The interpreter: $PYTHON if set, else an active virtual environment's, else `python` or, on a
-# plain PATH without it, `python3`; torchrun and the workers run with it and its packages.
-if [[ -n "${PYTHON:-}" ]]; then
-  python="$PYTHON"
-elif [[ -n "${VIRTUAL_ENV:-}" && -x "${VIRTUAL_ENV}/bin/python" ]]; then
-  python="${VIRTUAL_ENV}/bin/python"
-elif command -v python >/dev/null 2>&1; then
-  python=python
-elif command -v python3 >/dev/null 2>&1; then
-  python=python3
-else
-  echo "run_train.sh: no Python found (neither python nor python3 on PATH); set PYTHON=/path/to/python." >&2
-  exit 2
-fi
+# torchrun and the workers run with this interpreter and its packages.
+source "${here}/scripts/find_python.sh" run_train.sh
 exec "$python" -m trainer.runtime.launch "$@"

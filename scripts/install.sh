@@ -12,19 +12,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 supported=">=2.11,<2.14"   # keep in sync with pyproject.toml's dependency and the check below
-# $PYTHON, else an active virtual environment's interpreter, else `python`, else `python3`.
-if [[ -n "${PYTHON:-}" ]]; then
-  python="$PYTHON"
-elif [[ -n "${VIRTUAL_ENV:-}" && -x "${VIRTUAL_ENV}/bin/python" ]]; then
-  python="${VIRTUAL_ENV}/bin/python"
-elif command -v python >/dev/null 2>&1; then
-  python=python
-elif command -v python3 >/dev/null 2>&1; then
-  python=python3
-else
-  echo "install.sh: no Python found (neither python nor python3 on PATH); set PYTHON=/path/to/python." >&2
-  exit 2
-fi
+source scripts/find_python.sh install.sh  # the working directory is the repository root
 
 if "$python" - <<'PY' 2>/dev/null; then
 import sys
