@@ -18,9 +18,10 @@ from trainer.config import load_config
 from trainer.loss import cross_entropy_sum
 from trainer.model.llama3 import FLAVORS, Transformer
 from trainer.plan import plan
+from trainer.runtime.job import parse_request
 from trainer.simulation.memory_tracker import MemoryTracker, label_training_state
 from trainer.simulation.simulate import simulate
-from trainer.simulation.targets import split_target_args
+from trainer.simulation.targets import parse_overrides, target_named
 
 TINY = replace(
     FLAVORS["debugmodel"], dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32, max_seq_len=256
@@ -87,14 +88,26 @@ def test_the_peak_is_the_largest_replayed_total_and_freed_memory_leaves():
 
 
 def test_target_options_are_taken_out_of_the_arguments():
-    rest, name, overrides = split_target_args(
-        ["--config", "x.toml", "--target-gpu", "b200", "--target.memory_gib=75", "--target.bf16_tflops", "800"]
+    request = parse_request(
+        [
+            "--simulate",
+            "--config",
+            "x.toml",
+            "--target-gpu",
+            "b200",
+            "--target.memory_gib=75",
+            "--target.bf16_tflops",
+            "800",
+        ]
     )
+    rest, name, overrides = request.argv, request.target_gpu, parse_overrides(request.target_overrides)
     assert rest == ["--config", "x.toml"] and name == "b200"
     assert overrides == {"memory_gib": 75.0, "bf16_tflops": 800.0}
+    assert target_named(name, request.target_overrides, 8).memory_bytes == 75 * 1024**3
     for bad in (["--target-gpu", "v100"], ["--target.colour", "1"], ["--target.memory_gib", "-1"]):
         with pytest.raises(ValueError):
-            split_target_args(bad)
+            request = parse_request(["--simulate", *bad])
+            target_named(request.target_gpu, request.target_overrides, 8)
 
 
 def _simulate(tmp_path: Path, nproc: int, *args: str, nnodes: int = 1) -> tuple[int, str, dict]:

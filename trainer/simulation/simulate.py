@@ -17,27 +17,23 @@ from dataclasses import replace
 
 import torch
 
-from trainer.runtime.job import Request, prepare
+from trainer.runtime.job import Request, parse_request, prepare
 from trainer.simulation.fake_job import PipelineMetadata, rank_of_stage, run_isolated
 from trainer.simulation.report import build_report, fit_advice, render, write
-from trainer.simulation.targets import resolve_target, split_target_args
+from trainer.simulation.targets import target_named
 
 
 def simulate(argv: list[str] | Request, nproc: int, nnodes: int) -> int:
     """Simulate the job ``argv`` describes on ``nproc x nnodes`` ranks; the exit code."""
-    if isinstance(argv, Request):
-        argv = [*argv.argv, *_target_argv(argv)]
-    rest, name, overrides = split_target_args([a for a in argv if a != "--simulate"])
-    # Compile changes no memory the tracker can see and would trace for minutes; the synthetic
-    # batches need no loader workers.
+    request = argv if isinstance(argv, Request) else parse_request(["--simulate", *argv])
+    target = target_named(request.target_gpu, request.target_overrides, nproc)
     job = prepare(
-        [*rest, "--compile.enable=false", "--training.num_workers", "0"],
+        [*request.argv, "--compile.enable=false", "--training.num_workers", "0"],
         nproc * nnodes,
         local_ranks=nproc,
         memory=False,
     )
     job_plan, config = job.plan, job.plan.config
-    target = resolve_target(name, overrides, nproc)
     if target.name != "cpu" and config.training.mixed_precision_param == "auto":
         job_plan.parallel = replace(job_plan.parallel, param_dtype=torch.bfloat16)
     print(
@@ -55,11 +51,3 @@ def simulate(argv: list[str] | Request, nproc: int, nnodes: int) -> int:
         print(fit_advice(job_plan, target, report))
     print(write(report, config.job.dump_folder))
     return 0 if report["fits"] else 2
-
-
-def _target_argv(request: Request) -> list[str]:
-    """The request's target flags, as ``split_target_args`` reads them."""
-    flags = ["--target-gpu", request.target_gpu] if request.target_gpu else []
-    for key, value in request.target_overrides.items():
-        flags += [f"--target.{key}", value]
-    return flags

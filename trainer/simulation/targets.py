@@ -110,35 +110,29 @@ def _rate(work: object, units: float, seconds: float = 0.15) -> float:
     return units * done / (time.perf_counter() - start)
 
 
-def split_target_args(argv: list[str]) -> tuple[list[str], str, dict[str, float]]:
-    """``argv`` without ``--target-gpu NAME`` and ``--target.KEY VALUE``; the name and the overrides."""
-    rest: list[str] = []
-    name, overrides = "h100", {}
-    args = iter(argv)
-    for arg in args:
-        key, _, value = arg.partition("=")
-        if key != "--target-gpu" and not key.startswith("--target."):
-            rest.append(arg)
-            continue
-        if not value:
-            value = next(args, "")
-            if not value:
-                raise ConfigError(f"{key} needs a value.")
-        if key == "--target-gpu":
-            name = value.lower()
-            if name not in NAMES:
-                raise ConfigError(f"--target-gpu {value}: not one of {', '.join(NAMES)}.")
-            continue
-        field = key.removeprefix("--target.")
+def parse_overrides(overrides: dict[str, str]) -> dict[str, float]:
+    """``--target.KEY VALUE`` as given (``trainer/runtime/job.py`` collects them): each a known
+    figure and a positive number."""
+    parsed: dict[str, float] = {}
+    for field, value in overrides.items():
+        key = f"--target.{field}"
         if field not in OVERRIDES:
             raise ConfigError(f"{key}: no such target figure; use one of {', '.join(OVERRIDES)}.")
         try:
-            overrides[field] = float(value)
+            parsed[field] = float(value)
         except ValueError:
             raise ConfigError(f"{key} {value}: not a number.") from None
-        if overrides[field] <= 0:
+        if parsed[field] <= 0:
             raise ConfigError(f"{key} {value}: must be positive.")
-    return rest, name, overrides
+    return parsed
+
+
+def target_named(name: str | None, overrides: dict[str, str], ranks_per_node: int) -> Target:
+    """The target of ``--target-gpu NAME`` (h100 when not given) with the ``--target.*`` overrides."""
+    name = (name or "h100").lower()
+    if name not in NAMES:
+        raise ConfigError(f"--target-gpu {name}: not one of {', '.join(NAMES)}.")
+    return resolve_target(name, parse_overrides(overrides), ranks_per_node)
 
 
 def resolve_target(name: str, overrides: dict[str, float], ranks_per_node: int) -> Target:
