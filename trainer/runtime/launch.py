@@ -123,7 +123,7 @@ def hold_dump_folder(folder: str, nnodes: int) -> DumpFolderLock | None:
     return lock
 
 
-def torchrun_command(argv: list[str], nproc: int, nnodes: int, log_dir: Path) -> list[str]:
+def torchrun_command(argv: list[str], nproc: int, nnodes: int, log_dir: Path, shown: str) -> list[str]:
     endpoint = os.environ.get("RDZV_ENDPOINT", "")
     if nnodes > 1 and not endpoint:
         raise ConfigError(
@@ -139,7 +139,7 @@ def torchrun_command(argv: list[str], nproc: int, nnodes: int, log_dir: Path) ->
         f"--rdzv_endpoint={endpoint or 'localhost:0'}",
         f"--rdzv_id={os.environ.get('RDZV_ID', 'meshtrain')}",
         f"--max-restarts={_env_int('MAX_RESTARTS', 0)}",
-        f"--local-ranks-filter={log_ranks(nproc)}",
+        f"--local-ranks-filter={shown}",
         f"--log-dir={log_dir}",
         "--role=rank",
         "--tee=3",
@@ -174,7 +174,7 @@ def run(argv: list[str]) -> int:
         return 0
     if request.mode == "simulate":  # one process on fake tensors: no torchrun, no rendezvous
         return simulate(request, nproc, nnodes)
-    log_ranks(nproc)
+    shown = log_ranks(nproc)
     received: list[int] = []
     torchrun: subprocess.Popen | None = None
     private = Path(tempfile.mkdtemp(prefix="meshtrain-"))
@@ -202,7 +202,7 @@ def run(argv: list[str]) -> int:
     lock = None
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        command = torchrun_command(request.argv, nproc, nnodes, private / "logs")
+        command = torchrun_command(request.argv, nproc, nnodes, private / "logs", shown)
         # Everything the workers would check, once, here (raises a UserError).
         job = prepare(request.argv, nproc * nnodes, local_ranks=nproc)
         checkpointing = job.plan.config.checkpoint.enable
@@ -227,7 +227,7 @@ def run(argv: list[str]) -> int:
             signal.signal(sig, handler)
         if lock is not None:
             lock.release()
-    return outcome(code, received, checkpointing, private, log_ranks(nproc))
+    return outcome(code, received, checkpointing, private, shown)
 
 
 def outcome(code: int, received: list[int], checkpointing: bool, private: Path, shown: str) -> int:
