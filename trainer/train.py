@@ -42,7 +42,7 @@ from trainer.plan import Plan
 from trainer.runtime.distributed import CollectiveTimeouts
 from trainer.runtime.dump_folder import TOKEN_ENV, DumpFolderLock
 from trainer.runtime.errors import ConfigError, JobError, UserError, report
-from trainer.runtime.job import parse_request, prepare
+from trainer.runtime.job import describe_job, parse_request, prepare
 from trainer.runtime.profiling import profiling
 from trainer.runtime.stop_requests import StopRequests
 from trainer.train_state import TrainState
@@ -63,7 +63,9 @@ def main(argv: list[str]) -> int:
             print(help_text(request.argv))
             return 0
         if request.mode == "dry_run":
-            return dry_run(request.argv, int(os.environ.get("WORLD_SIZE", 1)))
+            world_size = int(os.environ.get("WORLD_SIZE", 1))
+            describe_job(request, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+            return 0
         if request.mode == "simulate":
             raise ConfigError("`--simulate` runs in one process, without torchrun: use `./run_train.sh --simulate`.")
         stop = StopRequests()
@@ -95,16 +97,6 @@ def _main(argv: list[str], stop: StopRequests) -> int:
     finally:
         if lock is not None:
             lock.release()
-    return 0
-
-
-def dry_run(argv: list[str], world_size: int) -> int:
-    """Check everything and print what the job would be, without training (``--dry-run``)."""
-    lines: list[str] = []
-    try:
-        prepare(argv, world_size, local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), describe_to=lines)
-    finally:
-        print("\n".join(lines), flush=True)
     return 0
 
 

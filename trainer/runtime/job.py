@@ -106,3 +106,13 @@ def prepare(
         if memory:
             check_memory(job_plan, limit, where)
     return job
+
+
+def describe_job(request: Request, world_size: int, local_ranks: int) -> None:
+    """``--dry-run``: check everything and print what the job would be, the plan and memory
+    estimate first, so that they are shown even when the memory check refuses the job."""
+    lines: list[str] = []
+    try:
+        prepare(request.argv, world_size, local_ranks=local_ranks, target=request.target_gpu, describe_to=lines)
+    finally:
+        print("\n".join(lines), flush=True)

@@ -43,7 +43,7 @@ from trainer.config import help_text
 from trainer.metrics import CONSOLE_TTY_ENV
 from trainer.runtime.dump_folder import TOKEN_ENV, DumpFolderLock, busy_message, is_stale, read_lock
 from trainer.runtime.errors import BusyFolderError, ConfigError, UserError, report
-from trainer.runtime.job import Request, parse_request, prepare
+from trainer.runtime.job import describe_job, parse_request, prepare
 from trainer.runtime.stop_requests import STOP_FILE_ENV
 from trainer.simulation.simulate import simulate
 from trainer.simulation.targets import HELP as TARGET_HELP
@@ -98,15 +98,6 @@ def log_ranks(nproc: int) -> str:
     if not all(0 <= rank < nproc for rank in ranks):
         raise ConfigError(f"environment variable LOG_RANK={value} names a local rank this node does not have: {fix}")
     return ",".join(map(str, ranks))
-
-
-def describe_job(request: Request, nproc: int, nnodes: int) -> None:
-    """``--dry-run``: check everything and print what the job would be."""
-    lines: list[str] = []
-    try:
-        prepare(request.argv, nproc * nnodes, local_ranks=nproc, target=request.target_gpu, describe_to=lines)
-    finally:
-        print("\n".join(lines), flush=True)
 
 
 def hold_dump_folder(folder: str, nnodes: int) -> DumpFolderLock | None:
@@ -170,7 +161,7 @@ def run(argv: list[str]) -> int:
         return 0
     nproc, nnodes = _env_int("NGPU", 0) or local_device_count(), _env_int("NNODES", 1)
     if request.mode == "dry_run":
-        describe_job(request, nproc, nnodes)
+        describe_job(request, nproc * nnodes, nproc)
         return 0
     if request.mode == "simulate":  # one process on fake tensors: no torchrun, no rendezvous
         return simulate(request, nproc, nnodes)
