@@ -156,7 +156,6 @@ def test_an_oversized_pipeline_job_names_the_changes_that_fit():
     message = str(error.value)
     suggested = {
         "dp_shard 8 (64 processes": ("pp=2,dp_shard=8,tp=4", 64),
-        "tensor_parallel_degree 8` (with 16 processes)": ("pp=2,tp=8", 16),
         "pipeline_parallel_degree 8` (with 32 processes)": ("pp=8,tp=4", 32),
     }
     for text, (mesh, world_size) in suggested.items():

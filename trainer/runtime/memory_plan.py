@@ -34,7 +34,9 @@ make it fit, instead of spending minutes initialising and then dying of an out-o
   (``parallelisms/pipeline_parallel.py`` splits them; the estimate is the largest rank's).
   torch's ``PipelineStage`` keeps FSDP from resharding after backward and from reducing
   gradients until the step's last micro-batch, so a rank holds its stages' parameters gathered
-  and their gradients unsharded (in the reduce dtype) for most of the step. Activations are
+  and their gradients unsharded (in the reduce dtype) for most of the step; with tensor
+  parallelism the first stage's embedding backward also makes the whole vocabulary's gradient,
+  in the compute dtype and in the reduce dtype, at that moment. Activations are
   those of the micro-batches in flight: ``GPipe`` runs every forward before any backward (all
   of them, and the last stage keeps every micro-batch's logits); ``1F1B`` keeps ``pp - r`` on
   rank ``r`` (``pp`` on the first); the multi-stage schedules keep what torch's interleaved
@@ -219,6 +221,12 @@ def _estimate(w: Workload, share: _Share) -> Estimate:
     if w.pp > 1:
         # PipelineStage defers FSDP's reshard and reduce to the step's last backward.
         grads = w.reduce_bytes * params / w.tp
+        if share.first and w.tp > 1:
+            # DTensor's backward of the vocabulary-sharded embedding makes the whole table's
+            # gradient, then FSDP's copy in the reduce dtype, while the other micro-batches
+            # in flight and the stage's unsharded gradients are held (seen by --simulate).
+            table = w.vocab_size * w.dim
+            grads += table * (w.compute_bytes + w.reduce_bytes) - table * w.reduce_bytes / w.tp
         fsdp_buffers = (params + w.block_params) * w.compute_bytes / w.tp
     else:
         deferred = w.defer_gradient_reduction and w.accumulation > 1

@@ -16,10 +16,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils._pytree import tree_map_only
 from torch.utils.flop_counter import flop_registry
 
 from parallelisms.pipeline_parallel import BUBBLE_FRACTION
+from trainer.simulation.memory_tracker import tensors_in
 from trainer.simulation.targets import Target
 
 ASSUMPTIONS = (
@@ -36,6 +37,9 @@ ASSUMPTIONS = (
     "tensor-parallel, context-parallel and loss/statistics collectives are exposed (no async TP)",
     "pipeline send/recv overlaps compute; the schedule's bubble stretches the busy time: step = "
     "busy / (1 - bubble), bubble from parallelisms/pipeline_parallel.py (1F1B: (pp-1)/(m+pp-1))",
+    "micro-batches: gradient accumulation traces 4 of them, 1F1B pipeline rank r max(3, pp - r + 1), "
+    "other schedules all; the peak is measured on those, and a middle one's FLOPs, bytes and "
+    "collectives stand for each one not traced",
     "MFU counts the model's FLOPs (6N + 12 L d S per token, as the training log does); HFU the traced "
     "ones, with activation-checkpointing recompute",
 )
@@ -75,6 +79,9 @@ class Collective:
     size: int
     bus_bytes: int
     crosses_nodes: bool
+    times: float = 1.0
+    """How many of it the step runs: more than one (or a fraction) where a traced micro-batch
+    stands for micro-batches not traced (``microbatches.py``)."""
 
 
 @dataclass
@@ -87,8 +94,18 @@ class TracedCost:
         by_dim: dict[str, int] = {}
         for c in self.collectives:
             if c.kind != "recv":
-                by_dim[c.dim] = by_dim.get(c.dim, 0) + c.bus_bytes
+                by_dim[c.dim] = by_dim.get(c.dim, 0) + round(c.bus_bytes * c.times)
         return by_dim
+
+
+@dataclass
+class MicrobatchCosts:
+    """A step's cost with the part each traced micro-batch added (``None``: outside them)."""
+
+    total: TracedCost = field(default_factory=TracedCost)
+    per_microbatch: dict[int, TracedCost] = field(default_factory=dict)
+    first_collective: dict[int, int] = field(default_factory=dict)
+    """Micro-batch -> where its first collective lies in ``total.collectives``."""
 
 
 def group_infos(groups: dict[str, dist.ProcessGroup], gpus_per_node: int) -> dict[str, GroupInfo]:
@@ -102,32 +119,52 @@ def group_infos(groups: dict[str, dist.ProcessGroup], gpus_per_node: int) -> dic
 
 
 def _nbytes(value: Any) -> int:
-    tensors, _ = tree_flatten(value)
-    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+    """Bytes of the tensors in ``value``; a DTensor's are its local shard's."""
+    return sum(
+        t.numel() * t.element_size()
+        for t in (_local_shard(t) if isinstance(t, DTensor) else t for t in tensors_in(value))
+    )
 
 
 class CostRecorder:
-    """Adds up one step's FLOPs, memory traffic and collectives while ``enabled``."""
+    """Adds up one step's FLOPs, memory traffic and collectives while ``enabled``, in all and
+    for the micro-batch running (``microbatch``; see ``microbatches.py``)."""
 
     def __init__(self, groups: dict[str, GroupInfo]):
         self.groups = groups
         self.enabled = False
-        self.cost = TracedCost()
+        self.microbatch: int | None = None
+        self.costs = MicrobatchCosts()
+
+    @property
+    def cost(self) -> TracedCost:
+        return self.costs.total
 
     def __call__(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         if not self.enabled:
             return
         name = func.__name__.split(".")[0]
-        # A DTensor op computes on the local shards: count with their shapes.
-        args, kwargs, out = tree_map_only(DTensor, DTensor.to_local, (args, kwargs, out))
+        flops = memory = 0
         if func.namespace in ("c10d", "_c10d_functional"):
             self._collective(name, args, out)
-        elif func.overloadpacket in flop_registry:
-            self.cost.flops += int(flop_registry[func.overloadpacket](*args, **kwargs, out_val=out))
-        elif name in ATTENTION_FORWARD or name in ATTENTION_BACKWARD:
-            self.cost.flops += _attention_flops(name, args, kwargs)
+        elif func.overloadpacket in flop_registry or name in ATTENTION_FORWARD or name in ATTENTION_BACKWARD:
+            # A DTensor op computes on the local shards: count with their shapes. (``to_local``
+            # would dispatch an op of its own per tensor, through every mode.)
+            args, kwargs, out = tree_map_only(DTensor, _local_shard, (args, kwargs, out))
+            if func.overloadpacket in flop_registry:
+                flops = int(flop_registry[func.overloadpacket](*args, **kwargs, out_val=out))
+            else:
+                flops = _attention_flops(name, args, kwargs)
         elif func.namespace == "aten" and not func.is_view and not name.startswith(("empty", "detach", "_local")):
-            self.cost.memory_bytes += _nbytes(args) + _nbytes(out)
+            memory = _nbytes(args) + _nbytes(out)
+        for cost in self._costs():
+            cost.flops += flops
+            cost.memory_bytes += memory
+
+    def _costs(self) -> list[TracedCost]:
+        if self.microbatch is None:
+            return [self.costs.total]
+        return [self.costs.total, self.costs.per_microbatch.setdefault(self.microbatch, TracedCost())]
 
     def _collective(self, name: str, args: tuple, out: Any) -> None:
         kind = next((k for k, names in KINDS.items() if name.startswith(names)), None)
@@ -142,7 +179,10 @@ class CostRecorder:
             bus = full
         else:
             bus = full * (n - 1) // n * (2 if kind == "all_reduce" else 1)
-        self.cost.collectives.append(Collective(kind, info.dim, n, bus, info.crosses_nodes))
+        if self.microbatch is not None:
+            self.costs.first_collective.setdefault(self.microbatch, len(self.costs.total.collectives))
+        for cost in self._costs():
+            cost.collectives.append(Collective(kind, info.dim, n, bus, info.crosses_nodes))
 
     def _group(self, args: tuple) -> GroupInfo | None:
         """The group a collective runs on: a name (functional collectives) or a process group
@@ -154,6 +194,10 @@ class CostRecorder:
             if isinstance(name, str) and name in self.groups:
                 return self.groups[name]
         return None
+
+
+def _local_shard(t: DTensor) -> torch.Tensor:
+    return t._local_tensor
 
 
 def _attention_flops(name: str, args: tuple, kwargs: dict) -> int:
@@ -183,7 +227,7 @@ def _collective_s(c: Collective, target: Target) -> float:
     bandwidth = target.network_bytes_per_s if c.crosses_nodes else target.nvlink_bytes_per_s
     alpha = target.network_alpha_s if c.crosses_nodes else target.nvlink_alpha_s
     steps = 1 if c.kind in ("send", "recv", "broadcast") else max(c.size - 1, 1)
-    return alpha * steps + c.bus_bytes / bandwidth
+    return (alpha * steps + c.bus_bytes / bandwidth) * c.times
 
 
 def step_time(

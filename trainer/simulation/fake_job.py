@@ -5,12 +5,12 @@ return at once), then the trainer's own code builds it: ``build_step_parts`` mak
 parallelises the model on the meta device outside the fake mode (FSDP x TP mesh concatenation
 reads tensor values, which fake tensors do not have), then materialises it (drawing no initial
 values: fake tensors hold none) and builds the optimizer, the accumulator and the pipeline
-inside it. Each simulated rank runs in a forked child process (:func:`run_isolated`). Two training steps follow through
-``trainer.train``'s own functions (the first creates the optimizer's state, the second is the
-steady state), with the loader's batches of the configured shape. A
-:class:`~trainer.simulation.memory_tracker.MemoryTracker` counts every storage;
-a :class:`~trainer.simulation.cost_model.CostRecorder` counts the second step's FLOPs, memory
-traffic and collectives.
+inside it. The optimizer's state is made as its first step would make it, then one steady
+training step runs through ``trainer.train``'s own functions, with the loader's batches of the
+configured shape (shortened to a few micro-batches: ``microbatches.py``). A
+:class:`~trainer.simulation.memory_tracker.MemoryTracker` counts every storage; a
+:class:`~trainer.simulation.cost_model.CostRecorder` counts the step's FLOPs, memory traffic
+and collectives, by micro-batch. ``roles.py`` runs each simulated rank in a process of its own.
 
 Values are never computed: nothing numeric (loss, norms) can be learnt here, and where the
 trainer reads one (the token count, the gradient norm) it reads 1.
@@ -19,11 +19,11 @@ trainer reads one (the token count, the gradient norm) it reads 1.
 from __future__ import annotations
 
 import functools
-import multiprocessing
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,9 +39,8 @@ from trainer.grad_accumulator import StepResult
 from trainer.plan import Plan
 from trainer.simulation.cost_model import CostRecorder, TracedCost, group_infos
 from trainer.simulation.memory_tracker import MemoryProfile, MemoryTracker, label_training_state
+from trainer.simulation.microbatches import extend, rank_count, schedule_count, steady_microbatches
 from trainer.train import fetch_step, forward_backward, optimizer_step
-
-STEPS = 2
 
 
 @dataclass
@@ -53,6 +52,8 @@ class RoleRun:
     stages: list[int]
     memory: MemoryProfile
     cost: TracedCost
+    """Extended to the job's micro-batches."""
+    traced_microbatches: int
     seconds: float
 
 
@@ -96,13 +97,15 @@ class PipelineMetadata:
     output shapes, then sends them from stage to stage as pickled objects; over a fake group
     nothing arrives. Here the vote is "infer" (no stage was given shapes), every stage boundary
     of this model passes hidden states of one shape, so the first forward metadata any stage
-    sends is what every later stage receives (the simulator runs stage 0 first), and a stage's
+    sends is what every later stage receives (``roles.py`` starts the others once stage 0 sent it), and a stage's
     output-gradient metadata derives from its own outputs. Written against torch 2.13's
     ``PipelineStage`` internals; shared by all the roles of one simulation.
     """
 
-    def __init__(self) -> None:
-        self.forward: object | None = None
+    def __init__(self, forward: object | None = None, publish: Callable[[object], None] | None = None) -> None:
+        self.forward = forward
+        self.publish = publish
+        """Told the first forward metadata this rank sends (the other stages wait for it)."""
 
     def attach(self, pipeline: Pipeline) -> None:
         schedule = pipeline.schedule
@@ -121,6 +124,8 @@ class PipelineMetadata:
     def _send(self, meta: object, dst_stage: int) -> None:
         if isinstance(meta, pipelining_utils._StageForwardMeta) and self.forward is None:
             self.forward = meta
+            if self.publish is not None:
+                self.publish(meta)
 
     def _receive(self, stage: object, src_stage: int) -> object:
         if src_stage > stage.stage_index:  # type: ignore[attr-defined]
@@ -131,19 +136,23 @@ class PipelineMetadata:
         return self.forward
 
 
-def rank_of_stage(plan: Plan, pp_rank: int) -> int:
-    """The first global rank of pipeline rank ``pp_rank`` (pp is the mesh's outermost dimension)."""
-    return pp_rank * (plan.dims.world_size // plan.dims.pp)
-
-
-def run_rank(plan: Plan, rank: int, gpus_per_node: int, metadata: PipelineMetadata) -> RoleRun:
-    """Build and step ``rank`` of ``plan``'s job in this process (see the module docstring)."""
+def run_rank(
+    plan: Plan,
+    rank: int,
+    gpus_per_node: int,
+    metadata: PipelineMetadata,
+    real_microbatches: int,
+    shorten: bool = True,
+) -> RoleRun:
+    """Build and step ``rank`` of ``plan``'s job in this process (see the module docstring);
+    its cost is extended to ``real_microbatches`` a step, and under PP it traces only the
+    micro-batches its pipeline rank needs unless not ``shorten`` (``microbatches.py``)."""
     start = time.monotonic()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=plan.dims.world_size)
     try:
         tracker = MemoryTracker()
         allocating = _Allocating(FakeTensorMode(allow_non_fake_inputs=True), tracker)
-        samples = SyntheticSamples(STEPS * plan.global_batch_size, plan.config.training.seq_len)
+        samples = SyntheticSamples(plan.global_batch_size, plan.config.training.seq_len)
         trainer = build_step_parts(plan, samples, allocating)
         if trainer.pipeline is not None:
             metadata.attach(trainer.pipeline)
@@ -151,42 +160,31 @@ def run_rank(plan: Plan, rank: int, gpus_per_node: int, metadata: PipelineMetada
         tracker.observers.append(recorder)
         _label_state(tracker, trainer)
         tracker.label_live("buffers", keep=("params",))
+        with allocating:
+            _create_optimizer_state(trainer, tracker)
         _phase_finalize(trainer, tracker)
-        for step in range(1, STEPS + 1):
-            microbatches = fetch_step(trainer)
-            recorder.enabled = step == STEPS
-            with allocating:
-                tracker.set_phase("forward", step)
-                tracker.stepping = True
-                result: StepResult = forward_backward(trainer, microbatches)
-                tracker.set_phase("optimizer")
-                optimizer_step(trainer, result)
-                _label_state(tracker, trainer)
+        _attribute_microbatches(trainer, recorder, tracker)
         pp_rank = trainer.meshes.pp.get_local_rank()
+        traced = rank_count(plan, pp_rank) if shorten else schedule_count(plan)
+        if trainer.pipeline is not None and traced < real_microbatches:
+            fewer_pipeline_microbatches(trainer.pipeline, traced, real_microbatches)
+        microbatches = fetch_step(trainer)
+        recorder.enabled = True
+        with allocating:
+            tracker.set_phase("forward", 1)
+            tracker.stepping = True
+            result: StepResult = forward_backward(trainer, microbatches)
+            tracker.set_phase("optimizer")
+            optimizer_step(trainer, result)
+            _label_state(tracker, trainer)
         stages = [s.stage_index for s in trainer.pipeline.stages] if trainer.pipeline is not None else [0]
         profile = tracker.profile()
         dist.barrier()
     finally:
         dist.destroy_process_group()
-    return RoleRun(rank, pp_rank, stages, profile, recorder.cost, time.monotonic() - start)
-
-
-def run_isolated(plan: Plan, rank: int, gpus_per_node: int, metadata: PipelineMetadata) -> RoleRun:
-    """:func:`run_rank` in a forked child, so that no mesh, process group or DTensor cache of one
-    simulated rank outlives it (a mesh equals any mesh of the same shape, and torch caches by
-    mesh); the stage metadata the rank learnt comes back with its results."""
-    context = multiprocessing.get_context("fork")
-    with context.Pool(1) as pool:
-        run, forward = pool.apply(_run_child, (plan, rank, gpus_per_node, metadata.forward))
-    if metadata.forward is None:
-        metadata.forward = forward
-    return run
-
-
-def _run_child(plan: Plan, rank: int, gpus_per_node: int, forward: object | None) -> tuple[RoleRun, object | None]:
-    metadata = PipelineMetadata()
-    metadata.forward = forward
-    return run_rank(plan, rank, gpus_per_node, metadata), metadata.forward
+    steady = steady_microbatches(plan, traced)
+    cost = extend(recorder.costs, traced, real_microbatches, steady, reduces_last=plan.dims.pp > 1)
+    return RoleRun(rank, pp_rank, stages, profile, cost, traced, time.monotonic() - start)
 
 
 def mesh_groups(meshes: Meshes) -> dict[str, dist.ProcessGroup]:
@@ -200,6 +198,111 @@ def mesh_groups(meshes: Meshes) -> dict[str, dist.ProcessGroup]:
     if world is not None:
         groups.setdefault("world", world)
     return groups
+
+
+def fewer_pipeline_microbatches(pipeline: Pipeline, count: int, real: int) -> None:
+    """Run ``count`` of the step's pipeline micro-batches, the first ones, while each stage
+    still holds what it holds for ``real`` of them: torch's stages allocate every micro-batch's
+    receive buffers (activations, gradients) before the step, and keep them through it.
+
+    Torch's schedules refuse fewer micro-batches than stages when they are built, because every
+    rank must run as many as the others; a simulated rank runs alone (``microbatches.py``).
+    Written against torch 2.13: the schedule's ``_n_microbatches``, which its ``step`` reads, and
+    the stages' ``_prepare_forward_infra`` and ``_prepare_backward_infra``, which allocate."""
+    rows = count * pipeline.microbatch_size
+    step = pipeline.step
+
+    def shortened(
+        inputs: torch.Tensor,
+        labels: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> list[torch.Tensor]:
+        per_sample = [t[:rows] if t is not None else None for t in (positions, document_ids)]
+        return step(inputs[:rows], labels[:rows], *per_sample)
+
+    pipeline.schedule._n_microbatches = count
+    pipeline.microbatches = count
+    pipeline.step = shortened  # type: ignore[method-assign]
+    for stage in pipeline.stages:
+        for name in ("_prepare_forward_infra", "_prepare_backward_infra"):
+            setattr(stage, name, _for_microbatches(getattr(stage, name), real))
+
+
+def _for_microbatches(prepare: Callable[..., Any], count: int) -> Callable[..., Any]:
+    @functools.wraps(prepare)
+    def preparing(num_microbatches: int, *args: Any, **kwargs: Any) -> Any:
+        return prepare(count, *args, **kwargs)
+
+    return preparing
+
+
+def _create_optimizer_state(trainer: StepParts, tracker: MemoryTracker) -> None:
+    """Make AdamW's state before the traced step, so that it is a steady one, as every step
+    after the first is. The state is made as AdamW's first step makes it (``create_adamw_state``),
+    not by that step: DTensor plans a fused or multi-tensor op over a rank's hundreds of
+    parameters for seconds, a cost the traced step pays once already."""
+    tracker.set_phase("optimizer", 0)
+    create_adamw_state(trainer.optimizer)
+    _label_state(tracker, trainer)
+
+
+def create_adamw_state(optimizer: torch.optim.Optimizer) -> None:
+    """The state ``torch.optim.AdamW`` makes for each parameter on its first step (its
+    ``_init_group``); ``tests/test_simulation.py`` checks it against a real first step."""
+    for group in optimizer.param_groups:
+        on_device = group["fused"] or group["capturable"]
+        for param in group["params"]:
+            state = optimizer.state[param]
+            if state:
+                continue
+            step_device = param.device if on_device else torch.device("cpu")
+            state["step"] = torch.zeros((), dtype=torch.float32, device=step_device)
+            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            if group["amsgrad"]:
+                state["max_exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+
+
+def _attribute_microbatches(trainer: StepParts, recorder: CostRecorder, tracker: MemoryTracker) -> None:
+    """Tell ``recorder`` which micro-batch runs: the accumulator starts each one; under PP the
+    schedule runs each stage's chunks (and the transfers after them) by micro-batch index. After
+    each pipeline backward, ``tracker`` learns what the gradients FSDP holds unsharded are: the
+    last one reduces and frees them before the step ends."""
+    if trainer.pipeline is None:
+        prepare: Callable[[int], None] = trainer.accumulator.prepare_backward
+
+        def starting(microbatch: int) -> None:
+            recorder.microbatch = microbatch
+            prepare(microbatch)
+
+        trainer.accumulator.prepare_backward = starting  # type: ignore[method-assign]
+    else:
+        for stage in trainer.pipeline.stages:
+            for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                after = functools.partial(_label_state, tracker, trainer) if name.startswith("backward") else None
+                setattr(stage, name, _running_chunk(getattr(stage, name), recorder, after))
+    finalize: Callable[[], StepResult] = trainer.accumulator.finalize
+
+    def finalizing() -> StepResult:
+        recorder.microbatch = None
+        return finalize()
+
+    trainer.accumulator.finalize = finalizing  # type: ignore[method-assign]
+
+
+def _running_chunk(
+    method: Callable[..., Any], recorder: CostRecorder, after: Callable[[], None] | None
+) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def running(chunk: int, *args: Any, **kwargs: Any) -> Any:
+        recorder.microbatch = chunk
+        result = method(chunk, *args, **kwargs)
+        if after is not None:
+            after()
+        return result
+
+    return running
 
 
 def _phase_finalize(trainer: StepParts, tracker: MemoryTracker) -> None:

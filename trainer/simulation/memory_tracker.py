@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +29,6 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.fsdp import FSDPModule
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_flatten
 
 CATEGORIES = (
     "params",
@@ -51,8 +50,24 @@ PHASE_DEFAULTS = {
 }
 COMM_NAMESPACES = ("fsdp", "c10d", "_c10d_functional")
 """Ops whose outputs are communication buffers (FSDP's copy-in and the collectives)."""
+_DEVICE = torch.ops.prim.device.default
+"""``tensor.device``, which comes through the mode too: half the ops of a traced step, none
+making a tensor or costing time."""
 Observer = Callable[[Any, tuple, dict, Any], None]
 """Told every op: ``(func, args, kwargs, outputs)`` (the cost model's FLOP and byte counts)."""
+
+
+def tensors_in(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors in an op's arguments or outputs (tuples, lists and dicts of them): what
+    ``tree_flatten`` finds, without its cost, which every traced op would pay."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from tensors_in(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from tensors_in(item)
 
 
 def storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
@@ -136,6 +151,8 @@ class MemoryTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if func is _DEVICE:
+            return func(*args, **kwargs)
         if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
             return self.scalar
         if self.stepping:
@@ -143,10 +160,9 @@ class MemoryTracker(TorchDispatchMode):
             if phase != self.phase:
                 self.set_phase(phase)
         out = func(*args, **kwargs)
-        label = "comm_buffers" if func.namespace in COMM_NAMESPACES else self._default_label()
-        tensors, _ = tree_flatten(out)
-        for t in tensors:
-            if isinstance(t, torch.Tensor):
+        if not func.is_view:  # a view's storage is its base's
+            label = "comm_buffers" if func.namespace in COMM_NAMESPACES else self._default_label()
+            for t in tensors_in(out):
                 for storage in storages(t):
                     self._track(storage, label)
         for observer in self.observers:
@@ -245,3 +261,7 @@ def label_training_state(tracker: MemoryTracker, modules: list[nn.Module], optim
         for fsdp_param in group.fsdp_params if group is not None else ():
             unsharded = getattr(fsdp_param, "_unsharded_param", None)
             tracker.label([unsharded, *getattr(fsdp_param, "all_gather_outputs", [])], "unsharded_params")
+            # Gradients FSDP holds unsharded until it reduces them (under PP, the step's last backward).
+            unsharded_grads = [getattr(fsdp_param, "unsharded_accumulated_grad", None)]
+            unsharded_grads.append(unsharded.grad if unsharded is not None else None)
+            tracker.label(unsharded_grads, "grads")

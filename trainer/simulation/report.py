@@ -87,6 +87,7 @@ def build_report(plan: Plan, target: Target, runs: list[RoleRun]) -> dict[str, A
                 "tokens_per_s_per_gpu": tokens / seconds / dims.world_size,
                 "mfu": per_token * tokens / dims.world_size / seconds / target.bf16_flops,
                 "hfu": run.cost.flops / seconds / target.bf16_flops,
+                "traced_microbatches": run.traced_microbatches,
                 "simulated_in_s": run.seconds,
             }
         )

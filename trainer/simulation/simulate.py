@@ -13,41 +13,58 @@ is the path of ``simulation.json``. Exit 0 when every role fits the target, 2 wh
 from __future__ import annotations
 
 import sys
-from dataclasses import replace
 
-import torch
-
+from trainer.config import JobConfig
+from trainer.plan import Plan
 from trainer.runtime.job import Request, parse_request, prepare
-from trainer.simulation.fake_job import PipelineMetadata, rank_of_stage, run_isolated
+from trainer.simulation.fake_job import RoleRun
+from trainer.simulation.microbatches import schedule_count, shortened_args, traced_count
 from trainer.simulation.report import build_report, fit_advice, render, write
-from trainer.simulation.targets import target_named
+from trainer.simulation.roles import run_roles
+from trainer.simulation.targets import Target, target_named
 
 
 def simulate(argv: list[str] | Request, nproc: int, nnodes: int) -> int:
     """Simulate the job ``argv`` describes on ``nproc x nnodes`` ranks; the exit code."""
     request = argv if isinstance(argv, Request) else parse_request(["--simulate", *argv])
     target = target_named(request.target_gpu, request.target_overrides, nproc)
-    job = prepare(
-        [*request.argv, "--compile.enable=false", "--training.num_workers", "0"],
-        nproc * nnodes,
-        local_ranks=nproc,
-        memory=False,
-    )
-    job_plan, config = job.plan, job.plan.config
-    if target.name != "cpu" and config.training.mixed_precision_param == "auto":
-        job_plan.parallel = replace(job_plan.parallel, param_dtype=torch.bfloat16)
-    print(
-        f"simulating {job_plan.dims.pp} role(s) of {job_plan.dims.world_size} ranks on fake tensors ...",
-        file=sys.stderr,
-        flush=True,
-    )
-    metadata = PipelineMetadata()
-    runs = [
-        run_isolated(job_plan, rank_of_stage(job_plan, stage), nproc, metadata) for stage in range(job_plan.dims.pp)
-    ]
+    job_plan, runs = simulate_roles(request.argv, nproc, nnodes, target)
     report = build_report(job_plan, target, runs)
     print(render(report))
     if not report["fits"]:
         print(fit_advice(job_plan, target, report))
-    print(write(report, config.job.dump_folder))
+    print(write(report, job_plan.config.job.dump_folder))
     return 0 if report["fits"] else 2
+
+
+def simulate_roles(
+    argv: list[str], nproc: int, nnodes: int, target: Target, shorten: bool = True
+) -> tuple[Plan, list[RoleRun]]:
+    """The job's plan and one simulated rank of each role. ``shorten``: trace a few of the
+    step's micro-batches (``microbatches.py``); off only to check that doing so changes nothing."""
+    args = [*argv, "--compile.enable=false", "--training.num_workers", "0"]
+    job_plan = prepare(args, nproc * nnodes, local_ranks=nproc, memory=False).plan
+    real = schedule_count(job_plan)
+    traced = traced_count(job_plan) if shorten else real
+    args += [*_as_on_target(job_plan.config, target), *shortened_args(job_plan, traced)]
+    traced_plan = prepare(args, nproc * nnodes, local_ranks=nproc, memory=False).plan
+    print(
+        f"simulating {job_plan.dims.pp} role(s) of {job_plan.dims.world_size} ranks on fake tensors, "
+        f"at most {traced} of the step's {real} micro-batches traced ...",
+        file=sys.stderr,
+        flush=True,
+    )
+    return job_plan, run_roles(traced_plan, nproc, real, shorten)
+
+
+def _as_on_target(config: JobConfig, target: Target) -> list[str]:
+    """Settings whose ``auto`` resolves by the device, as the target's GPU resolves them (this
+    process runs on the CPU): bfloat16 parameters, and the fused AdamW, which makes no temporaries."""
+    if target.name == "cpu":
+        return []
+    settings = []
+    if config.training.mixed_precision_param == "auto":
+        settings += ["--training.mixed_precision_param", "bfloat16"]
+    if config.optimizer.implementation == "auto" and not config.debug.layout_invariant:
+        settings += ["--optimizer.implementation", "fused"]
+    return settings

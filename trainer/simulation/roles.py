@@ -1,0 +1,77 @@
+"""Which ranks ``--simulate`` runs, each in a forked process of its own, several at a time.
+
+The ranks of one pipeline stage differ only in which data and which shard they hold, so one
+rank per stage stands for all of them. Each runs in a process of its own, so that no mesh,
+process group or DTensor cache of one outlives it (a mesh equals any mesh of the same shape,
+and torch caches by mesh), and several run at once, up to the cores this process may use.
+Stage 0 starts first: the other stages learn their input shapes from the metadata it sends
+before its first forward (``fake_job.PipelineMetadata``), so they start once it has.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue
+import sys
+import time
+from multiprocessing.pool import AsyncResult
+
+from trainer.plan import Plan
+from trainer.simulation.fake_job import PipelineMetadata, RoleRun, run_rank
+
+MAX_PROCESSES = 4
+"""At most this many simulated ranks at once: each holds about half a GiB of Python objects."""
+
+
+def rank_of_stage(plan: Plan, pp_rank: int) -> int:
+    """The first global rank of pipeline rank ``pp_rank`` (pp is the mesh's outermost dimension)."""
+    return pp_rank * (plan.dims.world_size // plan.dims.pp)
+
+
+def run_roles(plan: Plan, gpus_per_node: int, real_microbatches: int, shorten: bool = True) -> list[RoleRun]:
+    """One rank of every pipeline stage of ``plan``, simulated (see the module docstring);
+    ``shorten``: a pipeline rank may trace fewer of ``plan``'s micro-batches (``microbatches.py``)."""
+    context = multiprocessing.get_context("fork")
+    pp = plan.dims.pp
+    processes = max(1, min(pp, MAX_PROCESSES, len(os.sched_getaffinity(0))))
+    start = time.monotonic()
+    with context.Manager() as manager, context.Pool(processes, maxtasksperchild=1) as pool:
+        published = manager.Queue()
+        first = pool.apply_async(_run_child, (plan, 0, gpus_per_node, real_microbatches, shorten, None, published))
+        results: list[AsyncResult] = [first]
+        if pp > 1:
+            forward = _first_forward_metadata(published, first)
+            results += [
+                pool.apply_async(_run_child, (plan, stage, gpus_per_node, real_microbatches, shorten, forward, None))
+                for stage in range(1, pp)
+            ]
+        runs = []
+        for stage, result in enumerate(results):
+            runs.append(result.get())
+            if pp > 1:
+                print(f"  stage {stage} done ({time.monotonic() - start:.0f} s)", file=sys.stderr, flush=True)
+    return runs
+
+
+def _first_forward_metadata(published: queue.Queue, first: AsyncResult) -> object:
+    while True:
+        try:
+            return published.get(timeout=0.2)
+        except queue.Empty:
+            if first.ready():
+                first.get()  # raises the stage's error
+                raise RuntimeError("pipeline stage 0 finished without sending its forward metadata") from None
+
+
+def _run_child(
+    plan: Plan,
+    pp_rank: int,
+    gpus_per_node: int,
+    real_microbatches: int,
+    shorten: bool,
+    forward: object | None,
+    published: queue.Queue | None,
+) -> RoleRun:
+    metadata = PipelineMetadata(forward, published.put if published is not None else None)
+    return run_rank(plan, rank_of_stage(plan, pp_rank), gpus_per_node, metadata, real_microbatches, shorten)
