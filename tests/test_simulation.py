@@ -160,6 +160,16 @@ def test_every_pipeline_stage_is_simulated(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_context_parallel_job_is_simulated(tmp_path):
+    # Its attention passes torch's causal bias (a tensor subclass) to SDPA; inside the fake mode
+    # that subclass cannot be made, so the simulator makes it outside.
+    code, _, report = _simulate(tmp_path, 4, "--mesh", "cp=2,tp=2", "--target-gpu", "h100")
+    assert code == 0 and report["mesh"]["cp"] == 2
+    (role,) = report["roles"]
+    assert role["flops_per_step"] > 0 and role["memory"]["activations"] > 0
+
+
+@pytest.mark.slow
 def test_a_job_too_large_for_the_target_exits_2_naming_a_change_that_fits(tmp_path):
     args = ["--training.seq_len", "2048", "--training.local_batch_size", "8", "--training.global_batch_size", "16"]
     code, text, report = _simulate(tmp_path, 2, *args, "--target-gpu", "cpu", "--target.memory_gib", "1.2")

@@ -38,8 +38,8 @@ ASSUMPTIONS = (
     "pipeline send/recv overlaps compute; the schedule's bubble stretches the busy time: step = "
     "busy / (1 - bubble), bubble from parallelisms/pipeline_parallel.py (1F1B: (pp-1)/(m+pp-1))",
     "micro-batches: gradient accumulation traces 4 of them, 1F1B pipeline rank r max(3, pp - r + 1), "
-    "other schedules all; the peak is measured on those, and a middle one's FLOPs, bytes and "
-    "collectives stand for each one not traced",
+    "other schedules all; the peak is measured on those, and the steady ones' average FLOPs, bytes "
+    "and collectives stand for each one not traced",
     "MFU counts the model's FLOPs (6N + 12 L d S per token, as the training log does); HFU the traced "
     "ones, with activation-checkpointing recompute",
 )

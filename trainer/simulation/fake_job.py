@@ -18,9 +18,10 @@ trainer reads one (the token count, the gradient norm) it reads 1.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +30,9 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.pipelining import _utils as pipelining_utils
+from torch.nn.attention import bias as attention_bias
 from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.data import Dataset
 
 from parallelisms.parallel_dims import Meshes
@@ -97,9 +100,9 @@ class PipelineMetadata:
     output shapes, then sends them from stage to stage as pickled objects; over a fake group
     nothing arrives. Here the vote is "infer" (no stage was given shapes), every stage boundary
     of this model passes hidden states of one shape, so the first forward metadata any stage
-    sends is what every later stage receives (``roles.py`` starts the others once stage 0 sent it), and a stage's
-    output-gradient metadata derives from its own outputs. Written against torch 2.13's
-    ``PipelineStage`` internals; shared by all the roles of one simulation.
+    sends is what every later stage receives (``roles.py`` starts the others once stage 0 has
+    sent it), and a stage's output-gradient metadata derives from its own outputs. Written
+    against torch 2.13's ``PipelineStage`` internals.
     """
 
     def __init__(self, forward: object | None = None, publish: Callable[[object], None] | None = None) -> None:
@@ -170,7 +173,7 @@ def run_rank(
             fewer_pipeline_microbatches(trainer.pipeline, traced, real_microbatches)
         microbatches = fetch_step(trainer)
         recorder.enabled = True
-        with allocating:
+        with allocating, _attention_biases_outside_the_fake_mode():
             tracker.set_phase("forward", 1)
             tracker.stepping = True
             result: StepResult = forward_backward(trainer, microbatches)
@@ -185,6 +188,30 @@ def run_rank(
     steady = steady_microbatches(plan, traced)
     cost = extend(recorder.costs, traced, real_microbatches, steady, reduces_last=plan.dims.pp > 1)
     return RoleRun(rank, pp_rank, stages, profile, cost, traced, time.monotonic() - start)
+
+
+@contextlib.contextmanager
+def _attention_biases_outside_the_fake_mode() -> Iterator[None]:
+    """Make torch's causal attention biases (tensor subclasses holding no data, which context
+    parallelism's attention passes to SDPA) outside the fake mode and the tracker: made inside
+    them, their tensor is already another subclass's and cannot become one of theirs."""
+    originals = {name: getattr(attention_bias, name) for name in ("causal_lower_right", "causal_upper_left")}
+
+    def outside(make: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        @functools.wraps(make)
+        def making(*sizes: int) -> torch.Tensor:
+            with _disable_current_modes():
+                return make(*sizes)
+
+        return making
+
+    for name, make in originals.items():
+        setattr(attention_bias, name, outside(make))
+    try:
+        yield
+    finally:
+        for name, make in originals.items():
+            setattr(attention_bias, name, make)
 
 
 def mesh_groups(meshes: Meshes) -> dict[str, dist.ProcessGroup]:
