@@ -21,7 +21,7 @@ from trainer.plan import Plan
 from trainer.simulation.fake_job import PipelineMetadata, RoleRun, run_rank
 
 MAX_PROCESSES = 4
-"""At most this many simulated ranks at once: each holds about half a GiB of Python objects."""
+"""At most this many simulated ranks at once: each holds a third of a GiB (405B's stages)."""
 
 
 def rank_of_stage(plan: Plan, pp_rank: int) -> int:
@@ -34,7 +34,8 @@ def run_roles(plan: Plan, gpus_per_node: int, real_microbatches: int, shorten: b
     ``shorten``: a pipeline rank may trace fewer of ``plan``'s micro-batches (``microbatches.py``)."""
     context = multiprocessing.get_context("fork")
     pp = plan.dims.pp
-    processes = max(1, min(pp, MAX_PROCESSES, len(os.sched_getaffinity(0))))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    processes = max(1, min(pp, MAX_PROCESSES, cores))
     start = time.monotonic()
     with context.Manager() as manager, context.Pool(processes, maxtasksperchild=1) as pool:
         published = manager.Queue()
