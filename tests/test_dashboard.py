@@ -1,9 +1,11 @@
 """What the metrics logger gives TensorBoard: every torchtitan scalar at the log cadence, the
 dashboard aliases without parentheses, and a Custom Scalars layout whose every chart draws
-(TensorBoard's chart card cannot colour a series whose tag holds parentheses)."""
+(TensorBoard's chart card cannot colour a series whose tag holds parentheses, and scales no
+y-axis for a chart of two values when it ignores outliers, as it does by default)."""
 
 from __future__ import annotations
 
+import math
 import os
 import re
 
@@ -30,8 +32,8 @@ from test_metrics import (
     fake_cuda,  # noqa: F401  (a fixture, requested by name below)
 )
 
-from trainer import metrics
 from trainer.metrics import DASHBOARD_ALIASES
+from trainer.metrics.dashboard import DASHBOARD
 from trainer.validation import ValidationResult
 
 
@@ -70,11 +72,70 @@ def test_tensorboard_scalars_on_cpu(tmp_path: os.PathLike[str]) -> None:
     assert all(v > 0 for v in _scalars(acc, "memory/max_active(GiB)").values())
 
 
-def _layout_charts(acc: EventAccumulator) -> dict[str, list[str]]:
-    """Chart title -> tag regexes of the Custom Scalars layout written to the events file."""
+def _layout(acc: EventAccumulator) -> layout_pb2.Layout:
     (event,) = acc.Tensors("custom_scalars__config__")
-    layout = layout_pb2.Layout.FromString(tensor_util.make_ndarray(event.tensor_proto).item())
-    return {chart.title: list(chart.multiline.tag) for category in layout.category for chart in category.chart}
+    return layout_pb2.Layout.FromString(tensor_util.make_ndarray(event.tensor_proto).item())
+
+
+def _layout_charts(acc: EventAccumulator) -> dict[str, list[str]]:
+    """Chart title -> the tags of its series; each is a margin chart whose band is its own line."""
+    charts = {}
+    for category in _layout(acc).category:
+        for chart in category.chart:
+            assert chart.WhichOneof("content") == "margin", chart.title
+            for series in chart.margin.series:
+                assert series.lower == series.upper == series.value, (chart.title, series)
+            charts[chart.title] = [series.value for series in chart.margin.series]
+    return charts
+
+
+def _chart_values(chart: layout_pb2.Chart, runs: list[EventAccumulator]) -> list[float]:
+    """The values a chart card scales its y-axis by: one per point of each series of a multi-line
+    chart (smoothing changes them, not their number), three per point of a margin chart (the value
+    and the ends of its band)."""
+    values = []
+    for acc in runs:
+        written = acc.Tags()["scalars"]
+        if chart.WhichOneof("content") == "multiline":
+            matched = {tag for tag in written for pattern in chart.multiline.tag if re.match(pattern, tag)}
+            values += [e.value for tag in sorted(matched) for e in acc.Scalars(tag)]
+        else:
+            for series in chart.margin.series:
+                for tag in (series.value, series.lower, series.upper):
+                    values += [e.value for e in acc.Scalars(tag)] if tag in written else []
+    return values
+
+
+def _quantile(ordered: list[float], p: float) -> float:
+    """d3.quantile: linear between the two nearest ranks."""
+    at = (len(ordered) - 1) * p
+    low = int(at)
+    if low + 1 >= len(ordered):
+        return ordered[low]
+    return ordered[low] + (ordered[low + 1] - ordered[low]) * (at - low)
+
+
+def _frontend_y_extent(values: list[float]) -> list[float]:
+    """The data extent TensorBoard's line chart scales its y-axis to with "Ignore outliers in chart
+    scaling" on (the default): the finite values between their 5th and 95th percentile.
+
+    Mirrors vz_line_chart2's linear scale (``extentOfValues``): an empty extent leaves the axis at
+    0 to 1, away from a line of any other values, and the chart shows an empty frame.
+    """
+    ordered = sorted(v for v in values if math.isfinite(v))
+    if not ordered:
+        return []
+    low, high = _quantile(ordered, 0.05), _quantile(ordered, 0.95)
+    kept = [v for v in ordered if low <= v <= high]
+    return [min(kept), max(kept)] if kept else []
+
+
+def test_frontend_model_reproduces_the_two_value_bug() -> None:
+    assert _frontend_y_extent([628.3, 380.4]) == []
+    assert _frontend_y_extent([628.3]) == [628.3, 628.3]
+    assert _frontend_y_extent([628.3, 380.4, 300.0]) == [380.4, 380.4]
+    assert _frontend_y_extent([5.0, 5.0]) == [5.0, 5.0]
+    assert _frontend_y_extent(3 * [628.3, 380.4]) == [380.4, 628.3]
 
 
 def _frontend_run_name(tag: str, run: str) -> str:
@@ -121,25 +182,59 @@ def test_custom_scalars_layout_charts_every_written_tag_drawably(
     )
     # Every chart is there that has data on this device, and no other.
     assert set(charts) == {
-        title
-        for name, category in metrics.logger._DASHBOARD.items()
-        for title in category
-        if validation or name != "validation"
+        title for name, category in DASHBOARD.items() for title in category if validation or name != "validation"
     } - (set() if on_gpu else GPU_ONLY_CHARTS)
+    # Written last first, as TensorBoard shows margin charts last first (see layout_summary).
+    for category in _layout(acc).category:
+        assert [chart.title for chart in category.chart][::-1] == [
+            title for title in DASHBOARD[category.title] if title in charts
+        ]
 
-    # TensorBoard matches each layout tag as a regex from the start of the tag name.
-    charted: set[str] = set()
-    for title, patterns in charts.items():
-        for pattern in patterns:
-            matches = {tag for tag in written if re.match(pattern, tag)}
-            assert len(matches) == 1, (title, pattern, matches)
-            charted |= matches
+    charted = {tag for tags in charts.values() for tag in tags}
+    assert charted <= written
     # Every torchtitan tag is on the dashboard, itself or through its alias.
     assert charted == {DASHBOARD_ALIASES.get(tag, tag) for tag in written - set(DASHBOARD_ALIASES.values())}
     assert {"dashboard/throughput_tps", "n_tokens_seen"} <= charted
     for tag in charted:
         assert "(" not in tag and ")" not in tag, tag
         assert _frontend_run_name(tag, ".") == ".", tag
+
+
+def _write_run(dump: os.PathLike[str], steps: int, scale: float = 1.0) -> EventAccumulator:
+    """A run that logs and validates at each of its ``steps`` steps, its values times ``scale``."""
+    logger = _make_logger(dump, console=False, validation=True, total_steps=steps, log_freq=1)
+    assert logger.tb_dir is not None
+    for step in range(1, steps + 1):
+        logger.log(
+            _stats(
+                step,
+                loss_avg=scale * 10 / step,
+                loss_max=scale * 12 / step,
+                grad_norm=scale * step,
+                lr=scale * 1e-3 * step,
+                n_valid_tokens=int(scale * 400) + step,
+                step_time_s=scale * 0.5 * step,
+                data_time_s=scale * 0.01 * step,
+            )
+        )
+        loss, seconds = scale * 6.5 / step, scale * 10 / step
+        logger.log_validation(step, ValidationResult(loss=loss, n_valid_tokens=100, batches=2, seconds=seconds))
+    logger.close()
+    return _read_events(logger.tb_dir)
+
+
+@pytest.mark.parametrize("runs", [[1], [2], [3], [1, 1]], ids=["1-point", "2-points", "3-points", "2-runs-of-1"])
+def test_every_chart_scales_its_y_axis_to_its_points(tmp_path, runs: list[int]) -> None:
+    """Two points, two runs of one point: validation evaluated twice (``validation.freq`` half the
+    steps), a run that logs only its first and last step, two such runs compared. Each chart card
+    ignores outliers by default, which leaves a chart of two values in all without a y-axis."""
+    written = [_write_run(tmp_path / f"run{i}", steps, scale=1 + i) for i, steps in enumerate(runs)]
+    layout = _layout(written[0])
+    for category in layout.category:
+        for chart in category.chart:
+            values = _chart_values(chart, written)
+            assert len(values) >= sum(runs), chart.title
+            assert _frontend_y_extent(values), (chart.title, values)
 
 
 def test_dashboard_aliases_have_no_parentheses_and_keep_the_name() -> None:

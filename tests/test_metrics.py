@@ -3,10 +3,12 @@ and validation logging. What TensorBoard gets and its dashboard layout: test_das
 
 from __future__ import annotations
 
+import errno
 import io
 import logging
 import math
 import os
+import threading
 import types
 from collections.abc import Iterable
 
@@ -357,3 +359,30 @@ def test_a_log_folder_that_cannot_be_written_ends_the_job_naming_it(tmp_path, mo
             logger.log(_stats(1))
         else:
             logger.log_validation(1, ValidationResult(loss=1.0, n_valid_tokens=10, batches=1, seconds=0.1))
+
+
+def test_a_refused_write_in_tensorboards_thread_is_the_one_error_not_a_thread_traceback(tmp_path, monkeypatch) -> None:
+    """TensorBoard writes events from a thread of its own: a disk that refuses them kills that
+    thread, whose traceback must not print; the next flush raises the JobError instead."""
+    from tensorboard.compat.tensorflow_stub.io.gfile import LocalFileSystem
+
+    reported: list[threading.ExceptHookArgs] = []
+    monkeypatch.setattr(threading, "excepthook", reported.append)
+    logger = _make_logger(tmp_path, log_freq=1, console=False)
+
+    def refuse(*args: object) -> None:
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(LocalFileSystem, "append", refuse)
+    with pytest.raises(JobError, match=r"TensorBoard logs in .* at step 1 \(Read-only file system\)"):
+        logger.log(_stats(1))
+    logger.close()
+    assert reported == []
+
+    def other_thread_fails() -> None:
+        raise ValueError("not the events writer")
+
+    thread = threading.Thread(target=other_thread_fails)
+    thread.start()
+    thread.join()
+    assert [type(args.exc_value) for args in reported] == [ValueError]

@@ -1,5 +1,6 @@
 """Training metrics: what a step costs (``accounting``), where and when figures go (``logger``:
-console and TensorBoard), and what the run says when it starts and ends (``reports``)."""
+console and TensorBoard), what TensorBoard's tags and dashboard are (``dashboard``), and what the
+run says when it starts and ends (``reports``)."""
 
 from trainer.metrics.accounting import (
     PEAK_BF16_FLOPS,
@@ -9,9 +10,9 @@ from trainer.metrics.accounting import (
     peak_flops,
     tokens_per_second_per_device,
 )
+from trainer.metrics.dashboard import DASHBOARD_ALIASES
 from trainer.metrics.logger import (
     CONSOLE_TTY_ENV,
-    DASHBOARD_ALIASES,
     MetricsLogger,
     StepStats,
     format_duration,

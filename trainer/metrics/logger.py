@@ -6,27 +6,14 @@ metrics go. Keeping that out of the training loop means the loop never pays for
 formatting or I/O on steps that are not logged, and every rank can call
 ``log`` unconditionally while only the configured ranks actually emit.
 
-TensorBoard tags are torchtitan's, so runs of the two compare tag by tag. Eight
-of them carry a unit in parentheses (``throughput(tps)``, ``mfu(%)``,
-``memory/max_active(GiB)``, ...), and TensorBoard's Custom Scalars tab cannot
-draw a tag with a ``(`` in it. The data endpoint (``plugins/custom_scalar``)
-matches and returns such a tag; the chart card in the browser then names each
-series ``"<tag> (<run>)"`` and reads the run back, for the series colour, with
-the regex ``/\((.*)\)$/``, whose greedy group starts at the tag's own ``(``.
-The colour scale throws "String tps) (. was not in the domain." and the chart
-stays empty although its data arrived ("Matches (1)"). No layout regex can
-avoid that, because the series name is built from the tag itself. So each of
-those tags is also written under an alias without parentheses in the
-``dashboard/`` group (:data:`DASHBOARD_ALIASES`), and the Custom Scalars layout
-points at the aliases. The Scalars tab shows both; the torchtitan names stay
-the ones to compare runs by.
+TensorBoard's tags and its Custom Scalars layout are in :mod:`trainer.metrics.dashboard`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -41,6 +28,7 @@ if TYPE_CHECKING:
     from trainer.validation import ValidationResult
 
 from trainer.metrics.accounting import MemoryStats, device_memory, tokens_per_second_per_device
+from trainer.metrics.dashboard import DASHBOARD_ALIASES, Tag, layout_summary, written_tags
 from trainer.runtime.errors import JobError
 
 logger = logging.getLogger("meshtrain")
@@ -104,72 +92,6 @@ _ANSI = {
     "white": "\033[37m",
 }
 
-_TAG_LOSS_AVG = "loss_metrics/global_avg_loss"
-_TAG_LOSS_MAX = "loss_metrics/global_max_loss"
-_TAG_GRAD_NORM = "grad_norm"
-_TAG_LR = "lr"
-_TAG_VALID_TOKENS = "n_valid_tokens"
-_TAG_TOKENS_SEEN = "n_tokens_seen"
-_TAG_TPS = "throughput(tps)"
-_TAG_TFLOPS = "tflops"
-_TAG_MFU = "mfu(%)"
-_TAG_MEM_ACTIVE = "memory/max_active(GiB)"
-_TAG_MEM_RESERVED = "memory/max_reserved(GiB)"
-_TAG_MEM_ACTIVE_PCT = "memory/max_active(%)"
-_TAG_MEM_RESERVED_PCT = "memory/max_reserved(%)"
-_TAG_ALLOC_RETRIES = "memory/num_alloc_retries"
-_TAG_OOMS = "memory/num_ooms"
-_TAG_STEP_TIME = "time_metrics/end_to_end(s)"
-_TAG_DATA_PCT = "time_metrics/data_loading(%)"
-_TAG_SKIPPED = "n_skipped_steps"
-_TAG_VAL_LOSS = "validation/loss"
-_TAG_VAL_PERPLEXITY = "validation/perplexity"
-_TAG_VAL_TIME = "validation/seconds"
-
-DASHBOARD_ALIASES: dict[str, str] = {
-    _TAG_TPS: "dashboard/throughput_tps",
-    _TAG_MFU: "dashboard/mfu_pct",
-    _TAG_MEM_ACTIVE: "dashboard/memory_max_active_GiB",
-    _TAG_MEM_RESERVED: "dashboard/memory_max_reserved_GiB",
-    _TAG_MEM_ACTIVE_PCT: "dashboard/memory_max_active_pct",
-    _TAG_MEM_RESERVED_PCT: "dashboard/memory_max_reserved_pct",
-    _TAG_STEP_TIME: "dashboard/end_to_end_s",
-    _TAG_DATA_PCT: "dashboard/data_loading_pct",
-}
-"""torchtitan tag -> the copy the Custom Scalars layout charts (see the module docstring)."""
-
-_DASHBOARD: dict[str, dict[str, tuple[str, ...]]] = {
-    "loss": {"loss": (_TAG_LOSS_AVG, _TAG_LOSS_MAX)},
-    "optimizer": {
-        "grad norm": (_TAG_GRAD_NORM,),
-        "learning rate": (_TAG_LR,),
-        "skipped steps": (_TAG_SKIPPED,),
-    },
-    "throughput": {
-        "tokens/s per device": (_TAG_TPS,),
-        "TFLOP/s": (_TAG_TFLOPS,),
-        "MFU %": (_TAG_MFU,),
-    },
-    "memory": {
-        "peak memory (GiB)": (_TAG_MEM_ACTIVE, _TAG_MEM_RESERVED),
-        "peak memory (% of device)": (_TAG_MEM_ACTIVE_PCT, _TAG_MEM_RESERVED_PCT),
-        "allocator retries and OOMs": (_TAG_ALLOC_RETRIES, _TAG_OOMS),
-    },
-    "validation": {
-        "training and validation loss": (_TAG_LOSS_AVG, _TAG_VAL_LOSS),
-        "validation perplexity": (_TAG_VAL_PERPLEXITY,),
-        "validation time (s)": (_TAG_VAL_TIME,),
-    },
-    "data": {
-        "tokens": (_TAG_TOKENS_SEEN,),
-        "valid tokens per step": (_TAG_VALID_TOKENS,),
-        "step time (s)": (_TAG_STEP_TIME,),
-        "data loading %": (_TAG_DATA_PCT,),
-    },
-}
-"""Categories and charts of the Custom Scalars tab, by torchtitan tag."""
-
-
 RUN_RECORD = "run-of-this-job.txt"
 """In the TensorBoard folder: the name of the run the job writes, continued when it resumes."""
 
@@ -188,6 +110,31 @@ def tensorboard_run(dump_folder: Path, tb_folder: str, resumed: bool) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     record.write_text(name + "\n")
     return folder / name
+
+
+_EVENT_WRITER_MODULE = "tensorboard.summary.writer.event_file_writer"
+
+
+def _quiet_event_writer_thread() -> None:
+    """Keep the traceback of TensorBoard's writer thread off the console when the disk refuses a write.
+
+    The events are written by a thread of TensorBoard's own. When the dump folder turns read-only
+    or full, that thread dies printing its traceback, and the same error reaches the next
+    ``add_scalar`` or ``flush``, which :meth:`MetricsLogger._write` turns into the one line that
+    names the folder; the traceback would print in the middle of it (and hide it from the
+    launcher, which looks for that line). Only that thread's ``OSError`` is kept quiet; anything
+    else goes to the hook that was there.
+    """
+    previous = threading.excepthook
+    if getattr(previous, "__name__", None) == "event_writer_excepthook":
+        return
+
+    def event_writer_excepthook(args: threading.ExceptHookArgs) -> None:
+        if isinstance(args.exc_value, OSError) and type(args.thread).__module__ == _EVENT_WRITER_MODULE:
+            return
+        previous(args)
+
+    threading.excepthook = event_writer_excepthook
 
 
 def format_duration(seconds: float) -> str:
@@ -235,7 +182,6 @@ class MetricsLogger:
         self._peak_flops = peak_flops
         self._global_tokens_per_step = global_tokens_per_step
         self._devices_per_replica = devices_per_replica
-        self._validation = validation
 
         self._window_steps = 0
         self._window_tokens = 0
@@ -252,52 +198,11 @@ class MetricsLogger:
 
             self.tb_dir = str(tensorboard_run(Path(dump_folder), tb_folder, resumed))
             self._writer = SummaryWriter(log_dir=self.tb_dir)
-            self._writer.add_custom_scalars(self._dashboard_layout())
-
-    def _written_tags(self) -> set[str]:
-        """The torchtitan tags :meth:`log` writes on this device: MFU needs a peak, the rest of memory CUDA."""
-        tags = {
-            _TAG_LOSS_AVG,
-            _TAG_LOSS_MAX,
-            _TAG_GRAD_NORM,
-            _TAG_LR,
-            _TAG_VALID_TOKENS,
-            _TAG_TOKENS_SEEN,
-            _TAG_TPS,
-            _TAG_TFLOPS,
-            _TAG_MEM_ACTIVE,
-            _TAG_STEP_TIME,
-            _TAG_DATA_PCT,
-            _TAG_SKIPPED,
-        }
-        if self._peak_flops is not None:
-            tags.add(_TAG_MFU)
-        if self._validation:
-            tags |= {_TAG_VAL_LOSS, _TAG_VAL_PERPLEXITY, _TAG_VAL_TIME}
-        if self._device.type == "cuda":
-            tags |= {_TAG_MEM_RESERVED, _TAG_MEM_ACTIVE_PCT, _TAG_MEM_RESERVED_PCT, _TAG_ALLOC_RETRIES, _TAG_OOMS}
-        return tags
-
-    def _dashboard_layout(self) -> dict[str, dict[str, list[str | list[str]]]]:
-        """Custom-scalars layout so related curves share one chart.
-
-        Only tags this logger writes are charted, so no panel stays empty on
-        CPU (no MFU, reserved memory, percentages or allocator counts there),
-        and a chart or category left with no tag is dropped. Tags with
-        parentheses are charted through their :data:`DASHBOARD_ALIASES`.
-        TensorBoard treats each layout tag as a regex matched from the start of
-        the tag name; escaping and anchoring keeps one from matching longer names.
-        """
-        written = self._written_tags()
-        layout: dict[str, dict[str, list[str | list[str]]]] = {}
-        for category, charts in _DASHBOARD.items():
-            if category == "validation" and not self._validation:
-                continue  # its loss chart would only repeat the training loss
-            for title, tags in charts.items():
-                shown = [DASHBOARD_ALIASES.get(t, t) for t in tags if t in written]
-                if shown:
-                    layout.setdefault(category, {})[title] = ["Multiline", [re.escape(t) + "$" for t in shown]]
-        return layout
+            _quiet_event_writer_thread()
+            written = written_tags(mfu=peak_flops is not None, cuda=device.type == "cuda", validation=validation)
+            # add_custom_scalars builds margin charts of one series only; this layout goes to the
+            # events file the way that method sends its own.
+            self._writer._get_file_writer().add_summary(layout_summary(written))
 
     def log(self, stats: StepStats) -> None:
         """Record one step; emit a console line / TensorBoard point on log steps."""
@@ -325,26 +230,26 @@ class MetricsLogger:
             logger.info(self._console_line(stats, memory, tps, tflops, mfu, eta))
         if self._writer is not None:
             scalars: dict[str, float] = {
-                _TAG_LOSS_AVG: stats.loss_avg,
-                _TAG_LOSS_MAX: stats.loss_max,
-                _TAG_GRAD_NORM: stats.grad_norm,
-                _TAG_LR: stats.lr,
-                _TAG_VALID_TOKENS: stats.n_valid_tokens,
-                _TAG_TOKENS_SEEN: self._global_tokens_per_step * stats.step,
-                _TAG_TPS: tps,
-                _TAG_TFLOPS: tflops,
-                _TAG_MEM_ACTIVE: memory.active_gib,
-                _TAG_STEP_TIME: mean_step_time,
-                _TAG_DATA_PCT: data_pct,
-                _TAG_SKIPPED: self._n_skipped_steps,
+                Tag.LOSS_AVG: stats.loss_avg,
+                Tag.LOSS_MAX: stats.loss_max,
+                Tag.GRAD_NORM: stats.grad_norm,
+                Tag.LR: stats.lr,
+                Tag.VALID_TOKENS: stats.n_valid_tokens,
+                Tag.TOKENS_SEEN: self._global_tokens_per_step * stats.step,
+                Tag.TPS: tps,
+                Tag.TFLOPS: tflops,
+                Tag.MEM_ACTIVE: memory.active_gib,
+                Tag.STEP_TIME: mean_step_time,
+                Tag.DATA_PCT: data_pct,
+                Tag.SKIPPED: self._n_skipped_steps,
             }
             optional: dict[str, float | None] = {
-                _TAG_MFU: mfu,
-                _TAG_MEM_RESERVED: memory.reserved_gib,
-                _TAG_MEM_ACTIVE_PCT: memory.active_pct,
-                _TAG_MEM_RESERVED_PCT: memory.reserved_pct,
-                _TAG_ALLOC_RETRIES: memory.num_alloc_retries,
-                _TAG_OOMS: memory.num_ooms,
+                Tag.MFU: mfu,
+                Tag.MEM_RESERVED: memory.reserved_gib,
+                Tag.MEM_ACTIVE_PCT: memory.active_pct,
+                Tag.MEM_RESERVED_PCT: memory.reserved_pct,
+                Tag.ALLOC_RETRIES: memory.num_alloc_retries,
+                Tag.OOMS: memory.num_ooms,
             }
             scalars.update({tag: value for tag, value in optional.items() if value is not None})
             self._write(scalars, stats.step)
@@ -364,13 +269,14 @@ class MetricsLogger:
                 f"{result.batches} batches, {result.seconds:.1f}s){c['reset']}"
             )
         if self._writer is not None:
-            values = {_TAG_VAL_LOSS: result.loss, _TAG_VAL_PERPLEXITY: result.perplexity, _TAG_VAL_TIME: result.seconds}
+            values = {Tag.VAL_LOSS: result.loss, Tag.VAL_PERPLEXITY: result.perplexity, Tag.VAL_TIME: result.seconds}
             self._write(values, step)
 
     def _write(self, scalars: Mapping[str, float], step: int) -> None:
         """Add the scalars (and their dashboard aliases) and flush, so the curves stay up to date
         for a run killed before ``close()``; a log folder that cannot be written any more (read-only,
-        full) ends the job with one line naming it."""
+        full) ends the job with one line naming it. The writer is dropped then: its thread has died,
+        and closing it would raise the same error again."""
         assert self._writer is not None
         try:
             for tag, value in scalars.items():
@@ -379,11 +285,13 @@ class MetricsLogger:
                     self._writer.add_scalar(DASHBOARD_ALIASES[tag], value, step)
             self._writer.flush()
         except OSError as e:
+            self._writer = None
             raise JobError(
                 f"cannot write the TensorBoard logs in {self.tb_dir} at step {step} ({e.strerror or e}): the "
-                "dump folder (`job.dump_folder`) must stay writable for the whole run; the checkpoints saved "
-                "so far are kept. Free space or restore its permissions, then rerun the same command to resume "
-                "(or turn TensorBoard off with `--metrics.enable_tensorboard false`)."
+                "dump folder (`job.dump_folder`) must stay writable for the whole run; nothing in it was removed. "
+                "Free space or make it writable again, then rerun the same command: it resumes from the newest "
+                "checkpoint if `checkpoint.enable` is on (or turn TensorBoard off with "
+                "`--metrics.enable_tensorboard false`)."
             ) from e
 
     def _console_line(

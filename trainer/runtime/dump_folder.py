@@ -206,7 +206,7 @@ class DumpFolderLock:
             try:
                 os.utime(self.path)
             except OSError as e:
-                logger.error("cannot refresh the dump-folder lock %s (%s)", self.path, e)
+                logger.error("cannot refresh the dump-folder lock %s (%s)", self.path, e.strerror or e)
 
     def release(self) -> None:
         """Remove the lock if this process took it and it is still this job's."""
