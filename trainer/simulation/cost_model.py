@@ -100,7 +100,7 @@ class TracedCost:
 
 @dataclass
 class MicrobatchCosts:
-    """A step's cost with the part each traced micro-batch added (``None``: outside them)."""
+    """A step's cost in all, and the part of it each traced micro-batch ran (the rest ran outside them)."""
 
     total: TracedCost = field(default_factory=TracedCost)
     per_microbatch: dict[int, TracedCost] = field(default_factory=dict)

@@ -1,9 +1,12 @@
-"""Which ranks ``--simulate`` runs, each in a forked process of its own, several at a time.
+"""Which ranks ``--simulate`` runs, each in a process of its own, several at a time.
 
 The ranks of one pipeline stage differ only in which data and which shard they hold, so one
 rank per stage stands for all of them. Each runs in a process of its own, so that no mesh,
 process group or DTensor cache of one outlives it (a mesh equals any mesh of the same shape,
-and torch caches by mesh), and several run at once, up to the cores this process may use.
+and torch caches by mesh), and several run at once, up to the cores this process may use. They
+are forked from a fork server, a process that has imported the trainer and started no thread:
+forked from a caller with threads (a test session, a notebook), a child can inherit a lock some
+other thread held and wait for it forever.
 Stage 0 starts first: the other stages learn their input shapes from the metadata it sends
 before its first forward (``fake_job.PipelineMetadata``), so they start once it has.
 """
@@ -32,7 +35,8 @@ def rank_of_stage(plan: Plan, pp_rank: int) -> int:
 def run_roles(plan: Plan, gpus_per_node: int, real_microbatches: int, shorten: bool = True) -> list[RoleRun]:
     """One rank of every pipeline stage of ``plan``, simulated (see the module docstring);
     ``shorten``: a pipeline rank may trace fewer of ``plan``'s micro-batches (``microbatches.py``)."""
-    context = multiprocessing.get_context("fork")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__])
     pp = plan.dims.pp
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     processes = max(1, min(pp, MAX_PROCESSES, cores))
