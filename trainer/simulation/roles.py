@@ -18,6 +18,7 @@ import os
 import queue
 import sys
 import time
+from multiprocessing import forkserver
 from multiprocessing.pool import AsyncResult
 
 from trainer.plan import Plan
@@ -25,6 +26,15 @@ from trainer.simulation.fake_job import PipelineMetadata, RoleRun, run_rank
 
 MAX_PROCESSES = 4
 """At most this many simulated ranks at once: each holds a third of a GiB (405B's stages)."""
+
+
+def start_fork_server() -> multiprocessing.context.BaseContext:
+    """Start the fork server now (it imports the trainer, a few seconds), so that it can do so
+    while the caller plans the job; the context to fork the ranks with."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__])
+    forkserver.ensure_running()
+    return context
 
 
 def rank_of_stage(plan: Plan, pp_rank: int) -> int:
@@ -35,8 +45,7 @@ def rank_of_stage(plan: Plan, pp_rank: int) -> int:
 def run_roles(plan: Plan, gpus_per_node: int, real_microbatches: int, shorten: bool = True) -> list[RoleRun]:
     """One rank of every pipeline stage of ``plan``, simulated (see the module docstring);
     ``shorten``: a pipeline rank may trace fewer of ``plan``'s micro-batches (``microbatches.py``)."""
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload([__name__])
+    context = start_fork_server()
     pp = plan.dims.pp
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     processes = max(1, min(pp, MAX_PROCESSES, cores))

@@ -20,7 +20,7 @@ from trainer.runtime.job import Request, parse_request, prepare
 from trainer.simulation.fake_job import RoleRun
 from trainer.simulation.microbatches import schedule_count, shortened_args, traced_count
 from trainer.simulation.report import build_report, fit_advice, render, write
-from trainer.simulation.roles import run_roles
+from trainer.simulation.roles import run_roles, start_fork_server
 from trainer.simulation.targets import Target, target_named
 
 
@@ -42,6 +42,7 @@ def simulate_roles(
 ) -> tuple[Plan, list[RoleRun]]:
     """The job's plan and one simulated rank of each role. ``shorten``: trace a few of the
     step's micro-batches (``microbatches.py``); off only to check that doing so changes nothing."""
+    start_fork_server()
     args = [*argv, "--compile.enable=false", "--training.num_workers", "0"]
     job_plan = prepare(args, nproc * nnodes, local_ranks=nproc, memory=False).plan
     real = schedule_count(job_plan)
