@@ -165,7 +165,7 @@ def run_rank(
         tracker.label_live("buffers", keep=("params",))
         with allocating:
             _create_optimizer_state(trainer, tracker)
-        _phase_finalize(trainer, tracker)
+        _phase_finalize(trainer, tracker, recorder)
         _attribute_microbatches(trainer, recorder, tracker)
         pp_rank = trainer.meshes.pp.get_local_rank()
         traced = rank_count(plan, pp_rank) if shorten else schedule_count(plan)
@@ -276,7 +276,7 @@ def _create_optimizer_state(trainer: StepParts, tracker: MemoryTracker) -> None:
 
 def create_adamw_state(optimizer: torch.optim.Optimizer) -> None:
     """The state ``torch.optim.AdamW`` makes for each parameter on its first step (its
-    ``_init_group``); ``tests/test_simulation.py`` checks it against a real first step."""
+    ``_init_group``); ``tests/test_simulation_shortened.py`` checks it against a real first step."""
     for group in optimizer.param_groups:
         on_device = group["fused"] or group["capturable"]
         for param in group["params"]:
@@ -309,13 +309,6 @@ def _attribute_microbatches(trainer: StepParts, recorder: CostRecorder, tracker:
             for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
                 after = functools.partial(_label_state, tracker, trainer) if name.startswith("backward") else None
                 setattr(stage, name, _running_chunk(getattr(stage, name), recorder, after))
-    finalize: Callable[[], StepResult] = trainer.accumulator.finalize
-
-    def finalizing() -> StepResult:
-        recorder.microbatch = None
-        return finalize()
-
-    trainer.accumulator.finalize = finalizing  # type: ignore[method-assign]
 
 
 def _running_chunk(
@@ -332,13 +325,14 @@ def _running_chunk(
     return running
 
 
-def _phase_finalize(trainer: StepParts, tracker: MemoryTracker) -> None:
+def _phase_finalize(trainer: StepParts, tracker: MemoryTracker, recorder: CostRecorder) -> None:
     """Mark the accumulator's finalize as a phase of its own (the loop calls it inside
-    ``forward_backward``), and label the gradients it is about to scale."""
+    ``forward_backward``), run by no micro-batch, and label the gradients it is about to scale."""
     finalize: Callable[[], StepResult] = trainer.accumulator.finalize
 
     def phased() -> StepResult:
         tracker.stepping = False
+        recorder.microbatch = None
         tracker.set_phase("finalize")
         _label_state(tracker, trainer)
         return finalize()

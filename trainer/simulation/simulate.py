@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import sys
 
-from trainer.config import JobConfig
-from trainer.plan import Plan
+from trainer.config import JobConfig, load_config
+from trainer.plan import Plan, plan
 from trainer.runtime.job import Request, parse_request, prepare
 from trainer.simulation.fake_job import RoleRun
 from trainer.simulation.microbatches import schedule_count, shortened_args, traced_count
@@ -47,8 +47,9 @@ def simulate_roles(
     job_plan = prepare(args, nproc * nnodes, local_ranks=nproc, memory=False).plan
     real = schedule_count(job_plan)
     traced = traced_count(job_plan) if shorten else real
-    args += [*_as_on_target(job_plan.config, target), *shortened_args(job_plan, traced)]
-    traced_plan = prepare(args, nproc * nnodes, local_ranks=nproc, memory=False).plan
+    # The job's own preparation above checked its data; the traced plan differs only in settings.
+    traced_args = [*args, *_as_on_target(job_plan.config, target), *shortened_args(job_plan, traced)]
+    traced_plan = plan(load_config(traced_args), nproc * nnodes)
     print(
         f"simulating {job_plan.dims.pp} role(s) of {job_plan.dims.world_size} ranks on fake tensors, "
         f"at most {traced} of the step's {real} micro-batches traced ...",
