@@ -21,6 +21,7 @@ import time
 import torch
 from torch import nn
 
+from parallelisms.torch_private import kernels
 from trainer.grad_accumulator import GradAccumulator
 from trainer.loss import IGNORE_INDEX
 
@@ -67,7 +68,7 @@ def main() -> None:
     accumulator = GradAccumulator(model, loss_group=None, num_microbatches=1, max_norm=max_norm, hsdp=False)
 
     def restore() -> None:
-        torch._foreach_copy_(grads, backup)
+        kernels.foreach_copy_(grads, backup)
 
     def finalize() -> None:
         accumulator.begin_step([labels])
@@ -79,7 +80,7 @@ def main() -> None:
         torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
 
     def two_pass() -> None:
-        torch._foreach_mul_(grads, 1.0 / N_VALID_TOKENS)
+        kernels.foreach_mul_(grads, 1.0 / N_VALID_TOKENS)
         torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
 
     for fn in (finalize, clip_only, two_pass):  # warm-up: page in, allocate

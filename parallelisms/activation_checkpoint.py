@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from parallelisms.model_parts import block_settings, blocks
+from parallelisms.torch_private import kernels
 
 _aten = torch.ops.aten
 # Ops whose outputs "op" mode keeps: recomputing them costs real FLOPs or communication.
@@ -30,11 +31,8 @@ SAVED_OPS = {
     _aten.mm.default,
     _aten.addmm.default,
     _aten.bmm.default,
-    _aten._scaled_dot_product_flash_attention.default,
-    _aten._scaled_dot_product_efficient_attention.default,
-    _aten._scaled_dot_product_cudnn_attention.default,
-    _aten._scaled_dot_product_flash_attention_for_cpu.default,
-    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    *kernels.ATTENTION_OPS,
+    kernels.REDUCE_SCATTER,
 }
 
 

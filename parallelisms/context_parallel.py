@@ -43,6 +43,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from parallelisms.model_parts import block_settings, blocks, model_settings
+from parallelisms.torch_private import dtensor
 
 BACKENDS = ("allgather_kv", "ring", "ulysses")
 """What ``parallelism.context_parallel_backend`` may name, besides ``auto``."""
@@ -243,9 +244,8 @@ class ContextParallel:
             yield
             return
         from torch.distributed.tensor.experimental import context_parallel
-        from torch.distributed.tensor.experimental._attention import set_rotate_method
 
-        set_rotate_method(self.rotate_method)
+        dtensor.set_ring_rotation(self.rotate_method)
         positions = torch.arange(self.seq_len, device=self.mesh.device_type)
         with context_parallel(self.mesh, buffers=[positions], buffer_seq_dims=[0], no_restore_buffers={positions}):
             if not torch.equal(positions.cpu(), self.positions):

@@ -44,7 +44,9 @@ def blocks(model: nn.Module) -> nn.ModuleDict:
 
 def end(model: nn.Module, name: str) -> nn.Module | None:
     """``model``'s ``tok_embeddings``, ``norm`` or ``output``; None on a pipeline stage that lacks it."""
-    return model._modules[name]
+    child = getattr(model, name)  # a name registered with None reads as None
+    assert child is None or isinstance(child, nn.Module)
+    return child
 
 
 def set_end(model: nn.Module, name: str, module: nn.Module | None) -> None:

@@ -30,6 +30,8 @@ import torch
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from parallelisms.torch_private import dtensor
+
 MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
@@ -54,11 +56,8 @@ class _NameOrSelf(dict):
 
 
 def flatten_mesh(mesh: DeviceMesh, dims: tuple[str, ...], name: str) -> DeviceMesh:
-    """Merge ``dims`` of ``mesh`` into one dimension called ``name``.
-
-    ``DeviceMesh._flatten`` is private API; this is the one place that calls it.
-    """
-    return mesh[dims]._flatten(name)
+    """Merge ``dims`` of ``mesh`` into one dimension called ``name`` (private torch API)."""
+    return dtensor.flatten_mesh(mesh, dims, name)
 
 
 @dataclass

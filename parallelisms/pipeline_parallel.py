@@ -47,14 +47,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
-
-# torch's micro-batch splitter replicates an argument whose chunk spec is ``_Replicate`` (private,
-# unchanged from torch 2.2 to 2.13): every micro-batch gets the same RoPE positions.
-from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
+from torch.distributed.pipelining.microbatch import TensorChunkSpec
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
 from parallelisms import model_parts
 from parallelisms.parallel_dims import ParallelismError
+from parallelisms.torch_private import pipelining
 
 SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
 """What ``parallelism.pipeline_parallel_schedule`` may name."""
@@ -224,7 +222,7 @@ def split_model(model: nn.Module, split: PipelineSplit, pp_rank: int) -> list[nn
     if last not in stages:
         model_parts.set_end(model, "norm", None)
         model_parts.set_end(model, "output", None)
-    for name in list(model._buffers):
+    for name, _ in list(model.named_buffers(recurse=False)):
         delattr(model, name)
     return views
 
@@ -240,8 +238,8 @@ def _stage_view(model: nn.Module, held: tuple[int, ...], first: bool, last: bool
     view.layers = nn.ModuleDict({str(b): layers[str(b)] for b in held})
     model_parts.set_end(view, "norm", model_parts.end(model, "norm") if last else None)
     model_parts.set_end(view, "output", model_parts.end(model, "output") if last else None)
-    for name, buffer in model._buffers.items():
-        view.register_buffer(name, buffer, persistent=name not in model._non_persistent_buffers_set)
+    for name, buffer in model.named_buffers(recurse=False):
+        view.register_buffer(name, buffer, persistent=pipelining.buffer_is_persistent(model, name))
     return view
 
 
@@ -292,7 +290,7 @@ class Pipeline:
                 **(
                     {"positions": TensorChunkSpec(0), "document_ids": TensorChunkSpec(0)}
                     if document_mask
-                    else {"positions": _Replicate()}
+                    else {"positions": pipelining.Replicate()}
                 ),
                 **({"labels": TensorChunkSpec(0)} if labels_to_model else {}),
             },

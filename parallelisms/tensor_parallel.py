@@ -29,6 +29,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from parallelisms.torch_private import dtensor, kernels
+
 
 class EmbeddingParallel(RowwiseParallel):
     """The token embedding, row-wise over the vocabulary, handing out a *copy* of its sequence shard.
@@ -42,7 +44,7 @@ class EmbeddingParallel(RowwiseParallel):
 
     @staticmethod
     def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
-        outputs = RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+        outputs = dtensor.rowwise_output(output_layouts, use_local_output, mod, outputs, device_mesh)
         return outputs.clone() if use_local_output else outputs
 
 
@@ -54,7 +56,7 @@ class OutputParallel(ColwiseParallel):
     def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
         if outputs.ndim == 0:
             return outputs
-        return ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+        return dtensor.colwise_output(output_layouts, use_local_output, mod, outputs, device_mesh)
 
 
 def llama3_tp_plan(loss_parallel: bool) -> dict[str, ParallelStyle]:
@@ -99,11 +101,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, asyn
     plan = {k: v for k, v in llama3_tp_plan(loss_parallel).items() if getattr(model, k.split(".")[0]) is not None}
     parallelize_module(model, tp_mesh, plan)
     if async_tp:
-        import torch._inductor.config
-        from torch.distributed._symmetric_memory import enable_symm_mem_for_group
-
-        torch._inductor.config._micro_pipeline_tp = True
-        enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+        kernels.enable_async_tp(tp_mesh.get_group())
     return model
 
 

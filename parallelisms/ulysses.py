@@ -33,9 +33,9 @@ import math
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 
 from parallelisms.context_parallel import AttentionFn, gather_document_ids, head_tail_positions
+from parallelisms.torch_private import dtensor
 
 
 def kv_replication(kv_heads: int, degree: int) -> int:
@@ -67,7 +67,7 @@ def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     Waited for at once: attention needs the whole result, and an un-waited collective tensor
     that only a view consumes is still registered as in flight when the process ends.
     """
-    return funcol.wait_tensor(funcol.all_to_all_single_autograd(x.contiguous(), None, None, group))
+    return dtensor.all_to_all(x, group)
 
 
 class UlyssesAttention:

@@ -41,6 +41,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
+from parallelisms.torch_private import kernels
 from trainer.layout_invariant import LayoutInvariantReduction
 from trainer.loss import IGNORE_INDEX
 
@@ -266,7 +267,7 @@ def _sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
     """
     device = tensors[0].device
     if device.type == "cuda":
-        norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
+        norms = kernels.foreach_norm(tensors)
         return torch.stack(norms).square().sum()
     total = torch.zeros((), dtype=torch.float32, device=device)
     for t in tensors:
@@ -289,4 +290,4 @@ def _foreach_scale_(tensors: list[torch.Tensor], scale: float) -> None:
     for t in tensors:
         by_device_dtype.setdefault((t.device, t.dtype), []).append(t)
     for group in by_device_dtype.values():
-        torch._foreach_mul_(group, scale)
+        kernels.foreach_mul_(group, scale)

@@ -37,6 +37,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils.hooks import RemovableHandle
 
+from parallelisms.torch_private import fsdp
+
 
 class PairwiseSum:
     """A running sum over a stream whose tree depends only on how many values came, not on when.
@@ -143,7 +145,7 @@ class LayoutInvariantReduction:
         self._losses: list[torch.Tensor] = []
         self._hooks: dict[int, list[RemovableHandle]] = {}
         for module in model.modules():
-            if (group := _group(module)) is not None:
+            if (group := fsdp.param_group(module)) is not None:
                 handle = module.register_forward_hook(partial(self._install_grad_hooks, id(group)))
                 self._hooks.setdefault(id(group), []).append(handle)
 
@@ -158,7 +160,9 @@ class LayoutInvariantReduction:
             handle.remove()
         (unit,) = [unit for unit in self._layout() if id(unit.group) == group_id]
         for index, p in enumerate(unit.params):
-            p.fsdp_param._unsharded_param.register_post_accumulate_grad_hook(partial(self._on_grad, unit, index))
+            unsharded = fsdp.unsharded_param(p.fsdp_param)
+            assert unsharded is not None  # made by the unit's first all-gather, before this hook
+            unsharded.register_post_accumulate_grad_hook(partial(self._on_grad, unit, index))
 
     def _on_grad(self, unit: _Unit, index: int, unsharded: torch.Tensor) -> None:
         if unsharded.grad is None:
@@ -175,12 +179,7 @@ class LayoutInvariantReduction:
             if unit.sent == len(self._losses):
                 continue
             for index, p in enumerate(unit.params):
-                fsdp_param = p.fsdp_param
-                grad = fsdp_param.unsharded_accumulated_grad
-                if grad is None:
-                    grad = fsdp_param._unsharded_param.grad
-                fsdp_param.unsharded_accumulated_grad = None
-                fsdp_param._unsharded_param.grad = None
+                grad = fsdp.take_unsharded_grad(p.fsdp_param)
                 if index not in unit.grads:
                     unit.grads[index] = torch.zeros(p.param.shape, device=p.param.device) if grad is None else grad
             self._send(unit)
@@ -276,7 +275,7 @@ class LayoutInvariantReduction:
         entries: dict[int, _Param] = {}
         self._units = []
         for module in self.model.modules():
-            group = _group(module)
+            group = fsdp.param_group(module)
             if group is None or any(id(fp.sharded_param) in entries for fp in group.fsdp_params):
                 continue  # not a unit, or a unit of several modules already seen
             unit, offset = _Unit(group, []), 0
@@ -303,8 +302,3 @@ class LayoutInvariantReduction:
         if sharded not in ([Shard(0)], []) or param.to_local().numel() != entry.numel(self.shard):
             raise RuntimeError(f"FSDP's shard of a {tuple(param.shape)} parameter is not rows {rows[self.shard]}")
         return entry
-
-
-def _group(module: nn.Module) -> Any:
-    """FSDP's parameter group of ``module`` (None when it is not a unit of its own)."""
-    return module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None

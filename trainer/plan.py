@@ -16,6 +16,8 @@ import torch
 from parallelisms.context_parallel import resolve_backend
 from parallelisms.parallel_dims import ParallelDims, ParallelismError, device_type
 from parallelisms.parallelize import ModelShape, ParallelSettings, check
+from parallelisms.torch_private import UnsupportedTorch
+from parallelisms.torch_private import check as check_torch_internals
 from trainer.config import ConfigError, JobConfig, resolve_path
 from trainer.data.tokenizer import Tokenizer, load_tokenizer
 from trainer.model.llama3 import ModelArgs, model_args
@@ -111,6 +113,7 @@ def plan(config: JobConfig, world_size: int, device: str | None = None) -> Plan:
         )
     except ParallelismError as e:
         raise ConfigError(e.render(SETTING_KEYS)) from None
+    check_torch(torch_concerns(config, dims))
     per_microbatch = training.local_batch_size * dims.dp
     global_batch = per_microbatch if training.global_batch_size == -1 else training.global_batch_size
     if global_batch % per_microbatch:
@@ -151,6 +154,24 @@ def plan(config: JobConfig, world_size: int, device: str | None = None) -> Plan:
         )
     workload = memory_workload(config, dims, settings, args, device)
     return Plan(config, dims, settings, global_batch // per_microbatch, global_batch, args, tokenizer, workload)
+
+
+def torch_concerns(config: JobConfig, dims: ParallelDims) -> tuple[str, ...]:
+    """The concerns of ``parallelisms/torch_private`` whose private torch names the job reaches."""
+    concerns = ["dtensor", "process_group", "kernels", "dataloader"]
+    if dims.pp > 1:
+        concerns.append("pipelining")
+    if config.debug.layout_invariant:
+        concerns.append("fsdp")
+    return tuple(concerns)
+
+
+def check_torch(concerns: tuple[str, ...]) -> None:
+    """Stop with one line when this torch is outside the releases a concern was checked on."""
+    try:
+        check_torch_internals(concerns)
+    except UnsupportedTorch as e:
+        raise ConfigError(str(e)) from None
 
 
 def check_layout_invariant(config: JobConfig, dims: ParallelDims, settings: ParallelSettings) -> None:

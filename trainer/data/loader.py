@@ -20,6 +20,7 @@ import torch
 from torch.utils.data import Dataset, Sampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from parallelisms.torch_private import dataloader
 from trainer.runtime.errors import ConfigError, DataError, JobError
 
 POLL_S = 1.0
@@ -154,13 +155,8 @@ class _Fetcher:
 def _end_workers(iterator: Iterator[list[torch.Tensor]]) -> None:
     """End the loader's worker processes: torch's own shutdown first (it waits a few seconds for
     each, then sends SIGTERM), then SIGKILL for any still there. A stopped or hung worker
-    ignores the SIGTERM, and Python's exit handlers would wait for it forever. Both
-    ``_shutdown_workers`` and ``_workers`` belong to the multiprocessing iterator of torch and
-    torchdata alike (private, unchanged since torch 1.x)."""
-    shutdown = getattr(iterator, "_shutdown_workers", None)
-    if shutdown is not None:
-        shutdown()
-    for worker in getattr(iterator, "_workers", []):
+    ignores the SIGTERM, and Python's exit handlers would wait for it forever."""
+    for worker in dataloader.shut_down_workers(iterator):
         with contextlib.suppress(OSError, ValueError, AttributeError):
             if worker.is_alive():
                 worker.kill()

@@ -42,7 +42,8 @@ import math
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from parallelisms.torch_private import dtensor
 
 TILE: tuple[int, int] = (32, 1024)
 TRUNCATE_AT_STD = 3.0
@@ -55,7 +56,7 @@ def local_box(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``(offset, shape)`` of the part of ``param``'s global tensor that this rank holds."""
     if not isinstance(param, DTensor):
         return (0,) * param.ndim, tuple(param.shape)
-    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    shape, offset = dtensor.local_shape_and_offset(param)
     if tuple(shape) != tuple(param.to_local().shape):
         raise RuntimeError(
             f"a {tuple(param.shape)} DTensor placed {param.placements} holds {tuple(param.to_local().shape)} "

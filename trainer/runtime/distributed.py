@@ -24,9 +24,9 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed import distributed_c10d
 from torch.distributed.checkpoint.api import CheckpointException
 
+from parallelisms.torch_private import process_group
 from trainer.runtime.errors import JobError, UserError
 
 
@@ -56,18 +56,15 @@ def init_distributed(device_type: str, timeout_s: float) -> torch.device:
 
 
 def set_collective_timeout(groups: Iterable[dist.ProcessGroup], seconds: float) -> None:
-    """Give ``groups`` (and the default group) a new collective timeout.
-
-    ``_set_pg_timeout`` is private API (torchtitan uses it the same way); this is the one place
-    that calls it.
-    """
+    """Give ``groups`` (and the default group) a new collective timeout (private torch API,
+    as torchtitan uses it)."""
     timeout = timedelta(seconds=seconds)
     seen: set[int] = set()
     for group in [dist.group.WORLD, *groups]:
-        if group is None or id(group) in seen or distributed_c10d._rank_not_in_group(group):
+        if group is None or id(group) in seen:
             continue
         seen.add(id(group))
-        distributed_c10d._set_pg_timeout(timeout, group)
+        process_group.set_timeout(group, timeout)
 
 
 class CollectiveTimeouts:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from parallelisms.torch_private import kernels
 from trainer.config import Profiling
 
 logger = logging.getLogger("meshtrain")
@@ -57,7 +58,7 @@ class Profiler:
         folder = self.snapshots / name
         folder.mkdir(parents=True, exist_ok=True)
         with open(folder / f"rank{self.rank}_memory_snapshot.pickle", "wb") as f:
-            pickle.dump(torch.cuda.memory._snapshot(), f)
+            pickle.dump(kernels.cuda_memory_snapshot(), f)
         logger.info("memory snapshot written to %s", folder)
 
 
@@ -66,7 +67,7 @@ def profiling(config: Profiling, dump_folder: str, rank: int) -> Iterator[Profil
     """Profile the training loop inside; on CUDA out-of-memory, leave a snapshot behind."""
     profiler = Profiler(config, dump_folder, rank)
     if config.enable_memory_snapshot:
-        torch.cuda.memory._record_memory_history(max_entries=100_000)
+        kernels.record_cuda_memory_history()
     try:
         if profiler.torch_profiler is not None:
             with profiler.torch_profiler:

@@ -13,13 +13,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_map_only
 from torch.utils.flop_counter import flop_registry
 
 from parallelisms.pipeline_parallel import BUBBLE_FRACTION
+from parallelisms.torch_private import dtensor
+from parallelisms.torch_private.fake import process_group_name, tree_map_only
 from trainer.simulation.memory_tracker import tensors_in
 from trainer.simulation.targets import Target
 
@@ -122,7 +122,7 @@ def _nbytes(value: Any) -> int:
     """Bytes of the tensors in ``value``; a DTensor's are its local shard's."""
     return sum(
         t.numel() * t.element_size()
-        for t in (_local_shard(t) if isinstance(t, DTensor) else t for t in tensors_in(value))
+        for t in (dtensor.local_tensor(t) if isinstance(t, DTensor) else t for t in tensors_in(value))
     )
 
 
@@ -150,7 +150,7 @@ class CostRecorder:
         elif func.overloadpacket in flop_registry or name in ATTENTION_FORWARD or name in ATTENTION_BACKWARD:
             # A DTensor op computes on the local shards: count with their shapes. (``to_local``
             # would dispatch an op of its own per tensor, through every mode.)
-            args, kwargs, out = tree_map_only(DTensor, _local_shard, (args, kwargs, out))
+            args, kwargs, out = tree_map_only(DTensor, dtensor.local_tensor, (args, kwargs, out))
             if func.overloadpacket in flop_registry:
                 flops = int(flop_registry[func.overloadpacket](*args, **kwargs, out_val=out))
             else:
@@ -188,16 +188,10 @@ class CostRecorder:
         """The group a collective runs on: a name (functional collectives) or a process group
         boxed as a TorchScript object (``c10d`` ops)."""
         for a in args:
-            name = a
-            if isinstance(a, torch.ScriptObject) and a._type().qualified_name().endswith("ProcessGroup"):
-                name = dist.ProcessGroup.unbox(a).group_name
+            name = process_group_name(a) or a
             if isinstance(name, str) and name in self.groups:
                 return self.groups[name]
         return None
-
-
-def _local_shard(t: DTensor) -> torch.Tensor:
-    return t._local_tensor
 
 
 def _attention_flops(name: str, args: tuple, kwargs: dict) -> int:

@@ -28,15 +28,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed.pipelining import _utils as pipelining_utils
 from torch.nn.attention import bias as attention_bias
-from torch.testing._internal.distributed.fake_pg import FakeStore
-from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.data import Dataset
 
 from parallelisms.parallel_dims import Meshes
 from parallelisms.pipeline_parallel import Pipeline
+from parallelisms.torch_private import pipelining
+from parallelisms.torch_private.fake import FakeStore, FakeTensorMode, disable_current_modes
 from trainer.build import StepParts, build_step_parts
 from trainer.grad_accumulator import StepResult
 from trainer.plan import Plan
@@ -102,7 +100,7 @@ class PipelineMetadata:
     of this model passes hidden states of one shape, so the first forward metadata any stage
     sends is what every later stage receives (``roles.py`` starts the others once stage 0 has
     sent it), and a stage's output-gradient metadata derives from its own outputs. Written
-    against torch 2.13's ``PipelineStage`` internals.
+    against ``PipelineStage``'s internals (``parallelisms/torch_private/pipelining.py``).
     """
 
     def __init__(self, forward: object | None = None, publish: Callable[[object], None] | None = None) -> None:
@@ -111,29 +109,17 @@ class PipelineMetadata:
         """Told the first forward metadata this rank sends (the other stages wait for it)."""
 
     def attach(self, pipeline: Pipeline) -> None:
-        schedule = pipeline.schedule
-        if not hasattr(schedule, "_warmup_p2p"):
-            return
-
-        def infer_shapes(stages: list, has_backward: bool, p2p_done: bool) -> None:
-            for stage in stages:
-                stage._inference_mode = pipelining_utils.InferenceMode.DYNAMIC
-
-        schedule._warmup_p2p = infer_shapes
-        for stage in pipeline.stages:
-            stage._send_meta = self._send  # type: ignore[method-assign]
-            stage._recv_meta = functools.partial(self._receive, stage)  # type: ignore[method-assign]
+        pipelining.answer_metadata(pipeline.schedule, pipeline.stages, self._send, self._receive)
 
     def _send(self, meta: object, dst_stage: int) -> None:
-        if isinstance(meta, pipelining_utils._StageForwardMeta) and self.forward is None:
+        if pipelining.is_forward_metadata(meta) and self.forward is None:
             self.forward = meta
             if self.publish is not None:
                 self.publish(meta)
 
     def _receive(self, stage: object, src_stage: int) -> object:
         if src_stage > stage.stage_index:  # type: ignore[attr-defined]
-            outputs = stage._stage_meta.outputs  # type: ignore[attr-defined]
-            return pipelining_utils._StageBackwardMeta(backward_metas=pipelining_utils._derive_grad_metas(outputs))
+            return pipelining.backward_metadata(stage)
         if self.forward is None:
             raise RuntimeError("pipeline stage metadata: simulate the first stage before the others")
         return self.forward
@@ -200,7 +186,7 @@ def _attention_biases_outside_the_fake_mode() -> Iterator[None]:
     def outside(make: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         @functools.wraps(make)
         def making(*sizes: int) -> torch.Tensor:
-            with _disable_current_modes():
+            with disable_current_modes():
                 return make(*sizes)
 
         return making
@@ -234,8 +220,7 @@ def fewer_pipeline_microbatches(pipeline: Pipeline, count: int, real: int) -> No
 
     Torch's schedules refuse fewer micro-batches than stages when they are built, because every
     rank must run as many as the others; a simulated rank runs alone (``microbatches.py``).
-    Written against torch 2.13: the schedule's ``_n_microbatches``, which its ``step`` reads, and
-    the stages' ``_prepare_forward_infra`` and ``_prepare_backward_infra``, which allocate."""
+    Through the schedule's and the stages' internals (``parallelisms/torch_private/pipelining.py``)."""
     rows = count * pipeline.microbatch_size
     step = pipeline.step
 
@@ -248,20 +233,9 @@ def fewer_pipeline_microbatches(pipeline: Pipeline, count: int, real: int) -> No
         per_sample = [t[:rows] if t is not None else None for t in (positions, document_ids)]
         return step(inputs[:rows], labels[:rows], *per_sample)
 
-    pipeline.schedule._n_microbatches = count
+    pipelining.run_fewer_microbatches(pipeline.schedule, pipeline.stages, count, real)
     pipeline.microbatches = count
     pipeline.step = shortened  # type: ignore[method-assign]
-    for stage in pipeline.stages:
-        for name in ("_prepare_forward_infra", "_prepare_backward_infra"):
-            setattr(stage, name, _for_microbatches(getattr(stage, name), real))
-
-
-def _for_microbatches(prepare: Callable[..., Any], count: int) -> Callable[..., Any]:
-    @functools.wraps(prepare)
-    def preparing(num_microbatches: int, *args: Any, **kwargs: Any) -> Any:
-        return prepare(count, *args, **kwargs)
-
-    return preparing
 
 
 def _create_optimizer_state(trainer: StepParts, tracker: MemoryTracker) -> None:

@@ -26,9 +26,15 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor
-from torch.distributed.fsdp import FSDPModule
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+
+from parallelisms.torch_private import fsdp
+from parallelisms.torch_private.fake import (
+    LOCAL_SCALAR,
+    FakeTensor,
+    TorchDispatchMode,
+    in_backward,
+    is_traceable_wrapper_subclass,
+)
 
 CATEGORIES = (
     "params",
@@ -153,10 +159,10 @@ class MemoryTracker(TorchDispatchMode):
         kwargs = kwargs or {}
         if func is _DEVICE:
             return func(*args, **kwargs)
-        if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
+        if func is LOCAL_SCALAR and isinstance(args[0], FakeTensor):
             return self.scalar
         if self.stepping:
-            phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+            phase = "backward" if in_backward() else "forward"
             if phase != self.phase:
                 self.set_phase(phase)
         out = func(*args, **kwargs)
@@ -255,13 +261,8 @@ def label_training_state(tracker: MemoryTracker, modules: list[nn.Module], optim
     state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     tracker.label(state, "optimizer")
     for module in (m for root in modules for m in root.modules()):
-        if not isinstance(module, FSDPModule):
-            continue
-        group = module._get_fsdp_state()._fsdp_param_group
-        for fsdp_param in group.fsdp_params if group is not None else ():
-            unsharded = getattr(fsdp_param, "_unsharded_param", None)
-            tracker.label([unsharded, *getattr(fsdp_param, "all_gather_outputs", [])], "unsharded_params")
+        for fsdp_param in fsdp.group_params(module):
+            unsharded_params, unsharded_grads = fsdp.unsharded_buffers(fsdp_param)
+            tracker.label(unsharded_params, "unsharded_params")
             # Gradients FSDP holds unsharded until it reduces them (under PP, the step's last backward).
-            unsharded_grads = [getattr(fsdp_param, "unsharded_accumulated_grad", None)]
-            unsharded_grads.append(unsharded.grad if unsharded is not None else None)
             tracker.label(unsharded_grads, "grads")

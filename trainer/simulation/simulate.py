@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 
 from trainer.config import JobConfig, load_config
-from trainer.plan import Plan, plan
+from trainer.plan import Plan, check_torch, plan
 from trainer.runtime.job import Request, parse_request, prepare
 from trainer.simulation.fake_job import RoleRun
 from trainer.simulation.microbatches import schedule_count, shortened_args, traced_count
@@ -42,6 +42,7 @@ def simulate_roles(
 ) -> tuple[Plan, list[RoleRun]]:
     """The job's plan and one simulated rank of each role. ``shorten``: trace a few of the
     step's micro-batches (``microbatches.py``); off only to check that doing so changes nothing."""
+    check_torch(("fake", "fsdp", "pipelining"))
     start_fork_server()
     args = [*argv, "--compile.enable=false", "--training.num_workers", "0"]
     job_plan = prepare(args, nproc * nnodes, local_ranks=nproc, memory=False).plan

@@ -1,0 +1,72 @@
+"""DeviceMesh, DTensor and tensor/context-parallel internals.
+
+Mesh flattening (one data-parallel dimension out of several), the box of a global tensor a rank
+holds, the TP styles' output hook (overridden by ``parallelisms/tensor_parallel.py``), the ring
+attention's rotation setting, the autograd all-to-all of functional collectives (Ulysses), and a
+DTensor's local tensor as the simulator's dispatch mode sees it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+FEATURE = "the device mesh, tensor and context parallelism"
+CHECKED_ON = ("2.11.0", "2.13.0", "2.14.1")
+NAMES = (
+    "_flatten",
+    "_utils",
+    "compute_local_shape_and_global_offset",
+    "_prepare_output_fn",
+    "_attention",
+    "set_rotate_method",
+    "_functional_collectives",
+    "_local_tensor",
+)
+
+
+def flatten_mesh(mesh: DeviceMesh, dims: tuple[str, ...], name: str) -> DeviceMesh:
+    """Merge ``dims`` of ``mesh`` into one dimension called ``name``."""
+    return mesh[dims]._flatten(name)
+
+
+def local_shape_and_offset(param: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(shape, offset)`` of the box of ``param``'s global tensor that this rank holds."""
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return tuple(shape), tuple(offset)
+
+
+def rowwise_output(output_layouts: Any, use_local_output: bool, mod: Any, outputs: Any, device_mesh: Any) -> Any:
+    """What ``RowwiseParallel`` does to a module's output."""
+    return RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+
+
+def colwise_output(output_layouts: Any, use_local_output: bool, mod: Any, outputs: Any, device_mesh: Any) -> Any:
+    """What ``ColwiseParallel`` does to a module's output."""
+    return ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+
+
+def set_ring_rotation(method: str) -> None:
+    """How torch's ring attention passes key/value shards: ``"allgather"`` or ``"alltoall"``."""
+    from torch.distributed.tensor.experimental._attention import set_rotate_method
+
+    set_rotate_method(method)
+
+
+def all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Block ``i`` of ``x``'s first dimension goes to rank ``i``; block ``i`` of the result came
+    from it. Gradients route back. Waited for at once: the callers need the whole result, and an
+    un-waited collective tensor that only a view consumes is still in flight at process exit."""
+    return funcol.wait_tensor(funcol.all_to_all_single_autograd(x.contiguous(), None, None, group))
+
+
+def local_tensor(t: DTensor) -> torch.Tensor:
+    """``t``'s local tensor, without dispatching an op (``to_local`` would, inside a dispatch mode)."""
+    return t._local_tensor

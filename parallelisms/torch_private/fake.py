@@ -1,0 +1,60 @@
+"""Fake tensors, the fake process group and dispatch modes: what ``--simulate`` runs the job on."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_map_only
+
+FEATURE = "the simulator (--simulate)"
+CHECKED_ON = ("2.11.0", "2.13.0", "2.14.1")
+NAMES = (
+    "_subclasses",
+    "FakeTensor",
+    "FakeTensorMode",
+    "_internal",
+    "FakeStore",
+    "_python_dispatch",
+    "TorchDispatchMode",
+    "_disable_current_modes",
+    "is_traceable_wrapper_subclass",
+    "_pytree",
+    "tree_map_only",
+    "_local_scalar_dense",
+    "_C",
+    "_current_graph_task_id",
+    "_type",
+)
+
+__all__ = [
+    "LOCAL_SCALAR",
+    "FakeStore",
+    "FakeTensor",
+    "FakeTensorMode",
+    "TorchDispatchMode",
+    "disable_current_modes",
+    "in_backward",
+    "is_traceable_wrapper_subclass",
+    "process_group_name",
+    "tree_map_only",
+]
+
+LOCAL_SCALAR = torch.ops.aten._local_scalar_dense.default
+"""The op behind ``.item()``: a fake tensor has no value to give."""
+disable_current_modes = _disable_current_modes
+
+
+def in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread now."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def process_group_name(value: Any) -> str | None:
+    """The group name of a process group boxed as a TorchScript object (``c10d`` ops' argument)."""
+    if isinstance(value, torch.ScriptObject) and value._type().qualified_name().endswith("ProcessGroup"):
+        return torch.distributed.ProcessGroup.unbox(value).group_name
+    return None

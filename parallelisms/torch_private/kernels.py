@@ -1,0 +1,65 @@
+"""Private ops and switches: multi-tensor kernels, attention ops, async TP, CUDA memory history."""
+
+from __future__ import annotations
+
+import torch
+
+FEATURE = "the gradient finalize, activation checkpointing and the profiler"
+CHECKED_ON = ("2.11.0", "2.13.0", "2.14.1")
+NAMES = (
+    "_foreach_norm",
+    "_foreach_mul_",
+    "_foreach_copy_",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_c10d_functional",
+    "_inductor",
+    "_micro_pipeline_tp",
+    "_symmetric_memory",
+    "enable_symm_mem_for_group",
+    "_record_memory_history",
+    "_snapshot",
+)
+
+_aten = torch.ops.aten
+ATTENTION_OPS = (
+    _aten._scaled_dot_product_flash_attention.default,
+    _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_cudnn_attention.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+)
+"""SDPA's kernels, one op each."""
+REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
+
+
+def foreach_norm(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The 2-norm of each tensor, in float32, in one multi-tensor kernel."""
+    return list(torch._foreach_norm(tensors, 2, dtype=torch.float32))
+
+
+def foreach_mul_(tensors: list[torch.Tensor], scale: torch.Tensor | float) -> None:
+    """Multiply every tensor in place by ``scale``, in one multi-tensor kernel."""
+    torch._foreach_mul_(tensors, scale)
+
+
+def foreach_copy_(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    torch._foreach_copy_(targets, sources)
+
+
+def enable_async_tp(group: torch.distributed.ProcessGroup) -> None:
+    """Let ``torch.compile`` overlap TP's matmuls with their collectives over symmetric memory."""
+    import torch._inductor.config
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    torch._inductor.config._micro_pipeline_tp = True
+    enable_symm_mem_for_group(group.group_name)
+
+
+def record_cuda_memory_history() -> None:
+    torch.cuda.memory._record_memory_history(max_entries=100_000)
+
+
+def cuda_memory_snapshot() -> object:
+    return torch.cuda.memory._snapshot()
