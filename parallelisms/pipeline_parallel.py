@@ -280,6 +280,7 @@ class Pipeline:
             PipelineStage(module, index, split.num_stages, device, group=self.group)
             for module, index in zip(stage_modules, stage_ids)
         ]
+        pipelining.no_warmup_with_itself(self.stages)
         schedule_class = get_schedule_class(split.schedule)
         first = self.stages[0] if issubclass(schedule_class, PipelineScheduleSingle) else self.stages
         self.schedule = schedule_class(

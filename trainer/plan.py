@@ -125,7 +125,7 @@ def plan(config: JobConfig, world_size: int, device: str | None = None) -> Plan:
         )
     tokenizer = load_tokenizer(resolve_path(config.model.tokenizer_path))
     try:
-        args = model_args(config.model.flavor, tokenizer.vocab_size, training.seq_len)
+        args = model_args(config.model.flavor, tokenizer.vocab_size, training.seq_len, config.model.n_layers)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     settings = parallel_settings(config, dims, global_batch // dims.dp, device)

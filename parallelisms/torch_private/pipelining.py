@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import _utils as pipelining_utils
+from torch.distributed.pipelining import stage as stage_module
 from torch.distributed.pipelining.microbatch import _Replicate
 
 FEATURE = "pipeline parallelism (parallelism.pipeline_parallel_degree)"
@@ -33,6 +37,7 @@ NAMES = (
     "_prepare_forward_infra",
     "_prepare_backward_infra",
     "_non_persistent_buffers_set",
+    "_get_init_p2p_neighbors_ops",
 )
 
 Replicate = _Replicate
@@ -41,26 +46,92 @@ Replicate = _Replicate
 
 def answer_metadata(
     schedule: Any, stages: list[Any], send: Callable[[object, int], None], receive: Callable[[Any, int], object]
-) -> bool:
-    """Make the stages infer their shapes and exchange them through ``send(meta, dst_stage)`` and
-    ``receive(stage, src_stage)`` instead of P2P. False where the schedule has no such exchange
-    (then it needs no answer)."""
-    if not hasattr(schedule, "_warmup_p2p"):
-        return False
+) -> None:
+    """Make the stages exchange their shape metadata through ``send(meta, dst_stage)`` and
+    ``receive(stage, src_stage)`` instead of P2P.
 
-    def infer_shapes(stages: list, has_backward: bool, p2p_done: bool) -> None:
+    torch 2.13 and later vote on how to learn the shapes (``_warmup_p2p``), then send
+    ``_StageForwardMeta`` objects through each stage's ``_send_meta``/``_recv_meta``; here the
+    vote is "infer". torch 2.11 infers the shapes in each stage's ``_shape_inference``, which sends
+    the outputs' meta tensors with ``dist.send_object_list``: those calls, made from the
+    pipelining stage module, go to ``send`` and ``receive`` as :class:`TensorShapes`.
+    """
+    if hasattr(schedule, "_warmup_p2p"):
+
+        def infer_shapes(stages: list, has_backward: bool, p2p_done: bool) -> None:
+            for stage in stages:
+                stage._inference_mode = pipelining_utils.InferenceMode.DYNAMIC
+
+        schedule._warmup_p2p = infer_shapes
         for stage in stages:
-            stage._inference_mode = pipelining_utils.InferenceMode.DYNAMIC
+            stage._send_meta = send
+            stage._recv_meta = functools.partial(receive, stage)
+        return
+    stage_module.dist = _ObjectsAnswered(send, functools.partial(receive, stages[0], -1))  # type: ignore[assignment]
 
-    schedule._warmup_p2p = infer_shapes
+
+@dataclass(frozen=True)
+class TensorShapes:
+    """Picklable meta tensors (a fake tensor is not picklable): what a stage's outputs look like."""
+
+    specs: tuple[tuple[tuple[int, ...], tuple[int, ...], torch.dtype, bool] | None, ...]
+
+    @classmethod
+    def of(cls, values: tuple) -> TensorShapes:
+        return cls(
+            tuple(
+                (tuple(v.shape), tuple(v.stride()), v.dtype, v.requires_grad) if isinstance(v, torch.Tensor) else None
+                for v in values
+            )
+        )
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(
+            torch.empty_strided(shape, stride, dtype=dtype, device="meta").requires_grad_(grad)
+            for shape, stride, dtype, grad in (s for s in self.specs if s is not None)
+        )
+
+
+class _ObjectsAnswered:
+    """``torch.distributed`` as torch 2.11's pipelining stages see it, with its object-list P2P
+    answered by the simulator (a fake process group carries no objects)."""
+
+    def __init__(self, send: Callable[[object, int], None], receive: Callable[[], object]) -> None:
+        self._send, self._receive = send, receive
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(dist, name)
+
+    def send_object_list(self, objects: list, *args: Any, **kwargs: Any) -> None:
+        self._send(TensorShapes.of(objects[0]), -1)
+
+    def recv_object_list(self, objects: list, *args: Any, **kwargs: Any) -> None:
+        received = self._receive()
+        objects[0] = received.tensors() if isinstance(received, TensorShapes) else received
+
+
+def no_warmup_with_itself(stages: list[Any]) -> None:
+    """Keep each stage's P2P warm-up to stages on other ranks.
+
+    Before the first step, torch 2.11's schedules (2.13's where a stage has no shape-inference
+    vote) send a dummy tensor to and from each neighbouring stage, also one on the same rank, as
+    the V-shaped schedules place them (stages 1 and 2 of ``ZBVZeroBubble`` on pipeline rank 1);
+    gloo cannot send to its own rank ("Pair is not connected"). Neighbours on one rank exchange
+    activations in memory, so their warm-up has nothing to warm.
+    """
     for stage in stages:
-        stage._send_meta = send
-        stage._recv_meta = functools.partial(receive, stage)
-    return True
+        warmup = getattr(stage, "_get_init_p2p_neighbors_ops", None)
+        if warmup is not None:
+            stage._get_init_p2p_neighbors_ops = functools.partial(_to_others, warmup, stage.group_rank)
+
+
+def _to_others(warmup: Callable[[], list[Any]], own_rank: int) -> list[Any]:
+    return [op for op in warmup() if op.group_peer != own_rank]
 
 
 def is_forward_metadata(meta: object) -> bool:
-    return isinstance(meta, pipelining_utils._StageForwardMeta)
+    forward_meta = getattr(pipelining_utils, "_StageForwardMeta", TensorShapes)  # torch 2.13 and later
+    return isinstance(meta, (forward_meta, TensorShapes))
 
 
 def backward_metadata(stage: Any) -> object:

@@ -34,6 +34,12 @@ class Model:
         "Model size preset.",
         ("debugmodel", "1B", "3B", "8B", "70B", "405B"),
     )
+    n_layers: int = setting(
+        0,
+        "Transformer blocks; 0 keeps the flavor's. Fewer blocks keep the flavor's width: a large "
+        "shape that fits one GPU, for measuring it or planning it.",
+        ge=0,
+    )
     tokenizer_path: str = setting(
         "assets/tokenizer/shakespeare.model",
         "Tokenizer file: a SentencePiece `.model`, or a Hugging Face `tokenizer.json` (any `.json` file; "

@@ -115,9 +115,12 @@ FLAVORS: dict[str, ModelArgs] = {
 }
 
 
-def model_args(flavor: str, tokenizer_vocab_size: int, seq_len: int) -> ModelArgs:
-    """The flavor's shape, sized for the tokenizer and the training sequence length."""
+def model_args(flavor: str, tokenizer_vocab_size: int, seq_len: int, n_layers: int = 0) -> ModelArgs:
+    """The flavor's shape, sized for the tokenizer and the training sequence length; ``n_layers``
+    blocks instead of the flavor's when it is not 0."""
     args = FLAVORS[flavor]
+    if n_layers:
+        args = replace(args, n_layers=n_layers)
     if args.vocab_from_tokenizer:
         args = replace(args, vocab_size=padded_vocab_size(tokenizer_vocab_size))
     elif tokenizer_vocab_size > args.vocab_size:
