@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import ast
 import re
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 import torch
 from harness import ROOT
 
@@ -42,7 +42,9 @@ def private_torch_names(file: Path, project_names: set[str]) -> set[str]:
             found.update(node.module.split("."))
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.Import):
-            found.update(part for alias in node.names if alias.name.startswith("torch.") for part in alias.name.split("."))
+            found.update(
+                part for alias in node.names if alias.name.startswith("torch.") for part in alias.name.split(".")
+            )
     private = {n for n in found if n.startswith("_") and not (n.startswith("__") and n.endswith("__"))}
     return private - project_names - STDLIB_PRIVATE
 
@@ -101,7 +103,9 @@ def test_the_scanner_sees_every_form(tmp_path: Path):
 
 def test_pyproject_range_is_the_checked_range():
     spec = next(
-        d for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"] if d.startswith("torch")
+        d
+        for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+        if d.startswith("torch")
     )
     low, high = (torch_private.release(v) for v in re.findall(r"[\d.]+", spec))
     for name in torch_private.CONCERNS:
