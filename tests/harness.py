@@ -23,13 +23,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from trainer.build import StepParts, build_step_parts
+from trainer.build import build_step_parts
 from trainer.config import load_config
 from trainer.data.datasets import load_dataset
 from trainer.data.loader import global_order
 from trainer.loss import IGNORE_INDEX, cross_entropy_sum
 from trainer.model.llama3 import Transformer
 from trainer.plan import plan
+from trainer.step import StepParts
 from trainer.train import fetch_step, forward_backward
 
 ROOT = Path(__file__).resolve().parent.parent

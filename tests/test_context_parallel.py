@@ -10,14 +10,10 @@ import torch
 import torch.distributed as dist
 from harness import BASE_ARGV, argv_for, assert_matches, full, run_by_world, step_worker, trainer_for
 
-from parallelisms.context_parallel import (
-    AllGatherKVAttention,
-    attend_local_chunks,
-    head_tail_positions,
-    natural_order,
-)
+from parallelisms.context_parallel import AllGatherKVAttention, attend_local_chunks
 from parallelisms.parallel_dims import ParallelDims, ParallelismError
 from parallelisms.parallelize import ModelShape, ParallelSettings, check
+from parallelisms.sequence_shards import head_tail_positions, natural_order
 from parallelisms.ulysses import UlyssesAttention, UlyssesMask, all_to_all_bytes, kv_replication
 from trainer.config import ConfigError, load_config
 from trainer.loss import IGNORE_INDEX

@@ -27,8 +27,8 @@ from harness import (
     trainer_for,
 )
 
-from parallelisms.context_parallel import attend_local_chunks, head_tail_positions, local_chunk_masks, resolve_backend
-from trainer.build import MicroBatch
+from parallelisms.context_parallel import attend_local_chunks, local_chunk_masks, resolve_backend
+from parallelisms.sequence_shards import head_tail_positions
 from trainer.config import ConfigError, load_config
 from trainer.data.datasets import load_dataset
 from trainer.data.documents import document_ids, document_positions, split_documents
@@ -36,6 +36,7 @@ from trainer.data.loader import GlobalOrder
 from trainer.loss import IGNORE_INDEX, cross_entropy_sum
 from trainer.model.llama3 import ModelArgs, Transformer, causal_attention, document_causal_mask
 from trainer.plan import plan
+from trainer.step import MicroBatch
 from trainer.train import fetch_step, forward_backward
 
 BOS, EOS = 1, 2

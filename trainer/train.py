@@ -30,7 +30,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from parallelisms.pipeline_parallel import Pipeline
 from parallelisms.tensor_parallel import loss_context
-from trainer.build import MicroBatch, Run, StepParts, build_run, build_step_parts
+from trainer.build import Run, build_run, build_step_parts
 from trainer.checkpoint.manager import create_seed_checkpoint
 from trainer.config import help_text
 from trainer.data.datasets import TokenDataset
@@ -45,6 +45,7 @@ from trainer.runtime.errors import ConfigError, JobError, UserError, report
 from trainer.runtime.job import describe_job, parse_request, prepare
 from trainer.runtime.profiling import profiling
 from trainer.runtime.stop_requests import StopRequests
+from trainer.step import MicroBatch, StepParts
 from trainer.train_state import TrainState
 
 logger = logging.getLogger("meshtrain")

@@ -36,8 +36,8 @@ from trainer.data.loader import GlobalOrder
 from trainer.loss import IGNORE_INDEX
 
 if TYPE_CHECKING:
-    from trainer.build import StepParts
     from trainer.data.datasets import TokenDataset
+    from trainer.step import StepParts
 
 
 @dataclass(frozen=True)

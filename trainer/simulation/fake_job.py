@@ -35,12 +35,13 @@ from parallelisms.parallel_dims import Meshes
 from parallelisms.pipeline_parallel import Pipeline
 from parallelisms.torch_private import pipelining
 from parallelisms.torch_private.fake import FakeStore, FakeTensorMode, disable_current_modes
-from trainer.build import StepParts, build_step_parts
+from trainer.build import build_step_parts
 from trainer.grad_accumulator import StepResult
 from trainer.plan import Plan
 from trainer.simulation.cost_model import CostRecorder, TracedCost, group_infos
 from trainer.simulation.memory_tracker import MemoryProfile, MemoryTracker, label_training_state
 from trainer.simulation.microbatches import extend, rank_count, schedule_count, steady_microbatches
+from trainer.step import StepParts
 from trainer.train import fetch_step, forward_backward, optimizer_step
 
 
