@@ -112,7 +112,7 @@ def logits_8b() -> dict[str, object]:
 
     from trainer.config import load_config
     from trainer.plan import plan
-    from trainer.runtime.memory_plan import estimate
+    from trainer.planning.memory_plan import estimate
 
     argv = ["--config", str(REPO_ROOT / "train_configs/llama3_8b.toml"), "--training.seq_len", "8192"]
     p = plan(load_config(argv), 8)

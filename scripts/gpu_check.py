@@ -162,12 +162,12 @@ def simulator_row(
     name = f"simulator {shape}"
     target = next((t for fragment, t in SIMULATOR_TARGETS.items() if fragment in device.upper()), None)
     try:
-        import trainer.simulation.simulate  # noqa: F401
+        import trainer.entry.simulate  # noqa: F401
     except ImportError:
         return (name, "eager", "n/a", "trainer/simulation is absent", "-")
     if target is None:
         return (name, "eager", "n/a", f"no simulator target for {device}", "-")
-    code = "import sys; from trainer.simulation.simulate import simulate; sys.exit(simulate(sys.argv[1:], 1, 1))"
+    code = "import sys; from trainer.entry.simulate import simulate; sys.exit(simulate(sys.argv[1:], 1, 1))"
     command = [sys.executable, "-c", code, *args, "--job.dump_folder", str(dump), "--target-gpu", target]
     proc = subprocess.run(
         command, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, capture_output=True, text=True, cwd=REPO_ROOT

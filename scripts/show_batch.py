@@ -22,9 +22,9 @@ from trainer.config import ConfigError, JobConfig, load_config
 from trainer.data.datasets import describe_data
 from trainer.data.loader import global_order
 from trainer.data.tokenizer import Tokenizer
+from trainer.entry.job import prepare
 from trainer.loss import IGNORE_INDEX
 from trainer.runtime.errors import UserError, report
-from trainer.runtime.job import prepare
 
 DIM, RESET = "\033[2m", "\033[0m"
 

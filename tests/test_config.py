@@ -23,8 +23,8 @@ from trainer.config import (
     parse_mesh,
     resolve_config_path,
 )
+from trainer.entry.worker import main
 from trainer.plan import plan
-from trainer.train import main
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST_EXIT_S = 90.0
@@ -285,7 +285,7 @@ def test_help_shows_what_this_command_line_gives_and_the_code_default():
 
 
 def test_config_file_from_the_environment(monkeypatch):
-    from trainer.runtime.launch import training_argv
+    from trainer.entry.launch import training_argv
 
     monkeypatch.setenv("CONFIG_FILE", "llama3_8b.toml")
     assert training_argv(["--training.steps", "2"]) == ["--config", "llama3_8b.toml", "--training.steps", "2"]
@@ -411,7 +411,7 @@ def entry_env(**extra: str) -> dict[str, str]:
 )
 def test_entry_point_exits_2_fast(argv, key):
     proc = subprocess.run(
-        [sys.executable, "-m", "trainer.train", *argv],
+        [sys.executable, "-m", "trainer.entry.worker", *argv],
         cwd=ROOT,
         env=entry_env(WORLD_SIZE="4"),
         capture_output=True,

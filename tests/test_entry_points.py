@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-import trainer.runtime.job as job_module
+import trainer.entry.job as job_module
+from trainer.entry import launch
+from trainer.entry.job import parse_request, prepare
+from trainer.entry.worker import main as train_main
 from trainer.model.llama3 import Transformer
-from trainer.runtime import launch
 from trainer.runtime.errors import BusyFolderError, ConfigError, DataError, JobError, UserError
-from trainer.runtime.job import parse_request, prepare
-from trainer.train import main as train_main
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -89,6 +89,6 @@ def test_every_entry_point_prepares_through_one_function(tmp_path):
         parse_request(["--target-gpu", "h100"])
     job = prepare([*TINY, "--job.dump_folder", str(tmp_path)], 1, local_ranks=1)
     assert job.plan.dims.world_size == 1 and len(job.dataset) > 0
-    for source in ("trainer/runtime/launch.py", "trainer/train.py", "scripts/show_batch.py"):
+    for source in ("trainer/entry/launch.py", "trainer/entry/worker.py", "scripts/show_batch.py"):
         text = (ROOT / source).read_text()
         assert "prepare(" in text and "except UserError" in text, source

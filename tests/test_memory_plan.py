@@ -13,10 +13,10 @@ import pytest
 from harness import ROOT, run_train
 
 from trainer.config import ConfigError, load_config
+from trainer.entry.launch import main as launch_main
 from trainer.plan import check_memory, memory_limit, plan, target_device
-from trainer.runtime.launch import main as launch_main
-from trainer.runtime.memory_limits import TARGET_MEMORY_BYTES
-from trainer.runtime.memory_plan import Workload, estimate, estimates, fixes
+from trainer.planning.memory_limits import TARGET_MEMORY_BYTES
+from trainer.planning.memory_plan import Workload, estimate, estimates, fixes
 
 GIB = 1024**3
 EIGHT_B = Workload(
@@ -223,7 +223,7 @@ def test_the_estimate_is_within_25_percent_of_the_measured_peak(case, tmp_path):
         str(tmp_path),
     ]
     proc = subprocess.run(
-        [sys.executable, "-m", "trainer.train", *args],
+        [sys.executable, "-m", "trainer.entry.worker", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -15,13 +15,13 @@ import torch
 
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from trainer.config import load_config
+from trainer.entry.job import parse_request
+from trainer.entry.simulate import simulate
 from trainer.loss import cross_entropy_sum
 from trainer.model.llama3 import FLAVORS, Transformer
 from trainer.plan import plan
-from trainer.runtime.job import parse_request
-from trainer.runtime.memory_plan import estimates
+from trainer.planning.memory_plan import estimates
 from trainer.simulation.memory_tracker import MemoryTracker, label_training_state
-from trainer.simulation.simulate import simulate
 from trainer.simulation.targets import parse_overrides, target_named
 
 TINY = replace(

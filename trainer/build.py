@@ -1,6 +1,6 @@
 """Build everything the training loop uses, once, with every parallelism already applied.
 
-The job was prepared before any process group existed (``trainer/runtime/job.py``: config, plan,
+The job was prepared before any process group existed (``trainer/entry/job.py``: config, plan,
 data). :func:`build_step_parts` joins the process group and builds what a training step uses: the
 mesh, the sharded model, the optimizer, the loader, the gradient accumulator, the pipeline.
 :func:`build_run` adds what the loop around the steps uses: the train state restored from the

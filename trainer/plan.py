@@ -21,9 +21,9 @@ from parallelisms.torch_private import check as check_torch_internals
 from trainer.config import ConfigError, JobConfig, resolve_path
 from trainer.data.tokenizer import Tokenizer, load_tokenizer
 from trainer.model.llama3 import ModelArgs, model_args
+from trainer.planning.memory_limits import TARGET_MEMORY_BYTES, cpu_limit_per_rank, gpu_limit
+from trainer.planning.memory_plan import Estimate, Workload, estimate, fixes, gib
 from trainer.runtime.dump_folder import check_dump_folder
-from trainer.runtime.memory_limits import TARGET_MEMORY_BYTES, cpu_limit_per_rank, gpu_limit
-from trainer.runtime.memory_plan import Estimate, Workload, estimate, fixes, gib
 
 SETTING_KEYS = {
     "dp_replicate": "`parallelism.data_parallel_replicate_degree`",
@@ -291,7 +291,7 @@ def memory_limit(
     local_ranks: int, device_index: int | None, started: bool, target: str | None = None
 ) -> tuple[int | None, str]:
     """The memory one rank may use, and what it is: on this machine (see
-    ``trainer/runtime/memory_plan.py``), or on one GPU of kind ``target`` (``--target-gpu``)."""
+    ``trainer/planning/memory_plan.py``), or on one GPU of kind ``target`` (``--target-gpu``)."""
     if target in TARGET_MEMORY_BYTES:
         return TARGET_MEMORY_BYTES[target], f"one {target.upper()}'s memory (`--target-gpu {target}`)"
     if device_type() == "cuda" and target is None:

@@ -19,7 +19,7 @@ from typing import Any
 from trainer.metrics import flops_per_token
 from trainer.model.llama3 import Transformer, num_params
 from trainer.plan import Plan
-from trainer.runtime.memory_plan import fixes
+from trainer.planning.memory_plan import fixes
 from trainer.simulation.cost_model import ASSUMPTIONS, step_time
 from trainer.simulation.fake_job import RoleRun
 from trainer.simulation.memory_tracker import CATEGORIES

@@ -111,7 +111,7 @@ def _rate(work: object, units: float, seconds: float = 0.15) -> float:
 
 
 def parse_overrides(overrides: dict[str, str]) -> dict[str, float]:
-    """``--target.KEY VALUE`` as given (``trainer/runtime/job.py`` collects them): each a known
+    """``--target.KEY VALUE`` as given (``trainer/entry/job.py`` collects them): each a known
     figure and a positive number."""
     parsed: dict[str, float] = {}
     for field, value in overrides.items():

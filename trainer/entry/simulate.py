@@ -15,8 +15,8 @@ from __future__ import annotations
 import sys
 
 from trainer.config import JobConfig, load_config
+from trainer.entry.job import Request, parse_request, prepare
 from trainer.plan import Plan, check_torch, plan
-from trainer.runtime.job import Request, parse_request, prepare
 from trainer.simulation.fake_job import RoleRun
 from trainer.simulation.microbatches import schedule_count, shortened_args, traced_count
 from trainer.simulation.report import build_report, fit_advice, render, write

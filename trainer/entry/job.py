@@ -1,6 +1,6 @@
 """The one way in: every entry point prepares the job here, the same way.
 
-The launcher (``./run_train.sh``), each worker (``python -m trainer.train``), ``--dry-run``,
+The launcher (``./run_train.sh``), each worker (``python -m trainer.entry.worker``), ``--dry-run``,
 ``--simulate`` and ``scripts/show_batch.py`` all call :func:`prepare`: config -> plan for the world
 size -> memory check -> datasets. Whatever can be wrong with the config, the mesh, the tokenizer or
 the data raises a :class:`~trainer.runtime.errors.UserError` here, before any process group exists,
