@@ -28,7 +28,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 from trainer.config import load_config  # noqa: E402
-from trainer.plan import plan  # noqa: E402
+from trainer.planning.job_plan import resolve_job  # noqa: E402
 
 GIB = 1024**3
 COMMON = [
@@ -136,7 +136,7 @@ def simulated(nproc: int, args: list[str]) -> float | None:
 
 
 def estimated(nproc: int, args: list[str]) -> float:
-    return plan(load_config(args), nproc).memory.total
+    return resolve_job(load_config(args), nproc).memory.total
 
 
 def ratio(predicted: float | None, measured: float) -> str:

@@ -34,7 +34,7 @@ from trainer.config import load_config
 from trainer.data.datasets import load_dataset
 from trainer.metrics import device_memory, flops_per_token, peak_flops, tokens_per_second_per_device
 from trainer.model.llama3 import num_params, whole_model
-from trainer.plan import plan
+from trainer.planning.job_plan import resolve_job
 from trainer.train import fetch_step, forward_backward, local_tokens_per_step, optimizer_step
 
 
@@ -54,7 +54,7 @@ def main() -> None:
     config = load_config(
         ["--config", args.config, "--training.steps", str(total), "--metrics.enable_tensorboard=false", *trainer_args]
     )
-    job_plan = plan(config, int(os.environ.get("WORLD_SIZE", 1)))
+    job_plan = resolve_job(config, int(os.environ.get("WORLD_SIZE", 1)))
     job = build_step_parts(job_plan, load_dataset(job_plan))
     training, dims, margs = config.training, job_plan.dims, job_plan.model_args
 

@@ -119,7 +119,7 @@ def throughput_rows(scratch: Path, steps: int, device: str) -> list[tuple[str, s
     import torch
 
     from trainer.config import load_config
-    from trainer.plan import plan
+    from trainer.planning.job_plan import resolve_job
 
     total = torch.cuda.get_device_properties(0).total_memory
     common = ["--training.seq_len", str(SEQ_LEN), "--training.local_batch_size", "1", "--training.steps", str(steps)]
@@ -128,7 +128,7 @@ def throughput_rows(scratch: Path, steps: int, device: str) -> list[tuple[str, s
         for variant, variant_args in VARIANTS.items():
             args = [*shape_args, *common, *variant_args]
             setting = f"{shape}, seq {SEQ_LEN}, {variant}"
-            estimate = plan(load_config(args), 1, "cuda").memory.total
+            estimate = resolve_job(load_config(args), 1, "cuda").memory.total
             if estimate > total:
                 rows.append((f"throughput {shape}", setting, "skipped", f"estimate {estimate / 2**30:.1f} GiB", "-"))
                 continue

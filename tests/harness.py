@@ -29,7 +29,7 @@ from trainer.data.datasets import load_dataset
 from trainer.data.loader import global_order
 from trainer.loss import IGNORE_INDEX, cross_entropy_sum
 from trainer.model.llama3 import Transformer
-from trainer.plan import plan
+from trainer.planning.job_plan import resolve_job
 from trainer.step import StepParts
 from trainer.train import fetch_step, forward_backward
 
@@ -126,7 +126,7 @@ def run_by_world(cases: dict[str, tuple[int, tuple]]) -> dict[str, list[Any]]:
 
 def trainer_for(argv: list[str]) -> tuple[Any, StepParts]:
     """``(plan, trainer)`` for ``argv`` on this process's world size, built as training builds it."""
-    job_plan = plan(load_config(argv), int(os.environ.get("WORLD_SIZE", 1)))
+    job_plan = resolve_job(load_config(argv), int(os.environ.get("WORLD_SIZE", 1)))
     return job_plan, build_step_parts(job_plan, load_dataset(job_plan))
 
 
@@ -145,7 +145,7 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 def reference(argv: list[str]) -> dict[str, Any]:
     """One process, no sharding, no accumulation: the definition of the right answer."""
-    p = plan(load_config(argv), world_size=1)
+    p = resolve_job(load_config(argv), world_size=1)
     dataset = load_dataset(p)
     model = Transformer(p.model_args)
     model.init_weights(p.config.debug.seed)

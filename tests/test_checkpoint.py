@@ -25,7 +25,7 @@ from trainer.checkpoint.manager import CheckpointManager
 from trainer.config import Checkpoint, load_config
 from trainer.data.datasets import load_dataset
 from trainer.model.llama3 import ModelArgs, Transformer
-from trainer.plan import plan
+from trainer.planning.job_plan import resolve_job
 from trainer.runtime.errors import CheckpointError, UserError
 from trainer.train import train
 from trainer.train_state import TrainState
@@ -116,7 +116,7 @@ def train_worker(argv: list[str], kill_rank: int | None = None, kill_step: int |
             return result
 
         FileSystemWriter.write_data = write_then_die
-    job_plan = plan(load_config(argv), int(os.environ["WORLD_SIZE"]))
+    job_plan = resolve_job(load_config(argv), int(os.environ["WORLD_SIZE"]))
     train(job_plan, load_dataset(job_plan))
 
 
@@ -249,7 +249,7 @@ def poisoned_worker(argv: list[str], poison_step: int) -> None:
         return lr
 
     loop.optimizer_step = poisoning_step
-    job_plan = plan(load_config(argv), int(os.environ["WORLD_SIZE"]))
+    job_plan = resolve_job(load_config(argv), int(os.environ["WORLD_SIZE"]))
     train(job_plan, load_dataset(job_plan))
 
 
@@ -290,7 +290,7 @@ def test_seed_checkpoint_gives_every_mesh_the_same_start(tmp_path):
     seed_argv = small_argv(tmp_path, "--checkpoint.create_seed_checkpoint", "--debug.seed", "11")
     run_ranks(train_worker, 1, seed_argv)
     seed = read_dcp_model(str(tmp_path / "checkpoint" / "step-0"))
-    p = plan(load_config(small_argv(tmp_path, "--debug.seed", "11")), 1)
+    p = resolve_job(load_config(small_argv(tmp_path, "--debug.seed", "11")), 1)
     reference = Transformer(p.model_args)
     reference.init_weights(11)
     for name, param in reference.named_parameters():
@@ -313,7 +313,7 @@ def test_load_step_that_does_not_exist_fails_on_every_rank(tmp_path):
 def test_initial_load_from_hugging_face_folder(tmp_path):
     from trainer.checkpoint.hf_folders import save_hf_folder
 
-    p = plan(load_config(small_argv(tmp_path)), 1)
+    p = resolve_job(load_config(small_argv(tmp_path)), 1)
     source = Transformer(p.model_args)
     source.init_weights(99)
     weights = {name: param.detach().clone() for name, param in source.named_parameters()}
@@ -335,7 +335,7 @@ def test_seed_checkpoint_on_several_processes_is_refused_before_any_process_grou
     from trainer.config import ConfigError
 
     with pytest.raises(ConfigError, match="create_seed_checkpoint.*NGPU=1"):
-        plan(load_config(small_argv(tmp_path, "--checkpoint.create_seed_checkpoint")), 2)
+        resolve_job(load_config(small_argv(tmp_path, "--checkpoint.create_seed_checkpoint")), 2)
 
 
 TINY = ModelArgs(

@@ -32,7 +32,7 @@ from trainer.data.samples import build_dataset, open_dataset
 from trainer.data.shards import verify
 from trainer.data.sources import read_sources
 from trainer.data.tokenizer import Tokenizer, load_tokenizer
-from trainer.plan import plan
+from trainer.planning.job_plan import resolve_job
 from trainer.runtime.dump_folder import DumpFolderLock
 from trainer.runtime.errors import BusyFolderError, DataError
 
@@ -389,7 +389,7 @@ def test_inputs_that_cannot_be_meant_are_refused_naming_the_file(
 
 
 def _plan(*args: str) -> Any:
-    return plan(load_config(["--training.seq_len", str(SEQ_LEN), *args]), 1)
+    return resolve_job(load_config(["--training.seq_len", str(SEQ_LEN), *args]), 1)
 
 
 def test_training_paths_named_twice_or_too_small_are_refused(tmp_path: Path) -> None:

@@ -35,7 +35,7 @@ from trainer.data.documents import document_ids, document_positions, split_docum
 from trainer.data.loader import GlobalOrder
 from trainer.loss import IGNORE_INDEX, cross_entropy_sum
 from trainer.model.llama3 import ModelArgs, Transformer, causal_attention, document_causal_mask
-from trainer.plan import plan
+from trainer.planning.job_plan import resolve_job
 from trainer.step import MicroBatch
 from trainer.train import fetch_step, forward_backward
 
@@ -154,7 +154,7 @@ def test_ring_attention_with_document_mask_is_a_config_error(monkeypatch):
     """On CUDA, ``auto`` picks the all-gather-K/V backend for masked documents; ``ring`` is refused."""
     assert resolve_backend("auto", "cuda", document_mask=True) == "allgather_kv"
     assert resolve_backend("auto", "cuda") == "ring"
-    monkeypatch.setattr("trainer.plan.device_type", lambda: "cuda")
+    monkeypatch.setattr("trainer.planning.job_plan.device_type", lambda: "cuda")
     argv = [
         "--training.document_mask",
         "--training.seq_len",
@@ -167,7 +167,7 @@ def test_ring_attention_with_document_mask_is_a_config_error(monkeypatch):
         "ring",
     ]
     with pytest.raises(ConfigError, match=r"context_parallel_backend.*training\.document_mask"):
-        plan(load_config(argv), 2)
+        resolve_job(load_config(argv), 2)
 
 
 @pytest.mark.slow
@@ -250,7 +250,7 @@ def masked_argv(data: str, local_batch_size: int, extra: list[str]) -> list[str]
 def per_document_reference(argv: list[str]) -> tuple[dict, dict]:
     """The first global batch, every document fragment run on its own by the unsharded model;
     and the same windows and labels unmasked (one attention over each whole window)."""
-    p = plan(load_config(argv), world_size=1)
+    p = resolve_job(load_config(argv), world_size=1)
     dataset = load_dataset(p)
     model = Transformer(p.model_args)
     model.init_weights(p.config.debug.seed)

@@ -22,8 +22,8 @@ from harness import ROOT, Launched, run_train
 
 from trainer.checkpoint.folders import read_dcp_model, step_folders
 from trainer.config import ConfigError, load_config
+from trainer.entry.job import prepare
 from trainer.entry.worker import main
-from trainer.plan import plan
 from trainer.runtime.dump_folder import LOCK_FILE, STALE_AFTER_S, DumpFolderLock, read_lock
 from trainer.runtime.errors import BusyFolderError
 
@@ -79,7 +79,7 @@ def test_a_dump_folder_that_is_a_file_is_refused_before_any_process_group(tmp_pa
     file.write_text("")
     for folder in (file, file / "run1"):
         with pytest.raises(ConfigError, match="job.dump_folder"):
-            plan(load_config(["--job.dump_folder", str(folder)]), 1)
+            prepare(["--job.dump_folder", str(folder)], 1, local_ranks=1)
 
 
 def can_mount_tmpfs() -> bool:

@@ -33,7 +33,7 @@ from trainer.data.datasets import load_dataset
 from trainer.grad_accumulator import _total_norm
 from trainer.loss import IGNORE_INDEX
 from trainer.model.llama3 import FLAVORS, Transformer
-from trainer.plan import plan
+from trainer.planning.job_plan import resolve_job
 from trainer.train import fetch_step, forward_backward, train_step
 
 # name: (local batch size, extra argv); global batch 8, seq_len 64, debug model (6 blocks)
@@ -98,7 +98,7 @@ def test_stages_keep_the_whole_models_parameter_names(schedule):
 
 
 def plan_for(*extra: str, world_size: int = 2):
-    return plan(load_config(BASE_ARGV + ["--training.local_batch_size", "8", *extra]), world_size)
+    return resolve_job(load_config(BASE_ARGV + ["--training.local_batch_size", "8", *extra]), world_size)
 
 
 @pytest.mark.parametrize(

@@ -78,7 +78,7 @@ def _timed(collectives: list[Collective]) -> dict[tuple, float]:
 @pytest.mark.fast
 def test_ranks_trace_what_their_schedule_needs(tmp_path):
     from trainer.config import load_config
-    from trainer.plan import plan as make_plan
+    from trainer.planning.job_plan import resolve_job as make_plan
 
     def planned(nproc: int, *args: str):
         return make_plan(load_config(["--job.dump_folder", str(tmp_path), *SEQ, *args]), nproc)

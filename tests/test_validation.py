@@ -18,7 +18,7 @@ from trainer.data.datasets import load_validation_dataset
 from trainer.data.documents import split_documents
 from trainer.loss import IGNORE_INDEX, cross_entropy_sum
 from trainer.model.llama3 import Transformer
-from trainer.plan import plan
+from trainer.planning.job_plan import resolve_job
 from trainer.train import fetch_step, forward_backward, optimizer_step
 from trainer.validation import Validator
 
@@ -76,7 +76,7 @@ def validation_worker(argv: list[str], part_steps: int) -> list[dict]:
 
 def reference(argv: list[str]) -> dict:
     """One process, plain model, no_grad, every validation sample once: the definition."""
-    p = plan(load_config(argv), 1)
+    p = resolve_job(load_config(argv), 1)
     dataset = load_validation_dataset(p)
     model = Transformer(p.model_args)
     model.init_weights(p.config.debug.seed)
@@ -145,7 +145,7 @@ def test_bad_settings_name_the_key(tmp_path: Path, extra: list[str], match: str)
 def test_held_out_plays_and_their_errors(tmp_path: Path) -> None:
     # Own training data needs own validation data: the held-out plays split the bundled corpus
     # only, so the run trains without validation (and says so at start).
-    own = plan(
+    own = resolve_job(
         load_config(
             [
                 "--training.dataset_path",
@@ -159,14 +159,14 @@ def test_held_out_plays_and_their_errors(tmp_path: Path) -> None:
     )
     assert not own.validates and load_validation_dataset(own) is None
     with pytest.raises(ConfigError, match="`validation.seq_len` = 16 differs from `training.seq_len` = 32.*context"):
-        plan(
+        resolve_job(
             load_config(
                 ["--validation.enable", "--validation.seq_len", "16", "--training.seq_len", "32", "--mesh", "cp=2"]
             ),
             2,
         )
     # Bundled plays: the validation split is the held-out plays, which training never reads.
-    p = plan(load_config(["--validation.enable", "--training.seq_len", "32"]), 1)
+    p = resolve_job(load_config(["--validation.enable", "--training.seq_len", "32"]), 1)
     from trainer.data import sources
 
     validation_files = {f.stem for f, _ in sources.read_sources(None, "validation").files}
@@ -178,7 +178,7 @@ def test_held_out_plays_and_their_errors(tmp_path: Path) -> None:
     tiny.write_text(
         json.dumps({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Ho"}]})
     )
-    p = plan(
+    p = resolve_job(
         load_config(
             [
                 "--validation.enable",

@@ -36,7 +36,7 @@ from trainer.metrics import MetricsLogger, flops_per_token, peak_flops, use_colo
 from trainer.metrics.reports import log_start, save_config
 from trainer.model.llama3 import Transformer, num_params, whole_model
 from trainer.optimizer import build_lr_scheduler, build_optimizer
-from trainer.plan import Plan
+from trainer.planning.job_plan import JobPlan
 from trainer.runtime.distributed import init_distributed
 from trainer.step import StepParts
 from trainer.train_state import TrainState
@@ -52,7 +52,7 @@ PROGRESS_EVERY_S = 10.0
 
 
 def build_model(
-    plan: Plan,
+    plan: JobPlan,
     meshes: Meshes,
     device: torch.device,
     cross_entropy: CrossEntropy = cross_entropy_sum,
@@ -123,7 +123,7 @@ class InitProgress:
 
 
 def build_step_parts(
-    plan: Plan, dataset: Dataset, fake_tensors: AbstractContextManager[object] | None = None
+    plan: JobPlan, dataset: Dataset, fake_tensors: AbstractContextManager[object] | None = None
 ) -> StepParts:
     """Join the process group and build the sharded model, optimizer, data and accumulator.
 
@@ -148,7 +148,7 @@ def build_step_parts(
 
 
 def _assemble(
-    plan: Plan,
+    plan: JobPlan,
     dataset: Dataset,
     device: torch.device,
     meshes: Meshes,
@@ -233,7 +233,7 @@ class Run:
     validator: Validator | None
 
 
-def build_run(plan: Plan, parts: StepParts, dataset: TokenDataset, validation_dataset: TokenDataset | None) -> Run:
+def build_run(plan: JobPlan, parts: StepParts, dataset: TokenDataset, validation_dataset: TokenDataset | None) -> Run:
     """Resume from the newest checkpoint, open the metrics and the validator; rank 0 saves the
     resolved config and says what is about to run."""
     state, checkpointer = resume(plan, dataset, parts)
@@ -245,7 +245,7 @@ def build_run(plan: Plan, parts: StepParts, dataset: TokenDataset, validation_da
     return Run(parts, state, checkpointer, metrics, build_validator(plan, parts, validation_dataset))
 
 
-def resume(plan: Plan, dataset: TokenDataset, parts: StepParts) -> tuple[TrainState, CheckpointManager]:
+def resume(plan: JobPlan, dataset: TokenDataset, parts: StepParts) -> tuple[TrainState, CheckpointManager]:
     """The train state and the checkpoint manager, restored from the newest checkpoint if any."""
     config = plan.config
     state = TrainState()
@@ -266,7 +266,7 @@ def resume(plan: Plan, dataset: TokenDataset, parts: StepParts) -> tuple[TrainSt
     return state, checkpointer
 
 
-def build_metrics(plan: Plan, device: torch.device, rank: int, resumed: bool = False) -> MetricsLogger:
+def build_metrics(plan: JobPlan, device: torch.device, rank: int, resumed: bool = False) -> MetricsLogger:
     config, training, args = plan.config, plan.config.training, plan.model_args
     return MetricsLogger(
         rank=rank,
@@ -292,7 +292,7 @@ def build_metrics(plan: Plan, device: torch.device, rank: int, resumed: bool = F
     )
 
 
-def build_validator(plan: Plan, parts: StepParts, dataset: TokenDataset | None) -> Validator | None:
+def build_validator(plan: JobPlan, parts: StepParts, dataset: TokenDataset | None) -> Validator | None:
     if dataset is None:
         return None
     validation = plan.config.validation

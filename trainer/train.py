@@ -25,7 +25,7 @@ from trainer.data.loader import StoppedWaitingForData
 from trainer.grad_accumulator import StepResult
 from trainer.metrics import StepStats
 from trainer.metrics.reports import log_end
-from trainer.plan import Plan
+from trainer.planning.job_plan import JobPlan
 from trainer.profiling import profiling
 from trainer.runtime.distributed import CollectiveTimeouts
 from trainer.runtime.errors import JobError
@@ -37,7 +37,7 @@ logger = logging.getLogger("meshtrain")
 
 
 def train(
-    job_plan: Plan,
+    job_plan: JobPlan,
     dataset: TokenDataset,
     stop: StopRequests | None = None,
     validation_dataset: TokenDataset | None = None,
@@ -78,7 +78,7 @@ def train(
         dist.destroy_process_group()
 
 
-def loop(job_plan: Plan, run: Run, stop: StopRequests, timeouts: CollectiveTimeouts) -> StepStats | None:
+def loop(job_plan: JobPlan, run: Run, stop: StopRequests, timeouts: CollectiveTimeouts) -> StepStats | None:
     """Step, log, validate when due, stop if asked, checkpoint; until the last step or a stop
     request. Returns the last step's stats (None if no step ran)."""
     training, parts, state = job_plan.config.training, run.parts, run.state
@@ -118,7 +118,7 @@ def loop(job_plan: Plan, run: Run, stop: StopRequests, timeouts: CollectiveTimeo
     return stats
 
 
-def stop_while_waiting(job_plan: Plan, run: Run, state: TrainState, first_step: int, waited: str) -> None:
+def stop_while_waiting(job_plan: JobPlan, run: Run, state: TrainState, first_step: int, waited: str) -> None:
     """A stop request while the next step waits for its data: save the last finished step.
 
     The other ranks of a larger job are inside that step's collectives, where no checkpoint can
@@ -226,6 +226,6 @@ def optimizer_step(trainer: StepParts, result: StepResult) -> float:
     return lr
 
 
-def local_tokens_per_step(plan: Plan) -> int:
+def local_tokens_per_step(plan: JobPlan) -> int:
     """Input tokens one rank's data-parallel replica processes per step (before CP sharding)."""
     return plan.microbatches * plan.config.training.local_batch_size * plan.config.training.seq_len

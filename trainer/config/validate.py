@@ -1,7 +1,7 @@
 """Every configuration rule that needs no world size, once: each field's limits, declared in the
 schema and checked here by one loop, then the rules that tie fields together.
 
-Rules that need the world size or the model's shape live in ``trainer/plan.py`` (and the
+Rules that need the world size or the model's shape live in ``trainer/planning/job_plan.py`` (and the
 parallelisms' own constraints beside them, in ``parallelisms/parallelize.py``).
 """
 
@@ -18,7 +18,7 @@ from trainer.runtime.errors import ConfigError
 
 
 def validate(config: JobConfig) -> None:
-    """Checks that need no world size (the mesh is checked by ``trainer/plan.py``)."""
+    """Checks that need no world size (the mesh is checked by ``trainer/planning/job_plan.py``)."""
     for key, (typ, f) in FIELDS.items():
         section, name = key.split(".")
         _check_value(key, typ, f.metadata["limits"], getattr(getattr(config, section), name))

@@ -22,7 +22,7 @@ from trainer.data.sources import local_files
 from trainer.runtime.errors import DataError
 
 if TYPE_CHECKING:
-    from trainer.plan import Plan
+    from trainer.planning.job_plan import JobPlan
 
 logger = logging.getLogger("meshtrain")
 
@@ -30,7 +30,7 @@ TokenDataset = SampleDataset | PreparedDataset | MixtureDataset
 """What a run trains or validates on: ``(input_ids, labels)`` samples of ``seq_len`` tokens."""
 
 
-def load_dataset(plan: Plan) -> TokenDataset:
+def load_dataset(plan: JobPlan) -> TokenDataset:
     """The samples of ``training.dataset``: from the bundled plays, one path, or the mixture of
     several (``training.dataset_path``, ``training.dataset_weights``)."""
     training = plan.config.training
@@ -56,7 +56,7 @@ def load_dataset(plan: Plan) -> TokenDataset:
     return dataset
 
 
-def load_validation_dataset(plan: Plan) -> TokenDataset | None:
+def load_validation_dataset(plan: JobPlan) -> TokenDataset | None:
     """The validation samples (``[validation]``), or None when the run does not validate."""
     validation, training = plan.config.validation, plan.config.training
     if not plan.validates:
@@ -116,7 +116,7 @@ def _warn_overlap(path: str, training_paths: list[str]) -> None:
         )
 
 
-def describe_data(plan: Plan, dataset: TokenDataset, validation: bool = False) -> str:
+def describe_data(plan: JobPlan, dataset: TokenDataset, validation: bool = False) -> str:
     """What the run trains (or validates) on, in a line or two."""
     training = plan.config.training
     kind = (plan.config.validation.dataset or training.dataset) if validation else training.dataset
@@ -140,7 +140,7 @@ def describe_data(plan: Plan, dataset: TokenDataset, validation: bool = False) -
     return "; ".join([text] + [s.describe(seq_len) for s in stats])
 
 
-def data_lines(plan: Plan, dataset: TokenDataset, validation_dataset: TokenDataset | None) -> str:
+def data_lines(plan: JobPlan, dataset: TokenDataset, validation_dataset: TokenDataset | None) -> str:
     """What the run trains and validates on."""
     lines = [f"data: {describe_data(plan, dataset)}"]
     if validation_dataset is not None:

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 from trainer.config import load_config
 from trainer.data.datasets import TokenDataset, data_lines, load_dataset, load_validation_dataset
-from trainer.plan import Plan, check_memory, describe, memory_limit, plan, target_device
+from trainer.planning.job_plan import JobPlan, check_memory, describe, memory_limit, resolve_job, target_device
+from trainer.runtime.dump_folder import check_dump_folder
 from trainer.runtime.errors import ConfigError
 
 
@@ -66,7 +67,7 @@ def parse_request(argv: list[str]) -> Request:
 class PreparedJob:
     """A job checked from end to end and ready to build: its plan and its data."""
 
-    plan: Plan
+    plan: JobPlan
     dataset: TokenDataset
     validation_dataset: TokenDataset | None
 
@@ -85,16 +86,17 @@ def prepare(
     describe_to: list[str] | None = None,
     memory: bool = True,
 ) -> PreparedJob:
-    """Load the config, plan it for ``world_size``, check its memory, open its datasets.
+    """Load the config, plan it for ``world_size``, check its dump folder and memory, open its datasets.
 
     ``local_ranks``, ``device_index`` and ``started`` say where the memory limit comes from: this
     node's ranks sharing its RAM or GPUs, and whether they have started (see
-    :func:`trainer.plan.memory_limit`); ``target`` (``--target-gpu``) plans for one GPU of that
+    :func:`trainer.planning.job_plan.memory_limit`); ``target`` (``--target-gpu``) plans for one GPU of that
     kind per rank instead, from any machine. ``describe_to`` collects what the job will be, for
     ``--dry-run``, before the memory check can refuse it. ``memory=False`` skips the check (a tool
     that only reads the data).
     """
-    job_plan = plan(load_config(argv), world_size, target_device(target) if target else None)
+    job_plan = resolve_job(load_config(argv), world_size, target_device(target) if target else None)
+    check_dump_folder(job_plan.config.job.dump_folder)
     limit, where = memory_limit(local_ranks, device_index, started=started, target=target)
     if describe_to is not None:
         describe_to.append(describe(job_plan, limit, where))

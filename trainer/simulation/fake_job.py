@@ -37,7 +37,7 @@ from parallelisms.torch_private import pipelining
 from parallelisms.torch_private.fake import FakeStore, FakeTensorMode, disable_current_modes
 from trainer.build import build_step_parts
 from trainer.grad_accumulator import StepResult
-from trainer.plan import Plan
+from trainer.planning.job_plan import JobPlan
 from trainer.simulation.cost_model import CostRecorder, TracedCost, group_infos
 from trainer.simulation.memory_tracker import MemoryProfile, MemoryTracker, label_training_state
 from trainer.simulation.microbatches import extend, rank_count, schedule_count, steady_microbatches
@@ -127,7 +127,7 @@ class PipelineMetadata:
 
 
 def run_rank(
-    plan: Plan,
+    plan: JobPlan,
     rank: int,
     gpus_per_node: int,
     metadata: PipelineMetadata,

@@ -18,7 +18,7 @@ from typing import Any
 
 from trainer.metrics import flops_per_token
 from trainer.model.llama3 import Transformer, num_params
-from trainer.plan import Plan
+from trainer.planning.job_plan import JobPlan
 from trainer.planning.memory_plan import fixes
 from trainer.simulation.cost_model import ASSUMPTIONS, step_time
 from trainer.simulation.fake_job import RoleRun
@@ -32,7 +32,7 @@ def _gib(n: float) -> str:
     return f"{n / _GIB:.2f} GiB"
 
 
-def model_flops_per_token(plan: Plan) -> int:
+def model_flops_per_token(plan: JobPlan) -> int:
     import torch
 
     with torch.device("meta"):
@@ -43,7 +43,7 @@ def model_flops_per_token(plan: Plan) -> int:
     )
 
 
-def build_report(plan: Plan, target: Target, runs: list[RoleRun]) -> dict[str, Any]:
+def build_report(plan: JobPlan, target: Target, runs: list[RoleRun]) -> dict[str, Any]:
     """The JSON document (see the module docstring)."""
     dims, training = plan.dims, plan.config.training
     tokens = plan.global_batch_size * training.seq_len
@@ -120,7 +120,7 @@ def build_report(plan: Plan, target: Target, runs: list[RoleRun]) -> dict[str, A
     }
 
 
-def fit_advice(plan: Plan, target: Target, report: dict[str, Any]) -> str:
+def fit_advice(plan: JobPlan, target: Target, report: dict[str, Any]) -> str:
     """Which role does not fit and what would (the pre-launch estimate's own suggestions)."""
     over = [r for r in report["roles"] if not r["fits"]]
     worst = max(over, key=lambda r: r["needed_bytes"])
