@@ -28,9 +28,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 from trainer.config import load_config  # noqa: E402
+from trainer.hardware import GIB  # noqa: E402
 from trainer.planning.job_plan import resolve_job  # noqa: E402
 
-GIB = 1024**3
 COMMON = [
     "--training.local_batch_size",
     "4",

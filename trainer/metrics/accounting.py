@@ -11,22 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
+from trainer.hardware import GIB, PEAK_BF16_FLOPS
+
 logger = logging.getLogger("meshtrain")
-
-_GIB = 1024**3
-
-# Dense (no 2:4 sparsity) bf16 tensor-core peaks from the vendor datasheets.
-# Keys are substrings that must all appear in ``torch.cuda.get_device_name()``
-# (case-insensitive). The first matching entry wins, so variants that share a
-# family name with a faster part (H100 NVL/PCIe vs. SXM) must come first.
-PEAK_BF16_FLOPS: dict[tuple[str, ...], float] = {
-    ("H100", "NVL"): 835e12,
-    ("H100", "PCIe"): 756e12,
-    ("H100",): 989e12,
-    ("H200",): 989e12,
-    ("A100",): 312e12,
-    ("B200",): 2.25e15,
-}
 
 
 def peak_flops(device: torch.device, override: float | None = None) -> float | None:
@@ -116,8 +103,8 @@ def device_memory(device: torch.device) -> MemoryStats:
         active = stats.get("active_bytes.all.peak", 0)
         reserved = stats.get("reserved_bytes.all.peak", 0)
         return MemoryStats(
-            active_gib=active / _GIB,
-            reserved_gib=reserved / _GIB,
+            active_gib=active / GIB,
+            reserved_gib=reserved / GIB,
             active_pct=100 * active / total,
             reserved_pct=100 * reserved / total,
             num_alloc_retries=stats.get("num_alloc_retries", 0),
@@ -126,4 +113,4 @@ def device_memory(device: torch.device) -> MemoryStats:
     max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     # Linux reports ru_maxrss in KiB, macOS in bytes.
     rss_bytes = max_rss if sys.platform == "darwin" else max_rss * 1024
-    return MemoryStats(active_gib=rss_bytes / _GIB)
+    return MemoryStats(active_gib=rss_bytes / GIB)

@@ -22,9 +22,10 @@ from parallelisms.torch_private import UnsupportedTorch
 from parallelisms.torch_private import check as check_torch_internals
 from trainer.config import ConfigError, JobConfig, resolve_path
 from trainer.data.tokenizer import Tokenizer, load_tokenizer
+from trainer.hardware import gib
 from trainer.model.llama3 import ModelArgs, model_args
 from trainer.planning.memory_limits import TARGET_MEMORY_BYTES, cpu_limit_per_rank, gpu_limit
-from trainer.planning.memory_plan import Estimate, Workload, estimate, fixes, gib
+from trainer.planning.memory_plan import Estimate, Workload, estimate, fixes
 
 SETTING_KEYS = {
     "dp_replicate": "`parallelism.data_parallel_replicate_degree`",

@@ -16,6 +16,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from trainer.hardware import gib
 from trainer.metrics import flops_per_token
 from trainer.model.llama3 import Transformer, num_params
 from trainer.planning.job_plan import JobPlan
@@ -24,12 +25,6 @@ from trainer.simulation.cost_model import ASSUMPTIONS, step_time
 from trainer.simulation.fake_job import RoleRun
 from trainer.simulation.memory_tracker import CATEGORIES
 from trainer.simulation.targets import Target
-
-_GIB = 1024**3
-
-
-def _gib(n: float) -> str:
-    return f"{n / _GIB:.2f} GiB"
 
 
 def model_flops_per_token(plan: JobPlan) -> int:
@@ -135,8 +130,8 @@ def fit_advice(plan: JobPlan, target: Target, report: dict[str, Any]) -> str:
     else:
         advice = "these together would fit by the pre-launch estimate: " + ", ".join(changes)
     return (
-        f"does not fit: pipeline stage {worst['pp_stage']} ({worst['ranks']} ranks) needs {_gib(worst['needed_bytes'])}, "
-        f"more than the {target.name}'s {_gib(target.memory_bytes)}; {advice}. Simulate again to confirm."
+        f"does not fit: pipeline stage {worst['pp_stage']} ({worst['ranks']} ranks) needs {gib(worst['needed_bytes'])}, "
+        f"more than the {target.name}'s {gib(target.memory_bytes)}; {advice}. Simulate again to confirm."
     )
 
 
@@ -146,25 +141,25 @@ def render(report: dict[str, Any]) -> str:
     lines = [
         f"simulated {report['model']['flavor']} on {report['world_size']} ranks: mesh "
         + " ".join(f"{k}={v}" for k, v in mesh.items())
-        + f"; target {target['name']} ({_gib(target['memory_bytes'])}, "
+        + f"; target {target['name']} ({gib(target['memory_bytes'])}, "
         f"{target['bf16_flops'] / 1e12:.3g} TFLOP/s bf16, {target['hbm_bytes_per_s'] / 1e12:.3g} TB/s)",
     ]
     for role in report["roles"]:
         memory = role["memory"]
-        parts = " + ".join(f"{_gib(memory[c])} {c}" for c in CATEGORIES if memory.get(c))
+        parts = " + ".join(f"{gib(memory[c])} {c}" for c in CATEGORIES if memory.get(c))
         headroom = 1 - role["needed_bytes"] / target["memory_bytes"]
-        comm = ", ".join(f"{dim} {_gib(b)}" for dim, b in role["comm_bytes_per_step"].items()) or "none"
+        comm = ", ".join(f"{dim} {gib(b)}" for dim, b in role["comm_bytes_per_step"].items()) or "none"
         lines += [
             f"pipeline stage {role['pp_stage']} (stages {role['stages']}, {role['ranks']} ranks; "
             f"rank {role['simulated_rank']} simulated in {role['simulated_in_s']:.1f} s)",
-            f"  peak {_gib(role['peak_bytes'])} in step {role['peak_step']} {role['peak_phase']} = {parts}",
-            f"  needed with runtime and allocator slack: {_gib(role['needed_bytes'])} -> "
+            f"  peak {gib(role['peak_bytes'])} in step {role['peak_step']} {role['peak_phase']} = {parts}",
+            f"  needed with runtime and allocator slack: {gib(role['needed_bytes'])} -> "
             + (f"fits ({headroom:.0%} headroom)" if role["fits"] else "DOES NOT FIT"),
             "  largest: "
             + ", ".join(
-                f"{c} {_gib(role['memory_largest'][c])}" for c in ("params", "grads", "optimizer", "activations")
+                f"{c} {gib(role['memory_largest'][c])}" for c in ("params", "grads", "optimizer", "activations")
             ),
-            f"  per step: {role['flops_per_step']:.3g} FLOPs, {_gib(role['memory_traffic_bytes_per_step'])} "
+            f"  per step: {role['flops_per_step']:.3g} FLOPs, {gib(role['memory_traffic_bytes_per_step'])} "
             f"memory traffic; communication {comm}",
             f"  time: compute {role['compute_s']:.3f} s + memory-bound {role['memory_bound_s']:.3f} s + exposed "
             f"communication {role['exposed_comm_s']:.3f} s, bubble {role['bubble']:.0%} -> step "
@@ -177,7 +172,7 @@ def render(report: dict[str, Any]) -> str:
     )
     lines.append(
         f"assumptions (target figures overridable with --target.KEY; efficiency {target['efficiency']}, "
-        f"HBM efficiency {target['hbm_efficiency']}, runtime {_gib(target['runtime_bytes'])}, allocator slack "
+        f"HBM efficiency {target['hbm_efficiency']}, runtime {gib(target['runtime_bytes'])}, allocator slack "
         f"{target['allocator_slack']:.0%} of the activations):"
     )
     lines += [f"  - {a}" for a in report["assumptions"]]
