@@ -41,7 +41,7 @@ from trainer.build import build_step_parts
 from trainer.config import load_config
 from trainer.data.datasets import load_dataset
 from trainer.planning.job_plan import resolve_job
-from trainer.train import fetch_step, forward_backward, optimizer_step
+from trainer.step import fetch_step, forward_backward, optimizer_step
 
 COMPUTE_METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 

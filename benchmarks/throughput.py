@@ -1,6 +1,6 @@
 """Training throughput of a config: tokens/s per device, MFU, peak memory, step times.
 
-Runs the trainer's own step (``trainer.train.train_step`` pieces: fetch, forward/backward with
+Runs the trainer's own step (``trainer.step.train_step`` pieces: fetch, forward/backward with
 the gradient accumulator, optimizer step) for ``--warmup`` steps that are not measured (compile
 and allocator warm-up happen there), then ``--steps`` measured steps, and prints one JSON line.
 Accepts every trainer option after the script's own:
@@ -35,7 +35,8 @@ from trainer.data.datasets import load_dataset
 from trainer.metrics import device_memory, flops_per_token, peak_flops, tokens_per_second_per_device
 from trainer.model.llama3 import num_params, whole_model
 from trainer.planning.job_plan import resolve_job
-from trainer.train import fetch_step, forward_backward, local_tokens_per_step, optimizer_step
+from trainer.step import fetch_step, forward_backward, optimizer_step
+from trainer.train import local_tokens_per_step
 
 
 def synchronize(device: torch.device) -> None:

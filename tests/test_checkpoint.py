@@ -235,20 +235,20 @@ def test_a_non_finite_state_is_never_published(tmp_path):
 
 def poisoned_worker(argv: list[str], poison_step: int) -> None:
     """Train; after optimizer step ``poison_step``, a NaN appears in one weight on rank 1 only."""
-    import trainer.train as loop
+    import trainer.step as step
 
-    original, calls = loop.optimizer_step, []
+    original, calls = step.optimizer_step, []
 
-    def poisoning_step(trainer, result):
-        lr = original(trainer, result)
+    def poisoning_step(parts, result):
+        lr = original(parts, result)
         calls.append(1)
         if len(calls) == poison_step and int(os.environ["RANK"]) == 1:
-            weight = dict(trainer.model.named_parameters())["layers.1.feed_forward.w2.weight"]
+            weight = dict(parts.model.named_parameters())["layers.1.feed_forward.w2.weight"]
             with torch.no_grad():
                 weight.to_local().view(-1)[0] = float("nan")
         return lr
 
-    loop.optimizer_step = poisoning_step
+    step.optimizer_step = poisoning_step
     job_plan = resolve_job(load_config(argv), int(os.environ["WORLD_SIZE"]))
     train(job_plan, load_dataset(job_plan))
 

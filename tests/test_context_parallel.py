@@ -20,7 +20,7 @@ from trainer.loss import IGNORE_INDEX
 from trainer.model.llama3 import causal_attention, document_causal_mask
 from trainer.planning.job_plan import resolve_job
 from trainer.runtime.distributed import init_distributed
-from trainer.train import fetch_step, forward_backward
+from trainer.step import fetch_step, forward_backward
 
 ULYSSES = ["--parallelism.context_parallel_backend", "ulysses"]
 

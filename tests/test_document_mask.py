@@ -36,8 +36,7 @@ from trainer.data.loader import GlobalOrder
 from trainer.loss import IGNORE_INDEX, cross_entropy_sum
 from trainer.model.llama3 import ModelArgs, Transformer, causal_attention, document_causal_mask
 from trainer.planning.job_plan import resolve_job
-from trainer.step import MicroBatch
-from trainer.train import fetch_step, forward_backward
+from trainer.step import MicroBatch, fetch_step, forward_backward
 
 BOS, EOS = 1, 2
 SMALL = ModelArgs(
@@ -294,14 +293,14 @@ def masked_step(argv: list[str]) -> dict:
     """One step through the trainer; every rank returns its step result and the full gradients
     of the parameters it holds (under PP, its stages'), to be merged over the ranks. Under PP
     also the pipeline's forward-only summed loss of the rank's samples (what validation runs)."""
-    _, trainer = trainer_for(argv)
-    microbatches = fetch_step(trainer)
-    result = forward_backward(trainer, microbatches)
-    grads = {name: full(prm.grad) for name, prm in trainer.model.named_parameters()}
+    _, parts = trainer_for(argv)
+    microbatches = fetch_step(parts)
+    result = forward_backward(parts, microbatches)
+    grads = {name: full(prm.grad) for name, prm in parts.model.named_parameters()}
     out = {"loss": result.loss_avg, "norm": result.grad_norm, "n": result.n_valid_tokens, "grads": grads}
-    if trainer.pipeline is not None:
+    if parts.pipeline is not None:
         batch = [torch.cat([getattr(mb, field) for mb in microbatches]) for field in MicroBatch._fields]
-        out["evaluated"] = trainer.pipeline.evaluate(*batch).item()
+        out["evaluated"] = parts.pipeline.evaluate(*batch).item()
     return out
 
 

@@ -15,7 +15,7 @@ from parallelisms.parallelize import ModelShape, ParallelSettings
 from trainer.config import ConfigError, load_config
 from trainer.model.llama3 import padded_vocab_size
 from trainer.planning.job_plan import SETTING_KEYS, resolve_job
-from trainer.train import fetch_step, forward_backward
+from trainer.step import fetch_step, forward_backward
 
 # name: (world size, local batch size, extra argv); global batch 8
 MESHES = {

@@ -19,7 +19,7 @@ from trainer.data.documents import split_documents
 from trainer.loss import IGNORE_INDEX, cross_entropy_sum
 from trainer.model.llama3 import Transformer
 from trainer.planning.job_plan import resolve_job
-from trainer.train import fetch_step, forward_backward, optimizer_step
+from trainer.step import fetch_step, forward_backward, optimizer_step
 from trainer.validation import Validator
 
 
@@ -56,20 +56,20 @@ def argv_for(tmp_path: Path, *extra: str) -> list[str]:
 
 def validation_worker(argv: list[str], part_steps: int) -> list[dict]:
     """The whole validation set, then its first ``part_steps`` batches, on the same weights."""
-    p, trainer = trainer_for(argv)
+    p, parts = trainer_for(argv)
     dataset = load_validation_dataset(p)
     results = []
     for steps in (-1, part_steps):
         validator = Validator(
             dataset,
             local_batch_size=p.config.validation.local_batch_size,
-            dp_rank=trainer.meshes.batch.get_local_rank(),
+            dp_rank=parts.meshes.batch.get_local_rank(),
             dp_degree=p.dims.dp,
             steps=steps,
             freq=1,
             seed=p.config.debug.seed,
         )
-        result = validator.run(trainer)
+        result = validator.run(parts)
         results.append({"loss": result.loss, "n": result.n_valid_tokens, "batches": result.batches})
     return results
 
@@ -109,15 +109,15 @@ def test_validation_loss_is_the_single_process_evaluation_on_any_mesh(tmp_path: 
 
 
 def losses_worker(argv: list[str], validate: bool) -> list[float]:
-    p, trainer = trainer_for(argv)
-    validator = build_validator(p, trainer, load_validation_dataset(p)) if validate else None
+    p, parts = trainer_for(argv)
+    validator = build_validator(p, parts, load_validation_dataset(p)) if validate else None
     losses = []
     for _ in range(3):
-        result = forward_backward(trainer, fetch_step(trainer))
-        optimizer_step(trainer, result)
+        result = forward_backward(parts, fetch_step(parts))
+        optimizer_step(parts, result)
         losses.append(result.loss_avg)
         if validator is not None:
-            validator.run(trainer)
+            validator.run(parts)
     return losses
 
 

@@ -10,27 +10,20 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from contextlib import nullcontext
 
-import torch
 import torch.distributed as dist
 
-from parallelisms.pipeline_parallel import Pipeline
-from parallelisms.tensor_parallel import loss_context
 from trainer.build import Run, build_run, build_step_parts
 from trainer.checkpoint.manager import create_seed_checkpoint
 from trainer.data.datasets import TokenDataset
 from trainer.data.loader import StoppedWaitingForData
-from trainer.grad_accumulator import StepResult
-from trainer.metrics import StepStats
 from trainer.metrics.reports import log_end
 from trainer.planning.job_plan import JobPlan
 from trainer.profiling import profiling
 from trainer.runtime.distributed import CollectiveTimeouts
 from trainer.runtime.errors import JobError
 from trainer.runtime.stop_requests import StopRequests
-from trainer.step import MicroBatch, StepParts
+from trainer.step import StepStats, train_step
 from trainer.train_state import TrainState
 
 logger = logging.getLogger("meshtrain")
@@ -142,88 +135,12 @@ def check_skipped_steps(state: TrainState, stats: StepStats, limit: int) -> None
     if limit and state.consecutive_skipped_steps >= limit:
         raise JobError(
             f"the last {state.consecutive_skipped_steps} optimizer steps (up to step {state.step}) were all "
-            f"skipped ({stats.skip_reason}): the run has diverged, or the data has no label to train "
+            f"skipped ({stats.result.skip_reason}): the run has diverged, or the data has no label to train "
             "on. No checkpoint is written now and the existing ones are kept (any saved during the "
             "streak holds the weights of its last step that was not skipped). Lower `optimizer.lr`, "
             "check the data, and resume from a checkpoint before the divergence (`checkpoint.load_step`); "
             "`training.max_consecutive_skipped_steps = 0` never stops a run for this."
         )
-
-
-def train_step(
-    trainer: StepParts, state: TrainState, local_tokens: int, stop_requested: Callable[[], bool] = lambda: False
-) -> StepStats:
-    """Fetch the step's micro-batches, forward and backward each, finalize, step.
-    ``stop_requested`` is asked while the data is late (see :meth:`MicroBatchLoader.next_step`)."""
-    step_start = time.perf_counter()
-    microbatches = fetch_step(trainer, stop_requested)
-    data_time = time.perf_counter() - step_start
-    result = forward_backward(trainer, microbatches)
-    lr = optimizer_step(trainer, result)
-    state.record_step(result.skipped)
-    return StepStats(
-        step=state.step,
-        loss_avg=result.loss_avg,
-        loss_max=result.loss_max,
-        grad_norm=result.grad_norm,
-        lr=lr,
-        n_valid_tokens=result.n_valid_tokens,
-        local_tokens=local_tokens,
-        n_skipped_steps=state.n_skipped_steps,
-        skip_reason=result.skip_reason,
-        data_time_s=data_time,
-        step_time_s=time.perf_counter() - step_start,
-    )
-
-
-def fetch_step(trainer: StepParts, stop_requested: Callable[[], bool] = lambda: False) -> list[MicroBatch]:
-    """This rank's micro-batches of the next step, on the device."""
-    return [trainer.place(inputs, labels) for inputs, labels in trainer.loader.next_step(stop_requested)]
-
-
-def forward_backward(trainer: StepParts, microbatches: list[MicroBatch]) -> StepResult:
-    """Accumulate summed-loss gradients over the micro-batches; finalize normalises and clips."""
-    if trainer.pipeline is not None:
-        return pipeline_forward_backward(trainer, trainer.pipeline, microbatches)
-    accumulator = trainer.accumulator
-    accumulator.begin_step([mb.labels for mb in microbatches])
-    cp = trainer.context_parallel
-    with loss_context(trainer.loss_parallel), cp.attention_context() if cp else nullcontext():
-        for i, (inputs, labels, positions, document_ids) in enumerate(microbatches):
-            accumulator.prepare_backward(i)
-            loss = trainer.model_loss(trainer.model, inputs, positions, document_ids, labels)
-            loss.backward()
-            accumulator.record_loss(loss)
-    return accumulator.finalize()
-
-
-def pipeline_forward_backward(trainer: StepParts, pipeline: Pipeline, microbatches: list[MicroBatch]) -> StepResult:
-    """The rank's micro-batches are one batch for the pipeline schedule, which cuts it into
-    pipeline micro-batches and runs every forward and backward on summed losses; finalize
-    normalises and clips as without PP."""
-    accumulator = trainer.accumulator
-    accumulator.begin_step([mb.labels for mb in microbatches])
-    inputs, labels = torch.cat([mb.inputs for mb in microbatches]), torch.cat([mb.labels for mb in microbatches])
-    # Under document masking, each sample's positions and document ids go through the schedule.
-    positions = document_ids = None
-    if microbatches[0].document_ids is not None:
-        positions = torch.cat([mb.positions for mb in microbatches if mb.positions is not None])
-        document_ids = torch.cat([mb.document_ids for mb in microbatches if mb.document_ids is not None])
-    cp = trainer.context_parallel
-    with loss_context(trainer.loss_parallel), cp.attention_context() if cp else nullcontext():
-        losses = pipeline.step(inputs, labels, positions, document_ids)
-    accumulator.record_pipeline_losses(losses)
-    return accumulator.finalize()
-
-
-def optimizer_step(trainer: StepParts, result: StepResult) -> float:
-    """Step (unless the step was skipped), clear the gradients, advance the schedule; return the LR used."""
-    if not result.skipped:
-        trainer.optimizer.step()
-    trainer.optimizer.zero_grad(set_to_none=True)
-    lr = float(trainer.scheduler.get_last_lr()[0])
-    trainer.scheduler.step()
-    return lr
 
 
 def local_tokens_per_step(plan: JobPlan) -> int:

@@ -14,7 +14,6 @@ from trainer.metrics.dashboard import DASHBOARD_ALIASES
 from trainer.metrics.logger import (
     CONSOLE_TTY_ENV,
     MetricsLogger,
-    StepStats,
     format_duration,
     use_color,
 )
@@ -25,7 +24,6 @@ __all__ = [
     "PEAK_BF16_FLOPS",
     "MemoryStats",
     "MetricsLogger",
-    "StepStats",
     "device_memory",
     "flops_per_token",
     "format_duration",

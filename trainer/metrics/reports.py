@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING
 from parallelisms.parallelize import pipeline_split
 from trainer.checkpoint.folders import step_folders
 from trainer.config import changed_settings, to_toml
-from trainer.metrics.logger import MetricsLogger, StepStats, format_duration
+from trainer.metrics.logger import MetricsLogger, format_duration
 from trainer.model.llama3 import num_params, whole_model
+from trainer.step import StepStats
 
 if TYPE_CHECKING:
     import torch
@@ -97,7 +98,7 @@ def log_end(
         format_duration(seconds),
         f"{tokens:,}",
         f"{tokens / max(seconds, 1e-9):,.0f}",
-        last.loss_avg,
+        last.result.loss_avg,
         saved[-1][1] if saved else "none (`--checkpoint.enable` saves them)",
         f"tensorboard --logdir {metrics.tb_dir}" if metrics.tb_dir else "off",
     )
