@@ -77,7 +77,7 @@ def rank_main(rank: int, world: int, port: int, argv: list[str], warmup: int, st
     )
     torch.set_num_threads(1)
     job_plan = resolve_job(load_config(argv), world)
-    job = build_step_parts(job_plan, load_dataset(job_plan))
+    job = build_step_parts(job_plan, load_dataset(job_plan.config, job_plan.tokenizer, job_plan.global_batch_size))
     pipeline = job.pipeline
     assert pipeline is not None  # main() asks for pp >= 2
     clock = {"compute": 0.0}

@@ -56,7 +56,7 @@ def main() -> None:
         ["--config", args.config, "--training.steps", str(total), "--metrics.enable_tensorboard=false", *trainer_args]
     )
     job_plan = resolve_job(config, int(os.environ.get("WORLD_SIZE", 1)))
-    job = build_step_parts(job_plan, load_dataset(job_plan))
+    job = build_step_parts(job_plan, load_dataset(job_plan.config, job_plan.tokenizer, job_plan.global_batch_size))
     training, dims, margs = config.training, job_plan.dims, job_plan.model_args
 
     times = []

@@ -87,7 +87,7 @@ def main(argv: list[str]) -> int:
     indices = global_order(dataset, size, seed).batch(ours.step - 1)
     color = sys.stdout.isatty()
     per_microbatch = config.training.local_batch_size * job.dims.dp
-    print(f"step {ours.step}: {size} samples; data: {describe_data(job, dataset)}")
+    print(f"step {ours.step}: {size} samples; data: {describe_data(job.config, job.global_batch_size, dataset)}")
     shown = indices[: max(0, ours.samples)]
     width = int(math.log10(max(1, size))) + 1
     for position, index in enumerate(shown):

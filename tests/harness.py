@@ -126,7 +126,9 @@ def run_by_world(cases: dict[str, tuple[int, tuple]]) -> dict[str, list[Any]]:
 def trainer_for(argv: list[str]) -> tuple[Any, StepParts]:
     """``(plan, parts)`` for ``argv`` on this process's world size, built as training builds it."""
     job_plan = resolve_job(load_config(argv), int(os.environ.get("WORLD_SIZE", 1)))
-    return job_plan, build_step_parts(job_plan, load_dataset(job_plan))
+    return job_plan, build_step_parts(
+        job_plan, load_dataset(job_plan.config, job_plan.tokenizer, job_plan.global_batch_size)
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -145,7 +147,7 @@ def full(t: torch.Tensor) -> torch.Tensor:
 def reference(argv: list[str]) -> dict[str, Any]:
     """One process, no sharding, no accumulation: the definition of the right answer."""
     p = resolve_job(load_config(argv), world_size=1)
-    dataset = load_dataset(p)
+    dataset = load_dataset(p.config, p.tokenizer, p.global_batch_size)
     model = Transformer(p.model_args)
     model.init_weights(p.config.debug.seed)
     order = global_order(dataset, GLOBAL_BATCH, p.config.debug.seed)

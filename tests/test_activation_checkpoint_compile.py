@@ -74,7 +74,7 @@ def test_bad_selective_option_names_the_key():
 
 def train_worker(argv: list[str]) -> None:
     job_plan = resolve_job(load_config(argv), int(os.environ["WORLD_SIZE"]))
-    train(job_plan, load_dataset(job_plan))
+    train(job_plan, load_dataset(job_plan.config, job_plan.tokenizer, job_plan.global_batch_size))
 
 
 @pytest.mark.slow

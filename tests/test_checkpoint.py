@@ -117,7 +117,7 @@ def train_worker(argv: list[str], kill_rank: int | None = None, kill_step: int |
 
         FileSystemWriter.write_data = write_then_die
     job_plan = resolve_job(load_config(argv), int(os.environ["WORLD_SIZE"]))
-    train(job_plan, load_dataset(job_plan))
+    train(job_plan, load_dataset(job_plan.config, job_plan.tokenizer, job_plan.global_batch_size))
 
 
 def resume_worker(argv: list[str]) -> dict:
@@ -250,7 +250,7 @@ def poisoned_worker(argv: list[str], poison_step: int) -> None:
 
     step.optimizer_step = poisoning_step
     job_plan = resolve_job(load_config(argv), int(os.environ["WORLD_SIZE"]))
-    train(job_plan, load_dataset(job_plan))
+    train(job_plan, load_dataset(job_plan.config, job_plan.tokenizer, job_plan.global_batch_size))
 
 
 @pytest.mark.slow

@@ -250,7 +250,7 @@ def per_document_reference(argv: list[str]) -> tuple[dict, dict]:
     """The first global batch, every document fragment run on its own by the unsharded model;
     and the same windows and labels unmasked (one attention over each whole window)."""
     p = resolve_job(load_config(argv), world_size=1)
-    dataset = load_dataset(p)
+    dataset = load_dataset(p.config, p.tokenizer, p.global_batch_size)
     model = Transformer(p.model_args)
     model.init_weights(p.config.debug.seed)
     samples = [dataset[i] for i in GlobalOrder(len(dataset), GLOBAL_BATCH, p.config.debug.seed).batch(0)]

@@ -326,7 +326,7 @@ def reshard_worker(dump: str) -> dict:
     )
     losses = {}
     p, parts = trainer_for(common + ["--mesh", "pp=2,dp_shard=2"])
-    state, checkpointer = resume(p, load_dataset(p), parts)
+    state, checkpointer = resume(p, load_dataset(p.config, p.tokenizer, p.global_batch_size), parts)
     for _ in range(2):
         state.step += 1
         losses.setdefault("pp=2 x dp_shard=2", []).append(train_step(parts, state, 0).result.loss_avg)
@@ -334,7 +334,7 @@ def reshard_worker(dump: str) -> dict:
     checkpointer.close()
     for mesh in ("dp_shard=4", "pp=2,tp=2"):
         p, parts = trainer_for(common + ["--mesh", mesh, "--checkpoint.load_step", "1"])
-        state, checkpointer = resume(p, load_dataset(p), parts)
+        state, checkpointer = resume(p, load_dataset(p.config, p.tokenizer, p.global_batch_size), parts)
         assert state.step == 1
         state.step += 1
         losses[mesh] = [train_step(parts, state, 0).result.loss_avg]

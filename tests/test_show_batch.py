@@ -62,7 +62,7 @@ def test_packed_step_is_the_loader_batch(capsys: pytest.CaptureFixture) -> None:
     assert show_batch.main(["--step", "2", "--samples", "4", *argv]) == 0
     out = capsys.readouterr().out
     job = resolve_job(load_config(argv), 1)
-    dataset = load_dataset(job)
+    dataset = load_dataset(job.config, job.tokenizer, job.global_batch_size)
     loader = build_dataloader(
         dataset, microbatches=2, local_batch_size=2, dp_rank=0, dp_degree=1, seed=job.config.debug.seed
     )

@@ -57,7 +57,7 @@ def argv_for(tmp_path: Path, *extra: str) -> list[str]:
 def validation_worker(argv: list[str], part_steps: int) -> list[dict]:
     """The whole validation set, then its first ``part_steps`` batches, on the same weights."""
     p, parts = trainer_for(argv)
-    dataset = load_validation_dataset(p)
+    dataset = load_validation_dataset(p.config, p.tokenizer)
     results = []
     for steps in (-1, part_steps):
         validator = Validator(
@@ -77,7 +77,7 @@ def validation_worker(argv: list[str], part_steps: int) -> list[dict]:
 def reference(argv: list[str]) -> dict:
     """One process, plain model, no_grad, every validation sample once: the definition."""
     p = resolve_job(load_config(argv), 1)
-    dataset = load_validation_dataset(p)
+    dataset = load_validation_dataset(p.config, p.tokenizer)
     model = Transformer(p.model_args)
     model.init_weights(p.config.debug.seed)
     total, count = 0.0, 0
@@ -110,7 +110,7 @@ def test_validation_loss_is_the_single_process_evaluation_on_any_mesh(tmp_path: 
 
 def losses_worker(argv: list[str], validate: bool) -> list[float]:
     p, parts = trainer_for(argv)
-    validator = build_validator(p, parts, load_validation_dataset(p)) if validate else None
+    validator = build_validator(p, parts, load_validation_dataset(p.config, p.tokenizer)) if validate else None
     losses = []
     for _ in range(3):
         result = forward_backward(parts, fetch_step(parts))
@@ -157,7 +157,7 @@ def test_held_out_plays_and_their_errors(tmp_path: Path) -> None:
         ),
         1,
     )
-    assert not own.validates and load_validation_dataset(own) is None
+    assert not own.validates and load_validation_dataset(own.config, own.tokenizer) is None
     with pytest.raises(ConfigError, match="`validation.seq_len` = 16 differs from `training.seq_len` = 32.*context"):
         resolve_job(
             load_config(
@@ -172,7 +172,7 @@ def test_held_out_plays_and_their_errors(tmp_path: Path) -> None:
     validation_files = {f.stem for f, _ in sources.read_sources(None, "validation").files}
     training_files = {f.stem for f, _ in sources.read_sources(None).files}
     assert validation_files == set(sources.HELD_OUT_PLAYS) and not validation_files & training_files
-    assert len(load_validation_dataset(p)) > 100
+    assert len(load_validation_dataset(p.config, p.tokenizer)) > 100
     # A validation set that yields nothing is an error naming the validation keys.
     tiny = tmp_path / "tiny.jsonl"
     tiny.write_text(
@@ -197,4 +197,4 @@ def test_held_out_plays_and_their_errors(tmp_path: Path) -> None:
     with pytest.raises(
         ValueError, match="`validation.dataset_path` = .* yields no chat samples of `validation.seq_len` = 3"
     ):
-        load_validation_dataset(p)
+        load_validation_dataset(p.config, p.tokenizer)

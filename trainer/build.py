@@ -241,7 +241,9 @@ def build_run(plan: JobPlan, parts: StepParts, dataset: TokenDataset, validation
     metrics = build_metrics(plan, parts.device, rank, resumed=state.step > 0)
     if rank == 0:
         save_config(plan)
-        log_start(plan, parts.device, metrics, data_lines(plan, dataset, validation_dataset))
+        log_start(
+            plan, parts.device, metrics, data_lines(plan.config, plan.global_batch_size, dataset, validation_dataset)
+        )
     return Run(parts, state, checkpointer, metrics, build_validator(plan, parts, validation_dataset))
 
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from trainer.config.choices import PACKED_DATASET_KINDS
 from trainer.config.fields import FloatList
 from trainer.config.limits import Limits
 from trainer.config.schema import FIELDS, JobConfig, Training
-from trainer.data.samples import PACKED_KINDS
 from trainer.runtime.errors import ConfigError
 
 
@@ -47,12 +47,12 @@ def _check_value(key: str, typ: type, limits: Limits | None, value: Any) -> None
 def _training(config: JobConfig) -> None:
     training = config.training
     _mixture(training)
-    if training.document_mask and training.dataset not in PACKED_KINDS:
+    if training.document_mask and training.dataset not in PACKED_DATASET_KINDS:
         raise ConfigError(
             f"`training.document_mask` separates the documents packed into a sample, but "
             f"`training.dataset` = {training.dataset!r} holds one example per sample: there is "
             f"nothing to mask. Turn `training.document_mask` off, or use a packed kind "
-            f"({', '.join(PACKED_KINDS)})."
+            f"({', '.join(PACKED_DATASET_KINDS)})."
         )
 
 

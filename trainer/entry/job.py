@@ -72,7 +72,7 @@ class PreparedJob:
     validation_dataset: TokenDataset | None
 
     def data_lines(self) -> str:
-        return data_lines(self.plan, self.dataset, self.validation_dataset)
+        return data_lines(self.plan.config, self.plan.global_batch_size, self.dataset, self.validation_dataset)
 
 
 def prepare(
@@ -102,7 +102,11 @@ def prepare(
         describe_to.append(describe(job_plan, limit, where))
     elif memory:
         check_memory(job_plan, limit, where)
-    job = PreparedJob(job_plan, load_dataset(job_plan), load_validation_dataset(job_plan))
+    job = PreparedJob(
+        job_plan,
+        load_dataset(job_plan.config, job_plan.tokenizer, job_plan.global_batch_size),
+        load_validation_dataset(job_plan.config, job_plan.tokenizer),
+    )
     if describe_to is not None:
         describe_to.append(job.data_lines())
         if memory:

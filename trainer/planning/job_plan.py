@@ -21,6 +21,7 @@ from parallelisms.parallelize import ModelShape, ParallelSettings, check
 from parallelisms.torch_private import UnsupportedTorch
 from parallelisms.torch_private import check as check_torch_internals
 from trainer.config import ConfigError, JobConfig, resolve_path
+from trainer.data.datasets import validates, validation_seq_len
 from trainer.data.tokenizer import Tokenizer, load_tokenizer
 from trainer.hardware import gib
 from trainer.model.llama3 import ModelArgs, model_args
@@ -84,16 +85,11 @@ class JobPlan:
 
     @property
     def validates(self) -> bool:
-        """Whether the run validates: ``validation.enable``, and data to validate on. The bundled
-        held-out plays only suit training on the bundled plays; training on one's own data
-        without ``validation.dataset_path`` trains without validation (and says so at start)."""
-        validation = self.config.validation
-        return validation.enable and bool(validation.dataset_path or not self.config.training.dataset_path)
+        return validates(self.config)
 
     @property
     def validation_seq_len(self) -> int:
-        seq_len = self.config.validation.seq_len
-        return self.config.training.seq_len if seq_len == -1 else seq_len
+        return validation_seq_len(self.config)
 
 
 def resolve_job(config: JobConfig, world_size: int, device: str | None = None) -> JobPlan:
