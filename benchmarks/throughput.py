@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from trainer.build import build_step_parts
 from trainer.config import load_config
 from trainer.data.datasets import load_dataset
-from trainer.metrics import device_memory, flops_per_token, peak_flops, tokens_per_second_per_device
+from trainer.metrics import device_memory, model_flops_per_token, peak_flops, tokens_per_second_per_device
 from trainer.model.llama3 import num_params, whole_model
 from trainer.planning.job_plan import resolve_job
 from trainer.step import fetch_step, forward_backward, optimizer_step
@@ -73,9 +73,7 @@ def main() -> None:
     tps = tokens_per_second_per_device(
         local_tokens_per_step(job_plan), statistics.median(times), dims.pp * dims.tp * dims.cp
     )
-    fpt = flops_per_token(
-        num_params(whole_model(margs), exclude_embedding=True), margs.n_layers, margs.dim, training.seq_len
-    )
+    fpt = model_flops_per_token(margs, training.seq_len)
     peak = peak_flops(job.device, override=training.peak_flops or None)
     memory = device_memory(job.device)
     out = {

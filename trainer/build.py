@@ -32,9 +32,9 @@ from trainer.data.loader import build_dataloader
 from trainer.grad_accumulator import GradAccumulator
 from trainer.layout_invariant import LayoutInvariantReduction
 from trainer.loss import CrossEntropy, ModelLoss, cross_entropy_sum
-from trainer.metrics import MetricsLogger, flops_per_token, peak_flops, use_color
+from trainer.metrics import MetricsLogger, model_flops_per_token, peak_flops, use_color
 from trainer.metrics.reports import log_start, save_config
-from trainer.model.llama3 import Transformer, num_params, whole_model
+from trainer.model.llama3 import Transformer, num_params
 from trainer.optimizer import build_lr_scheduler, build_optimizer
 from trainer.planning.job_plan import JobPlan
 from trainer.runtime.distributed import init_distributed
@@ -281,9 +281,7 @@ def build_metrics(plan: JobPlan, device: torch.device, rank: int, resumed: bool 
         color=use_color(config.metrics.disable_color_printing, sys.stderr),
         device=device,
         total_steps=training.steps,
-        flops_per_token=flops_per_token(
-            num_params(whole_model(args), exclude_embedding=True), args.n_layers, args.dim, training.seq_len
-        ),
+        flops_per_token=model_flops_per_token(args, training.seq_len),
         peak_flops=peak_flops(device, override=training.peak_flops or None),
         global_tokens_per_step=plan.global_batch_size * training.seq_len,
         # A data-parallel replica's tokens are processed by its pp x tp x cp devices (torchtitan's

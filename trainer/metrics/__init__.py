@@ -7,6 +7,7 @@ from trainer.metrics.accounting import (
     MemoryStats,
     device_memory,
     flops_per_token,
+    model_flops_per_token,
     peak_flops,
     tokens_per_second_per_device,
 )
@@ -27,6 +28,7 @@ __all__ = [
     "device_memory",
     "flops_per_token",
     "format_duration",
+    "model_flops_per_token",
     "peak_flops",
     "tokens_per_second_per_device",
     "use_color",

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from trainer.hardware import GIB, PEAK_BF16_FLOPS
+from trainer.model.llama3 import ModelArgs, num_params, whole_model
 
 logger = logging.getLogger("meshtrain")
 
@@ -51,6 +52,11 @@ def flops_per_token(num_params_non_embedding: int, n_layers: int, dim: int, seq_
     estimate torchtitan uses, so MFU numbers are comparable across the two.
     """
     return 6 * num_params_non_embedding + 12 * n_layers * dim * seq_len
+
+
+def model_flops_per_token(args: ModelArgs, seq_len: int) -> int:
+    """:func:`flops_per_token` of the whole model ``args`` describes, whatever share of it a rank holds."""
+    return flops_per_token(num_params(whole_model(args), exclude_embedding=True), args.n_layers, args.dim, seq_len)
 
 
 def tokens_per_second_per_device(tokens: int, seconds: float, devices_per_replica: int) -> float:

@@ -26,7 +26,7 @@ from trainer.data.tokenizer import Tokenizer, load_tokenizer
 from trainer.hardware import gib
 from trainer.model.llama3 import ModelArgs, model_args
 from trainer.planning.memory_limits import TARGET_MEMORY_BYTES, cpu_limit_per_rank, gpu_limit
-from trainer.planning.memory_plan import Estimate, Workload, estimate, fixes
+from trainer.planning.memory_plan import Estimate, Workload, estimate, what_would_fit
 
 SETTING_KEYS = {
     "dp_replicate": "`parallelism.data_parallel_replicate_degree`",
@@ -313,13 +313,8 @@ def check_memory(plan: JobPlan, limit: int | None, where: str) -> None:
     needed = plan.memory.total
     if limit is None or needed <= limit or not plan.config.training.check_memory:
         return
-    how, changes = fixes(plan.workload, limit, plan.dims.world_size)
-    if not changes:
-        advice = "Nothing the mesh or the batch can change fits it: use larger machines or a smaller `model.flavor`"
-    elif how == "any":
-        advice = "Any one of these would fit: " + "; or ".join(changes)
-    else:
-        advice = "These together would fit: " + ", ".join(changes)
+    advice = what_would_fit(plan.workload, limit, plan.dims.world_size)
+    advice = advice[0].upper() + advice[1:]
     raise ConfigError(
         f"this job needs about {plan.memory.line()}, more than {where} ({gib(limit)}). {advice}. "
         "The estimate is printed by `--dry-run`; `--training.check_memory false` runs anyway."

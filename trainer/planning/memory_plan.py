@@ -305,6 +305,16 @@ def _logits(w: Workload) -> float:
 # ------------------------------------------------------------------------------- what fits
 
 
+def what_would_fit(w: Workload, limit: int, world_size: int, machines: str = "machines") -> str:
+    """What would fit ``limit``, as the one sentence the memory check and the simulator both print."""
+    how, changes = fixes(w, limit, world_size)
+    if not changes:
+        return f"nothing the mesh or the batch can change fits it: use larger {machines} or a smaller `model.flavor`"
+    if how == "any":
+        return "any one of these would fit: " + "; or ".join(changes)
+    return "these together would fit: " + ", ".join(changes)
+
+
 def fixes(w: Workload, limit: int, world_size: int) -> tuple[str, list[str]]:
     """Changes that would bring the estimate under ``limit``, as the user would type them.
 

@@ -17,32 +17,20 @@ from pathlib import Path
 from typing import Any
 
 from trainer.hardware import gib
-from trainer.metrics import flops_per_token
-from trainer.model.llama3 import Transformer, num_params
+from trainer.metrics import model_flops_per_token
 from trainer.planning.job_plan import JobPlan
-from trainer.planning.memory_plan import fixes
+from trainer.planning.memory_plan import what_would_fit
 from trainer.simulation.cost_model import ASSUMPTIONS, step_time
 from trainer.simulation.fake_job import RoleRun
 from trainer.simulation.memory_tracker import CATEGORIES
 from trainer.simulation.targets import Target
 
 
-def model_flops_per_token(plan: JobPlan) -> int:
-    import torch
-
-    with torch.device("meta"):
-        model = Transformer(plan.model_args)
-    args = plan.model_args
-    return flops_per_token(
-        num_params(model, exclude_embedding=True), args.n_layers, args.dim, plan.config.training.seq_len
-    )
-
-
 def build_report(plan: JobPlan, target: Target, runs: list[RoleRun]) -> dict[str, Any]:
     """The JSON document (see the module docstring)."""
     dims, training = plan.dims, plan.config.training
     tokens = plan.global_batch_size * training.seq_len
-    per_token = model_flops_per_token(plan)
+    per_token = model_flops_per_token(plan.model_args, training.seq_len)
     roles: list[dict[str, Any]] = []
     for run in runs:
         time = step_time(
@@ -119,19 +107,12 @@ def fit_advice(plan: JobPlan, target: Target, report: dict[str, Any]) -> str:
     """Which role does not fit and what would (the pre-launch estimate's own suggestions)."""
     over = [r for r in report["roles"] if not r["fits"]]
     worst = max(over, key=lambda r: r["needed_bytes"])
-    workload = plan.workload
-    if target.name != "cpu" and hasattr(workload, "device"):
-        workload = replace(workload, device="cuda")
-    how, changes = fixes(workload, target.memory_bytes, plan.dims.world_size)
-    if not changes:
-        advice = "nothing the mesh or the batch can change fits it: use larger GPUs or a smaller `model.flavor`"
-    elif how == "any":
-        advice = "any one of these would fit by the pre-launch estimate: " + "; or ".join(changes)
-    else:
-        advice = "these together would fit by the pre-launch estimate: " + ", ".join(changes)
+    workload = plan.workload if target.name == "cpu" else replace(plan.workload, device="cuda")
+    advice = what_would_fit(workload, target.memory_bytes, plan.dims.world_size, machines="GPUs")
     return (
         f"does not fit: pipeline stage {worst['pp_stage']} ({worst['ranks']} ranks) needs {gib(worst['needed_bytes'])}, "
-        f"more than the {target.name}'s {gib(target.memory_bytes)}; {advice}. Simulate again to confirm."
+        f"more than the {target.name}'s {gib(target.memory_bytes)}; by the pre-launch estimate, {advice}. "
+        "Simulate again to confirm."
     )
 
 
