@@ -36,6 +36,10 @@ ROOT = Path(__file__).resolve().parent.parent
 GLOBAL_BATCH = 8
 MAX_NORM = 0.5  # below the debug model's initial true grad norm, so clipping is exercised
 TOLERANCE = 5e-6
+MODEL_TOKENIZER = str(ROOT / "assets" / "tokenizer" / "shakespeare.model")
+"""The tokenizer that sizes the debug model of the model tests (``conftest.py``'s ``debug_model``)."""
+MODEL_SEQ_LEN = 32
+MODEL_SEED = 1234
 
 BASE_ARGV = [
     "--training.dataset",
