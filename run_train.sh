@@ -10,7 +10,7 @@
 #   node (c10d rendezvous, no NODE_RANK); see README.md ("Multi-node").
 #
 # The config, the mesh and the data are checked once before any worker starts; SIGTERM and Ctrl-C
-# stop the job after the current step with a checkpoint (trainer/runtime/launch.py).
+# stop the job after the current step with a checkpoint (trainer/entry/launch.py).
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -18,4 +18,4 @@ export PYTHONPATH="${here}${PYTHONPATH:+:${PYTHONPATH}}"
 
 # torchrun and the workers run with this interpreter and its packages.
 source "${here}/scripts/find_python.sh" run_train.sh
-exec "$python" -m trainer.runtime.launch "$@"
+exec "$python" -m trainer.entry.launch "$@"

@@ -21,7 +21,8 @@ import time
 
 import torch
 
-from parallelisms.context_parallel import attend_local_chunks, head_tail_positions
+from parallelisms.context_parallel import attend_local_chunks
+from parallelisms.sequence_shards import head_tail_positions
 from trainer.model.llama3 import causal_attention
 
 

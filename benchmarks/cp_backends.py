@@ -41,8 +41,10 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import parallelisms.context_parallel as context_parallel
+import parallelisms.sequence_shards as sequence_shards
 import parallelisms.ulysses as ulysses
-from parallelisms.context_parallel import AllGatherKVAttention, AllGatherKVMask, head_tail_positions
+from parallelisms.context_parallel import AllGatherKVAttention, AllGatherKVMask
+from parallelisms.sequence_shards import head_tail_positions
 from parallelisms.ulysses import UlyssesAttention, UlyssesMask
 from trainer.model.llama3 import causal_attention
 
@@ -51,7 +53,7 @@ SENT = {"bytes": 0}
 
 def count_sent(degree: int) -> None:
     """Wrap the backends' collectives to add what this rank sends to the others to ``SENT``."""
-    gather, scatter, a2a = context_parallel._all_gather, context_parallel._reduce_scatter, ulysses._all_to_all
+    gather, scatter, a2a = sequence_shards.all_gather_into, context_parallel._reduce_scatter, ulysses._all_to_all
 
     def all_gather(out, x, group=None):
         SENT["bytes"] += x.numel() * x.element_size() * (degree - 1)
@@ -74,7 +76,7 @@ def count_sent(degree: int) -> None:
             SENT["bytes"] += grad.numel() * grad.element_size() * (degree - 1) // degree
             return grad
 
-    context_parallel._all_gather, context_parallel._reduce_scatter = all_gather, reduce_scatter
+    sequence_shards.all_gather_into, context_parallel._reduce_scatter = all_gather, reduce_scatter
     ulysses._all_to_all = lambda x, group: a2a(CountedAllToAll.apply(x), group)
 
 

@@ -111,11 +111,11 @@ def logits_8b() -> dict[str, object]:
     from dataclasses import replace
 
     from trainer.config import load_config
-    from trainer.plan import plan
-    from trainer.runtime.memory_plan import estimate
+    from trainer.planning.job_plan import resolve_job
+    from trainer.planning.memory_plan import estimate
 
     argv = ["--config", str(REPO_ROOT / "train_configs/llama3_8b.toml"), "--training.seq_len", "8192"]
-    p = plan(load_config(argv), 8)
+    p = resolve_job(load_config(argv), 8)
     chunked, whole = p.workload, replace(p.workload, loss_chunk_tokens=0)
     return {
         "8B_seq8192_logits_GiB_per_rank_unchunked": round(estimate(whole).logits / 2**30, 2),

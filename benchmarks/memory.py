@@ -22,7 +22,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 from trainer.config import load_config  # noqa: E402
-from trainer.plan import plan  # noqa: E402
+from trainer.planning.job_plan import resolve_job  # noqa: E402
 
 COMMON = [
     "--training.local_batch_size",
@@ -63,7 +63,7 @@ def measure(ngpu: int, args: list[str]) -> float:
 def main() -> None:
     for name, (ngpu, extra) in CONFIGS.items():
         args = COMMON + extra
-        estimate = plan(load_config(args), ngpu).memory
+        estimate = resolve_job(load_config(args), ngpu).memory
         measured = measure(ngpu, args)
         print(
             json.dumps(

@@ -40,8 +40,8 @@ from parallelisms.pipeline_parallel import BUBBLE_FRACTION, SCHEDULES
 from trainer.build import build_step_parts
 from trainer.config import load_config
 from trainer.data.datasets import load_dataset
-from trainer.plan import plan
-from trainer.train import fetch_step, forward_backward, optimizer_step
+from trainer.planning.job_plan import resolve_job
+from trainer.step import fetch_step, forward_backward, optimizer_step
 
 COMPUTE_METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 
@@ -76,8 +76,8 @@ def rank_main(rank: int, world: int, port: int, argv: list[str], warmup: int, st
         MASTER_PORT=str(port),
     )
     torch.set_num_threads(1)
-    job_plan = plan(load_config(argv), world)
-    job = build_step_parts(job_plan, load_dataset(job_plan))
+    job_plan = resolve_job(load_config(argv), world)
+    job = build_step_parts(job_plan, load_dataset(job_plan.config, job_plan.tokenizer, job_plan.global_batch_size))
     pipeline = job.pipeline
     assert pipeline is not None  # main() asks for pp >= 2
     clock = {"compute": 0.0}

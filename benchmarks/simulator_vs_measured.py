@@ -1,5 +1,5 @@
 """The memory predictions against measured runs on this CPU: the pre-launch estimate
-(``trainer/runtime/memory_plan.py``) and, where ``trainer/simulation`` exists, the simulator's
+(``trainer/planning/memory_plan.py``) and, where ``trainer/simulation`` exists, the simulator's
 peak for ``--target-gpu cpu``.
 
 Each case trains two steps of two micro-batches of the debug model through ``./run_train.sh``
@@ -28,9 +28,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 from trainer.config import load_config  # noqa: E402
-from trainer.plan import plan  # noqa: E402
+from trainer.hardware import GIB  # noqa: E402
+from trainer.planning.job_plan import resolve_job  # noqa: E402
 
-GIB = 1024**3
 COMMON = [
     "--training.local_batch_size",
     "4",
@@ -115,10 +115,12 @@ def simulated(nproc: int, args: list[str]) -> float | None:
     """The simulator's need on this machine (peak, allocator slack and runtime) for the largest
     role, or None where ``trainer/simulation`` is absent or fails."""
     try:
-        import trainer.simulation.simulate  # noqa: F401
+        import trainer.entry.simulate  # noqa: F401
     except ImportError:
         return None
-    code = "import sys; from trainer.simulation.simulate import simulate; sys.exit(simulate(sys.argv[2:], int(sys.argv[1]), 1))"
+    code = (
+        "import sys; from trainer.entry.simulate import simulate; sys.exit(simulate(sys.argv[2:], int(sys.argv[1]), 1))"
+    )
     with tempfile.TemporaryDirectory() as dump:
         proc = subprocess.run(
             [sys.executable, "-c", code, str(nproc), *args, "--job.dump_folder", dump, "--target-gpu", "cpu"],
@@ -134,7 +136,7 @@ def simulated(nproc: int, args: list[str]) -> float | None:
 
 
 def estimated(nproc: int, args: list[str]) -> float:
-    return plan(load_config(args), nproc).memory.total
+    return resolve_job(load_config(args), nproc).memory.total
 
 
 def ratio(predicted: float | None, measured: float) -> str:

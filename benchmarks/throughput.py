@@ -1,6 +1,6 @@
 """Training throughput of a config: tokens/s per device, MFU, peak memory, step times.
 
-Runs the trainer's own step (``trainer.train.train_step`` pieces: fetch, forward/backward with
+Runs the trainer's own step (``trainer.step.train_step`` pieces: fetch, forward/backward with
 the gradient accumulator, optimizer step) for ``--warmup`` steps that are not measured (compile
 and allocator warm-up happen there), then ``--steps`` measured steps, and prints one JSON line.
 Accepts every trainer option after the script's own:
@@ -32,10 +32,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from trainer.build import build_step_parts
 from trainer.config import load_config
 from trainer.data.datasets import load_dataset
-from trainer.metrics import device_memory, flops_per_token, peak_flops, tokens_per_second_per_device
+from trainer.metrics import device_memory, model_flops_per_token, peak_flops, tokens_per_second_per_device
 from trainer.model.llama3 import num_params, whole_model
-from trainer.plan import plan
-from trainer.train import fetch_step, forward_backward, local_tokens_per_step, optimizer_step
+from trainer.planning.job_plan import resolve_job
+from trainer.step import fetch_step, forward_backward, optimizer_step
+from trainer.train import local_tokens_per_step
 
 
 def synchronize(device: torch.device) -> None:
@@ -54,8 +55,8 @@ def main() -> None:
     config = load_config(
         ["--config", args.config, "--training.steps", str(total), "--metrics.enable_tensorboard=false", *trainer_args]
     )
-    job_plan = plan(config, int(os.environ.get("WORLD_SIZE", 1)))
-    job = build_step_parts(job_plan, load_dataset(job_plan))
+    job_plan = resolve_job(config, int(os.environ.get("WORLD_SIZE", 1)))
+    job = build_step_parts(job_plan, load_dataset(job_plan.config, job_plan.tokenizer, job_plan.global_batch_size))
     training, dims, margs = config.training, job_plan.dims, job_plan.model_args
 
     times = []
@@ -72,9 +73,7 @@ def main() -> None:
     tps = tokens_per_second_per_device(
         local_tokens_per_step(job_plan), statistics.median(times), dims.pp * dims.tp * dims.cp
     )
-    fpt = flops_per_token(
-        num_params(whole_model(margs), exclude_embedding=True), margs.n_layers, margs.dim, training.seq_len
-    )
+    fpt = model_flops_per_token(margs, training.seq_len)
     peak = peak_flops(job.device, override=training.peak_flops or None)
     memory = device_memory(job.device)
     out = {

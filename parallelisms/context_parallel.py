@@ -1,10 +1,8 @@
 """Context parallelism: the sequence is split over ``cp`` ranks, attention sees all of it.
 
-Layout (head-tail load balancing): the sequence is cut into ``2 * cp`` equal chunks and rank
-``r`` holds chunks ``r`` and ``2 * cp - 1 - r``. Under a causal mask the work of a query chunk
-grows with its index, so pairing an early chunk with a late one gives every rank the same
-amount of attention work. Inputs, labels and RoPE positions are sharded the same way; RoPE
-uses the tokens' true positions.
+Layout (head-tail load balancing, ``parallelisms/sequence_shards.py``): the sequence is cut into
+``2 * cp`` equal chunks and rank ``r`` holds chunks ``r`` and ``2 * cp - 1 - r``. Inputs, labels
+and RoPE positions are sharded the same way; RoPE uses the tokens' true positions.
 
 Attention has one interface and three backends:
 
@@ -26,7 +24,7 @@ data-parallel ranks *and* CP shards, and the loss needs no CP correction.
 
 Document masking (``training.document_mask``) works with ``allgather_kv`` and ``ulysses``: the
 document ids, derived on the whole sequence and sharded like the tokens, are all-gathered once
-per forward (:func:`gather_document_ids`). ``allgather_kv`` gives each local query chunk a mask
+per forward (``sequence_shards.gather_document_ids``). ``allgather_kv`` gives each local query chunk a mask
 that is causal *and* same-document against the gathered keys (``AllGatherKVMask``); ``ulysses``
 masks its whole sequences as one process would. The ring backend takes no mask and is refused
 with document masking (``auto`` then picks ``allgather_kv``).
@@ -35,31 +33,25 @@ with document masking (``auto`` then picks ``allgather_kv``).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from parallelisms import sequence_shards
 from parallelisms.model_parts import block_settings, blocks, model_settings
+from parallelisms.sequence_shards import AttentionFn, gather_document_ids, head_tail_positions, natural_order
 from parallelisms.torch_private import dtensor
+from parallelisms.ulysses import UlyssesAttention, UlyssesMask
 
 BACKENDS = ("allgather_kv", "ring", "ulysses")
 """What ``parallelism.context_parallel_backend`` may name, besides ``auto``."""
 
 
-def head_tail_positions(seq_len: int, rank: int, degree: int) -> torch.Tensor:
-    """Sequence positions held by CP rank ``rank``: chunks ``rank`` and ``2 * degree - 1 - rank``."""
-    chunk = seq_len // (2 * degree)
-    first = torch.arange(rank * chunk, (rank + 1) * chunk)
-    last = 2 * degree - 1 - rank
-    return torch.cat([first, torch.arange(last * chunk, (last + 1) * chunk)])
-
-
-# torch 2.13 renames the tensor collectives to *_single and deprecates the old names; 2.11 has
-# only the old ones. Both take (output, input) positionally.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+# torch 2.13 renames reduce_scatter_tensor to reduce_scatter_single and deprecates the old name;
+# 2.11 has only the old one. Both take (output, input) positionally.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
@@ -70,7 +62,7 @@ class _AllGatherSequence(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, degree: int) -> torch.Tensor:
         ctx.group = group
         out = x.new_empty((degree * x.shape[0], *x.shape[1:]))
-        _all_gather(out, x.contiguous(), group=group)
+        sequence_shards.all_gather_into(out, x.contiguous(), group=group)
         return out.view(degree, *x.shape)
 
     @staticmethod
@@ -78,11 +70,6 @@ class _AllGatherSequence(torch.autograd.Function):
         out = grad.new_empty(grad.shape[1:])
         _reduce_scatter(out, grad.contiguous().flatten(0, 1), group=ctx.group)
         return out, None, None
-
-
-AttentionFn = Callable[..., torch.Tensor]
-"""The model's attention: ``(q, k, v, attn_mask=None) -> out`` over ``(batch, heads, seq, dim)``,
-with grouped-query key/value heads; without a mask it is causal."""
 
 
 def attend_local_chunks(
@@ -122,17 +109,6 @@ def attend_local_chunks(
     return torch.cat(outputs, dim=2)
 
 
-def natural_order(gathered: torch.Tensor) -> torch.Tensor:
-    """``(degree, batch, heads, 2 * chunk, dim)`` from every rank -> ``(batch, heads, seq, dim)``."""
-    degree, batch, heads, local, dim = gathered.shape
-    chunk = local // 2
-    # Rank r's halves are global chunks r and 2 * degree - 1 - r; index them as r * 2 + half.
-    order = [g * 2 if g < degree else (2 * degree - 1 - g) * 2 + 1 for g in range(2 * degree)]
-    index = torch.tensor(order, device=gathered.device)
-    chunks = gathered.permute(1, 2, 0, 3, 4).reshape(batch, heads, degree * 2, chunk, dim)
-    return chunks.index_select(2, index).reshape(batch, heads, degree * local, dim)
-
-
 def local_chunk_masks(
     document_ids: torch.Tensor, rank: int, degree: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,14 +131,6 @@ def local_chunk_masks(
             torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
         )
     return masks[0], masks[1]
-
-
-def gather_document_ids(document_ids: torch.Tensor, group: dist.ProcessGroup, degree: int) -> torch.Tensor:
-    """Every CP rank's ``(batch, local)`` document ids -> the whole sequence's ``(batch, seq)``."""
-    batch, local = document_ids.shape
-    gathered = document_ids.new_empty((degree * batch, local))
-    _all_gather(gathered, document_ids.contiguous(), group=group)
-    return natural_order(gathered.view(degree, batch, 1, local, 1)).view(batch, degree * local)
 
 
 class AllGatherKVMask:
@@ -215,9 +183,6 @@ class ContextParallel:
 
         Expects torchtitan's Llama names: ``model.layers[i].attention.attention_fn``.
         """
-        # Imported here: the Ulysses module builds on this one's layout.
-        from parallelisms.ulysses import UlyssesAttention, UlyssesMask
-
         group = self.mesh.get_group()
         if self.backend == "allgather_kv":
             model_settings(model).attention_mask = AllGatherKVMask(group, self.rank, self.degree)

@@ -1,7 +1,7 @@
 """Ulysses context parallelism (DeepSpeed-Ulysses): attention on whole sequences, a share of the heads.
 
 Outside attention a CP rank holds its sequence shard (the head-tail layout of
-``context_parallel``), like every backend, so the data loader, labels and RoPE positions are one
+``sequence_shards``), like every backend, so the data loader, labels and RoPE positions are one
 code path. Around attention, one all-to-all over the CP group turns the shards of q, k and v
 into *whole* sequences of ``heads / cp`` heads, and the inverse all-to-all turns the output back
 into sequence shards of every head. In between, attention is the model's own, unchanged:
@@ -34,7 +34,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from parallelisms.context_parallel import AttentionFn, gather_document_ids, head_tail_positions
+from parallelisms.sequence_shards import AttentionFn, gather_document_ids, head_tail_positions
 from parallelisms.torch_private import dtensor
 
 

@@ -22,9 +22,9 @@ from trainer.config import ConfigError, JobConfig, load_config
 from trainer.data.datasets import describe_data
 from trainer.data.loader import global_order
 from trainer.data.tokenizer import Tokenizer
+from trainer.entry.job import prepare
 from trainer.loss import IGNORE_INDEX
 from trainer.runtime.errors import UserError, report
-from trainer.runtime.job import prepare
 
 DIM, RESET = "\033[2m", "\033[0m"
 
@@ -87,7 +87,7 @@ def main(argv: list[str]) -> int:
     indices = global_order(dataset, size, seed).batch(ours.step - 1)
     color = sys.stdout.isatty()
     per_microbatch = config.training.local_batch_size * job.dims.dp
-    print(f"step {ours.step}: {size} samples; data: {describe_data(job, dataset)}")
+    print(f"step {ours.step}: {size} samples; data: {describe_data(job.config, job.global_batch_size, dataset)}")
     shown = indices[: max(0, ours.samples)]
     width = int(math.log10(max(1, size))) + 1
     for position, index in enumerate(shown):

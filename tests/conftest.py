@@ -38,28 +38,28 @@ def ref():
 @pytest.fixture(scope="module")
 def vocab_size() -> int:
     """The test tokenizer's vocabulary, which sizes the debug model of test_model*.py."""
-    from test_model import TOKENIZER
+    from harness import MODEL_TOKENIZER
 
     from trainer.data.tokenizer import load_tokenizer
 
-    return load_tokenizer(TOKENIZER).vocab_size
+    return load_tokenizer(MODEL_TOKENIZER).vocab_size
 
 
 @pytest.fixture(scope="module")
 def debug_args(vocab_size: int) -> ModelArgs:
-    from test_model import SEQ_LEN
+    from harness import MODEL_SEQ_LEN
 
     from trainer.model.llama3 import model_args
 
-    return model_args("debugmodel", vocab_size, SEQ_LEN)
+    return model_args("debugmodel", vocab_size, MODEL_SEQ_LEN)
 
 
 @pytest.fixture(scope="module")
 def debug_model(debug_args: ModelArgs) -> Transformer:
-    from test_model import SEED
+    from harness import MODEL_SEED
 
     from trainer.model.llama3 import Transformer
 
     model = Transformer(debug_args)
-    model.init_weights(SEED)
+    model.init_weights(MODEL_SEED)
     return model

@@ -23,19 +23,23 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from trainer.build import StepParts, build_step_parts
+from trainer.build import build_step_parts
 from trainer.config import load_config
 from trainer.data.datasets import load_dataset
 from trainer.data.loader import global_order
 from trainer.loss import IGNORE_INDEX, cross_entropy_sum
 from trainer.model.llama3 import Transformer
-from trainer.plan import plan
-from trainer.train import fetch_step, forward_backward
+from trainer.planning.job_plan import resolve_job
+from trainer.step import StepParts, fetch_step, forward_backward
 
 ROOT = Path(__file__).resolve().parent.parent
 GLOBAL_BATCH = 8
 MAX_NORM = 0.5  # below the debug model's initial true grad norm, so clipping is exercised
 TOLERANCE = 5e-6
+MODEL_TOKENIZER = str(ROOT / "assets" / "tokenizer" / "shakespeare.model")
+"""The tokenizer that sizes the debug model of the model tests (``conftest.py``'s ``debug_model``)."""
+MODEL_SEQ_LEN = 32
+MODEL_SEED = 1234
 
 BASE_ARGV = [
     "--training.dataset",
@@ -124,9 +128,11 @@ def run_by_world(cases: dict[str, tuple[int, tuple]]) -> dict[str, list[Any]]:
 
 
 def trainer_for(argv: list[str]) -> tuple[Any, StepParts]:
-    """``(plan, trainer)`` for ``argv`` on this process's world size, built as training builds it."""
-    job_plan = plan(load_config(argv), int(os.environ.get("WORLD_SIZE", 1)))
-    return job_plan, build_step_parts(job_plan, load_dataset(job_plan))
+    """``(plan, parts)`` for ``argv`` on this process's world size, built as training builds it."""
+    job_plan = resolve_job(load_config(argv), int(os.environ.get("WORLD_SIZE", 1)))
+    return job_plan, build_step_parts(
+        job_plan, load_dataset(job_plan.config, job_plan.tokenizer, job_plan.global_batch_size)
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -144,8 +150,8 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 def reference(argv: list[str]) -> dict[str, Any]:
     """One process, no sharding, no accumulation: the definition of the right answer."""
-    p = plan(load_config(argv), world_size=1)
-    dataset = load_dataset(p)
+    p = resolve_job(load_config(argv), world_size=1)
+    dataset = load_dataset(p.config, p.tokenizer, p.global_batch_size)
     model = Transformer(p.model_args)
     model.init_weights(p.config.debug.seed)
     order = global_order(dataset, GLOBAL_BATCH, p.config.debug.seed)
@@ -207,9 +213,9 @@ def passes_over(tensors: list[torch.Tensor], versions_before: list[int]) -> list
 def step_worker(argv: list[str]) -> dict | None:
     """One training step through the trainer's own code; rank 0 returns the full gradients and
     how often finalize wrote each gradient (exactly once: no second scaling pass)."""
-    p, trainer = trainer_for(argv)
-    params = list(trainer.model.parameters())
-    finalize = trainer.accumulator.finalize
+    p, parts = trainer_for(argv)
+    params = list(parts.model.parameters())
+    finalize = parts.accumulator.finalize
     writes: list[float] = []
 
     def counting_finalize():
@@ -219,10 +225,10 @@ def step_worker(argv: list[str]) -> dict | None:
         writes.extend(passes_over(locals_, before))
         return out
 
-    trainer.accumulator.finalize = counting_finalize
-    microbatches = fetch_step(trainer)
-    result = forward_backward(trainer, microbatches)
-    grads = {name: full(prm.grad) for name, prm in trainer.model.named_parameters()}
+    parts.accumulator.finalize = counting_finalize
+    microbatches = fetch_step(parts)
+    result = forward_backward(parts, microbatches)
+    grads = {name: full(prm.grad) for name, prm in parts.model.named_parameters()}
     counts = [int((mb.labels != IGNORE_INDEX).sum()) for mb in microbatches]
     out = {
         "loss": result.loss_avg,
@@ -234,15 +240,15 @@ def step_worker(argv: list[str]) -> dict | None:
         "writes": writes,
     }
     if p.dims.dp_replicate == 1 and p.dims.dp > 1 and p.dims.tp == 1:
-        out["rank_mean_grads"] = per_rank_mean_then_average(trainer, microbatches)
+        out["rank_mean_grads"] = per_rank_mean_then_average(parts, microbatches)
     return out if dist.get_rank() == 0 else {"counts": counts}
 
 
 @contextlib.contextmanager
-def counting_hsdp_collectives(trainer: StepParts) -> Iterator[dict[str, int]]:
+def counting_hsdp_collectives(parts: StepParts) -> Iterator[dict[str, int]]:
     """Count FSDP's reduce-scatters and its all-reduces over the replicate dimension (HSDP's
     cross-replica reduction) while the block runs."""
-    replicate_group = trainer.meshes.fsdp["dp_replicate"].get_group()
+    replicate_group = parts.meshes.fsdp["dp_replicate"].get_group()
     counts = {"all_reduce_replicate": 0, "reduce_scatter": 0}
     originals = {}
 
@@ -268,15 +274,15 @@ def counting_hsdp_collectives(trainer: StepParts) -> Iterator[dict[str, int]]:
             setattr(dist, name, original)
 
 
-def per_rank_mean_then_average(trainer: StepParts, microbatches) -> dict[str, torch.Tensor]:
+def per_rank_mean_then_average(parts: StepParts, microbatches) -> dict[str, torch.Tensor]:
     """The DDP/FSDP-default bug: each rank normalises by its own tokens, ranks are averaged."""
-    trainer.model.zero_grad(set_to_none=True)
+    parts.model.zero_grad(set_to_none=True)
     local_n = sum(int((mb.labels != IGNORE_INDEX).sum()) for mb in microbatches)
     for i, (inputs, labels, positions, document_ids) in enumerate(microbatches):
-        trainer.model.set_is_last_backward(i == len(microbatches) - 1)
-        logits = trainer.model(inputs, positions, document_ids)
+        parts.model.set_is_last_backward(i == len(microbatches) - 1)
+        logits = parts.model(inputs, positions, document_ids)
         (cross_entropy_sum(logits, labels) / local_n / dist.get_world_size()).backward()
-    return {name: full(prm.grad) for name, prm in trainer.model.named_parameters()}
+    return {name: full(prm.grad) for name, prm in parts.model.named_parameters()}
 
 
 # --------------------------------------------------------------------------------------------

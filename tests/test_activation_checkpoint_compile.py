@@ -11,7 +11,7 @@ from harness import BASE_ARGV, argv_for, assert_matches, run_ranks, step_worker
 
 from trainer.config import ConfigError, load_config
 from trainer.data.datasets import load_dataset
-from trainer.plan import plan
+from trainer.planning.job_plan import resolve_job
 from trainer.train import train
 
 VARIANTS = {
@@ -64,7 +64,7 @@ def test_compiled_loss_with_loss_parallel_is_refused():
         "--compile.enable",
     ]
     with pytest.raises(ConfigError, match="compile.components"):
-        plan(load_config(argv), 2)
+        resolve_job(load_config(argv), 2)
 
 
 def test_bad_selective_option_names_the_key():
@@ -73,8 +73,8 @@ def test_bad_selective_option_names_the_key():
 
 
 def train_worker(argv: list[str]) -> None:
-    job_plan = plan(load_config(argv), int(os.environ["WORLD_SIZE"]))
-    train(job_plan, load_dataset(job_plan))
+    job_plan = resolve_job(load_config(argv), int(os.environ["WORLD_SIZE"]))
+    train(job_plan, load_dataset(job_plan.config, job_plan.tokenizer, job_plan.global_batch_size))
 
 
 @pytest.mark.slow
@@ -94,4 +94,6 @@ def test_profiler_traces_per_rank(tmp_path):
     traces = sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "profile_traces").rglob("*.json"))
     assert traces == [f"profile_traces/iteration_{s}/rank{r}_trace.json" for s in (2, 4) for r in (0, 1)]
     with pytest.raises(ConfigError, match="profiling.enable_memory_snapshot"):
-        plan(load_config(BASE_ARGV + ["--training.local_batch_size", "8", "--profiling.enable_memory_snapshot"]), 1)
+        resolve_job(
+            load_config(BASE_ARGV + ["--training.local_batch_size", "8", "--profiling.enable_memory_snapshot"]), 1
+        )

@@ -25,7 +25,7 @@ from trainer.checkpoint.manager import CheckpointManager
 from trainer.config import Checkpoint, load_config
 from trainer.data.datasets import load_dataset
 from trainer.model.llama3 import ModelArgs, Transformer
-from trainer.plan import plan
+from trainer.planning.job_plan import resolve_job
 from trainer.runtime.errors import CheckpointError, UserError
 from trainer.train import train
 from trainer.train_state import TrainState
@@ -116,8 +116,8 @@ def train_worker(argv: list[str], kill_rank: int | None = None, kill_step: int |
             return result
 
         FileSystemWriter.write_data = write_then_die
-    job_plan = plan(load_config(argv), int(os.environ["WORLD_SIZE"]))
-    train(job_plan, load_dataset(job_plan))
+    job_plan = resolve_job(load_config(argv), int(os.environ["WORLD_SIZE"]))
+    train(job_plan, load_dataset(job_plan.config, job_plan.tokenizer, job_plan.global_batch_size))
 
 
 def resume_worker(argv: list[str]) -> dict:
@@ -235,22 +235,22 @@ def test_a_non_finite_state_is_never_published(tmp_path):
 
 def poisoned_worker(argv: list[str], poison_step: int) -> None:
     """Train; after optimizer step ``poison_step``, a NaN appears in one weight on rank 1 only."""
-    import trainer.train as loop
+    import trainer.step as step
 
-    original, calls = loop.optimizer_step, []
+    original, calls = step.optimizer_step, []
 
-    def poisoning_step(trainer, result):
-        lr = original(trainer, result)
+    def poisoning_step(parts, result):
+        lr = original(parts, result)
         calls.append(1)
         if len(calls) == poison_step and int(os.environ["RANK"]) == 1:
-            weight = dict(trainer.model.named_parameters())["layers.1.feed_forward.w2.weight"]
+            weight = dict(parts.model.named_parameters())["layers.1.feed_forward.w2.weight"]
             with torch.no_grad():
                 weight.to_local().view(-1)[0] = float("nan")
         return lr
 
-    loop.optimizer_step = poisoning_step
-    job_plan = plan(load_config(argv), int(os.environ["WORLD_SIZE"]))
-    train(job_plan, load_dataset(job_plan))
+    step.optimizer_step = poisoning_step
+    job_plan = resolve_job(load_config(argv), int(os.environ["WORLD_SIZE"]))
+    train(job_plan, load_dataset(job_plan.config, job_plan.tokenizer, job_plan.global_batch_size))
 
 
 @pytest.mark.slow
@@ -290,7 +290,7 @@ def test_seed_checkpoint_gives_every_mesh_the_same_start(tmp_path):
     seed_argv = small_argv(tmp_path, "--checkpoint.create_seed_checkpoint", "--debug.seed", "11")
     run_ranks(train_worker, 1, seed_argv)
     seed = read_dcp_model(str(tmp_path / "checkpoint" / "step-0"))
-    p = plan(load_config(small_argv(tmp_path, "--debug.seed", "11")), 1)
+    p = resolve_job(load_config(small_argv(tmp_path, "--debug.seed", "11")), 1)
     reference = Transformer(p.model_args)
     reference.init_weights(11)
     for name, param in reference.named_parameters():
@@ -313,7 +313,7 @@ def test_load_step_that_does_not_exist_fails_on_every_rank(tmp_path):
 def test_initial_load_from_hugging_face_folder(tmp_path):
     from trainer.checkpoint.hf_folders import save_hf_folder
 
-    p = plan(load_config(small_argv(tmp_path)), 1)
+    p = resolve_job(load_config(small_argv(tmp_path)), 1)
     source = Transformer(p.model_args)
     source.init_weights(99)
     weights = {name: param.detach().clone() for name, param in source.named_parameters()}
@@ -335,7 +335,7 @@ def test_seed_checkpoint_on_several_processes_is_refused_before_any_process_grou
     from trainer.config import ConfigError
 
     with pytest.raises(ConfigError, match="create_seed_checkpoint.*NGPU=1"):
-        plan(load_config(small_argv(tmp_path, "--checkpoint.create_seed_checkpoint")), 2)
+        resolve_job(load_config(small_argv(tmp_path, "--checkpoint.create_seed_checkpoint")), 2)
 
 
 TINY = ModelArgs(

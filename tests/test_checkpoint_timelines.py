@@ -230,7 +230,7 @@ def test_a_save_the_disk_refuses_is_one_line_saying_what_was_kept(
 
 def chained_runs(runs: list[list[str]], resume: list[str]) -> dict:
     """Train each of ``runs`` in turn in this one process (no rendezvous: one rank, as a plain
-    ``python -m trainer.train``), then report where ``resume`` would start."""
+    ``python -m trainer.entry.worker``), then report where ``resume`` would start."""
     for name in ("RANK", "LOCAL_RANK"):
         os.environ.pop(name)
     for argv in runs:

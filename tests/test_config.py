@@ -23,8 +23,8 @@ from trainer.config import (
     parse_mesh,
     resolve_config_path,
 )
-from trainer.plan import plan
-from trainer.train import main
+from trainer.entry.worker import main
+from trainer.planning.job_plan import resolve_job
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST_EXIT_S = 90.0
@@ -257,7 +257,7 @@ def test_invalid_toml_names_the_file(tmp_path: Path):
 def test_non_positive_degrees_are_rejected_by_plan(key):
     config = load_config([f"--{key}", "-3"])
     with pytest.raises(ConfigError, match=f"`{key}`"):
-        plan(config, 4)
+        resolve_job(config, 4)
 
 
 # --------------------------------------------------------------------------------------------
@@ -285,7 +285,7 @@ def test_help_shows_what_this_command_line_gives_and_the_code_default():
 
 
 def test_config_file_from_the_environment(monkeypatch):
-    from trainer.runtime.launch import training_argv
+    from trainer.entry.launch import training_argv
 
     monkeypatch.setenv("CONFIG_FILE", "llama3_8b.toml")
     assert training_argv(["--training.steps", "2"]) == ["--config", "llama3_8b.toml", "--training.steps", "2"]
@@ -312,42 +312,42 @@ def test_main_help_returns_zero(capsys):
 
 
 # --------------------------------------------------------------------------------------------
-# plan(config, world_size)
+# resolve_job(config, world_size)
 # --------------------------------------------------------------------------------------------
 
 
 def test_plan_mesh_product_mismatch_names_degrees_and_ngpu():
     config = load_config(["--parallelism.data_parallel_shard_degree", "3"])
     with pytest.raises(ConfigError) as err:
-        plan(config, 4)
+        resolve_job(config, 4)
     msg = str(err.value)
     assert "parallelism.data_parallel_shard_degree" in msg
     assert "dp_shard=3" in msg and "world size 4" in msg and "NGPU=3" in msg
 
 
 def test_plan_infers_dp_shard():
-    assert plan(load_config([]), 4).dims.dp_shard == 4
-    p = plan(load_config(["--mesh", "dp_replicate=2"]), 4)
+    assert resolve_job(load_config([]), 4).dims.dp_shard == 4
+    p = resolve_job(load_config(["--mesh", "dp_replicate=2"]), 4)
     assert (p.dims.dp_replicate, p.dims.dp_shard, p.dims.dp, p.dims.hsdp) == (2, 2, 4, True)
-    assert plan(load_config(["--parallelism.data_parallel_shard_degree", "0"]), 2).dims.dp_shard == 2
+    assert resolve_job(load_config(["--parallelism.data_parallel_shard_degree", "0"]), 2).dims.dp_shard == 2
 
 
 def test_plan_cannot_infer_dp_shard():
     with pytest.raises(ConfigError, match="parallelism.data_parallel_shard_degree") as err:
-        plan(load_config(["--mesh", "dp_replicate=2"]), 3)
+        resolve_job(load_config(["--mesh", "dp_replicate=2"]), 3)
     assert "NGPU" in str(err.value)
 
 
 def test_plan_non_dividing_global_batch():
     config = load_config(["--training.global_batch_size", "10", "--training.local_batch_size", "4"])
     with pytest.raises(ConfigError, match="training.global_batch_size") as err:
-        plan(config, 1)
+        resolve_job(config, 1)
     assert "10" in str(err.value)
     # 12 = 4 x 3 on one rank is fine, but not on 2 ranks (per micro-batch 8).
     config = load_config(["--training.global_batch_size", "12", "--training.local_batch_size", "4"])
-    assert plan(config, 1).microbatches == 3
+    assert resolve_job(config, 1).microbatches == 3
     with pytest.raises(ConfigError, match="training.global_batch_size"):
-        plan(config, 2)
+        resolve_job(config, 2)
 
 
 @pytest.mark.parametrize(
@@ -381,7 +381,7 @@ def test_plan_non_dividing_global_batch():
     ],
 )
 def test_plan_gradient_accumulation(argv, world, microbatches, global_batch):
-    p = plan(load_config(argv), world)
+    p = resolve_job(load_config(argv), world)
     assert p.microbatches == microbatches
     assert p.global_batch_size == global_batch
     assert p.model_args.max_seq_len == p.config.training.seq_len
@@ -411,7 +411,7 @@ def entry_env(**extra: str) -> dict[str, str]:
 )
 def test_entry_point_exits_2_fast(argv, key):
     proc = subprocess.run(
-        [sys.executable, "-m", "trainer.train", *argv],
+        [sys.executable, "-m", "trainer.entry.worker", *argv],
         cwd=ROOT,
         env=entry_env(WORLD_SIZE="4"),
         capture_output=True,

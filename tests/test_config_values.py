@@ -139,7 +139,10 @@ def test_invalid_optimizer_hyperparameters_name_the_key(key, value):
 
 UNBOUNDED = {
     "training.max_norm": "any finite value: <= 0 disables clipping",
-    **{f"parallelism.{name}": "a mesh degree, checked by plan() with the world size" for name in MESH_DIMS.values()},
+    **{
+        f"parallelism.{name}": "a mesh degree, checked by resolve_job() with the world size"
+        for name in MESH_DIMS.values()
+    },
 }
 
 

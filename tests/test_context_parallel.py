@@ -10,21 +10,17 @@ import torch
 import torch.distributed as dist
 from harness import BASE_ARGV, argv_for, assert_matches, full, run_by_world, step_worker, trainer_for
 
-from parallelisms.context_parallel import (
-    AllGatherKVAttention,
-    attend_local_chunks,
-    head_tail_positions,
-    natural_order,
-)
+from parallelisms.context_parallel import AllGatherKVAttention, attend_local_chunks
 from parallelisms.parallel_dims import ParallelDims, ParallelismError
 from parallelisms.parallelize import ModelShape, ParallelSettings, check
+from parallelisms.sequence_shards import head_tail_positions, natural_order
 from parallelisms.ulysses import UlyssesAttention, UlyssesMask, all_to_all_bytes, kv_replication
 from trainer.config import ConfigError, load_config
 from trainer.loss import IGNORE_INDEX
 from trainer.model.llama3 import causal_attention, document_causal_mask
-from trainer.plan import plan
+from trainer.planning.job_plan import resolve_job
 from trainer.runtime.distributed import init_distributed
-from trainer.train import fetch_step, forward_backward
+from trainer.step import fetch_step, forward_backward
 
 ULYSSES = ["--parallelism.context_parallel_backend", "ulysses"]
 
@@ -234,7 +230,7 @@ def test_cp_bugs_are_caught(backend, ref, launched):
 def test_validation_names_the_key():
     def message(argv: list[str], world: int) -> str:
         with pytest.raises(ConfigError) as error:
-            plan(load_config(BASE_ARGV + argv), world)
+            resolve_job(load_config(BASE_ARGV + argv), world)
         return str(error.value)
 
     text = message(["--mesh", "cp=2,tp=2", "--training.seq_len", "60", "--training.local_batch_size", "8"], 4)

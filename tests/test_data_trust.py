@@ -32,7 +32,7 @@ from trainer.data.samples import build_dataset, open_dataset
 from trainer.data.shards import verify
 from trainer.data.sources import read_sources
 from trainer.data.tokenizer import Tokenizer, load_tokenizer
-from trainer.plan import plan
+from trainer.planning.job_plan import resolve_job
 from trainer.runtime.dump_folder import DumpFolderLock
 from trainer.runtime.errors import BusyFolderError, DataError
 
@@ -388,8 +388,11 @@ def test_inputs_that_cannot_be_meant_are_refused_naming_the_file(
         assert not (tmp_path / "out" / "manifest.json").exists()
 
 
-def _plan(*args: str) -> Any:
-    return plan(load_config(["--training.seq_len", str(SEQ_LEN), *args]), 1)
+def _data(*args: str, validation: bool = False) -> Any:
+    plan = resolve_job(load_config(["--training.seq_len", str(SEQ_LEN), *args]), 1)
+    if validation:
+        return load_validation_dataset(plan.config, plan.tokenizer)
+    return load_dataset(plan.config, plan.tokenizer, plan.global_batch_size)
 
 
 def test_training_paths_named_twice_or_too_small_are_refused(tmp_path: Path) -> None:
@@ -397,19 +400,19 @@ def test_training_paths_named_twice_or_too_small_are_refused(tmp_path: Path) -> 
     # The same path spelt twice alike is a config error; these name one file two ways.
     for paths in (f"{data},{tmp_path}/data/../data/a.txt", f"{tmp_path / 'data'},{data}"):
         with pytest.raises(DataError, match=r"`training.dataset_path` names .*a.txt' twice.*dataset_weights"):
-            load_dataset(_plan("--training.dataset_path", paths))
+            _data("--training.dataset_path", paths)
     small = write(tmp_path / "small.txt", "Few words here. " * 10)
     with pytest.raises(
         DataError, match=r"small.txt gives \d+ samples .* fewer than one global batch of 64.*global_batch"
     ):
-        load_dataset(_plan("--training.dataset_path", str(small), "--training.global_batch_size", "64"))
+        _data("--training.dataset_path", str(small), "--training.global_batch_size", "64")
     run_prepare([tmp_path / "data"], tmp_path / "prepared")
     with pytest.raises(
         DataError, match=r"is a prepared folder's manifest; point `training.dataset_path` at the folder"
     ):
-        load_dataset(_plan("--training.dataset_path", str(tmp_path / "prepared" / "manifest.json")))
+        _data("--training.dataset_path", str(tmp_path / "prepared" / "manifest.json"))
     with pytest.raises(DataError, match=r"shards' is a folder without .* \(the shards of a prepared folder"):
-        load_dataset(_plan("--training.dataset_path", str(tmp_path / "prepared" / "shards")))
+        _data("--training.dataset_path", str(tmp_path / "prepared" / "shards"))
 
 
 def test_validation_on_training_data_is_warned_about(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -419,16 +422,13 @@ def test_validation_on_training_data_is_warned_about(tmp_path: Path, caplog: pyt
     for validation, overlap in ((train, "(the same file)"), (tmp_path / "held", f"(identical to {train})")):
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="meshtrain"):
-            load_validation_dataset(
-                _plan("--training.dataset_path", str(train), "--validation.dataset_path", str(validation))
-            )
+            _data("--training.dataset_path", str(train), "--validation.dataset_path", str(validation), validation=True)
         assert "overlaps the training data" in caplog.text and overlap in caplog.text
         assert str(copy if validation != train else train) in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="meshtrain"):
-        load_validation_dataset(
-            _plan("--training.dataset_path", str(train), "--validation.dataset_path", str(tmp_path / "fresh"))
-        )
+        fresh = str(tmp_path / "fresh")
+        _data("--training.dataset_path", str(train), "--validation.dataset_path", fresh, validation=True)
     assert "overlaps" not in caplog.text
 
 

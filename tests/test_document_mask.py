@@ -27,16 +27,16 @@ from harness import (
     trainer_for,
 )
 
-from parallelisms.context_parallel import attend_local_chunks, head_tail_positions, local_chunk_masks, resolve_backend
-from trainer.build import MicroBatch
+from parallelisms.context_parallel import attend_local_chunks, local_chunk_masks, resolve_backend
+from parallelisms.sequence_shards import head_tail_positions
 from trainer.config import ConfigError, load_config
 from trainer.data.datasets import load_dataset
 from trainer.data.documents import document_ids, document_positions, split_documents
 from trainer.data.loader import GlobalOrder
 from trainer.loss import IGNORE_INDEX, cross_entropy_sum
 from trainer.model.llama3 import ModelArgs, Transformer, causal_attention, document_causal_mask
-from trainer.plan import plan
-from trainer.train import fetch_step, forward_backward
+from trainer.planning.job_plan import resolve_job
+from trainer.step import MicroBatch, fetch_step, forward_backward
 
 BOS, EOS = 1, 2
 SMALL = ModelArgs(
@@ -153,7 +153,7 @@ def test_ring_attention_with_document_mask_is_a_config_error(monkeypatch):
     """On CUDA, ``auto`` picks the all-gather-K/V backend for masked documents; ``ring`` is refused."""
     assert resolve_backend("auto", "cuda", document_mask=True) == "allgather_kv"
     assert resolve_backend("auto", "cuda") == "ring"
-    monkeypatch.setattr("trainer.plan.device_type", lambda: "cuda")
+    monkeypatch.setattr("trainer.planning.job_plan.device_type", lambda: "cuda")
     argv = [
         "--training.document_mask",
         "--training.seq_len",
@@ -166,7 +166,7 @@ def test_ring_attention_with_document_mask_is_a_config_error(monkeypatch):
         "ring",
     ]
     with pytest.raises(ConfigError, match=r"context_parallel_backend.*training\.document_mask"):
-        plan(load_config(argv), 2)
+        resolve_job(load_config(argv), 2)
 
 
 @pytest.mark.slow
@@ -249,8 +249,8 @@ def masked_argv(data: str, local_batch_size: int, extra: list[str]) -> list[str]
 def per_document_reference(argv: list[str]) -> tuple[dict, dict]:
     """The first global batch, every document fragment run on its own by the unsharded model;
     and the same windows and labels unmasked (one attention over each whole window)."""
-    p = plan(load_config(argv), world_size=1)
-    dataset = load_dataset(p)
+    p = resolve_job(load_config(argv), world_size=1)
+    dataset = load_dataset(p.config, p.tokenizer, p.global_batch_size)
     model = Transformer(p.model_args)
     model.init_weights(p.config.debug.seed)
     samples = [dataset[i] for i in GlobalOrder(len(dataset), GLOBAL_BATCH, p.config.debug.seed).batch(0)]
@@ -293,14 +293,14 @@ def masked_step(argv: list[str]) -> dict:
     """One step through the trainer; every rank returns its step result and the full gradients
     of the parameters it holds (under PP, its stages'), to be merged over the ranks. Under PP
     also the pipeline's forward-only summed loss of the rank's samples (what validation runs)."""
-    _, trainer = trainer_for(argv)
-    microbatches = fetch_step(trainer)
-    result = forward_backward(trainer, microbatches)
-    grads = {name: full(prm.grad) for name, prm in trainer.model.named_parameters()}
+    _, parts = trainer_for(argv)
+    microbatches = fetch_step(parts)
+    result = forward_backward(parts, microbatches)
+    grads = {name: full(prm.grad) for name, prm in parts.model.named_parameters()}
     out = {"loss": result.loss_avg, "norm": result.grad_norm, "n": result.n_valid_tokens, "grads": grads}
-    if trainer.pipeline is not None:
+    if parts.pipeline is not None:
         batch = [torch.cat([getattr(mb, field) for mb in microbatches]) for field in MicroBatch._fields]
-        out["evaluated"] = trainer.pipeline.evaluate(*batch).item()
+        out["evaluated"] = parts.pipeline.evaluate(*batch).item()
     return out
 
 

@@ -14,12 +14,14 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-import trainer.runtime.job as job_module
+import trainer.entry.job as job_module
+from trainer.config import load_config
+from trainer.entry import launch
+from trainer.entry.job import parse_request, prepare
+from trainer.entry.worker import main as train_main
 from trainer.model.llama3 import Transformer
-from trainer.runtime import launch
+from trainer.planning.job_plan import resolve_job
 from trainer.runtime.errors import BusyFolderError, ConfigError, DataError, JobError, UserError
-from trainer.runtime.job import parse_request, prepare
-from trainer.train import main as train_main
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -52,7 +54,7 @@ def test_a_bug_while_preparing_keeps_its_traceback(entry, tmp_path, monkeypatch)
         raise ValueError("a bug deep inside the plan")
 
     monkeypatch.setenv("NGPU", "1")
-    monkeypatch.setattr(job_module, "plan", broken)
+    monkeypatch.setattr(job_module, "resolve_job", broken)
     with pytest.raises(ValueError, match="a bug deep inside the plan"):
         ENTRY_POINTS[entry]([*TINY, "--job.dump_folder", str(tmp_path)])
 
@@ -89,6 +91,19 @@ def test_every_entry_point_prepares_through_one_function(tmp_path):
         parse_request(["--target-gpu", "h100"])
     job = prepare([*TINY, "--job.dump_folder", str(tmp_path)], 1, local_ranks=1)
     assert job.plan.dims.world_size == 1 and len(job.dataset) > 0
-    for source in ("trainer/runtime/launch.py", "trainer/train.py", "scripts/show_batch.py"):
+    for source in ("trainer/entry/launch.py", "trainer/entry/worker.py", "scripts/show_batch.py"):
         text = (ROOT / source).read_text()
         assert "prepare(" in text and "except UserError" in text, source
+
+
+def test_resolving_writes_nothing_and_preparing_checks_the_dump_folder(tmp_path):
+    """The resolver has no side effect (the simulator resolves a second plan of the same job); the
+    dump folder is made and probed while preparing."""
+    folder = tmp_path / "out"
+    resolve_job(load_config([*TINY, "--job.dump_folder", str(folder)]), 1)
+    assert not folder.exists()
+    prepare([*TINY, "--job.dump_folder", str(folder)], 1, local_ranks=1)
+    assert folder.is_dir() and not list(folder.iterdir())
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ConfigError, match="is a file, not a folder"):
+        prepare([*TINY, "--job.dump_folder", str(tmp_path / "a_file")], 1, local_ranks=1)

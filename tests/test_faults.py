@@ -22,10 +22,10 @@ from harness import ROOT, Launched, run_train
 
 from trainer.checkpoint.folders import read_dcp_model, step_folders
 from trainer.config import ConfigError, load_config
-from trainer.plan import plan
+from trainer.entry.job import prepare
+from trainer.entry.worker import main
 from trainer.runtime.dump_folder import LOCK_FILE, STALE_AFTER_S, DumpFolderLock, read_lock
 from trainer.runtime.errors import BusyFolderError
-from trainer.train import main
 
 QUICK = [
     "--validation.enable=false",  # validation is tested on its own (test_validation, test_run_train)
@@ -42,11 +42,11 @@ QUICK = [
 
 
 def python_train(args: list[str], *prefix: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """``python -m trainer.train args`` as one process without torchrun (``prefix`` wraps it)."""
+    """``python -m trainer.entry.worker args`` as one process without torchrun (``prefix`` wraps it)."""
     env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONPATH": str(ROOT)}
     env.pop("RANK", None)
     return subprocess.run(
-        [*prefix, sys.executable, "-m", "trainer.train", *args],
+        [*prefix, sys.executable, "-m", "trainer.entry.worker", *args],
         env=env,
         capture_output=True,
         text=True,
@@ -79,7 +79,7 @@ def test_a_dump_folder_that_is_a_file_is_refused_before_any_process_group(tmp_pa
     file.write_text("")
     for folder in (file, file / "run1"):
         with pytest.raises(ConfigError, match="job.dump_folder"):
-            plan(load_config(["--job.dump_folder", str(folder)]), 1)
+            prepare(["--job.dump_folder", str(folder)], 1, local_ranks=1)
 
 
 def can_mount_tmpfs() -> bool:
@@ -312,7 +312,7 @@ def test_a_full_disk_is_named_and_the_previous_checkpoint_kept(tmp_path):
         "--job.dump_folder",
         str(mount / "out"),
     ]
-    command = " ".join([sys.executable, "-m", "trainer.train", *args])
+    command = " ".join([sys.executable, "-m", "trainer.entry.worker", *args])
     proc = subprocess.run(
         ["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=100m tmpfs {mount} && exec {command}"],
         capture_output=True,
@@ -404,7 +404,7 @@ def test_the_error_of_a_rank_whose_output_is_hidden_reaches_the_console(fault, e
 
 @pytest.mark.parametrize("value", ["9", "abc", "0,2", "-1"])
 def test_log_rank_outside_the_local_ranks_is_one_line(value, monkeypatch, capsys):
-    from trainer.runtime.launch import main as launch
+    from trainer.entry.launch import main as launch
 
     monkeypatch.setenv("NGPU", "2")
     monkeypatch.setenv("LOG_RANK", value)

@@ -25,7 +25,7 @@ from harness import (
 
 from trainer.grad_accumulator import GradAccumulator
 from trainer.loss import IGNORE_INDEX, cross_entropy_sum
-from trainer.train import fetch_step, forward_backward
+from trainer.step import fetch_step, forward_backward
 
 # name: (world size, local batch size, extra argv); accumulation = 8 / (local x dp)
 MESHES = {

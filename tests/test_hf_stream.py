@@ -26,7 +26,7 @@ from trainer.data.tokenizer import load_tokenizer
 from trainer.model.hf_llama3 import InteropError, check_hf_shapes, from_hf_state_dict, read_box
 from trainer.model.llama3 import Transformer
 from trainer.model.tiled_init import local_slice
-from trainer.plan import plan
+from trainer.planning.job_plan import resolve_job
 
 
 def _boxes(shape: torch.Size, cuts: int) -> list[tuple[slice, ...]]:
@@ -100,7 +100,7 @@ def hf_load_worker(argv: list[str], folder: str) -> list[str]:
 def test_sliced_load_equals_the_whole_folder_on_every_mesh(tmp_path: Path):
     """FSDP, TP and PP ranks each read their own boxes of a bf16 sharded folder, and hold exactly
     what converting the whole folder and slicing it gives (one launch of two ranks)."""
-    p = plan(load_config(BASE_ARGV), 1)
+    p = resolve_job(load_config(BASE_ARGV), 1)
     source = Transformer(p.model_args)
     source.init_weights(5)
     save_hf_folder(tmp_path, source.state_dict(), p.model_args, torch.bfloat16, max_shard_bytes=400_000)

@@ -27,7 +27,7 @@ from harness import ROOT, run_train
 
 from trainer.config import ConfigError, load_config
 from trainer.layout_invariant import PairwiseSum, pairwise_rows
-from trainer.plan import plan
+from trainer.planning.job_plan import resolve_job
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import compare_checkpoints
@@ -203,8 +203,8 @@ def test_adamw_and_the_clip_scale_update_an_element_the_same_in_any_shard(implem
 )
 def test_what_breaks_the_bits_is_refused_naming_both_keys(extra, key):
     with pytest.raises(ConfigError, match=rf"`debug.layout_invariant`.*`{re.escape(key)}`"):
-        plan(load_config(["--debug.layout_invariant", *extra]), 4)
-    plan(load_config(extra), 4)  # accepted with the mode off
+        resolve_job(load_config(["--debug.layout_invariant", *extra]), 4)
+    resolve_job(load_config(extra), 4)  # accepted with the mode off
 
 
 def _save(folder: Path, tensors: dict[str, torch.Tensor]) -> Path:

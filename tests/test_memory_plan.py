@@ -13,10 +13,10 @@ import pytest
 from harness import ROOT, run_train
 
 from trainer.config import ConfigError, load_config
-from trainer.plan import check_memory, memory_limit, plan, target_device
-from trainer.runtime.launch import main as launch_main
-from trainer.runtime.memory_limits import TARGET_MEMORY_BYTES
-from trainer.runtime.memory_plan import Workload, estimate, estimates, fixes
+from trainer.entry.launch import main as launch_main
+from trainer.planning.job_plan import check_memory, memory_limit, resolve_job, target_device
+from trainer.planning.memory_limits import TARGET_MEMORY_BYTES
+from trainer.planning.memory_plan import Workload, estimate, estimates, fixes
 
 GIB = 1024**3
 EIGHT_B = Workload(
@@ -38,7 +38,7 @@ EIGHT_B = Workload(
 
 def test_the_parameter_count_is_the_models():
     assert EIGHT_B.params == 8_030_261_248  # the 8B flavor's count, tested in test_model.py
-    debug = plan(load_config([]), 1)
+    debug = resolve_job(load_config([]), 1)
     assert debug.workload.params == 5_770_496
 
 
@@ -70,12 +70,12 @@ def test_suggested_changes_fit_and_the_error_names_them():
     assert how == "any" and changes
     assert any("activation_checkpoint.mode full" in c for c in changes)
     assert estimate(replace(EIGHT_B, ac_mode="full")).total <= limit < estimate(EIGHT_B).total
-    batch_plan = plan(load_config(["--training.seq_len", "1024", "--training.local_batch_size", "16"]), 1)
+    batch_plan = resolve_job(load_config(["--training.seq_len", "1024", "--training.local_batch_size", "16"]), 1)
     with pytest.raises(ConfigError, match=r"more than the test's limit \(1.00 GiB\).*local_batch_size") as error:
         check_memory(batch_plan, GIB, "the test's limit")
     suggested = int(re.search(r"local_batch_size (\d+)", str(error.value)).group(1))
     assert estimate(replace(batch_plan.workload, local_batch_size=suggested)).total <= GIB
-    unchecked = plan(
+    unchecked = resolve_job(
         load_config(
             ["--training.seq_len", "1024", "--training.local_batch_size", "16", "--training.check_memory", "false"]
         ),
@@ -102,7 +102,7 @@ def _documented_world_size(preset: str) -> int:
 def test_each_preset_fits_an_h100_with_ten_percent_headroom_at_its_documented_size(preset):
     """What ``--dry-run --target-gpu h100`` checks, at the size the preset's header names."""
     world_size = _documented_world_size(preset)
-    job = plan(load_config(["--config", preset]), world_size, target_device("h100"))
+    job = resolve_job(load_config(["--config", preset]), world_size, target_device("h100"))
     limit, where = memory_limit(1, None, started=False, target="h100")
     assert limit == TARGET_MEMORY_BYTES["h100"] and "H100" in where
     assert job.workload.device == "cuda" and job.workload.compute_bytes == 2
@@ -147,10 +147,10 @@ def test_an_oversized_pipeline_job_names_the_changes_that_fit():
     """The README's former 70B pipeline example (8 GPUs) cannot fit 8 H100s; the error says so.
     For pp 2 x tp 4, each change it names fits when planned at its own world size."""
     limit, where = memory_limit(1, None, started=False, target="h100")
-    former = plan(load_config(["--config", "llama3_70b.toml", "--mesh", "dp_replicate=2,pp=2,tp=2"]), 8, "cuda")
+    former = resolve_job(load_config(["--config", "llama3_70b.toml", "--mesh", "dp_replicate=2,pp=2,tp=2"]), 8, "cuda")
     with pytest.raises(ConfigError, match="this job needs about .* more than one H100's memory"):
         check_memory(former, limit, where)
-    eight = plan(load_config(["--config", "llama3_70b.toml", "--mesh", "pp=2,tp=4"]), 8, "cuda")
+    eight = resolve_job(load_config(["--config", "llama3_70b.toml", "--mesh", "pp=2,tp=4"]), 8, "cuda")
     with pytest.raises(ConfigError, match="Any one of these would fit") as error:
         check_memory(eight, limit, where)
     message = str(error.value)
@@ -161,7 +161,7 @@ def test_an_oversized_pipeline_job_names_the_changes_that_fit():
     for text, (mesh, world_size) in suggested.items():
         assert text in message
         check_memory(
-            plan(load_config(["--config", "llama3_70b.toml", "--mesh", mesh]), world_size, "cuda"), limit, where
+            resolve_job(load_config(["--config", "llama3_70b.toml", "--mesh", mesh]), world_size, "cuda"), limit, where
         )
 
 
@@ -223,7 +223,7 @@ def test_the_estimate_is_within_25_percent_of_the_measured_peak(case, tmp_path):
         str(tmp_path),
     ]
     proc = subprocess.run(
-        [sys.executable, "-m", "trainer.train", *args],
+        [sys.executable, "-m", "trainer.entry.worker", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -232,5 +232,5 @@ def test_the_estimate_is_within_25_percent_of_the_measured_peak(case, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     measured = float(re.findall(r"step: 2/2 .*?memory: ([0-9.]+)GiB", proc.stderr)[-1]) * GIB
-    estimated = plan(load_config(args), 1).memory.total
+    estimated = resolve_job(load_config(args), 1).memory.total
     assert 0.75 < estimated / measured < 1.25, (estimated / GIB, measured / GIB)

@@ -17,16 +17,17 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from trainer import metrics
+from trainer.grad_accumulator import StepResult
 from trainer.metrics import (
     CONSOLE_TTY_ENV,
     DASHBOARD_ALIASES,
     MetricsLogger,
-    StepStats,
     flops_per_token,
     peak_flops,
     use_color,
 )
 from trainer.runtime.errors import JobError
+from trainer.step import StepStats
 from trainer.validation import ValidationResult
 
 CPU_TAGS = {
@@ -168,20 +169,21 @@ def test_device_memory_cuda_reports_torchtitan_memory_stats(fake_cuda: list[obje
 
 
 def _stats(step: int, **overrides: object) -> StepStats:
-    fields: dict[str, object] = dict(
-        step=step,
+    """A step's stats; ``overrides`` name fields of the stats or of the accumulator's result."""
+    result: dict[str, object] = dict(
         loss_avg=10.0 / step,
         loss_max=12.0 / step,
         grad_norm=1.5,
-        lr=1e-3 * step,
         n_valid_tokens=400 + step,
-        local_tokens=LOCAL_TOKENS,
-        n_skipped_steps=0,
-        data_time_s=0.1,
-        step_time_s=0.5,
+        skipped=False,
+        skip_reason="",
     )
-    fields.update(overrides)
-    return StepStats(**fields)  # type: ignore[arg-type]
+    fields: dict[str, object] = dict(
+        step=step, lr=1e-3 * step, local_tokens=LOCAL_TOKENS, n_skipped_steps=0, data_time_s=0.1, step_time_s=0.5
+    )
+    for name, value in overrides.items():
+        (result if name in result else fields)[name] = value
+    return StepStats(result=StepResult(**result), **fields)  # type: ignore[arg-type]
 
 
 def _make_logger(tmp_path: os.PathLike[str], **overrides: object) -> MetricsLogger:

@@ -8,17 +8,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
+from harness import MODEL_SEQ_LEN
 
 from trainer.model.llama3 import FLAVORS, ModelArgs, Transformer, model_args, num_params, rope_frequencies
 
-ROOT = Path(__file__).resolve().parent.parent
-TOKENIZER = str(ROOT / "assets" / "tokenizer" / "shakespeare.model")
-SEQ_LEN = 32
-SEED = 1234
 LLAMA3_VOCAB = 128256
 
 
@@ -48,7 +44,7 @@ def test_parameter_names_are_torchtitans(debug_model: Transformer, debug_args: M
 def test_debugmodel_shapes_and_gqa(debug_model: Transformer, debug_args: ModelArgs, vocab_size: int):
     a = debug_args
     assert a.vocab_size == vocab_size  # the debug flavor takes the tokenizer's vocabulary
-    assert a.max_seq_len == SEQ_LEN
+    assert a.max_seq_len == MODEL_SEQ_LEN
     # Divisible by 4 so heads split evenly over up to 4 tensor-parallel ranks.
     assert a.n_heads % 4 == 0 and a.kv_heads % 4 == 0
     assert a.kv_heads < a.n_heads and a.n_heads % a.kv_heads == 0  # grouped-query attention
@@ -65,7 +61,7 @@ def test_debugmodel_shapes_and_gqa(debug_model: Transformer, debug_args: ModelAr
         assert p[f"layers.{i}.feed_forward.w1.weight"].shape == (a.ffn_hidden_dim, a.dim)
         assert p[f"layers.{i}.feed_forward.w2.weight"].shape == (a.dim, a.ffn_hidden_dim)
         assert p[f"layers.{i}.feed_forward.w3.weight"].shape == (a.ffn_hidden_dim, a.dim)
-    assert debug_model.freqs_cis.shape == (SEQ_LEN, hd // 2)
+    assert debug_model.freqs_cis.shape == (MODEL_SEQ_LEN, hd // 2)
 
 
 # --------------------------------------------------------------------------------------------

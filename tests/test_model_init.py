@@ -18,8 +18,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from harness import run_by_world
-from test_model import SEED, SEQ_LEN
+from harness import MODEL_SEED, MODEL_SEQ_LEN, run_by_world
 
 from trainer.build import PROGRESS_MIN_PARAMS, InitProgress
 from trainer.model.llama3 import FLAVORS, ModelArgs, Transformer, model_args, num_params
@@ -37,12 +36,12 @@ def full_state(model: Transformer) -> dict[str, torch.Tensor]:
 def test_init_is_deterministic_and_seed_dependent(debug_args: ModelArgs, debug_model: Transformer):
     again = Transformer(debug_args)
     torch.manual_seed(999)  # the global RNG must not matter
-    again.init_weights(SEED)
+    again.init_weights(MODEL_SEED)
     a, b = full_state(debug_model), full_state(again)
     assert all(torch.equal(a[k], b[k]) for k in a)
 
     other = Transformer(debug_args)
-    other.init_weights(SEED + 1)
+    other.init_weights(MODEL_SEED + 1)
     c = full_state(other)
     for k in a:
         if k.endswith("norm.weight"):
@@ -81,7 +80,7 @@ def test_init_on_meta_then_to_empty_matches_eager(debug_args: ModelArgs, debug_m
     with torch.device("meta"):
         model = Transformer(debug_args)
     model.to_empty(device="cpu")
-    model.init_weights(SEED)
+    model.init_weights(MODEL_SEED)
     a, b = full_state(debug_model), full_state(model)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert torch.equal(model.freqs_cis, debug_model.freqs_cis)
@@ -95,21 +94,21 @@ def test_tiles_compose_into_the_full_draw():
     rng = random.Random(0)
     for kind in ("normal", "trunc_normal"):
         full = torch.empty(shape)
-        fill_local_(full, shape, (0, 0), kind, 0.02, SEED, "w")
+        fill_local_(full, shape, (0, 0), kind, 0.02, MODEL_SEED, "w")
         boxes = [((0, 0), (0, 5)), ((31, 1023), (2, 2)), ((TILE[0], TILE[1]), TILE)]
         for _ in range(30):
             r, c = rng.randrange(shape[0]), rng.randrange(shape[1])
             boxes.append(((r, c), (rng.randint(1, shape[0] - r), rng.randint(1, shape[1] - c))))
         for (r, c), (h, w) in boxes:
             local = torch.empty(h, w)
-            fill_local_(local, shape, (r, c), kind, 0.02, SEED, "w")
+            fill_local_(local, shape, (r, c), kind, 0.02, MODEL_SEED, "w")
             assert torch.equal(local, full[r : r + h, c : c + w]), (kind, r, c, h, w)
         # A lower-precision parameter gets the float32 values rounded once.
         half = torch.empty(40, 50, dtype=torch.bfloat16)
-        fill_local_(half, shape, (20, 1000), kind, 0.02, SEED, "w")
+        fill_local_(half, shape, (20, 1000), kind, 0.02, MODEL_SEED, "w")
         assert torch.equal(half, full[20:60, 1000:1050].to(torch.bfloat16))
     # Other names and seeds give other values.
-    for seed, name in ((SEED, "v"), (SEED + 1, "w")):
+    for seed, name in ((MODEL_SEED, "v"), (MODEL_SEED + 1, "w")):
         other = torch.empty(shape)
         fill_local_(other, shape, (0, 0), "trunc_normal", 0.02, seed, name)
         assert not torch.equal(other, full)
@@ -126,7 +125,7 @@ def test_tiled_draws_follow_the_distribution(kind: str):
     of the normal's truncated at 3 std (an error in the inversion moves it far more)."""
     std, shape = 0.02, (8 * TILE[0], TILE[1])
     values = torch.empty(shape)
-    fill_local_(values, shape, (0, 0), kind, std, SEED, "w")
+    fill_local_(values, shape, (0, 0), kind, std, MODEL_SEED, "w")
     x = torch.linspace(-3.5, 3.5, 141, dtype=torch.float64)
     sorted_values = values.flatten().double().sort().values
     empirical = torch.searchsorted(sorted_values, x * std, right=True).double() / values.numel()
@@ -156,8 +155,8 @@ def test_init_progress_lines(caplog: pytest.LogCaptureFixture):
     assert [line.split(" in ")[-1] for line in lines[10:]] == ["12.0 s", "24.0 s", "36.0 s"]
     # The debug model is too small to report progress; the real flavors are not.
     with torch.device("meta"):
-        debug = Transformer(model_args("debugmodel", 2048, SEQ_LEN))
-        one_b = Transformer(replace(FLAVORS["1B"], max_seq_len=SEQ_LEN))
+        debug = Transformer(model_args("debugmodel", 2048, MODEL_SEQ_LEN))
+        one_b = Transformer(replace(FLAVORS["1B"], max_seq_len=MODEL_SEQ_LEN))
     assert num_params(debug) < PROGRESS_MIN_PARAMS <= num_params(one_b)
 
 
@@ -268,7 +267,7 @@ def sharded_init_worker(dp_replicate: int, dp_shard: int, tp: int, args: ModelAr
 
 def reference_init(args: ModelArgs) -> dict[str, torch.Tensor]:
     model = Transformer(args)
-    model.init_weights(SEED)
+    model.init_weights(MODEL_SEED)
     return {"state": full_state(model), "freqs": model.freqs_cis.clone()}
 
 
@@ -301,12 +300,12 @@ TP_INITS = {"TP-2": (2, 1, 2), "FSDP-2xTP-2": (4, 2, 2)}
 def sharded_inits(debug_args: ModelArgs) -> dict[str, list[dict]]:
     """Every sharded initialisation of this file, one launch per world size."""
     cases = {
-        name: (world, (sharded_init_worker, replicate, shard, 1, debug_args, SEED))
+        name: (world, (sharded_init_worker, replicate, shard, 1, debug_args, MODEL_SEED))
         for name, (world, replicate, shard) in FSDP_INITS.items()
     }
     cases.update(
         {
-            name: (world, (sharded_init_worker, 1, shard, tp, TP_ARGS, SEED))
+            name: (world, (sharded_init_worker, 1, shard, tp, TP_ARGS, MODEL_SEED))
             for name, (world, shard, tp) in TP_INITS.items()
         }
     )

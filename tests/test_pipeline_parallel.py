@@ -33,8 +33,8 @@ from trainer.data.datasets import load_dataset
 from trainer.grad_accumulator import _total_norm
 from trainer.loss import IGNORE_INDEX
 from trainer.model.llama3 import FLAVORS, Transformer
-from trainer.plan import plan
-from trainer.train import fetch_step, forward_backward, train_step
+from trainer.planning.job_plan import resolve_job
+from trainer.step import fetch_step, forward_backward, train_step
 
 # name: (local batch size, extra argv); global batch 8, seq_len 64, debug model (6 blocks)
 TWO_RANKS = {
@@ -98,7 +98,7 @@ def test_stages_keep_the_whole_models_parameter_names(schedule):
 
 
 def plan_for(*extra: str, world_size: int = 2):
-    return plan(load_config(BASE_ARGV + ["--training.local_batch_size", "8", *extra]), world_size)
+    return resolve_job(load_config(BASE_ARGV + ["--training.local_batch_size", "8", *extra]), world_size)
 
 
 @pytest.mark.parametrize(
@@ -205,34 +205,34 @@ def pp_step(argv: list[str], bug: bool = False) -> dict | None:
     ``bug`` also returns torchtitan's PP gradients: the summed-loss gradients clipped by their
     own norm, with N used only for the logged loss.
     """
-    p, trainer = trainer_for(argv)
-    params = list(trainer.model.parameters())
-    finalize = trainer.accumulator.finalize
+    p, parts = trainer_for(argv)
+    params = list(parts.model.parameters())
+    finalize = parts.accumulator.finalize
     seen: dict = {"writes": []}
 
     def counting_finalize():
         locals_ = [prm.grad._local_tensor for prm in params]
         before = [t._version for t in locals_]
         if bug:
-            raw = {name: full(prm.grad) for name, prm in trainer.model.named_parameters()}
+            raw = {name: full(prm.grad) for name, prm in parts.model.named_parameters()}
             norm = _total_norm([prm.grad for prm in params], p.dims.pp).item()
             seen["bug"] = {"norm": norm, "grads": {k: g * min(1.0, MAX_NORM / (norm + 1e-6)) for k, g in raw.items()}}
         out = finalize()
         seen["writes"].extend(passes_over(locals_, before))
         return out
 
-    trainer.accumulator.finalize = counting_finalize
-    microbatches = fetch_step(trainer)
-    result = forward_backward(trainer, microbatches)
-    grads = {name: full(prm.grad) for name, prm in trainer.model.named_parameters()}
+    parts.accumulator.finalize = counting_finalize
+    microbatches = fetch_step(parts)
+    result = forward_backward(parts, microbatches)
+    grads = {name: full(prm.grad) for name, prm in parts.model.named_parameters()}
     out = {"loss": result.loss_avg, "loss_max": result.loss_max, "norm": result.grad_norm, "n": result.n_valid_tokens}
     # Every schedule evaluates (forward only, as validation does: inside the loss context, which under
     # loss parallel the last stage's vocabulary-sharded loss needs), its own training order notwithstanding.
     inputs, labels = torch.cat([mb.inputs for mb in microbatches]), torch.cat([mb.labels for mb in microbatches])
-    with loss_context(trainer.loss_parallel):
-        out["evaluated"] = trainer.pipeline.evaluate(inputs, labels).item()
-        out["evaluated_short"] = trainer.pipeline.evaluate(inputs[:3], labels[:3]).item()
-    owner = trainer.meshes.loss.get_local_rank() == 0 and trainer.meshes.tp.get_local_rank() == 0
+    with loss_context(parts.loss_parallel):
+        out["evaluated"] = parts.pipeline.evaluate(inputs, labels).item()
+        out["evaluated_short"] = parts.pipeline.evaluate(inputs[:3], labels[:3]).item()
+    owner = parts.meshes.loss.get_local_rank() == 0 and parts.meshes.tp.get_local_rank() == 0
     if owner:
         out.update(grads=grads, writes=seen["writes"], bug=seen.get("bug"))
     return out
@@ -325,19 +325,19 @@ def reshard_worker(dump: str) -> dict:
         ],
     )
     losses = {}
-    p, trainer = trainer_for(common + ["--mesh", "pp=2,dp_shard=2"])
-    state, checkpointer = resume(p, load_dataset(p), trainer)
+    p, parts = trainer_for(common + ["--mesh", "pp=2,dp_shard=2"])
+    state, checkpointer = resume(p, load_dataset(p.config, p.tokenizer, p.global_batch_size), parts)
     for _ in range(2):
         state.step += 1
-        losses.setdefault("pp=2 x dp_shard=2", []).append(train_step(trainer, state, 0).loss_avg)
+        losses.setdefault("pp=2 x dp_shard=2", []).append(train_step(parts, state, 0).result.loss_avg)
         checkpointer.maybe_save(state.step)
     checkpointer.close()
     for mesh in ("dp_shard=4", "pp=2,tp=2"):
-        p, trainer = trainer_for(common + ["--mesh", mesh, "--checkpoint.load_step", "1"])
-        state, checkpointer = resume(p, load_dataset(p), trainer)
+        p, parts = trainer_for(common + ["--mesh", mesh, "--checkpoint.load_step", "1"])
+        state, checkpointer = resume(p, load_dataset(p.config, p.tokenizer, p.global_batch_size), parts)
         assert state.step == 1
         state.step += 1
-        losses[mesh] = [train_step(trainer, state, 0).loss_avg]
+        losses[mesh] = [train_step(parts, state, 0).result.loss_avg]
         checkpointer.close()
     return losses
 
@@ -372,17 +372,17 @@ def test_checkpoint_reshards_across_pipeline_degrees(four_ranks):
 
 def hsdp_worker(argv: list[str]) -> dict:
     """The reference comparison and FSDP's collectives over one HSDP x PP step."""
-    p, trainer = trainer_for(argv)
-    with counting_hsdp_collectives(trainer) as counts:
-        result = forward_backward(trainer, fetch_step(trainer))
+    p, parts = trainer_for(argv)
+    with counting_hsdp_collectives(parts) as counts:
+        result = forward_backward(parts, fetch_step(parts))
     units = {
         id(m._get_fsdp_state()._fsdp_param_group)
-        for stage in trainer.pipeline.stages
+        for stage in parts.pipeline.stages
         for m in stage.submod.modules()
         if hasattr(m, "_get_fsdp_state") and m._get_fsdp_state()._fsdp_param_group is not None
     }
     counts.update(units=len(units), microbatches=p.pipeline_microbatches, accumulation=p.microbatches)
-    grads = {name: full(prm.grad) for name, prm in trainer.model.named_parameters()}
+    grads = {name: full(prm.grad) for name, prm in parts.model.named_parameters()}
     out = {
         "loss": result.loss_avg,
         "loss_max": result.loss_max,
@@ -390,7 +390,7 @@ def hsdp_worker(argv: list[str]) -> dict:
         "n": result.n_valid_tokens,
         "counts": counts,
     }
-    if trainer.meshes.loss.get_local_rank() == 0:
+    if parts.meshes.loss.get_local_rank() == 0:
         out["grads"] = grads
     return out
 

@@ -56,13 +56,13 @@ def test_packed_step_is_the_loader_batch(capsys: pytest.CaptureFixture) -> None:
     from trainer.config import load_config
     from trainer.data.datasets import load_dataset
     from trainer.data.loader import build_dataloader
-    from trainer.plan import plan
+    from trainer.planning.job_plan import resolve_job
 
     argv = ["--training.seq_len", "32", "--training.local_batch_size", "2", "--training.global_batch_size", "4"]
     assert show_batch.main(["--step", "2", "--samples", "4", *argv]) == 0
     out = capsys.readouterr().out
-    job = plan(load_config(argv), 1)
-    dataset = load_dataset(job)
+    job = resolve_job(load_config(argv), 1)
+    dataset = load_dataset(job.config, job.tokenizer, job.global_batch_size)
     loader = build_dataloader(
         dataset, microbatches=2, local_batch_size=2, dp_rank=0, dp_degree=1, seed=job.config.debug.seed
     )

@@ -15,13 +15,13 @@ import torch
 
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from trainer.config import load_config
+from trainer.entry.job import parse_request
+from trainer.entry.simulate import simulate
 from trainer.loss import cross_entropy_sum
 from trainer.model.llama3 import FLAVORS, Transformer
-from trainer.plan import plan
-from trainer.runtime.job import parse_request
-from trainer.runtime.memory_plan import estimates
+from trainer.planning.job_plan import resolve_job
+from trainer.planning.memory_plan import estimates
 from trainer.simulation.memory_tracker import MemoryTracker, label_training_state
-from trainer.simulation.simulate import simulate
 from trainer.simulation.targets import parse_overrides, target_named
 
 TINY = replace(
@@ -135,7 +135,7 @@ def test_an_hsdp_tp_job_keeps_the_contract_and_sums_to_the_model_state(tmp_path)
     assert {"dp_shard_cp", "dp_replicate", "tp"} <= role["comm_bytes_per_step"].keys()
     assert role["ranks"] == 8 and role["memory_largest"]["unsharded_params"] > 0
     # Every rank holds 1/(dp_shard x tp) of the fp32 state; the two replicas hold it twice.
-    count = plan(load_config(["--job.dump_folder", str(tmp_path), *args]), 8).workload.params
+    count = resolve_job(load_config(["--job.dump_folder", str(tmp_path), *args]), 8).workload.params
     exact = 4 * count * 2
     for part, copies in (("params", 1), ("grads", 1), ("optimizer", 2)):
         total = role["memory_largest"][part] * role["ranks"]
@@ -188,7 +188,7 @@ def test_a_preset_fits_an_h100_with_headroom(tmp_path, preset):
     code, _, report = _simulate(tmp_path, nproc, "--config", str(config), "--target-gpu", "h100", nnodes=nnodes)
     assert code == 0 and report["world_size"] == nproc * nnodes
     assert len(report["roles"]) == report["mesh"]["pp"]
-    estimated = estimates(plan(load_config(["--config", str(config)]), nproc * nnodes, device="cuda").workload)
+    estimated = estimates(resolve_job(load_config(["--config", str(config)]), nproc * nnodes, device="cuda").workload)
     for role, estimate in zip(report["roles"], estimated):
         assert role["needed_bytes"] <= 0.9 * report["target_gpu"]["memory_bytes"], role["pp_stage"]
         assert estimate.total == pytest.approx(role["needed_bytes"], rel=0.15), role["pp_stage"]

@@ -12,10 +12,10 @@ from collections import Counter
 import pytest
 import torch
 
+from trainer.entry.simulate import simulate_roles
 from trainer.simulation.cost_model import Collective, step_time
 from trainer.simulation.fake_job import create_adamw_state
 from trainer.simulation.microbatches import rank_count, schedule_count, traced_count
-from trainer.simulation.simulate import simulate_roles
 from trainer.simulation.targets import target_named
 
 SEQ = ["--training.seq_len", "64"]
@@ -78,7 +78,7 @@ def _timed(collectives: list[Collective]) -> dict[tuple, float]:
 @pytest.mark.fast
 def test_ranks_trace_what_their_schedule_needs(tmp_path):
     from trainer.config import load_config
-    from trainer.plan import plan as make_plan
+    from trainer.planning.job_plan import resolve_job as make_plan
 
     def planned(nproc: int, *args: str):
         return make_plan(load_config(["--job.dump_folder", str(tmp_path), *SEQ, *args]), nproc)

@@ -14,8 +14,8 @@ from parallelisms.parallel_dims import ParallelDims, ParallelismError
 from parallelisms.parallelize import ModelShape, ParallelSettings
 from trainer.config import ConfigError, load_config
 from trainer.model.llama3 import padded_vocab_size
-from trainer.plan import SETTING_KEYS, plan
-from trainer.train import fetch_step, forward_backward
+from trainer.planning.job_plan import SETTING_KEYS, resolve_job
+from trainer.step import fetch_step, forward_backward
 
 # name: (world size, local batch size, extra argv); global batch 8
 MESHES = {
@@ -141,7 +141,7 @@ def test_tp_bugs_are_caught(ref, launched):
 def test_validation_names_the_tensor_parallel_key():
     def check(argv: list[str], world: int) -> str:
         with pytest.raises(ConfigError) as error:
-            plan(load_config(BASE_ARGV + argv), world)
+            resolve_job(load_config(BASE_ARGV + argv), world)
         return str(error.value)
 
     message = check(["--parallelism.tensor_parallel_degree", "3", "--training.local_batch_size", "8"], 3)

@@ -15,7 +15,7 @@ from trainer.config import load_config
 from trainer.data import cache, sources
 from trainer.data.tokenizer import HuggingFaceTokenizer, SentencePieceTokenizer, load_tokenizer
 from trainer.model.llama3 import model_args
-from trainer.plan import plan
+from trainer.planning.job_plan import resolve_job
 from trainer.runtime.errors import DataError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -76,7 +76,7 @@ def test_the_file_chooses_the_implementation(tokenizer_json: Path) -> None:
 
 
 def test_plan_sizes_the_model_from_the_tokenizer(tokenizer_json: Path) -> None:
-    p = plan(load_config(["--model.tokenizer_path", str(tokenizer_json), "--training.seq_len", "64"]), 1)
+    p = resolve_job(load_config(["--model.tokenizer_path", str(tokenizer_json), "--training.seq_len", "64"]), 1)
     assert p.tokenizer.vocab_size == 711 and p.model_args.vocab_size == 768  # padded to a multiple of 64
     # A flavor with a fixed embedding refuses a larger tokenizer, naming both numbers.
     with pytest.raises(ValueError, match="200000 tokens but flavor 8B has 128256"):

@@ -14,7 +14,7 @@ from harness import ROOT
 
 from parallelisms import torch_private
 from trainer.config import ConfigError, load_config
-from trainer.plan import plan
+from trainer.planning.job_plan import resolve_job
 
 SCANNED = ("trainer", "parallelisms", "scripts", "benchmarks")
 PACKAGE = ROOT / "parallelisms" / "torch_private"
@@ -128,11 +128,13 @@ def test_an_unchecked_torch_is_one_line_naming_the_feature_and_range(version):
 def test_the_plan_refuses_an_unchecked_torch_naming_the_jobs_feature(monkeypatch):
     monkeypatch.setattr(torch, "__version__", "2.15.0")
     with pytest.raises(ConfigError, match="pipeline parallelism") as refused:
-        plan(load_config(["--parallelism.pipeline_parallel_degree", "2", "--training.global_batch_size", "4"]), 2)
+        resolve_job(
+            load_config(["--parallelism.pipeline_parallel_degree", "2", "--training.global_batch_size", "4"]), 2
+        )
     assert "\n" not in str(refused.value)
     monkeypatch.setattr(torch, "__version__", "2.10.1")
     with pytest.raises(ConfigError, match="torch 2.10.1"):
-        plan(load_config([]), 1)
+        resolve_job(load_config([]), 1)
 
 
 def test_the_installer_keeps_the_same_range():

@@ -18,8 +18,8 @@ from trainer.data.datasets import load_validation_dataset
 from trainer.data.documents import split_documents
 from trainer.loss import IGNORE_INDEX, cross_entropy_sum
 from trainer.model.llama3 import Transformer
-from trainer.plan import plan
-from trainer.train import fetch_step, forward_backward, optimizer_step
+from trainer.planning.job_plan import resolve_job
+from trainer.step import fetch_step, forward_backward, optimizer_step
 from trainer.validation import Validator
 
 
@@ -56,28 +56,28 @@ def argv_for(tmp_path: Path, *extra: str) -> list[str]:
 
 def validation_worker(argv: list[str], part_steps: int) -> list[dict]:
     """The whole validation set, then its first ``part_steps`` batches, on the same weights."""
-    p, trainer = trainer_for(argv)
-    dataset = load_validation_dataset(p)
+    p, parts = trainer_for(argv)
+    dataset = load_validation_dataset(p.config, p.tokenizer)
     results = []
     for steps in (-1, part_steps):
         validator = Validator(
             dataset,
             local_batch_size=p.config.validation.local_batch_size,
-            dp_rank=trainer.meshes.batch.get_local_rank(),
+            dp_rank=parts.meshes.batch.get_local_rank(),
             dp_degree=p.dims.dp,
             steps=steps,
             freq=1,
             seed=p.config.debug.seed,
         )
-        result = validator.run(trainer)
+        result = validator.run(parts)
         results.append({"loss": result.loss, "n": result.n_valid_tokens, "batches": result.batches})
     return results
 
 
 def reference(argv: list[str]) -> dict:
     """One process, plain model, no_grad, every validation sample once: the definition."""
-    p = plan(load_config(argv), 1)
-    dataset = load_validation_dataset(p)
+    p = resolve_job(load_config(argv), 1)
+    dataset = load_validation_dataset(p.config, p.tokenizer)
     model = Transformer(p.model_args)
     model.init_weights(p.config.debug.seed)
     total, count = 0.0, 0
@@ -109,15 +109,15 @@ def test_validation_loss_is_the_single_process_evaluation_on_any_mesh(tmp_path: 
 
 
 def losses_worker(argv: list[str], validate: bool) -> list[float]:
-    p, trainer = trainer_for(argv)
-    validator = build_validator(p, trainer, load_validation_dataset(p)) if validate else None
+    p, parts = trainer_for(argv)
+    validator = build_validator(p, parts, load_validation_dataset(p.config, p.tokenizer)) if validate else None
     losses = []
     for _ in range(3):
-        result = forward_backward(trainer, fetch_step(trainer))
-        optimizer_step(trainer, result)
+        result = forward_backward(parts, fetch_step(parts))
+        optimizer_step(parts, result)
         losses.append(result.loss_avg)
         if validator is not None:
-            validator.run(trainer)
+            validator.run(parts)
     return losses
 
 
@@ -145,7 +145,7 @@ def test_bad_settings_name_the_key(tmp_path: Path, extra: list[str], match: str)
 def test_held_out_plays_and_their_errors(tmp_path: Path) -> None:
     # Own training data needs own validation data: the held-out plays split the bundled corpus
     # only, so the run trains without validation (and says so at start).
-    own = plan(
+    own = resolve_job(
         load_config(
             [
                 "--training.dataset_path",
@@ -157,28 +157,28 @@ def test_held_out_plays_and_their_errors(tmp_path: Path) -> None:
         ),
         1,
     )
-    assert not own.validates and load_validation_dataset(own) is None
+    assert not own.validates and load_validation_dataset(own.config, own.tokenizer) is None
     with pytest.raises(ConfigError, match="`validation.seq_len` = 16 differs from `training.seq_len` = 32.*context"):
-        plan(
+        resolve_job(
             load_config(
                 ["--validation.enable", "--validation.seq_len", "16", "--training.seq_len", "32", "--mesh", "cp=2"]
             ),
             2,
         )
     # Bundled plays: the validation split is the held-out plays, which training never reads.
-    p = plan(load_config(["--validation.enable", "--training.seq_len", "32"]), 1)
+    p = resolve_job(load_config(["--validation.enable", "--training.seq_len", "32"]), 1)
     from trainer.data import sources
 
     validation_files = {f.stem for f, _ in sources.read_sources(None, "validation").files}
     training_files = {f.stem for f, _ in sources.read_sources(None).files}
     assert validation_files == set(sources.HELD_OUT_PLAYS) and not validation_files & training_files
-    assert len(load_validation_dataset(p)) > 100
+    assert len(load_validation_dataset(p.config, p.tokenizer)) > 100
     # A validation set that yields nothing is an error naming the validation keys.
     tiny = tmp_path / "tiny.jsonl"
     tiny.write_text(
         json.dumps({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Ho"}]})
     )
-    p = plan(
+    p = resolve_job(
         load_config(
             [
                 "--validation.enable",
@@ -197,4 +197,4 @@ def test_held_out_plays_and_their_errors(tmp_path: Path) -> None:
     with pytest.raises(
         ValueError, match="`validation.dataset_path` = .* yields no chat samples of `validation.seq_len` = 3"
     ):
-        load_validation_dataset(p)
+        load_validation_dataset(p.config, p.tokenizer)

@@ -1,6 +1,6 @@
 """Build everything the training loop uses, once, with every parallelism already applied.
 
-The job was prepared before any process group existed (``trainer/runtime/job.py``: config, plan,
+The job was prepared before any process group existed (``trainer/entry/job.py``: config, plan,
 data). :func:`build_step_parts` joins the process group and builds what a training step uses: the
 mesh, the sharded model, the optimizer, the loader, the gradient accumulator, the pipeline.
 :func:`build_run` adds what the loop around the steps uses: the train state restored from the
@@ -18,29 +18,27 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
-from parallelisms.context_parallel import ContextParallel
 from parallelisms.parallel_dims import Meshes, device_type
 from parallelisms.parallelize import Parallelized, parallelize
 from parallelisms.pipeline_parallel import Pipeline
 from trainer.checkpoint.manager import CheckpointManager
 from trainer.data.datasets import TokenDataset, data_lines
-from trainer.data.documents import split_documents
-from trainer.data.loader import MicroBatchLoader, build_dataloader
+from trainer.data.loader import build_dataloader
 from trainer.grad_accumulator import GradAccumulator
 from trainer.layout_invariant import LayoutInvariantReduction
 from trainer.loss import CrossEntropy, ModelLoss, cross_entropy_sum
-from trainer.metrics import MetricsLogger, flops_per_token, peak_flops, use_color
+from trainer.metrics import MetricsLogger, model_flops_per_token, peak_flops, use_color
 from trainer.metrics.reports import log_start, save_config
-from trainer.model.llama3 import Transformer, num_params, whole_model
+from trainer.model.llama3 import Transformer, num_params
 from trainer.optimizer import build_lr_scheduler, build_optimizer
-from trainer.plan import Plan
+from trainer.planning.job_plan import JobPlan
 from trainer.runtime.distributed import init_distributed
+from trainer.step import StepParts
 from trainer.train_state import TrainState
 from trainer.validation import Validator
 
@@ -53,64 +51,8 @@ PROGRESS_EVERY_PERCENT = 10
 PROGRESS_EVERY_S = 10.0
 
 
-class MicroBatch(NamedTuple):
-    """What one forward takes: this rank's tokens, labels and their RoPE positions (None:
-    ``0..seq-1``), and the tokens' document ids under document masking (else None)."""
-
-    inputs: torch.Tensor
-    labels: torch.Tensor
-    positions: torch.Tensor | None
-    document_ids: torch.Tensor | None
-
-
-@dataclass
-class StepParts:
-    """What a training step uses, built once with every parallelism already applied."""
-
-    device: torch.device
-    meshes: Meshes
-    model: Transformer
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    loader: MicroBatchLoader
-    accumulator: GradAccumulator
-    loss_parallel: bool
-    model_loss: ModelLoss
-    context_parallel: ContextParallel | None
-    positions: torch.Tensor | None
-    """Sequence positions of this rank's tokens under context parallelism (else 0..seq-1)."""
-    document_bos_id: int | None = None
-    """With ``training.document_mask``: the BOS that opens each packed document (else None)."""
-
-    def place(self, inputs: torch.Tensor, labels: torch.Tensor) -> MicroBatch:
-        """Whole samples -> this rank's micro-batch (its sequence shard under CP), on the device.
-
-        Documents are split on the whole sequences, before CP takes its shard: a shard alone
-        cannot tell where the document of its first token began.
-        """
-        positions, document_ids = self.positions, None
-        cp = self.context_parallel
-        if self.document_bos_id is not None:
-            labels, positions, document_ids = split_documents(inputs, labels, self.document_bos_id)
-            if cp:
-                positions, document_ids = cp.shard(positions), cp.shard(document_ids)
-        if cp:
-            inputs, labels = cp.shard(inputs), cp.shard(labels)
-        device = self.device
-        return MicroBatch(
-            inputs.to(device, non_blocking=True),
-            labels.to(device, non_blocking=True),
-            None if positions is None else positions.to(device, non_blocking=True),
-            None if document_ids is None else document_ids.to(device, non_blocking=True),
-        )
-
-    pipeline: Pipeline | None = None
-    """This rank's pipeline stages and their schedule (None without pipeline parallelism);
-    ``model`` then holds only these stages' modules."""
-
-
 def build_model(
-    plan: Plan,
+    plan: JobPlan,
     meshes: Meshes,
     device: torch.device,
     cross_entropy: CrossEntropy = cross_entropy_sum,
@@ -181,7 +123,7 @@ class InitProgress:
 
 
 def build_step_parts(
-    plan: Plan, dataset: Dataset, fake_tensors: AbstractContextManager[object] | None = None
+    plan: JobPlan, dataset: Dataset, fake_tensors: AbstractContextManager[object] | None = None
 ) -> StepParts:
     """Join the process group and build the sharded model, optimizer, data and accumulator.
 
@@ -206,7 +148,7 @@ def build_step_parts(
 
 
 def _assemble(
-    plan: Plan,
+    plan: JobPlan,
     dataset: Dataset,
     device: torch.device,
     meshes: Meshes,
@@ -291,7 +233,7 @@ class Run:
     validator: Validator | None
 
 
-def build_run(plan: Plan, parts: StepParts, dataset: TokenDataset, validation_dataset: TokenDataset | None) -> Run:
+def build_run(plan: JobPlan, parts: StepParts, dataset: TokenDataset, validation_dataset: TokenDataset | None) -> Run:
     """Resume from the newest checkpoint, open the metrics and the validator; rank 0 saves the
     resolved config and says what is about to run."""
     state, checkpointer = resume(plan, dataset, parts)
@@ -299,11 +241,13 @@ def build_run(plan: Plan, parts: StepParts, dataset: TokenDataset, validation_da
     metrics = build_metrics(plan, parts.device, rank, resumed=state.step > 0)
     if rank == 0:
         save_config(plan)
-        log_start(plan, parts.device, metrics, data_lines(plan, dataset, validation_dataset))
+        log_start(
+            plan, parts.device, metrics, data_lines(plan.config, plan.global_batch_size, dataset, validation_dataset)
+        )
     return Run(parts, state, checkpointer, metrics, build_validator(plan, parts, validation_dataset))
 
 
-def resume(plan: Plan, dataset: TokenDataset, parts: StepParts) -> tuple[TrainState, CheckpointManager]:
+def resume(plan: JobPlan, dataset: TokenDataset, parts: StepParts) -> tuple[TrainState, CheckpointManager]:
     """The train state and the checkpoint manager, restored from the newest checkpoint if any."""
     config = plan.config
     state = TrainState()
@@ -324,7 +268,7 @@ def resume(plan: Plan, dataset: TokenDataset, parts: StepParts) -> tuple[TrainSt
     return state, checkpointer
 
 
-def build_metrics(plan: Plan, device: torch.device, rank: int, resumed: bool = False) -> MetricsLogger:
+def build_metrics(plan: JobPlan, device: torch.device, rank: int, resumed: bool = False) -> MetricsLogger:
     config, training, args = plan.config, plan.config.training, plan.model_args
     return MetricsLogger(
         rank=rank,
@@ -337,9 +281,7 @@ def build_metrics(plan: Plan, device: torch.device, rank: int, resumed: bool = F
         color=use_color(config.metrics.disable_color_printing, sys.stderr),
         device=device,
         total_steps=training.steps,
-        flops_per_token=flops_per_token(
-            num_params(whole_model(args), exclude_embedding=True), args.n_layers, args.dim, training.seq_len
-        ),
+        flops_per_token=model_flops_per_token(args, training.seq_len),
         peak_flops=peak_flops(device, override=training.peak_flops or None),
         global_tokens_per_step=plan.global_batch_size * training.seq_len,
         # A data-parallel replica's tokens are processed by its pp x tp x cp devices (torchtitan's
@@ -350,7 +292,7 @@ def build_metrics(plan: Plan, device: torch.device, rank: int, resumed: bool = F
     )
 
 
-def build_validator(plan: Plan, parts: StepParts, dataset: TokenDataset | None) -> Validator | None:
+def build_validator(plan: JobPlan, parts: StepParts, dataset: TokenDataset | None) -> Validator | None:
     if dataset is None:
         return None
     validation = plan.config.validation

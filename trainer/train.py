@@ -1,107 +1,36 @@
-"""Entry point: ``python -m trainer.train [--config FILE] [--mesh ...] [--section.key VALUE ...]``.
+"""The training loop: build, resume, then step, log, validate, checkpoint until the last step or
+a stop request.
 
-The whole run is prepare -> build -> loop. Everything that can be wrong with the config, the mesh,
-the tokenizer, the data or the dump folder is checked while preparing (``trainer/runtime/job.py``),
-before the process group exists, so a mistake exits in seconds instead of hanging a collective;
-rank 0 then locks the dump folder. Parallelism is applied to the model once, while building; the loop
-itself is the algorithm: fetch the step's micro-batches, forward and backward each, finalize
-the gradient, step, log.
-
-Exit codes: 0 when the run finished or stopped on request (SIGTERM, Ctrl-C: after the current
-step, with a checkpoint), 2 for a configuration error or a busy dump folder (before any process
-group), 1 for a failure while running (divergence, a stalled rank, a full disk; the message says
-what was kept and what to do), 130 when aborted by a second Ctrl-C. Those are the
-:class:`~trainer.runtime.errors.UserError` family's; any other exception is a bug and keeps its
-traceback.
+Parallelism was applied to the model once, while building (``trainer/build.py``); one step is
+``trainer/step.py``. Exit codes and the preparation that precedes the loop are the worker's
+(``trainer/entry/worker.py``).
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import sys
 import time
-from collections.abc import Callable
-from contextlib import nullcontext
 
-import torch
 import torch.distributed as dist
-from torch.distributed.elastic.multiprocessing.errors import record
 
-from parallelisms.pipeline_parallel import Pipeline
-from parallelisms.tensor_parallel import loss_context
-from trainer.build import MicroBatch, Run, StepParts, build_run, build_step_parts
+from trainer.build import Run, build_run, build_step_parts
 from trainer.checkpoint.manager import create_seed_checkpoint
-from trainer.config import help_text
 from trainer.data.datasets import TokenDataset
 from trainer.data.loader import StoppedWaitingForData
-from trainer.grad_accumulator import StepResult
-from trainer.metrics import StepStats
 from trainer.metrics.reports import log_end
-from trainer.plan import Plan
+from trainer.planning.job_plan import JobPlan
+from trainer.profiling import profiling
 from trainer.runtime.distributed import CollectiveTimeouts
-from trainer.runtime.dump_folder import TOKEN_ENV, DumpFolderLock
-from trainer.runtime.errors import ConfigError, JobError, UserError, report
-from trainer.runtime.job import describe_job, parse_request, prepare
-from trainer.runtime.profiling import profiling
+from trainer.runtime.errors import JobError
 from trainer.runtime.stop_requests import StopRequests
+from trainer.step import StepStats, train_step
 from trainer.train_state import TrainState
 
 logger = logging.getLogger("meshtrain")
 
 
-@record
-def main(argv: list[str]) -> int:
-    """Run the job; a bug's traceback also goes to torchrun's error file (``@record``), so the
-    launcher can show it whichever rank it happened on."""
-    logging.basicConfig(
-        level=logging.INFO, format="[%(name)s] %(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S"
-    )
-    try:
-        request = parse_request(argv)
-        if request.mode == "help":
-            print(help_text(request.argv))
-            return 0
-        if request.mode == "dry_run":
-            world_size = int(os.environ.get("WORLD_SIZE", 1))
-            describe_job(request, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
-            return 0
-        if request.mode == "simulate":
-            raise ConfigError("`--simulate` runs in one process, without torchrun: use `./run_train.sh --simulate`.")
-        stop = StopRequests()
-        with stop.installed():
-            return _main(request.argv, stop)
-    except UserError as e:
-        return report(e)
-    except KeyboardInterrupt:
-        print("meshtrain: aborted (no checkpoint of the current step)", file=sys.stderr)
-        return 130
-
-
-def _main(argv: list[str], stop: StopRequests) -> int:
-    job = prepare(
-        argv,
-        int(os.environ.get("WORLD_SIZE", 1)),
-        local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
-        device_index=int(os.environ.get("LOCAL_RANK", 0)),
-        started=True,
-    )
-    rank0 = int(os.environ.get("RANK", 0)) == 0
-    if rank0:
-        logger.info("memory estimate: %s", job.plan.memory.line())
-    lock = DumpFolderLock(job.plan.config.job.dump_folder, os.environ.get(TOKEN_ENV)) if rank0 else None
-    if lock is not None:
-        lock.acquire()
-    try:
-        train(job.plan, job.dataset, stop, job.validation_dataset)
-    finally:
-        if lock is not None:
-            lock.release()
-    return 0
-
-
 def train(
-    job_plan: Plan,
+    job_plan: JobPlan,
     dataset: TokenDataset,
     stop: StopRequests | None = None,
     validation_dataset: TokenDataset | None = None,
@@ -142,7 +71,7 @@ def train(
         dist.destroy_process_group()
 
 
-def loop(job_plan: Plan, run: Run, stop: StopRequests, timeouts: CollectiveTimeouts) -> StepStats | None:
+def loop(job_plan: JobPlan, run: Run, stop: StopRequests, timeouts: CollectiveTimeouts) -> StepStats | None:
     """Step, log, validate when due, stop if asked, checkpoint; until the last step or a stop
     request. Returns the last step's stats (None if no step ran)."""
     training, parts, state = job_plan.config.training, run.parts, run.state
@@ -182,7 +111,7 @@ def loop(job_plan: Plan, run: Run, stop: StopRequests, timeouts: CollectiveTimeo
     return stats
 
 
-def stop_while_waiting(job_plan: Plan, run: Run, state: TrainState, first_step: int, waited: str) -> None:
+def stop_while_waiting(job_plan: JobPlan, run: Run, state: TrainState, first_step: int, waited: str) -> None:
     """A stop request while the next step waits for its data: save the last finished step.
 
     The other ranks of a larger job are inside that step's collectives, where no checkpoint can
@@ -206,7 +135,7 @@ def check_skipped_steps(state: TrainState, stats: StepStats, limit: int) -> None
     if limit and state.consecutive_skipped_steps >= limit:
         raise JobError(
             f"the last {state.consecutive_skipped_steps} optimizer steps (up to step {state.step}) were all "
-            f"skipped ({stats.skip_reason}): the run has diverged, or the data has no label to train "
+            f"skipped ({stats.result.skip_reason}): the run has diverged, or the data has no label to train "
             "on. No checkpoint is written now and the existing ones are kept (any saved during the "
             "streak holds the weights of its last step that was not skipped). Lower `optimizer.lr`, "
             "check the data, and resume from a checkpoint before the divergence (`checkpoint.load_step`); "
@@ -214,86 +143,6 @@ def check_skipped_steps(state: TrainState, stats: StepStats, limit: int) -> None
         )
 
 
-def train_step(
-    trainer: StepParts, state: TrainState, local_tokens: int, stop_requested: Callable[[], bool] = lambda: False
-) -> StepStats:
-    """Fetch the step's micro-batches, forward and backward each, finalize, step.
-    ``stop_requested`` is asked while the data is late (see :meth:`MicroBatchLoader.next_step`)."""
-    step_start = time.perf_counter()
-    microbatches = fetch_step(trainer, stop_requested)
-    data_time = time.perf_counter() - step_start
-    result = forward_backward(trainer, microbatches)
-    lr = optimizer_step(trainer, result)
-    state.record_step(result.skipped)
-    return StepStats(
-        step=state.step,
-        loss_avg=result.loss_avg,
-        loss_max=result.loss_max,
-        grad_norm=result.grad_norm,
-        lr=lr,
-        n_valid_tokens=result.n_valid_tokens,
-        local_tokens=local_tokens,
-        n_skipped_steps=state.n_skipped_steps,
-        skip_reason=result.skip_reason,
-        data_time_s=data_time,
-        step_time_s=time.perf_counter() - step_start,
-    )
-
-
-def fetch_step(trainer: StepParts, stop_requested: Callable[[], bool] = lambda: False) -> list[MicroBatch]:
-    """This rank's micro-batches of the next step, on the device."""
-    return [trainer.place(inputs, labels) for inputs, labels in trainer.loader.next_step(stop_requested)]
-
-
-def forward_backward(trainer: StepParts, microbatches: list[MicroBatch]) -> StepResult:
-    """Accumulate summed-loss gradients over the micro-batches; finalize normalises and clips."""
-    if trainer.pipeline is not None:
-        return pipeline_forward_backward(trainer, trainer.pipeline, microbatches)
-    accumulator = trainer.accumulator
-    accumulator.begin_step([mb.labels for mb in microbatches])
-    cp = trainer.context_parallel
-    with loss_context(trainer.loss_parallel), cp.attention_context() if cp else nullcontext():
-        for i, (inputs, labels, positions, document_ids) in enumerate(microbatches):
-            accumulator.prepare_backward(i)
-            loss = trainer.model_loss(trainer.model, inputs, positions, document_ids, labels)
-            loss.backward()
-            accumulator.record_loss(loss)
-    return accumulator.finalize()
-
-
-def pipeline_forward_backward(trainer: StepParts, pipeline: Pipeline, microbatches: list[MicroBatch]) -> StepResult:
-    """The rank's micro-batches are one batch for the pipeline schedule, which cuts it into
-    pipeline micro-batches and runs every forward and backward on summed losses; finalize
-    normalises and clips as without PP."""
-    accumulator = trainer.accumulator
-    accumulator.begin_step([mb.labels for mb in microbatches])
-    inputs, labels = torch.cat([mb.inputs for mb in microbatches]), torch.cat([mb.labels for mb in microbatches])
-    # Under document masking, each sample's positions and document ids go through the schedule.
-    positions = document_ids = None
-    if microbatches[0].document_ids is not None:
-        positions = torch.cat([mb.positions for mb in microbatches if mb.positions is not None])
-        document_ids = torch.cat([mb.document_ids for mb in microbatches if mb.document_ids is not None])
-    cp = trainer.context_parallel
-    with loss_context(trainer.loss_parallel), cp.attention_context() if cp else nullcontext():
-        losses = pipeline.step(inputs, labels, positions, document_ids)
-    accumulator.record_pipeline_losses(losses)
-    return accumulator.finalize()
-
-
-def optimizer_step(trainer: StepParts, result: StepResult) -> float:
-    """Step (unless the step was skipped), clear the gradients, advance the schedule; return the LR used."""
-    if not result.skipped:
-        trainer.optimizer.step()
-    trainer.optimizer.zero_grad(set_to_none=True)
-    lr = float(trainer.scheduler.get_last_lr()[0])
-    trainer.scheduler.step()
-    return lr
-
-
-def local_tokens_per_step(plan: Plan) -> int:
+def local_tokens_per_step(plan: JobPlan) -> int:
     """Input tokens one rank's data-parallel replica processes per step (before CP sharding)."""
     return plan.microbatches * plan.config.training.local_batch_size * plan.config.training.seq_len
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -31,13 +30,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from parallelisms.tensor_parallel import loss_context
 from trainer.data.loader import GlobalOrder
 from trainer.loss import IGNORE_INDEX
 
 if TYPE_CHECKING:
-    from trainer.build import StepParts
     from trainer.data.datasets import TokenDataset
+    from trainer.step import StepParts
 
 
 @dataclass(frozen=True)
@@ -91,26 +89,25 @@ class Validator:
         return inputs, torch.full_like(labels, IGNORE_INDEX)
 
     @torch.no_grad()
-    def run(self, trainer: StepParts) -> ValidationResult:
+    def run(self, parts: StepParts) -> ValidationResult:
         """Evaluate every batch of this rank's share; all-reduce the sum and the count."""
         start = time.perf_counter()
-        totals = torch.zeros(2, dtype=torch.float64, device=trainer.device)
-        cp = trainer.context_parallel
-        with loss_context(trainer.loss_parallel), cp.attention_context() if cp else nullcontext():
+        totals = torch.zeros(2, dtype=torch.float64, device=parts.device)
+        with parts.compute_context():
             for indices in self._indices:
                 samples = [self._sample(i) for i in indices]
-                batch = trainer.place(torch.stack([s[0] for s in samples]), torch.stack([s[1] for s in samples]))
-                if trainer.pipeline is not None:  # the summed loss, known on every pipeline rank
-                    loss = trainer.pipeline.evaluate(batch.inputs, batch.labels, batch.positions, batch.document_ids)
+                batch = parts.place(torch.stack([s[0] for s in samples]), torch.stack([s[1] for s in samples]))
+                if parts.pipeline is not None:  # the summed loss, known on every pipeline rank
+                    loss = parts.pipeline.evaluate(batch.inputs, batch.labels, batch.positions, batch.document_ids)
                 else:
-                    loss = trainer.model_loss(
-                        trainer.model, batch.inputs, batch.positions, batch.document_ids, batch.labels
+                    loss = parts.model_loss(
+                        parts.model, batch.inputs, batch.positions, batch.document_ids, batch.labels
                     )
                 if isinstance(loss, DTensor):  # loss parallel: replicated over TP, counted once
                     loss = loss.to_local()
                 totals[0] += loss.double()
                 totals[1] += (batch.labels != IGNORE_INDEX).sum()
-        dist.all_reduce(totals, group=trainer.meshes.loss.get_group())
+        dist.all_reduce(totals, group=parts.meshes.loss.get_group())
         loss_sum, count = totals.tolist()
         return ValidationResult(
             loss=loss_sum / count if count else math.nan,

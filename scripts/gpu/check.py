@@ -175,12 +175,12 @@ class Check:
         """The most blocks of :data:`EIGHT_B_LAYERS` whose unchunked, un-checkpointed job the
         memory estimate fits in :data:`FIT_FRACTION` of this GPU."""
         from trainer.config import load_config
-        from trainer.plan import plan
+        from trainer.planning.job_plan import resolve_job
 
         for layers in EIGHT_B_LAYERS:
             argv = [*self.shape.eight_b, "--model.n_layers", str(layers), *self.common()]
             argv += ["--activation_checkpoint.mode", "none", "--training.loss_chunk_tokens", "0"]
-            if plan(load_config(argv), 1, "cuda").memory.total <= FIT_FRACTION * self.memory:
+            if resolve_job(load_config(argv), 1, "cuda").memory.total <= FIT_FRACTION * self.memory:
                 return layers
         return EIGHT_B_LAYERS[-1]
 

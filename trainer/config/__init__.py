@@ -1,5 +1,7 @@
-"""The job configuration: ``schema`` (what can be set), ``parser`` (TOML and command line),
-``validate`` (the rules). The names below are the package's public API."""
+"""The job configuration: ``schema`` (what can be set), ``choices`` (what its choice fields
+offer), ``parser`` (TOML and command line), ``validate`` (the rules). The names below are the
+package's public API. It imports only the ground floor (``trainer/runtime/errors.py``), never torch
+or the data stack, so ``--help`` and any tool can load it anywhere."""
 
 from trainer.config.fields import FloatList, StrList, type_name
 from trainer.config.limits import Limits

@@ -9,11 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from parallelisms.context_parallel import BACKENDS as CONTEXT_PARALLEL_BACKENDS
-from parallelisms.pipeline_parallel import SCHEDULES as PIPELINE_SCHEDULES
+from trainer.config.choices import CONTEXT_PARALLEL_BACKENDS, DATASET_KINDS, PIPELINE_SCHEDULES
 from trainer.config.fields import FloatList, StrList, fields_by_key, setting
 from trainer.config.limits import MAX_LR, MAX_SEED, MAX_SEQ_LEN, MAX_TIMEOUT_SECONDS, MAX_WEIGHT_DECAY
-from trainer.data.samples import DATASET_KINDS
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Every configuration rule that needs no world size, once: each field's limits, declared in the
 schema and checked here by one loop, then the rules that tie fields together.
 
-Rules that need the world size or the model's shape live in ``trainer/plan.py`` (and the
+Rules that need the world size or the model's shape live in ``trainer/planning/job_plan.py`` (and the
 parallelisms' own constraints beside them, in ``parallelisms/parallelize.py``).
 """
 
@@ -10,15 +10,15 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from trainer.config.choices import PACKED_DATASET_KINDS
 from trainer.config.fields import FloatList
 from trainer.config.limits import Limits
 from trainer.config.schema import FIELDS, JobConfig, Training
-from trainer.data.samples import PACKED_KINDS
 from trainer.runtime.errors import ConfigError
 
 
 def validate(config: JobConfig) -> None:
-    """Checks that need no world size (the mesh is checked by ``trainer/plan.py``)."""
+    """Checks that need no world size (the mesh is checked by ``trainer/planning/job_plan.py``)."""
     for key, (typ, f) in FIELDS.items():
         section, name = key.split(".")
         _check_value(key, typ, f.metadata["limits"], getattr(getattr(config, section), name))
@@ -47,12 +47,12 @@ def _check_value(key: str, typ: type, limits: Limits | None, value: Any) -> None
 def _training(config: JobConfig) -> None:
     training = config.training
     _mixture(training)
-    if training.document_mask and training.dataset not in PACKED_KINDS:
+    if training.document_mask and training.dataset not in PACKED_DATASET_KINDS:
         raise ConfigError(
             f"`training.document_mask` separates the documents packed into a sample, but "
             f"`training.dataset` = {training.dataset!r} holds one example per sample: there is "
             f"nothing to mask. Turn `training.document_mask` off, or use a packed kind "
-            f"({', '.join(PACKED_KINDS)})."
+            f"({', '.join(PACKED_DATASET_KINDS)})."
         )
 
 

@@ -1,4 +1,4 @@
-"""The run's training and validation datasets, as the plan names them, and how they are described
+"""The run's training and validation datasets, as the config names them, and how they are described
 to the user (at start, by ``--dry-run`` and by ``scripts/show_batch.py``).
 
 Inputs that cannot be what the user meant are refused or warned about here, where every path is
@@ -11,18 +11,15 @@ from __future__ import annotations
 import hashlib
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from trainer.config import resolve_path
+from trainer.config import JobConfig, resolve_path
 from trainer.data.mixture import Member, MixtureDataset
 from trainer.data.prepared import PreparedDataset, is_prepared
 from trainer.data.samples import SampleDataset, open_dataset
 from trainer.data.shards import MANIFEST
 from trainer.data.sources import local_files
+from trainer.data.tokenizer import Tokenizer
 from trainer.runtime.errors import DataError
-
-if TYPE_CHECKING:
-    from trainer.plan import Plan
 
 logger = logging.getLogger("meshtrain")
 
@@ -30,42 +27,53 @@ TokenDataset = SampleDataset | PreparedDataset | MixtureDataset
 """What a run trains or validates on: ``(input_ids, labels)`` samples of ``seq_len`` tokens."""
 
 
-def load_dataset(plan: Plan) -> TokenDataset:
+def validates(config: JobConfig) -> bool:
+    """Whether the run validates: ``validation.enable``, and data to validate on. The bundled
+    held-out plays only suit training on the bundled plays; training on one's own data without
+    ``validation.dataset_path`` trains without validation (and says so at start)."""
+    validation = config.validation
+    return validation.enable and bool(validation.dataset_path or not config.training.dataset_path)
+
+
+def validation_seq_len(config: JobConfig) -> int:
+    seq_len = config.validation.seq_len
+    return config.training.seq_len if seq_len == -1 else seq_len
+
+
+def load_dataset(config: JobConfig, tokenizer: Tokenizer, global_batch_size: int) -> TokenDataset:
     """The samples of ``training.dataset``: from the bundled plays, one path, or the mixture of
-    several (``training.dataset_path``, ``training.dataset_weights``)."""
-    training = plan.config.training
+    several (``training.dataset_path``, ``training.dataset_weights``), at least one global batch."""
+    training = config.training
     paths = [resolve_path(path) for path in training.dataset_path]
     _check_named_once(paths)
     if len(paths) <= 1:
-        dataset: TokenDataset = open_dataset(
-            training.dataset, paths[0] if paths else None, plan.tokenizer, training.seq_len
-        )
+        dataset: TokenDataset = open_dataset(training.dataset, paths[0] if paths else None, tokenizer, training.seq_len)
     else:
-        members = [open_dataset(training.dataset, path, plan.tokenizer, training.seq_len) for path in paths]
+        members = [open_dataset(training.dataset, path, tokenizer, training.seq_len) for path in paths]
         names = [Path(path).name for path in paths]
         if len(set(names)) < len(names):
             names = list(training.dataset_path)
         dataset = MixtureDataset(members, names, training.dataset_weights or [1.0] * len(paths))
-    if len(dataset) < plan.global_batch_size:
+    if len(dataset) < global_batch_size:
         where = f"`training.dataset_path` = {', '.join(training.dataset_path)}" if paths else "the bundled plays"
         raise DataError(
             f"{where} gives {len(dataset):,} samples of `training.seq_len` = {training.seq_len} tokens, fewer than "
-            f"one global batch of {plan.global_batch_size}, so every batch would repeat samples; add data, or lower "
+            f"one global batch of {global_batch_size}, so every batch would repeat samples; add data, or lower "
             "`training.global_batch_size` (or `training.local_batch_size`) or `training.seq_len`."
         )
     return dataset
 
 
-def load_validation_dataset(plan: Plan) -> TokenDataset | None:
+def load_validation_dataset(config: JobConfig, tokenizer: Tokenizer) -> TokenDataset | None:
     """The validation samples (``[validation]``), or None when the run does not validate."""
-    validation, training = plan.config.validation, plan.config.training
-    if not plan.validates:
+    validation, training = config.validation, config.training
+    if not validates(config):
         return None
     path = resolve_path(validation.dataset_path) if validation.dataset_path else None
     if path:
         _warn_overlap(path, [resolve_path(p) for p in training.dataset_path])
     return open_dataset(
-        validation.dataset or training.dataset, path, plan.tokenizer, plan.validation_seq_len, split="validation"
+        validation.dataset or training.dataset, path, tokenizer, validation_seq_len(config), split="validation"
     )
 
 
@@ -116,22 +124,22 @@ def _warn_overlap(path: str, training_paths: list[str]) -> None:
         )
 
 
-def describe_data(plan: Plan, dataset: TokenDataset, validation: bool = False) -> str:
+def describe_data(config: JobConfig, global_batch_size: int, dataset: TokenDataset, validation: bool = False) -> str:
     """What the run trains (or validates) on, in a line or two."""
-    training = plan.config.training
-    kind = (plan.config.validation.dataset or training.dataset) if validation else training.dataset
+    training = config.training
+    kind = (config.validation.dataset or training.dataset) if validation else training.dataset
     paths = (
-        ([plan.config.validation.dataset_path] if plan.config.validation.dataset_path else [])
+        ([config.validation.dataset_path] if config.validation.dataset_path else [])
         if validation
         else list(training.dataset_path)
     )
     source = f"{kind} from {', '.join(paths)}" if paths else f"{kind}, bundled"
-    seq_len = plan.validation_seq_len if validation else training.seq_len
+    seq_len = validation_seq_len(config) if validation else training.seq_len
     text = f"{len(dataset):,} samples of {seq_len} tokens ({source})"
     members: list[Member]
     if isinstance(dataset, MixtureDataset):
         text += "; mixture over the run: " + dataset.describe_shares(
-            training.steps, plan.global_batch_size, plan.config.debug.seed
+            training.steps, global_batch_size, config.debug.seed
         )
         members = dataset.members
     else:
@@ -140,15 +148,17 @@ def describe_data(plan: Plan, dataset: TokenDataset, validation: bool = False) -
     return "; ".join([text] + [s.describe(seq_len) for s in stats])
 
 
-def data_lines(plan: Plan, dataset: TokenDataset, validation_dataset: TokenDataset | None) -> str:
+def data_lines(
+    config: JobConfig, global_batch_size: int, dataset: TokenDataset, validation_dataset: TokenDataset | None
+) -> str:
     """What the run trains and validates on."""
-    lines = [f"data: {describe_data(plan, dataset)}"]
+    lines = [f"data: {describe_data(config, global_batch_size, dataset)}"]
     if validation_dataset is not None:
         lines.append(
-            f"validation every {plan.config.validation.freq} steps and at the end: "
-            f"{describe_data(plan, validation_dataset, validation=True)}"
+            f"validation every {config.validation.freq} steps and at the end: "
+            f"{describe_data(config, global_batch_size, validation_dataset, validation=True)}"
         )
-    elif plan.config.validation.enable:
+    elif config.validation.enable:
         lines.append(
             "no validation: `validation.enable` is set but `validation.dataset_path` is empty, and the "
             "bundled held-out plays are no validation set for `training.dataset_path`; point "

@@ -7,6 +7,7 @@ from trainer.metrics.accounting import (
     MemoryStats,
     device_memory,
     flops_per_token,
+    model_flops_per_token,
     peak_flops,
     tokens_per_second_per_device,
 )
@@ -14,7 +15,6 @@ from trainer.metrics.dashboard import DASHBOARD_ALIASES
 from trainer.metrics.logger import (
     CONSOLE_TTY_ENV,
     MetricsLogger,
-    StepStats,
     format_duration,
     use_color,
 )
@@ -25,10 +25,10 @@ __all__ = [
     "PEAK_BF16_FLOPS",
     "MemoryStats",
     "MetricsLogger",
-    "StepStats",
     "device_memory",
     "flops_per_token",
     "format_duration",
+    "model_flops_per_token",
     "peak_flops",
     "tokens_per_second_per_device",
     "use_color",

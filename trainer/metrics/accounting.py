@@ -11,22 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
+from trainer.hardware import GIB, PEAK_BF16_FLOPS
+from trainer.model.llama3 import ModelArgs, num_params, whole_model
+
 logger = logging.getLogger("meshtrain")
-
-_GIB = 1024**3
-
-# Dense (no 2:4 sparsity) bf16 tensor-core peaks from the vendor datasheets.
-# Keys are substrings that must all appear in ``torch.cuda.get_device_name()``
-# (case-insensitive). The first matching entry wins, so variants that share a
-# family name with a faster part (H100 NVL/PCIe vs. SXM) must come first.
-PEAK_BF16_FLOPS: dict[tuple[str, ...], float] = {
-    ("H100", "NVL"): 835e12,
-    ("H100", "PCIe"): 756e12,
-    ("H100",): 989e12,
-    ("H200",): 989e12,
-    ("A100",): 312e12,
-    ("B200",): 2.25e15,
-}
 
 
 def peak_flops(device: torch.device, override: float | None = None) -> float | None:
@@ -64,6 +52,11 @@ def flops_per_token(num_params_non_embedding: int, n_layers: int, dim: int, seq_
     estimate torchtitan uses, so MFU numbers are comparable across the two.
     """
     return 6 * num_params_non_embedding + 12 * n_layers * dim * seq_len
+
+
+def model_flops_per_token(args: ModelArgs, seq_len: int) -> int:
+    """:func:`flops_per_token` of the whole model ``args`` describes, whatever share of it a rank holds."""
+    return flops_per_token(num_params(whole_model(args), exclude_embedding=True), args.n_layers, args.dim, seq_len)
 
 
 def tokens_per_second_per_device(tokens: int, seconds: float, devices_per_replica: int) -> float:
@@ -116,8 +109,8 @@ def device_memory(device: torch.device) -> MemoryStats:
         active = stats.get("active_bytes.all.peak", 0)
         reserved = stats.get("reserved_bytes.all.peak", 0)
         return MemoryStats(
-            active_gib=active / _GIB,
-            reserved_gib=reserved / _GIB,
+            active_gib=active / GIB,
+            reserved_gib=reserved / GIB,
             active_pct=100 * active / total,
             reserved_pct=100 * reserved / total,
             num_alloc_retries=stats.get("num_alloc_retries", 0),
@@ -126,4 +119,4 @@ def device_memory(device: torch.device) -> MemoryStats:
     max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     # Linux reports ru_maxrss in KiB, macOS in bytes.
     rss_bytes = max_rss if sys.platform == "darwin" else max_rss * 1024
-    return MemoryStats(active_gib=rss_bytes / _GIB)
+    return MemoryStats(active_gib=rss_bytes / GIB)

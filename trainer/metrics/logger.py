@@ -15,7 +15,6 @@ import logging
 import os
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
@@ -30,6 +29,7 @@ if TYPE_CHECKING:
 from trainer.metrics.accounting import MemoryStats, device_memory, tokens_per_second_per_device
 from trainer.metrics.dashboard import DASHBOARD_ALIASES, Tag, layout_summary, written_tags
 from trainer.runtime.errors import JobError
+from trainer.step import StepStats
 
 logger = logging.getLogger("meshtrain")
 
@@ -54,31 +54,6 @@ def use_color(disabled: bool, stream: TextIO, environ: Mapping[str, str] = os.en
     if inherited is not None:
         return inherited == "1"
     return stream.isatty()
-
-
-@dataclass(frozen=True, slots=True)
-class StepStats:
-    """What the trainer measured in one optimizer step.
-
-    Losses and ``n_valid_tokens`` are expected to be already reduced across
-    ranks (global values) so every rank would log the same numbers, while
-    ``local_tokens`` stays per-process because throughput is reported per
-    device.
-    """
-
-    step: int
-    loss_avg: float
-    loss_max: float
-    grad_norm: float
-    lr: float
-    n_valid_tokens: int
-    local_tokens: int
-    n_skipped_steps: int
-    """Steps skipped so far in the run (counted by the train state, restored on resume)."""
-    data_time_s: float
-    step_time_s: float
-    skip_reason: str = ""
-    """Why this step's optimizer step was skipped (empty when it was not)."""
 
 
 _ANSI = {
@@ -230,11 +205,11 @@ class MetricsLogger:
             logger.info(self._console_line(stats, memory, tps, tflops, mfu, eta))
         if self._writer is not None:
             scalars: dict[str, float] = {
-                Tag.LOSS_AVG: stats.loss_avg,
-                Tag.LOSS_MAX: stats.loss_max,
-                Tag.GRAD_NORM: stats.grad_norm,
+                Tag.LOSS_AVG: stats.result.loss_avg,
+                Tag.LOSS_MAX: stats.result.loss_max,
+                Tag.GRAD_NORM: stats.result.grad_norm,
                 Tag.LR: stats.lr,
-                Tag.VALID_TOKENS: stats.n_valid_tokens,
+                Tag.VALID_TOKENS: stats.result.n_valid_tokens,
                 Tag.TOKENS_SEEN: self._global_tokens_per_step * stats.step,
                 Tag.TPS: tps,
                 Tag.TFLOPS: tflops,
@@ -312,9 +287,9 @@ class MetricsLogger:
             shown_memory = f"{memory.active_gib:.2f}GiB"
         fields = [
             f"{c['cyan']}step: {stats.step}/{self._total_steps}",
-            f"{c['green']}loss: {stats.loss_avg:.4f}",
-            f"{c['green']}max loss: {stats.loss_max:.4f}",
-            f"{c['yellow']}grad norm: {stats.grad_norm:.4f}",
+            f"{c['green']}loss: {stats.result.loss_avg:.4f}",
+            f"{c['green']}max loss: {stats.result.loss_max:.4f}",
+            f"{c['yellow']}grad norm: {stats.result.grad_norm:.4f}",
             f"{c['blue']}memory: {shown_memory}",
             f"{c['magenta']}tps/device: {tps:,.0f}",
             f"{c['magenta']}tflops: {tflops:.2f}",

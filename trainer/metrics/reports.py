@@ -12,18 +12,19 @@ from typing import TYPE_CHECKING
 from parallelisms.parallelize import pipeline_split
 from trainer.checkpoint.folders import step_folders
 from trainer.config import changed_settings, to_toml
-from trainer.metrics.logger import MetricsLogger, StepStats, format_duration
+from trainer.metrics.logger import MetricsLogger, format_duration
 from trainer.model.llama3 import num_params, whole_model
+from trainer.step import StepStats
 
 if TYPE_CHECKING:
     import torch
 
-    from trainer.plan import Plan
+    from trainer.planning.job_plan import JobPlan
 
 logger = logging.getLogger("meshtrain")
 
 
-def save_config(plan: Plan) -> Path:
+def save_config(plan: JobPlan) -> Path:
     """Write the resolved config to the dump folder and log the settings that differ from the
     code's defaults; return the file's path."""
     config_file = Path(plan.config.job.dump_folder) / "config.toml"
@@ -36,7 +37,7 @@ def save_config(plan: Plan) -> Path:
     return config_file
 
 
-def batch_line(plan: Plan) -> str:
+def batch_line(plan: JobPlan) -> str:
     """How a rank's share of the global batch is run: accumulation micro-batches, or under PP
     the schedule's pipeline micro-batches and the stage layout (blocks per stage)."""
     training, settings = plan.config.training, plan.parallel
@@ -51,7 +52,7 @@ def batch_line(plan: Plan) -> str:
     )
 
 
-def log_start(plan: Plan, device: torch.device, metrics: MetricsLogger, data_lines: str) -> None:
+def log_start(plan: JobPlan, device: torch.device, metrics: MetricsLogger, data_lines: str) -> None:
     config, dims, training = plan.config, plan.dims, plan.config.training
     logger.info(
         "%s %s: %s parameters | mesh pp=%d dp_replicate=%d dp_shard=%d cp=%d tp=%d on %s | "
@@ -75,7 +76,7 @@ def log_start(plan: Plan, device: torch.device, metrics: MetricsLogger, data_lin
 
 
 def log_end(
-    plan: Plan,
+    plan: JobPlan,
     last_step: int,
     n_skipped_steps: int,
     last: StepStats,
@@ -97,7 +98,7 @@ def log_end(
         format_duration(seconds),
         f"{tokens:,}",
         f"{tokens / max(seconds, 1e-9):,.0f}",
-        last.loss_avg,
+        last.result.loss_avg,
         saved[-1][1] if saved else "none (`--checkpoint.enable` saves them)",
         f"tensorboard --logdir {metrics.tb_dir}" if metrics.tb_dir else "off",
     )

@@ -36,8 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainer.config import ConfigError
-from trainer.runtime.errors import BusyFolderError
+from trainer.runtime.errors import BusyFolderError, ConfigError
 
 logger = logging.getLogger("meshtrain")
 

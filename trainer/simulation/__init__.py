@@ -1,1 +1,1 @@
-"""Simulate a whole job on fake tensors before a GPU is rented (``--simulate``; see ``simulate.py``)."""
+"""Simulate a whole job on fake tensors before a GPU is rented (``--simulate``; the mode itself is ``trainer/entry/simulate.py``)."""

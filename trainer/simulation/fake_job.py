@@ -6,7 +6,7 @@ parallelises the model on the meta device outside the fake mode (FSDP x TP mesh 
 reads tensor values, which fake tensors do not have), then materialises it (drawing no initial
 values: fake tensors hold none) and builds the optimizer, the accumulator and the pipeline
 inside it. The optimizer's state is made as its first step would make it, then one steady
-training step runs through ``trainer.train``'s own functions, with the loader's batches of the
+training step runs through ``trainer.step``'s own functions, with the loader's batches of the
 configured shape (shortened to a few micro-batches: ``microbatches.py``). A
 :class:`~trainer.simulation.memory_tracker.MemoryTracker` counts every storage; a
 :class:`~trainer.simulation.cost_model.CostRecorder` counts the step's FLOPs, memory traffic
@@ -35,13 +35,13 @@ from parallelisms.parallel_dims import Meshes
 from parallelisms.pipeline_parallel import Pipeline
 from parallelisms.torch_private import pipelining
 from parallelisms.torch_private.fake import FakeStore, FakeTensorMode, disable_current_modes
-from trainer.build import StepParts, build_step_parts
+from trainer.build import build_step_parts
 from trainer.grad_accumulator import StepResult
-from trainer.plan import Plan
+from trainer.planning.job_plan import JobPlan
 from trainer.simulation.cost_model import CostRecorder, TracedCost, group_infos
 from trainer.simulation.memory_tracker import MemoryProfile, MemoryTracker, label_training_state
 from trainer.simulation.microbatches import extend, rank_count, schedule_count, steady_microbatches
-from trainer.train import fetch_step, forward_backward, optimizer_step
+from trainer.step import StepParts, fetch_step, forward_backward, optimizer_step
 
 
 @dataclass
@@ -126,7 +126,7 @@ class PipelineMetadata:
 
 
 def run_rank(
-    plan: Plan,
+    plan: JobPlan,
     rank: int,
     gpus_per_node: int,
     metadata: PipelineMetadata,
@@ -142,31 +142,31 @@ def run_rank(
         tracker = MemoryTracker()
         allocating = _Allocating(FakeTensorMode(allow_non_fake_inputs=True), tracker)
         samples = SyntheticSamples(plan.global_batch_size, plan.config.training.seq_len)
-        trainer = build_step_parts(plan, samples, allocating)
-        if trainer.pipeline is not None:
-            metadata.attach(trainer.pipeline)
-        recorder = CostRecorder(group_infos(mesh_groups(trainer.meshes), gpus_per_node))
+        parts = build_step_parts(plan, samples, allocating)
+        if parts.pipeline is not None:
+            metadata.attach(parts.pipeline)
+        recorder = CostRecorder(group_infos(mesh_groups(parts.meshes), gpus_per_node))
         tracker.observers.append(recorder)
-        _label_state(tracker, trainer)
+        _label_state(tracker, parts)
         tracker.label_live("buffers", keep=("params",))
         with allocating:
-            _create_optimizer_state(trainer, tracker)
-        _phase_finalize(trainer, tracker, recorder)
-        _attribute_microbatches(trainer, recorder, tracker)
-        pp_rank = trainer.meshes.pp.get_local_rank()
+            _create_optimizer_state(parts, tracker)
+        _phase_finalize(parts, tracker, recorder)
+        _attribute_microbatches(parts, recorder, tracker)
+        pp_rank = parts.meshes.pp.get_local_rank()
         traced = rank_count(plan, pp_rank) if shorten else schedule_count(plan)
-        if trainer.pipeline is not None and traced < real_microbatches:
-            fewer_pipeline_microbatches(trainer.pipeline, traced, real_microbatches)
-        microbatches = fetch_step(trainer)
+        if parts.pipeline is not None and traced < real_microbatches:
+            fewer_pipeline_microbatches(parts.pipeline, traced, real_microbatches)
+        microbatches = fetch_step(parts)
         recorder.enabled = True
         with allocating, _attention_biases_outside_the_fake_mode():
             tracker.set_phase("forward", 1)
             tracker.stepping = True
-            result: StepResult = forward_backward(trainer, microbatches)
+            result: StepResult = forward_backward(parts, microbatches)
             tracker.set_phase("optimizer")
-            optimizer_step(trainer, result)
-            _label_state(tracker, trainer)
-        stages = [s.stage_index for s in trainer.pipeline.stages] if trainer.pipeline is not None else [0]
+            optimizer_step(parts, result)
+            _label_state(tracker, parts)
+        stages = [s.stage_index for s in parts.pipeline.stages] if parts.pipeline is not None else [0]
         profile = tracker.profile()
         dist.barrier()
     finally:
@@ -238,14 +238,14 @@ def fewer_pipeline_microbatches(pipeline: Pipeline, count: int, real: int) -> No
     pipeline.step = shortened  # type: ignore[method-assign]
 
 
-def _create_optimizer_state(trainer: StepParts, tracker: MemoryTracker) -> None:
+def _create_optimizer_state(parts: StepParts, tracker: MemoryTracker) -> None:
     """Make AdamW's state before the traced step, so that it is a steady one, as every step
     after the first is. The state is made as AdamW's first step makes it (``create_adamw_state``),
     not by that step: DTensor plans a fused or multi-tensor op over a rank's hundreds of
     parameters for seconds, a cost the traced step pays once already."""
     tracker.set_phase("optimizer", 0)
-    create_adamw_state(trainer.optimizer)
-    _label_state(tracker, trainer)
+    create_adamw_state(parts.optimizer)
+    _label_state(tracker, parts)
 
 
 def create_adamw_state(optimizer: torch.optim.Optimizer) -> None:
@@ -265,23 +265,23 @@ def create_adamw_state(optimizer: torch.optim.Optimizer) -> None:
                 state["max_exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
 
 
-def _attribute_microbatches(trainer: StepParts, recorder: CostRecorder, tracker: MemoryTracker) -> None:
+def _attribute_microbatches(parts: StepParts, recorder: CostRecorder, tracker: MemoryTracker) -> None:
     """Tell ``recorder`` which micro-batch runs: the accumulator starts each one; under PP the
     schedule runs each stage's chunks (and the transfers after them) by micro-batch index. After
     each pipeline backward, ``tracker`` learns what the gradients FSDP holds unsharded are: the
     last one reduces and frees them before the step ends."""
-    if trainer.pipeline is None:
-        prepare: Callable[[int], None] = trainer.accumulator.prepare_backward
+    if parts.pipeline is None:
+        prepare: Callable[[int], None] = parts.accumulator.prepare_backward
 
         def starting(microbatch: int) -> None:
             recorder.microbatch = microbatch
             prepare(microbatch)
 
-        trainer.accumulator.prepare_backward = starting  # type: ignore[method-assign]
+        parts.accumulator.prepare_backward = starting  # type: ignore[method-assign]
     else:
-        for stage in trainer.pipeline.stages:
+        for stage in parts.pipeline.stages:
             for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
-                after = functools.partial(_label_state, tracker, trainer) if name.startswith("backward") else None
+                after = functools.partial(_label_state, tracker, parts) if name.startswith("backward") else None
                 setattr(stage, name, _running_chunk(getattr(stage, name), recorder, after))
 
 
@@ -299,21 +299,21 @@ def _running_chunk(
     return running
 
 
-def _phase_finalize(trainer: StepParts, tracker: MemoryTracker, recorder: CostRecorder) -> None:
+def _phase_finalize(parts: StepParts, tracker: MemoryTracker, recorder: CostRecorder) -> None:
     """Mark the accumulator's finalize as a phase of its own (the loop calls it inside
     ``forward_backward``), run by no micro-batch, and label the gradients it is about to scale."""
-    finalize: Callable[[], StepResult] = trainer.accumulator.finalize
+    finalize: Callable[[], StepResult] = parts.accumulator.finalize
 
     def phased() -> StepResult:
         tracker.stepping = False
         recorder.microbatch = None
         tracker.set_phase("finalize")
-        _label_state(tracker, trainer)
+        _label_state(tracker, parts)
         return finalize()
 
-    trainer.accumulator.finalize = phased  # type: ignore[method-assign]
+    parts.accumulator.finalize = phased  # type: ignore[method-assign]
 
 
-def _label_state(tracker: MemoryTracker, trainer: StepParts) -> None:
-    modules = [trainer.model] + ([s.submod for s in trainer.pipeline.stages] if trainer.pipeline else [])
-    label_training_state(tracker, modules, trainer.optimizer)
+def _label_state(tracker: MemoryTracker, parts: StepParts) -> None:
+    modules = [parts.model] + ([s.submod for s in parts.pipeline.stages] if parts.pipeline else [])
+    label_training_state(tracker, modules, parts.optimizer)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from trainer.plan import Plan
+from trainer.planning.job_plan import JobPlan
 from trainer.simulation.cost_model import FSDP_DIMS, Collective, MicrobatchCosts, TracedCost
 
 ACCUMULATION_TRACED = 4
@@ -38,12 +38,12 @@ SHORTENED_SCHEDULES = ("1F1B",)
 """The pipeline schedules traced shortened (see the module docstring)."""
 
 
-def schedule_count(plan: Plan) -> int:
+def schedule_count(plan: JobPlan) -> int:
     """The micro-batches one step of ``plan`` runs: the pipeline's under PP, else accumulation's."""
     return plan.pipeline_microbatches if plan.dims.pp > 1 else plan.microbatches
 
 
-def traced_count(plan: Plan) -> int:
+def traced_count(plan: JobPlan) -> int:
     """How many micro-batches a step of the simulation holds (see the module docstring); a
     pipeline rank may trace fewer (:func:`rank_count`)."""
     count = schedule_count(plan)
@@ -55,7 +55,7 @@ def traced_count(plan: Plan) -> int:
     return count
 
 
-def rank_count(plan: Plan, pp_rank: int) -> int:
+def rank_count(plan: JobPlan, pp_rank: int) -> int:
     """How many micro-batches pipeline rank ``pp_rank`` traces, of ``plan``'s (traced) step."""
     count = schedule_count(plan)
     if plan.dims.pp == 1 or plan.parallel.pp_schedule not in SHORTENED_SCHEDULES:
@@ -63,7 +63,7 @@ def rank_count(plan: Plan, pp_rank: int) -> int:
     return min(count, max(PIPELINE_TRACED, plan.dims.pp - pp_rank + 1))
 
 
-def shortened_args(plan: Plan, traced: int) -> list[str]:
+def shortened_args(plan: JobPlan, traced: int) -> list[str]:
     """Command-line settings that make ``plan``'s job run ``traced`` micro-batches a step, each
     of the same shape."""
     if traced == schedule_count(plan):
@@ -104,7 +104,7 @@ def extend(costs: MicrobatchCosts, traced: int, real: int, steady: range, reduce
     )
 
 
-def steady_microbatches(plan: Plan, traced: int) -> range:
+def steady_microbatches(plan: JobPlan, traced: int) -> range:
     """The traced micro-batches that stand for the ones not traced. Under gradient accumulation,
     from the third on: the first gathers what the step gathers once, and FSDP finishes its
     reduction in the second. Under 1F1B, all but the first: a rank traces warm-up micro-batches

@@ -16,38 +16,21 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from trainer.metrics import flops_per_token
-from trainer.model.llama3 import Transformer, num_params
-from trainer.plan import Plan
-from trainer.runtime.memory_plan import fixes
+from trainer.hardware import gib
+from trainer.metrics import model_flops_per_token
+from trainer.planning.job_plan import JobPlan
+from trainer.planning.memory_plan import what_would_fit
 from trainer.simulation.cost_model import ASSUMPTIONS, step_time
 from trainer.simulation.fake_job import RoleRun
 from trainer.simulation.memory_tracker import CATEGORIES
 from trainer.simulation.targets import Target
 
-_GIB = 1024**3
 
-
-def _gib(n: float) -> str:
-    return f"{n / _GIB:.2f} GiB"
-
-
-def model_flops_per_token(plan: Plan) -> int:
-    import torch
-
-    with torch.device("meta"):
-        model = Transformer(plan.model_args)
-    args = plan.model_args
-    return flops_per_token(
-        num_params(model, exclude_embedding=True), args.n_layers, args.dim, plan.config.training.seq_len
-    )
-
-
-def build_report(plan: Plan, target: Target, runs: list[RoleRun]) -> dict[str, Any]:
+def build_report(plan: JobPlan, target: Target, runs: list[RoleRun]) -> dict[str, Any]:
     """The JSON document (see the module docstring)."""
     dims, training = plan.dims, plan.config.training
     tokens = plan.global_batch_size * training.seq_len
-    per_token = model_flops_per_token(plan)
+    per_token = model_flops_per_token(plan.model_args, training.seq_len)
     roles: list[dict[str, Any]] = []
     for run in runs:
         time = step_time(
@@ -120,23 +103,16 @@ def build_report(plan: Plan, target: Target, runs: list[RoleRun]) -> dict[str, A
     }
 
 
-def fit_advice(plan: Plan, target: Target, report: dict[str, Any]) -> str:
+def fit_advice(plan: JobPlan, target: Target, report: dict[str, Any]) -> str:
     """Which role does not fit and what would (the pre-launch estimate's own suggestions)."""
     over = [r for r in report["roles"] if not r["fits"]]
     worst = max(over, key=lambda r: r["needed_bytes"])
-    workload = plan.workload
-    if target.name != "cpu" and hasattr(workload, "device"):
-        workload = replace(workload, device="cuda")
-    how, changes = fixes(workload, target.memory_bytes, plan.dims.world_size)
-    if not changes:
-        advice = "nothing the mesh or the batch can change fits it: use larger GPUs or a smaller `model.flavor`"
-    elif how == "any":
-        advice = "any one of these would fit by the pre-launch estimate: " + "; or ".join(changes)
-    else:
-        advice = "these together would fit by the pre-launch estimate: " + ", ".join(changes)
+    workload = plan.workload if target.name == "cpu" else replace(plan.workload, device="cuda")
+    advice = what_would_fit(workload, target.memory_bytes, plan.dims.world_size, machines="GPUs")
     return (
-        f"does not fit: pipeline stage {worst['pp_stage']} ({worst['ranks']} ranks) needs {_gib(worst['needed_bytes'])}, "
-        f"more than the {target.name}'s {_gib(target.memory_bytes)}; {advice}. Simulate again to confirm."
+        f"does not fit: pipeline stage {worst['pp_stage']} ({worst['ranks']} ranks) needs {gib(worst['needed_bytes'])}, "
+        f"more than the {target.name}'s {gib(target.memory_bytes)}; by the pre-launch estimate, {advice}. "
+        "Simulate again to confirm."
     )
 
 
@@ -146,25 +122,25 @@ def render(report: dict[str, Any]) -> str:
     lines = [
         f"simulated {report['model']['flavor']} on {report['world_size']} ranks: mesh "
         + " ".join(f"{k}={v}" for k, v in mesh.items())
-        + f"; target {target['name']} ({_gib(target['memory_bytes'])}, "
+        + f"; target {target['name']} ({gib(target['memory_bytes'])}, "
         f"{target['bf16_flops'] / 1e12:.3g} TFLOP/s bf16, {target['hbm_bytes_per_s'] / 1e12:.3g} TB/s)",
     ]
     for role in report["roles"]:
         memory = role["memory"]
-        parts = " + ".join(f"{_gib(memory[c])} {c}" for c in CATEGORIES if memory.get(c))
+        parts = " + ".join(f"{gib(memory[c])} {c}" for c in CATEGORIES if memory.get(c))
         headroom = 1 - role["needed_bytes"] / target["memory_bytes"]
-        comm = ", ".join(f"{dim} {_gib(b)}" for dim, b in role["comm_bytes_per_step"].items()) or "none"
+        comm = ", ".join(f"{dim} {gib(b)}" for dim, b in role["comm_bytes_per_step"].items()) or "none"
         lines += [
             f"pipeline stage {role['pp_stage']} (stages {role['stages']}, {role['ranks']} ranks; "
             f"rank {role['simulated_rank']} simulated in {role['simulated_in_s']:.1f} s)",
-            f"  peak {_gib(role['peak_bytes'])} in step {role['peak_step']} {role['peak_phase']} = {parts}",
-            f"  needed with runtime and allocator slack: {_gib(role['needed_bytes'])} -> "
+            f"  peak {gib(role['peak_bytes'])} in step {role['peak_step']} {role['peak_phase']} = {parts}",
+            f"  needed with runtime and allocator slack: {gib(role['needed_bytes'])} -> "
             + (f"fits ({headroom:.0%} headroom)" if role["fits"] else "DOES NOT FIT"),
             "  largest: "
             + ", ".join(
-                f"{c} {_gib(role['memory_largest'][c])}" for c in ("params", "grads", "optimizer", "activations")
+                f"{c} {gib(role['memory_largest'][c])}" for c in ("params", "grads", "optimizer", "activations")
             ),
-            f"  per step: {role['flops_per_step']:.3g} FLOPs, {_gib(role['memory_traffic_bytes_per_step'])} "
+            f"  per step: {role['flops_per_step']:.3g} FLOPs, {gib(role['memory_traffic_bytes_per_step'])} "
             f"memory traffic; communication {comm}",
             f"  time: compute {role['compute_s']:.3f} s + memory-bound {role['memory_bound_s']:.3f} s + exposed "
             f"communication {role['exposed_comm_s']:.3f} s, bubble {role['bubble']:.0%} -> step "
@@ -177,7 +153,7 @@ def render(report: dict[str, Any]) -> str:
     )
     lines.append(
         f"assumptions (target figures overridable with --target.KEY; efficiency {target['efficiency']}, "
-        f"HBM efficiency {target['hbm_efficiency']}, runtime {_gib(target['runtime_bytes'])}, allocator slack "
+        f"HBM efficiency {target['hbm_efficiency']}, runtime {gib(target['runtime_bytes'])}, allocator slack "
         f"{target['allocator_slack']:.0%} of the activations):"
     )
     lines += [f"  - {a}" for a in report["assumptions"]]

@@ -21,7 +21,7 @@ import time
 from multiprocessing import forkserver
 from multiprocessing.pool import AsyncResult
 
-from trainer.plan import Plan
+from trainer.planning.job_plan import JobPlan
 from trainer.simulation.fake_job import PipelineMetadata, RoleRun, run_rank
 
 MAX_PROCESSES = 4
@@ -37,12 +37,12 @@ def start_fork_server() -> multiprocessing.context.BaseContext:
     return context
 
 
-def rank_of_stage(plan: Plan, pp_rank: int) -> int:
+def rank_of_stage(plan: JobPlan, pp_rank: int) -> int:
     """The first global rank of pipeline rank ``pp_rank`` (pp is the mesh's outermost dimension)."""
     return pp_rank * (plan.dims.world_size // plan.dims.pp)
 
 
-def run_roles(plan: Plan, gpus_per_node: int, real_microbatches: int, shorten: bool = True) -> list[RoleRun]:
+def run_roles(plan: JobPlan, gpus_per_node: int, real_microbatches: int, shorten: bool = True) -> list[RoleRun]:
     """One rank of every pipeline stage of ``plan``, simulated (see the module docstring);
     ``shorten``: a pipeline rank may trace fewer of ``plan``'s micro-batches (``microbatches.py``)."""
     context = start_fork_server()
@@ -79,7 +79,7 @@ def _first_forward_metadata(published: queue.Queue, first: AsyncResult) -> objec
 
 
 def _run_child(
-    plan: Plan,
+    plan: JobPlan,
     pp_rank: int,
     gpus_per_node: int,
     real_microbatches: int,

@@ -1,8 +1,7 @@
 """The machines a job can be simulated for (``--target-gpu NAME``) and the user's corrections.
 
-Figures are per GPU, from the vendors' data sheets (SXM parts, dense bf16 without sparsity);
-``memory_bytes`` is what ``torch.cuda.get_device_properties().total_memory`` reports, a little
-less than the marketed size. ``cpu`` is this machine: its RAM shared by the ranks of a node, and
+A GPU's figures are the hardware table's (``trainer/hardware.py``), with the efficiencies and
+latencies the simulator assumes. ``cpu`` is this machine: its RAM shared by the ranks of a node, and
 matmul and copy rates measured in a fraction of a second, so the simulator can be checked against
 real runs here. Any figure can be overridden on the command line (:data:`OVERRIDES`).
 """
@@ -16,9 +15,9 @@ from typing import Any
 
 import torch
 
+from trainer import hardware
+from trainer.hardware import ALLOCATOR_SLACK, GIB, RUNTIME_BYTES
 from trainer.runtime.errors import ConfigError
-
-_GIB = 1024**3
 
 
 @dataclass(frozen=True)
@@ -37,9 +36,9 @@ class Target:
     """Fraction of ``bf16_flops`` the matmuls reach."""
     hbm_efficiency: float = 0.7
     """Fraction of ``hbm_bytes_per_s`` the memory-bound ops reach."""
-    runtime_bytes: int = int(1.5 * _GIB)
+    runtime_bytes: int = RUNTIME_BYTES["cuda"]
     """Held whatever the model: the CUDA context and NCCL's buffers (the CPU process's own memory)."""
-    allocator_slack: float = 0.1
+    allocator_slack: float = ALLOCATOR_SLACK["cuda"]
     """Memory the allocator holds beyond the live tensors, as a fraction of the peak's activations."""
 
     def to_json(self) -> dict[str, object]:
@@ -47,15 +46,15 @@ class Target:
 
 
 GPUS: dict[str, Target] = {
-    "h100": Target("h100", 85_029_158_912, 989e12, 3.35e12, 450e9, 400e9 / 8),
-    "h200": Target("h200", 150_754_820_096, 989e12, 4.8e12, 450e9, 400e9 / 8),
-    "a100": Target("a100", 85_089_697_792, 312e12, 2.0e12, 300e9, 200e9 / 8),
-    "b200": Target("b200", 183_359 * 1024**2, 2.25e15, 8.0e12, 900e9, 400e9 / 8),
+    name: Target(
+        name, gpu.memory_bytes, gpu.bf16_flops, gpu.hbm_bytes_per_s, gpu.nvlink_bytes_per_s, gpu.network_bytes_per_s
+    )
+    for name, gpu in hardware.GPUS.items()
 }
 NAMES = (*GPUS, "cpu")
 
 OVERRIDES: dict[str, tuple[str, float]] = {
-    "memory_gib": ("memory_bytes", _GIB),
+    "memory_gib": ("memory_bytes", GIB),
     "bf16_tflops": ("bf16_flops", 1e12),
     "hbm_tb_per_s": ("hbm_bytes_per_s", 1e12),
     "nvlink_gb_per_s": ("nvlink_bytes_per_s", 1e9),
@@ -64,7 +63,7 @@ OVERRIDES: dict[str, tuple[str, float]] = {
     "network_alpha_us": ("network_alpha_s", 1e-6),
     "efficiency": ("efficiency", 1.0),
     "hbm_efficiency": ("hbm_efficiency", 1.0),
-    "runtime_gib": ("runtime_bytes", _GIB),
+    "runtime_gib": ("runtime_bytes", GIB),
     "allocator_slack": ("allocator_slack", 1.0),
 }
 """``--target.KEY VALUE`` -> the field it sets and the unit it is given in."""
@@ -96,8 +95,8 @@ def cpu_target(ranks_per_node: int) -> Target:
         network_alpha_s=100e-6,
         efficiency=1.0,
         hbm_efficiency=1.0,
-        runtime_bytes=int(0.4 * _GIB),
-        allocator_slack=0.45,
+        runtime_bytes=RUNTIME_BYTES["cpu"],
+        allocator_slack=ALLOCATOR_SLACK["cpu"],
     )
 
 
@@ -111,7 +110,7 @@ def _rate(work: object, units: float, seconds: float = 0.15) -> float:
 
 
 def parse_overrides(overrides: dict[str, str]) -> dict[str, float]:
-    """``--target.KEY VALUE`` as given (``trainer/runtime/job.py`` collects them): each a known
+    """``--target.KEY VALUE`` as given (``trainer/entry/job.py`` collects them): each a known
     figure and a positive number."""
     parsed: dict[str, float] = {}
     for field, value in overrides.items():

@@ -1,10 +1,12 @@
 """What a config resolves to on a world size, checked before any process group exists.
 
 A mistake in the config, the mesh or the tokenizer must fail in seconds with a message naming
-the key, never hang a collective: :func:`plan` resolves the mesh shape, the model's shape, the
+the key, never hang a collective: :func:`resolve_job` resolves the mesh shape, the model's shape, the
 number of micro-batches and the parallelism settings, and runs every check that needs the world
 size. The parallelisms' own constraints live beside them (``parallelisms/parallelize.py``); here
-their errors are rendered with the config keys the user wrote.
+their errors are rendered with the config keys the user wrote. Resolving writes nothing (the
+simulator resolves a second, traced plan of the same job): the dump folder is probed while
+preparing, in ``trainer/entry/job.py``.
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ from parallelisms.parallelize import ModelShape, ParallelSettings, check
 from parallelisms.torch_private import UnsupportedTorch
 from parallelisms.torch_private import check as check_torch_internals
 from trainer.config import ConfigError, JobConfig, resolve_path
+from trainer.data.datasets import validates, validation_seq_len
 from trainer.data.tokenizer import Tokenizer, load_tokenizer
+from trainer.hardware import gib
 from trainer.model.llama3 import ModelArgs, model_args
-from trainer.runtime.dump_folder import check_dump_folder
-from trainer.runtime.memory_limits import TARGET_MEMORY_BYTES, cpu_limit_per_rank, gpu_limit
-from trainer.runtime.memory_plan import Estimate, Workload, estimate, fixes, gib
+from trainer.planning.memory_limits import TARGET_MEMORY_BYTES, cpu_limit_per_rank, gpu_limit
+from trainer.planning.memory_plan import Estimate, Workload, estimate, what_would_fit
 
 SETTING_KEYS = {
     "dp_replicate": "`parallelism.data_parallel_replicate_degree`",
@@ -50,7 +53,7 @@ SETTING_KEYS = {
 
 
 @dataclass
-class Plan:
+class JobPlan:
     """The config resolved for one world size."""
 
     config: JobConfig
@@ -82,19 +85,14 @@ class Plan:
 
     @property
     def validates(self) -> bool:
-        """Whether the run validates: ``validation.enable``, and data to validate on. The bundled
-        held-out plays only suit training on the bundled plays; training on one's own data
-        without ``validation.dataset_path`` trains without validation (and says so at start)."""
-        validation = self.config.validation
-        return validation.enable and bool(validation.dataset_path or not self.config.training.dataset_path)
+        return validates(self.config)
 
     @property
     def validation_seq_len(self) -> int:
-        seq_len = self.config.validation.seq_len
-        return self.config.training.seq_len if seq_len == -1 else seq_len
+        return validation_seq_len(self.config)
 
 
-def plan(config: JobConfig, world_size: int, device: str | None = None) -> Plan:
+def resolve_job(config: JobConfig, world_size: int, device: str | None = None) -> JobPlan:
     """Validate ``config`` against ``world_size``; raise :class:`ConfigError` naming the key.
 
     ``device``: the device type the job will run on ("cuda", "cpu"), when it is not this
@@ -147,13 +145,12 @@ def plan(config: JobConfig, world_size: int, device: str | None = None) -> Plan:
         )
     if config.profiling.enable_memory_snapshot and device != "cuda":
         raise ConfigError("`profiling.enable_memory_snapshot` records the CUDA allocator: it needs a GPU.")
-    check_dump_folder(config.job.dump_folder)
     if config.checkpoint.create_seed_checkpoint and world_size != 1:
         raise ConfigError(
             f"`checkpoint.create_seed_checkpoint` runs on one process, not {world_size}: launch it with NGPU=1."
         )
     workload = memory_workload(config, dims, settings, args, device)
-    return Plan(config, dims, settings, global_batch // per_microbatch, global_batch, args, tokenizer, workload)
+    return JobPlan(config, dims, settings, global_batch // per_microbatch, global_batch, args, tokenizer, workload)
 
 
 def torch_concerns(config: JobConfig, dims: ParallelDims) -> tuple[str, ...]:
@@ -268,7 +265,7 @@ def memory_workload(
     )
 
 
-def describe(plan: Plan, limit: int | None, where: str) -> str:
+def describe(plan: JobPlan, limit: int | None, where: str) -> str:
     """What the job will be, in a few lines (``--dry-run``)."""
     config, dims, training, w = plan.config, plan.dims, plan.config.training, plan.workload
     headroom = f"; {1 - plan.memory.total / limit:.0%} headroom" if limit else ""
@@ -291,7 +288,7 @@ def memory_limit(
     local_ranks: int, device_index: int | None, started: bool, target: str | None = None
 ) -> tuple[int | None, str]:
     """The memory one rank may use, and what it is: on this machine (see
-    ``trainer/runtime/memory_plan.py``), or on one GPU of kind ``target`` (``--target-gpu``)."""
+    ``trainer/planning/memory_plan.py``), or on one GPU of kind ``target`` (``--target-gpu``)."""
     if target in TARGET_MEMORY_BYTES:
         return TARGET_MEMORY_BYTES[target], f"one {target.upper()}'s memory (`--target-gpu {target}`)"
     if device_type() == "cuda" and target is None:
@@ -308,7 +305,7 @@ def target_device(target: str) -> str:
     raise ConfigError(f"--target-gpu {target}: unknown; use one of {', '.join([*TARGET_MEMORY_BYTES, 'cpu'])}.")
 
 
-def check_memory(plan: Plan, limit: int | None, where: str) -> None:
+def check_memory(plan: JobPlan, limit: int | None, where: str) -> None:
     """Raise :class:`ConfigError` when the per-rank estimate exceeds ``limit`` (bytes; None: unknown).
 
     ``where`` says what the limit is ("the GPU's memory", ...), for the message.
@@ -316,13 +313,8 @@ def check_memory(plan: Plan, limit: int | None, where: str) -> None:
     needed = plan.memory.total
     if limit is None or needed <= limit or not plan.config.training.check_memory:
         return
-    how, changes = fixes(plan.workload, limit, plan.dims.world_size)
-    if not changes:
-        advice = "Nothing the mesh or the batch can change fits it: use larger machines or a smaller `model.flavor`"
-    elif how == "any":
-        advice = "Any one of these would fit: " + "; or ".join(changes)
-    else:
-        advice = "These together would fit: " + ", ".join(changes)
+    advice = what_would_fit(plan.workload, limit, plan.dims.world_size)
+    advice = advice[0].upper() + advice[1:]
     raise ConfigError(
         f"this job needs about {plan.memory.line()}, more than {where} ({gib(limit)}). {advice}. "
         "The estimate is printed by `--dry-run`; `--training.check_memory false` runs anyway."

@@ -1,6 +1,6 @@
 """The one way in: every entry point prepares the job here, the same way.
 
-The launcher (``./run_train.sh``), each worker (``python -m trainer.train``), ``--dry-run``,
+The launcher (``./run_train.sh``), each worker (``python -m trainer.entry.worker``), ``--dry-run``,
 ``--simulate`` and ``scripts/show_batch.py`` all call :func:`prepare`: config -> plan for the world
 size -> memory check -> datasets. Whatever can be wrong with the config, the mesh, the tokenizer or
 the data raises a :class:`~trainer.runtime.errors.UserError` here, before any process group exists,
@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 from trainer.config import load_config
 from trainer.data.datasets import TokenDataset, data_lines, load_dataset, load_validation_dataset
-from trainer.plan import Plan, check_memory, describe, memory_limit, plan, target_device
+from trainer.planning.job_plan import JobPlan, check_memory, describe, memory_limit, resolve_job, target_device
+from trainer.runtime.dump_folder import check_dump_folder
 from trainer.runtime.errors import ConfigError
 
 
@@ -66,12 +67,12 @@ def parse_request(argv: list[str]) -> Request:
 class PreparedJob:
     """A job checked from end to end and ready to build: its plan and its data."""
 
-    plan: Plan
+    plan: JobPlan
     dataset: TokenDataset
     validation_dataset: TokenDataset | None
 
     def data_lines(self) -> str:
-        return data_lines(self.plan, self.dataset, self.validation_dataset)
+        return data_lines(self.plan.config, self.plan.global_batch_size, self.dataset, self.validation_dataset)
 
 
 def prepare(
@@ -85,22 +86,27 @@ def prepare(
     describe_to: list[str] | None = None,
     memory: bool = True,
 ) -> PreparedJob:
-    """Load the config, plan it for ``world_size``, check its memory, open its datasets.
+    """Load the config, plan it for ``world_size``, check its dump folder and memory, open its datasets.
 
     ``local_ranks``, ``device_index`` and ``started`` say where the memory limit comes from: this
     node's ranks sharing its RAM or GPUs, and whether they have started (see
-    :func:`trainer.plan.memory_limit`); ``target`` (``--target-gpu``) plans for one GPU of that
+    :func:`trainer.planning.job_plan.memory_limit`); ``target`` (``--target-gpu``) plans for one GPU of that
     kind per rank instead, from any machine. ``describe_to`` collects what the job will be, for
     ``--dry-run``, before the memory check can refuse it. ``memory=False`` skips the check (a tool
     that only reads the data).
     """
-    job_plan = plan(load_config(argv), world_size, target_device(target) if target else None)
+    job_plan = resolve_job(load_config(argv), world_size, target_device(target) if target else None)
+    check_dump_folder(job_plan.config.job.dump_folder)
     limit, where = memory_limit(local_ranks, device_index, started=started, target=target)
     if describe_to is not None:
         describe_to.append(describe(job_plan, limit, where))
     elif memory:
         check_memory(job_plan, limit, where)
-    job = PreparedJob(job_plan, load_dataset(job_plan), load_validation_dataset(job_plan))
+    job = PreparedJob(
+        job_plan,
+        load_dataset(job_plan.config, job_plan.tokenizer, job_plan.global_batch_size),
+        load_validation_dataset(job_plan.config, job_plan.tokenizer),
+    )
     if describe_to is not None:
         describe_to.append(job.data_lines())
         if memory:

@@ -40,12 +40,12 @@ import tempfile
 from pathlib import Path
 
 from trainer.config import help_text
+from trainer.entry.job import describe_job, parse_request, prepare
+from trainer.entry.simulate import simulate
 from trainer.metrics import CONSOLE_TTY_ENV
 from trainer.runtime.dump_folder import TOKEN_ENV, DumpFolderLock, busy_message, is_stale, read_lock
 from trainer.runtime.errors import BusyFolderError, ConfigError, UserError, report
-from trainer.runtime.job import describe_job, parse_request, prepare
 from trainer.runtime.stop_requests import STOP_FILE_ENV
-from trainer.simulation.simulate import simulate
 from trainer.simulation.targets import HELP as TARGET_HELP
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -135,7 +135,7 @@ def torchrun_command(argv: list[str], nproc: int, nnodes: int, log_dir: Path, sh
         "--role=rank",
         "--tee=3",
         "-m",
-        "trainer.train",
+        "trainer.entry.worker",
         *argv,
     ]
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 import sys
 
 from trainer.config import JobConfig, load_config
-from trainer.plan import Plan, check_torch, plan
-from trainer.runtime.job import Request, parse_request, prepare
+from trainer.entry.job import Request, parse_request, prepare
+from trainer.planning.job_plan import JobPlan, check_torch, resolve_job
 from trainer.simulation.fake_job import RoleRun
 from trainer.simulation.microbatches import schedule_count, shortened_args, traced_count
 from trainer.simulation.report import build_report, fit_advice, render, write
@@ -39,7 +39,7 @@ def simulate(argv: list[str] | Request, nproc: int, nnodes: int) -> int:
 
 def simulate_roles(
     argv: list[str], nproc: int, nnodes: int, target: Target, shorten: bool = True
-) -> tuple[Plan, list[RoleRun]]:
+) -> tuple[JobPlan, list[RoleRun]]:
     """The job's plan and one simulated rank of each role. ``shorten``: trace a few of the
     step's micro-batches (``microbatches.py``); off only to check that doing so changes nothing."""
     check_torch(("fake", "fsdp", "pipelining"))
@@ -50,7 +50,7 @@ def simulate_roles(
     traced = traced_count(job_plan) if shorten else real
     # The job's own preparation above checked its data; the traced plan differs only in settings.
     traced_args = [*args, *_as_on_target(job_plan.config, target), *shortened_args(job_plan, traced)]
-    traced_plan = plan(load_config(traced_args), nproc * nnodes)
+    traced_plan = resolve_job(load_config(traced_args), nproc * nnodes)
     print(
         f"simulating {job_plan.dims.pp} role(s) of {job_plan.dims.world_size} ranks on fake tensors, "
         f"at most {traced} of the step's {real} micro-batches traced ...",

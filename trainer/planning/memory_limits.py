@@ -10,11 +10,11 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from trainer.simulation.targets import GPUS
+from trainer.hardware import GPUS
 
 TARGET_MEMORY_BYTES = {name: gpu.memory_bytes for name, gpu in GPUS.items()}
 """``--target-gpu``: one GPU's memory as ``torch.cuda.get_device_properties().total_memory``
-reports it (``trainer/simulation/targets.py``); ``cpu`` is this machine's available memory."""
+reports it (``trainer/hardware.py``); ``cpu`` is this machine's available memory."""
 
 
 def _meminfo(field: str) -> int | None:

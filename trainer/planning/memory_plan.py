@@ -62,13 +62,7 @@ from dataclasses import dataclass, replace
 
 from parallelisms.parallel_dims import ParallelismError
 from parallelisms.pipeline_parallel import plan_split
-
-_GIB = 1024**3
-RUNTIME_BYTES = {"cpu": int(0.40 * _GIB), "cuda": int(1.5 * _GIB)}
-"""Memory a process holds before the model exists: torch's CPU runtime, or a CUDA context and
-NCCL's buffers."""
-ALLOCATOR_SLACK = {"cpu": 0.45, "cuda": 0.1}
-"""Peak memory beyond the live activations, as a fraction of them (see the module docstring)."""
+from trainer.hardware import ALLOCATOR_SLACK, RUNTIME_BYTES, gib
 
 
 @dataclass(frozen=True)
@@ -169,10 +163,6 @@ class _Share:
     """Micro-batches of the rank's blocks whose activations are kept at the peak."""
     logits: int
     """Micro-batches whose logits are kept (on the last stage)."""
-
-
-def gib(n: float) -> str:
-    return f"{n / _GIB:.2f} GiB"
 
 
 def estimate(w: Workload) -> Estimate:
@@ -313,6 +303,16 @@ def _logits(w: Workload) -> float:
 
 
 # ------------------------------------------------------------------------------- what fits
+
+
+def what_would_fit(w: Workload, limit: int, world_size: int, machines: str = "machines") -> str:
+    """What would fit ``limit``, as the one sentence the memory check and the simulator both print."""
+    how, changes = fixes(w, limit, world_size)
+    if not changes:
+        return f"nothing the mesh or the batch can change fits it: use larger {machines} or a smaller `model.flavor`"
+    if how == "any":
+        return "any one of these would fit: " + "; or ".join(changes)
+    return "these together would fit: " + ", ".join(changes)
 
 
 def fixes(w: Workload, limit: int, world_size: int) -> tuple[str, list[str]]:

@@ -1,0 +1,19 @@
+"""The values the config's choice fields offer, declared here so that the config loads anywhere
+(``--help``, a tool reading a config) without the layers that implement them: the data stack,
+torch, the parallelisms. Each implementing layer has a test that it covers its list exactly
+(``tests/test_config.py``)."""
+
+from __future__ import annotations
+
+DATASET_KINDS = ("shakespeare", "shakespeare_dialogue", "chat")
+"""The values ``training.dataset`` accepts: the sample builders of ``trainer/data/samples.py``."""
+
+PACKED_DATASET_KINDS = ("shakespeare",)
+"""The kinds whose samples hold several documents (``training.document_mask`` applies)."""
+
+CONTEXT_PARALLEL_BACKENDS = ("allgather_kv", "ring", "ulysses")
+"""What ``parallelism.context_parallel_backend`` may name, besides ``auto``
+(``parallelisms/context_parallel.py``)."""
+
+PIPELINE_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
+"""What ``parallelism.pipeline_parallel_schedule`` may name (``parallelisms/pipeline_parallel.py``)."""

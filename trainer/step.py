@@ -1,0 +1,181 @@
+"""One training step, whole: what it is made of, what it does, what it reports.
+
+:func:`train_step` fetches this rank's micro-batches (:meth:`StepParts.place` puts each on the
+device, its sequence shard under context parallelism), runs forward and backward on each
+(:func:`forward_backward`; under pipeline parallelism the schedule runs them,
+:func:`pipeline_forward_backward`), lets the gradient accumulator normalise and clip
+(``trainer/grad_accumulator.py``), steps the optimizer and returns the step's
+:class:`StepStats`. The loss is ``trainer/loss.py``'s, the model ``trainer/model/llama3.py``;
+the loop around the steps is ``trainer/train.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from parallelisms.context_parallel import ContextParallel
+from parallelisms.parallel_dims import Meshes
+from parallelisms.pipeline_parallel import Pipeline
+from parallelisms.tensor_parallel import loss_context
+from trainer.data.documents import split_documents
+from trainer.data.loader import MicroBatchLoader
+from trainer.grad_accumulator import GradAccumulator, StepResult
+from trainer.loss import ModelLoss
+from trainer.model.llama3 import Transformer
+from trainer.train_state import TrainState
+
+
+class MicroBatch(NamedTuple):
+    """What one forward takes: this rank's tokens, labels and their RoPE positions (None:
+    ``0..seq-1``), and the tokens' document ids under document masking (else None)."""
+
+    inputs: torch.Tensor
+    labels: torch.Tensor
+    positions: torch.Tensor | None
+    document_ids: torch.Tensor | None
+
+
+@dataclass
+class StepParts:
+    """What a training step uses, built once with every parallelism already applied."""
+
+    device: torch.device
+    meshes: Meshes
+    model: Transformer
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    loader: MicroBatchLoader
+    accumulator: GradAccumulator
+    loss_parallel: bool
+    model_loss: ModelLoss
+    context_parallel: ContextParallel | None
+    positions: torch.Tensor | None
+    """Sequence positions of this rank's tokens under context parallelism (else 0..seq-1)."""
+    document_bos_id: int | None = None
+    """With ``training.document_mask``: the BOS that opens each packed document (else None)."""
+
+    def place(self, inputs: torch.Tensor, labels: torch.Tensor) -> MicroBatch:
+        """Whole samples -> this rank's micro-batch (its sequence shard under CP), on the device.
+
+        Documents are split on the whole sequences, before CP takes its shard: a shard alone
+        cannot tell where the document of its first token began.
+        """
+        positions, document_ids = self.positions, None
+        cp = self.context_parallel
+        if self.document_bos_id is not None:
+            labels, positions, document_ids = split_documents(inputs, labels, self.document_bos_id)
+            if cp:
+                positions, document_ids = cp.shard(positions), cp.shard(document_ids)
+        if cp:
+            inputs, labels = cp.shard(inputs), cp.shard(labels)
+        device = self.device
+        return MicroBatch(
+            inputs.to(device, non_blocking=True),
+            labels.to(device, non_blocking=True),
+            None if positions is None else positions.to(device, non_blocking=True),
+            None if document_ids is None else document_ids.to(device, non_blocking=True),
+        )
+
+    pipeline: Pipeline | None = None
+    """This rank's pipeline stages and their schedule (None without pipeline parallelism);
+    ``model`` then holds only these stages' modules."""
+
+    @contextlib.contextmanager
+    def compute_context(self) -> Iterator[None]:
+        """Where every forward and backward runs, in training and validation alike: loss
+        parallel's sharded logits, and under the ring backend PyTorch's patched attention."""
+        cp = self.context_parallel
+        with loss_context(self.loss_parallel), cp.attention_context() if cp else contextlib.nullcontext():
+            yield
+
+
+@dataclass(frozen=True, slots=True)
+class StepStats:
+    """What one optimizer step measured: the accumulator's result (losses and ``n_valid_tokens``
+    reduced across ranks, the same on every rank) and what only the loop knows; ``local_tokens``
+    stays per process, because throughput is reported per device."""
+
+    step: int
+    result: StepResult
+    lr: float
+    local_tokens: int
+    n_skipped_steps: int
+    """Steps skipped so far in the run (counted by the train state, restored on resume)."""
+    data_time_s: float
+    step_time_s: float
+
+
+def train_step(
+    parts: StepParts, state: TrainState, local_tokens: int, stop_requested: Callable[[], bool] = lambda: False
+) -> StepStats:
+    """Fetch the step's micro-batches, forward and backward each, finalize, step.
+    ``stop_requested`` is asked while the data is late (see :meth:`MicroBatchLoader.next_step`)."""
+    step_start = time.perf_counter()
+    microbatches = fetch_step(parts, stop_requested)
+    data_time = time.perf_counter() - step_start
+    result = forward_backward(parts, microbatches)
+    lr = optimizer_step(parts, result)
+    state.record_step(result.skipped)
+    return StepStats(
+        step=state.step,
+        result=result,
+        lr=lr,
+        local_tokens=local_tokens,
+        n_skipped_steps=state.n_skipped_steps,
+        data_time_s=data_time,
+        step_time_s=time.perf_counter() - step_start,
+    )
+
+
+def fetch_step(parts: StepParts, stop_requested: Callable[[], bool] = lambda: False) -> list[MicroBatch]:
+    """This rank's micro-batches of the next step, on the device."""
+    return [parts.place(inputs, labels) for inputs, labels in parts.loader.next_step(stop_requested)]
+
+
+def forward_backward(parts: StepParts, microbatches: list[MicroBatch]) -> StepResult:
+    """Accumulate summed-loss gradients over the micro-batches; finalize normalises and clips."""
+    if parts.pipeline is not None:
+        return pipeline_forward_backward(parts, parts.pipeline, microbatches)
+    accumulator = parts.accumulator
+    accumulator.begin_step([mb.labels for mb in microbatches])
+    with parts.compute_context():
+        for i, (inputs, labels, positions, document_ids) in enumerate(microbatches):
+            accumulator.prepare_backward(i)
+            loss = parts.model_loss(parts.model, inputs, positions, document_ids, labels)
+            loss.backward()
+            accumulator.record_loss(loss)
+    return accumulator.finalize()
+
+
+def pipeline_forward_backward(parts: StepParts, pipeline: Pipeline, microbatches: list[MicroBatch]) -> StepResult:
+    """The rank's micro-batches are one batch for the pipeline schedule, which cuts it into
+    pipeline micro-batches and runs every forward and backward on summed losses; finalize
+    normalises and clips as without PP."""
+    accumulator = parts.accumulator
+    accumulator.begin_step([mb.labels for mb in microbatches])
+    inputs, labels = torch.cat([mb.inputs for mb in microbatches]), torch.cat([mb.labels for mb in microbatches])
+    # Under document masking, each sample's positions and document ids go through the schedule.
+    positions = document_ids = None
+    if microbatches[0].document_ids is not None:
+        positions = torch.cat([mb.positions for mb in microbatches if mb.positions is not None])
+        document_ids = torch.cat([mb.document_ids for mb in microbatches if mb.document_ids is not None])
+    with parts.compute_context():
+        losses = pipeline.step(inputs, labels, positions, document_ids)
+    accumulator.record_pipeline_losses(losses)
+    return accumulator.finalize()
+
+
+def optimizer_step(parts: StepParts, result: StepResult) -> float:
+    """Step (unless the step was skipped), clear the gradients, advance the schedule; return the LR used."""
+    if not result.skipped:
+        parts.optimizer.step()
+    parts.optimizer.zero_grad(set_to_none=True)
+    lr = float(parts.scheduler.get_last_lr()[0])
+    parts.scheduler.step()
+    return lr
