@@ -93,6 +93,7 @@ def check(dims: ParallelDims, settings: ParallelSettings, shape: ModelShape, dev
             settings.pp_rank_batch,
             split,
             settings.compile_model,
+            per_op_checkpointing=settings.ac_mode == "selective" and settings.ac_option == "op",
         )
     if settings.compile_loss and dims.tp > 1 and settings.loss_parallel:
         raise ParallelismError(

@@ -152,7 +152,13 @@ def plan_split(
 
 
 def check_pipeline(
-    pp: int, schedule: str, microbatch_size: int, rank_batch: int, split: PipelineSplit, compile_model: bool
+    pp: int,
+    schedule: str,
+    microbatch_size: int,
+    rank_batch: int,
+    split: PipelineSplit,
+    compile_model: bool,
+    per_op_checkpointing: bool = False,
 ) -> None:
     """Constraints of the schedule on the stage count and the micro-batch count."""
     if schedule not in SCHEDULES:
@@ -200,6 +206,13 @@ def check_pipeline(
             f"{{pp_schedule}} = {schedule} splits each backward into input and weight gradients, "
             "which a compiled block's single backward graph cannot do; turn {compile_model} off "
             "or use 1F1B / Interleaved1F1B."
+        )
+    if schedule in ZERO_BUBBLE_SCHEDULES and per_op_checkpointing:
+        raise ParallelismError(
+            f"{{pp_schedule}} = {schedule} runs two backwards over each block (input gradients, "
+            "then weight gradients), and per-op selective checkpointing allows one; use "
+            "{ac_mode} = full, {ac_option} = an integer (every k-th block fully checkpointed), "
+            "or 1F1B / Interleaved1F1B."
         )
 
 

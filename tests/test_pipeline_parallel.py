@@ -154,6 +154,19 @@ def plan_for(*extra: str, world_size: int = 2):
         ),
         (["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble", "--compile.enable"], "compile.enable"),
         (
+            ["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble", "--activation_checkpoint.mode", "selective"],
+            "activation_checkpoint.mode",
+        ),
+        (
+            [
+                "--parallelism.pipeline_parallel_schedule",
+                "InterleavedZeroBubble",
+                "--activation_checkpoint.mode",
+                "selective",
+            ],
+            "activation_checkpoint.selective_ac_option",
+        ),
+        (
             ["--parallelism.pipeline_parallel_first_stage_less_layers", "9"],
             "parallelism.pipeline_parallel_first_stage_less_layers",
         ),
@@ -168,6 +181,8 @@ def plan_for(*extra: str, world_size: int = 2):
         "ZBV with 4 stages per rank",
         "micro-batches not whole rounds",
         "zero bubble with compile",
+        "ZBV with per-op selective checkpointing",
+        "interleaved zero bubble with per-op selective checkpointing",
         "embedding stage too large",
     ],
 )

@@ -38,6 +38,8 @@ SETTING_KEYS = {
     "loss_parallel": "loss parallel (`parallelism.disable_loss_parallel`)",
     "compile_model": "`compile.enable` with `model` in `compile.components`",
     "compile_loss": "`compile.components` including `loss`",
+    "ac_mode": "`activation_checkpoint.mode`",
+    "ac_option": "`activation_checkpoint.selective_ac_option`",
     "cp_backend": "`parallelism.context_parallel_backend`",
     "cp_rotate_method": "`parallelism.context_parallel_rotate_method`",
     "document_mask": "`training.document_mask`",
