@@ -14,8 +14,11 @@ from dataclasses import dataclass, field
 from trainer.config import load_config
 from trainer.data.datasets import TokenDataset, data_lines, load_dataset, load_validation_dataset
 from trainer.planning.job_plan import JobPlan, check_memory, describe, memory_limit, resolve_job, target_device
+from trainer.planning.target_figures import parse_overrides
 from trainer.runtime.dump_folder import check_dump_folder
 from trainer.runtime.errors import ConfigError
+
+DEFAULT_TARGET = "h100"
 
 
 @dataclass
@@ -32,6 +35,16 @@ class Request:
     target_overrides: dict[str, str] = field(default_factory=dict)
     """``--target.KEY VALUE``: the target's figures as the user states them."""
 
+    @property
+    def target(self) -> str | None:
+        """The machine planned for: ``--target-gpu``, or the simulator's default GPU when only
+        ``--target.*`` figures are given (they describe a GPU, not this machine)."""
+        return self.target_gpu or (DEFAULT_TARGET if self.target_overrides else None)
+
+    @property
+    def figures(self) -> dict[str, float]:
+        return parse_overrides(self.target_overrides)
+
 
 def parse_request(argv: list[str]) -> Request:
     """Split the entry point's own flags from the training settings."""
@@ -42,7 +55,13 @@ def parse_request(argv: list[str]) -> Request:
         if arg in ("--help", "-h"):
             request.mode = "help"
         elif arg in ("--dry-run", "--simulate"):
-            request.mode = "dry_run" if arg == "--dry-run" else "simulate"
+            mode = "dry_run" if arg == "--dry-run" else "simulate"
+            if request.mode not in ("train", mode):
+                raise ConfigError(
+                    "`--dry-run` and `--simulate` are two ways to check a job: `--dry-run` plans it "
+                    "(seconds), `--simulate` runs a step of it on fake tensors (minutes); give one."
+                )
+            request.mode = mode
         elif name == "--target-gpu" or name.startswith("--target."):
             if not has_value:
                 if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
@@ -60,6 +79,7 @@ def parse_request(argv: list[str]) -> Request:
             "`--target-gpu` and `--target.*` plan for another machine: use them with `--dry-run` or `--simulate`."
         )
     request.argv = rest
+    parse_overrides(request.target_overrides)  # a wrong figure is told before anything is planned
     return request
 
 
@@ -83,6 +103,7 @@ def prepare(
     device_index: int | None = None,
     started: bool = False,
     target: str | None = None,
+    figures: dict[str, float] | None = None,
     describe_to: list[str] | None = None,
     memory: bool = True,
 ) -> PreparedJob:
@@ -91,13 +112,13 @@ def prepare(
     ``local_ranks``, ``device_index`` and ``started`` say where the memory limit comes from: this
     node's ranks sharing its RAM or GPUs, and whether they have started (see
     :func:`trainer.planning.job_plan.memory_limit`); ``target`` (``--target-gpu``) plans for one GPU of that
-    kind per rank instead, from any machine. ``describe_to`` collects what the job will be, for
+    kind per rank instead, from any machine, with its ``--target.*`` ``figures``. ``describe_to`` collects what the job will be, for
     ``--dry-run``, before the memory check can refuse it. ``memory=False`` skips the check (a tool
     that only reads the data).
     """
-    job_plan = resolve_job(load_config(argv), world_size, target_device(target) if target else None)
+    job_plan = resolve_job(load_config(argv), world_size, target_device(target) if target else None, figures)
     check_dump_folder(job_plan.config.job.dump_folder)
-    limit, where = memory_limit(local_ranks, device_index, started=started, target=target)
+    limit, where = memory_limit(local_ranks, device_index, started=started, target=target, figures=figures)
     if describe_to is not None:
         describe_to.append(describe(job_plan, limit, where))
     elif memory:
@@ -119,6 +140,13 @@ def describe_job(request: Request, world_size: int, local_ranks: int) -> None:
     estimate first, so that they are shown even when the memory check refuses the job."""
     lines: list[str] = []
     try:
-        prepare(request.argv, world_size, local_ranks=local_ranks, target=request.target_gpu, describe_to=lines)
+        prepare(
+            request.argv,
+            world_size,
+            local_ranks=local_ranks,
+            target=request.target,
+            figures=request.figures,
+            describe_to=lines,
+        )
     finally:
         print("\n".join(lines), flush=True)

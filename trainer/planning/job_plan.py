@@ -23,7 +23,7 @@ from parallelisms.torch_private import check as check_torch_internals
 from trainer.config import ConfigError, JobConfig, resolve_path
 from trainer.data.datasets import validates, validation_seq_len
 from trainer.data.tokenizer import Tokenizer, load_tokenizer
-from trainer.hardware import gib
+from trainer.hardware import GIB, gib
 from trainer.model.llama3 import ModelArgs, model_args
 from trainer.planning.memory_limits import TARGET_MEMORY_BYTES, cpu_limit_per_rank, gpu_limit
 from trainer.planning.memory_plan import Estimate, Workload, estimate, what_would_fit
@@ -94,11 +94,15 @@ class JobPlan:
         return validation_seq_len(self.config)
 
 
-def resolve_job(config: JobConfig, world_size: int, device: str | None = None) -> JobPlan:
+def resolve_job(
+    config: JobConfig, world_size: int, device: str | None = None, figures: dict[str, float] | None = None
+) -> JobPlan:
     """Validate ``config`` against ``world_size``; raise :class:`ConfigError` naming the key.
 
     ``device``: the device type the job will run on ("cuda", "cpu"), when it is not this
-    machine's (``--dry-run --target-gpu``).
+    machine's (``--dry-run --target-gpu``); ``figures``: the target's ``--target.*`` figures
+    (``trainer/planning/target_figures.py``), of which the estimate reads the runtime and the
+    allocator slack.
     """
     device = device or device_type()
     parallelism, training = config.parallelism, config.training
@@ -151,7 +155,7 @@ def resolve_job(config: JobConfig, world_size: int, device: str | None = None) -
         raise ConfigError(
             f"`checkpoint.create_seed_checkpoint` runs on one process, not {world_size}: launch it with NGPU=1."
         )
-    workload = memory_workload(config, dims, settings, args, device)
+    workload = memory_workload(config, dims, settings, args, device, figures or {})
     return JobPlan(config, dims, settings, global_batch // per_microbatch, global_batch, args, tokenizer, workload)
 
 
@@ -225,7 +229,12 @@ def loss_in_model(dims: ParallelDims, settings: ParallelSettings) -> bool:
 
 
 def memory_workload(
-    config: JobConfig, dims: ParallelDims, settings: ParallelSettings, args: ModelArgs, device: str
+    config: JobConfig,
+    dims: ParallelDims,
+    settings: ParallelSettings,
+    args: ModelArgs,
+    device: str,
+    figures: dict[str, float] | None = None,
 ) -> Workload:
     """Under pipeline parallelism the model runs the pipeline's micro-batches, whatever
     ``training.local_batch_size`` (which only cuts the loader's batch)."""
@@ -258,6 +267,8 @@ def memory_workload(
         cp_ulysses=resolve_backend(settings.cp_backend, device, settings.document_mask) == "ulysses",
         document_mask=settings.document_mask,
         device=device,
+        runtime_bytes=int(figures["runtime_gib"] * GIB) if figures and "runtime_gib" in figures else None,
+        allocator_slack=figures.get("allocator_slack") if figures else None,
         pp=dims.pp,
         pp_schedule=settings.pp_schedule,
         pp_microbatches=settings.pp_rank_batch // settings.pp_microbatch_size if pipelined else 1,
@@ -287,10 +298,18 @@ def describe(plan: JobPlan, limit: int | None, where: str) -> str:
 
 
 def memory_limit(
-    local_ranks: int, device_index: int | None, started: bool, target: str | None = None
+    local_ranks: int,
+    device_index: int | None,
+    started: bool,
+    target: str | None = None,
+    figures: dict[str, float] | None = None,
 ) -> tuple[int | None, str]:
     """The memory one rank may use, and what it is: on this machine (see
-    ``trainer/planning/memory_plan.py``), or on one GPU of kind ``target`` (``--target-gpu``)."""
+    ``trainer/planning/memory_plan.py``), or on one GPU of kind ``target`` (``--target-gpu``), as
+    ``--target.memory_gib`` states it when given."""
+    if target is not None and figures and "memory_gib" in figures:
+        stated = figures["memory_gib"]
+        return int(stated * GIB), f"one {target.upper()} with `--target.memory_gib {stated:g}`"
     if target in TARGET_MEMORY_BYTES:
         return TARGET_MEMORY_BYTES[target], f"one {target.upper()}'s memory (`--target-gpu {target}`)"
     if device_type() == "cuda" and target is None:

@@ -99,6 +99,10 @@ class Workload:
     cp_ulysses: bool = False
     document_mask: bool = False
     device: str = "cpu"
+    runtime_bytes: int | None = None
+    """What the process holds whatever the model; None: the device's figure (``trainer/hardware.py``)."""
+    allocator_slack: float | None = None
+    """As a fraction of the activations; None: the device's figure."""
     pp: int = 1
     pp_schedule: str = "1F1B"
     pp_microbatches: int = 1
@@ -234,8 +238,8 @@ def _estimate(w: Workload, share: _Share) -> Estimate:
         fsdp_buffers=int(fsdp_buffers),
         activations=int(activations),
         logits=int(logits),
-        allocator=int(ALLOCATOR_SLACK[device] * activations),
-        runtime=RUNTIME_BYTES[device],
+        allocator=int((ALLOCATOR_SLACK[device] if w.allocator_slack is None else w.allocator_slack) * activations),
+        runtime=RUNTIME_BYTES[device] if w.runtime_bytes is None else w.runtime_bytes,
         pp_rank=share.pp_rank,
         params=params,
     )

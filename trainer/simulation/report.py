@@ -19,7 +19,7 @@ from typing import Any
 from trainer.hardware import gib
 from trainer.metrics import model_flops_per_token
 from trainer.planning.job_plan import JobPlan
-from trainer.planning.memory_plan import what_would_fit
+from trainer.planning.memory_plan import estimates, what_would_fit
 from trainer.simulation.cost_model import ASSUMPTIONS, step_time
 from trainer.simulation.fake_job import RoleRun
 from trainer.simulation.memory_tracker import CATEGORIES
@@ -107,8 +107,17 @@ def fit_advice(plan: JobPlan, target: Target, report: dict[str, Any]) -> str:
     """Which role does not fit and what would (the pre-launch estimate's own suggestions)."""
     over = [r for r in report["roles"] if not r["fits"]]
     worst = max(over, key=lambda r: r["needed_bytes"])
-    workload = plan.workload if target.name == "cpu" else replace(plan.workload, device="cuda")
-    advice = what_would_fit(workload, target.memory_bytes, plan.dims.world_size, machines="GPUs")
+    workload = replace(
+        plan.workload if target.name == "cpu" else replace(plan.workload, device="cuda"),
+        runtime_bytes=target.runtime_bytes,
+        allocator_slack=target.allocator_slack,
+    )
+    # The estimate proposes the changes; where it thinks this very job smaller than the simulation
+    # measured, its limit shrinks by that ratio, so that it cannot propose the job just simulated.
+    by_pp_rank = {e.pp_rank: e.total for e in estimates(workload)}
+    estimated = by_pp_rank.get(worst["pp_stage"], max(by_pp_rank.values()))
+    limit = int(target.memory_bytes * min(1.0, estimated / worst["needed_bytes"]))
+    advice = what_would_fit(workload, limit, plan.dims.world_size, machines="GPUs")
     return (
         f"does not fit: pipeline stage {worst['pp_stage']} ({worst['ranks']} ranks) needs {gib(worst['needed_bytes'])}, "
         f"more than the {target.name}'s {gib(target.memory_bytes)}; by the pre-launch estimate, {advice}. "

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from trainer import hardware
-from trainer.hardware import ALLOCATOR_SLACK, GIB, RUNTIME_BYTES
+from trainer.hardware import ALLOCATOR_SLACK, RUNTIME_BYTES
+from trainer.planning.target_figures import OVERRIDES, parse_overrides
 from trainer.runtime.errors import ConfigError
 
 
@@ -53,20 +54,6 @@ GPUS: dict[str, Target] = {
 }
 NAMES = (*GPUS, "cpu")
 
-OVERRIDES: dict[str, tuple[str, float]] = {
-    "memory_gib": ("memory_bytes", GIB),
-    "bf16_tflops": ("bf16_flops", 1e12),
-    "hbm_tb_per_s": ("hbm_bytes_per_s", 1e12),
-    "nvlink_gb_per_s": ("nvlink_bytes_per_s", 1e9),
-    "network_gbit_per_s": ("network_bytes_per_s", 1e9 / 8),
-    "nvlink_alpha_us": ("nvlink_alpha_s", 1e-6),
-    "network_alpha_us": ("network_alpha_s", 1e-6),
-    "efficiency": ("efficiency", 1.0),
-    "hbm_efficiency": ("hbm_efficiency", 1.0),
-    "runtime_gib": ("runtime_bytes", GIB),
-    "allocator_slack": ("allocator_slack", 1.0),
-}
-"""``--target.KEY VALUE`` -> the field it sets and the unit it is given in."""
 
 HELP = (
     "--simulate runs two training steps of one rank per pipeline stage on fake tensors and a fake process group of "
@@ -107,23 +94,6 @@ def _rate(work: object, units: float, seconds: float = 0.15) -> float:
         work()  # type: ignore[operator]
         done += 1
     return units * done / (time.perf_counter() - start)
-
-
-def parse_overrides(overrides: dict[str, str]) -> dict[str, float]:
-    """``--target.KEY VALUE`` as given (``trainer/entry/job.py`` collects them): each a known
-    figure and a positive number."""
-    parsed: dict[str, float] = {}
-    for field, value in overrides.items():
-        key = f"--target.{field}"
-        if field not in OVERRIDES:
-            raise ConfigError(f"{key}: no such target figure; use one of {', '.join(OVERRIDES)}.")
-        try:
-            parsed[field] = float(value)
-        except ValueError:
-            raise ConfigError(f"{key} {value}: not a number.") from None
-        if parsed[field] <= 0:
-            raise ConfigError(f"{key} {value}: must be positive.")
-    return parsed
 
 
 def target_named(name: str | None, overrides: dict[str, str], ranks_per_node: int) -> Target:
