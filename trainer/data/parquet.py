@@ -3,8 +3,8 @@
 A Parquet file gives the same records as a ``.jsonl`` file: a string column ``text`` (packed
 documents), ``prompt`` and ``response`` (pairs), or ``messages``, a list of
 ``{role, content}`` structs (chat). Only the columns needed are read, one row group at a time,
-so memory holds one row group's column, never the file: a corpus of hundreds of gigabytes is
-made of files of a few, cut into row groups of a few hundred megabytes at most.
+so memory holds one row group's columns at a time, however big the file: the bound is the row
+group size its writer chose (``row_group_size``), not the file's.
 
 Identity is by content, as for ``.jsonl``: the in-memory path keys its token cache on the
 file's sha256, and ``prepare_data`` cuts a file into units of whole row groups, each identified
@@ -122,7 +122,8 @@ def unit_ranges(file: Path, unit_bytes: int) -> list[tuple[int, int]]:
     """Byte ranges of runs of whole row groups holding about ``unit_bytes`` of decoded data each
     (a bigger row group is a unit of its own): ``prepare_data``'s units of ``file``. A file
     without row groups is one empty unit, so that it is still named in the manifest."""
-    meta = _open(file).metadata
+    with _open(file) as parquet_file:
+        meta = parquet_file.metadata
     ranges: list[tuple[int, int]] = []
     size = 0
     for g in range(meta.num_row_groups):
@@ -141,14 +142,19 @@ def unit_ranges(file: Path, unit_bytes: int) -> list[tuple[int, int]]:
 # --------------------------------------------------------------------------------------------
 
 
+def _is_any(pa: Any, kind: Any, *tests: str) -> bool:
+    """Whether ``kind`` passes one of the ``pa.types`` tests named (view types came in pyarrow 16)."""
+    return any(getattr(pa.types, test, lambda _: False)(kind) for test in tests)
+
+
 def _is_string(pa: Any, kind: Any) -> bool:
-    return bool(pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind))
+    return _is_any(pa, kind, "is_string", "is_large_string", "is_string_view")
 
 
 def _type_problem(pa: Any, key: str, kind: Any) -> str | None:
     if key != "messages":
         return None if _is_string(pa, kind) else f"of type {kind}, not string"
-    if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_list_view(kind):
+    if _is_any(pa, kind, "is_list", "is_large_list", "is_list_view", "is_large_list_view"):
         item = kind.value_type
         if pa.types.is_struct(item):
             names = {item.field(i).name: item.field(i).type for i in range(item.num_fields)}
@@ -157,10 +163,10 @@ def _type_problem(pa: Any, key: str, kind: Any) -> str | None:
     return f"of type {kind}, not a list of structs {{role: string, content: string}}"
 
 
-def _check_columns(file: Path, parquet: Any, keys: tuple[str, ...], need: str) -> None:
+def _check_columns(file: Path, parquet_file: Any, keys: tuple[str, ...], need: str) -> None:
     import pyarrow as pa
 
-    schema = parquet.schema_arrow
+    schema = parquet_file.schema_arrow
     for key in keys:
         if key not in schema.names:
             columns = ", ".join(f'"{n}"' for n in schema.names[:8]) + (", ..." if len(schema.names) > 8 else "")
@@ -182,15 +188,15 @@ def rows(
     Types and nulls are checked, ``need`` saying what the data needs in errors; ``where`` names
     the file and the row, counted from 0 as pyarrow and pandas count them. ``expected`` is the
     :func:`identity` of what is read, checked again after the last row."""
-    parquet = _open(file)
-    _check_columns(file, parquet, keys, need)
-    meta = parquet.metadata
-    first_row = 0
-    for g in range(meta.num_row_groups):
-        group = meta.row_group(g)
-        if end is None or start <= _row_group_range(group)[0] < end:
-            yield from _group_rows(file, parquet, g, keys, first_row, need)
-        first_row += group.num_rows
+    with _open(file) as parquet_file:
+        _check_columns(file, parquet_file, keys, need)
+        meta = parquet_file.metadata
+        first_row = 0
+        for g in range(meta.num_row_groups):
+            group = meta.row_group(g)
+            if end is None or start <= _row_group_range(group)[0] < end:
+                yield from _group_rows(file, parquet_file, g, keys, first_row, need)
+            first_row += group.num_rows
     if expected is not None and identity(file, start, end) != expected:
         raise DataError(
             f"{file}: changed while it was read; rerun once whatever writes it has finished (nothing was kept "
@@ -199,10 +205,10 @@ def rows(
 
 
 def _group_rows(
-    file: Path, parquet: Any, g: int, keys: tuple[str, ...], first_row: int, need: str
+    file: Path, parquet_file: Any, g: int, keys: tuple[str, ...], first_row: int, need: str
 ) -> Iterator[tuple[str, tuple[Any, ...]]]:
     try:
-        table = parquet.read_row_group(g, columns=list(keys))
+        table = parquet_file.read_row_group(g, columns=list(keys))
         columns = [table.column(key).to_pylist() for key in keys]
     except (OSError, ValueError) as exc:
         raise DataError(
