@@ -144,6 +144,13 @@ def test_prepare_parquet_gives_the_jsonl_shards(plays: tuple[Path, Path], tokeni
     assert prepared.identity == memory.identity
 
 
+def test_workers_do_not_change_a_parquet_preparation(plays: tuple[Path, Path], tmp_path: Path) -> None:
+    """Worker processes forked after the parent opened the file with pyarrow (to plan the units)."""
+    one, two = (prepare([str(plays[1])], TOKENIZER, str(tmp_path / f"w{n}"), n, UNIT_BYTES, None) for n in (1, 2))
+    assert one == two and len(one["shards"]) == 3
+    assert shards(tmp_path / "w1", ".bin") == shards(tmp_path / "w2", ".bin")
+
+
 def test_prepare_resumes_a_parquet_file(plays: tuple[Path, Path], tmp_path: Path) -> None:
     source = tmp_path / "plays.parquet"
     shutil.copy(plays[1], source)
