@@ -5,7 +5,8 @@
     ./run_train.sh --training.dataset_path data/web
 
 Inputs are .txt files (one document each), .jsonl and .jsonl.gz files (one document per line's
-"text"), or folders of them (searched recursively). Rerunning after an interruption keeps the
+"text"), .parquet files (one per row's "text" column; pip install -e ".[parquet]"), or folders of
+them (searched recursively). Rerunning after an interruption keeps the
 finished shards (verified by hash). Preparing into a folder prepared before keeps its old
 contents whole until the new ones are complete; one run at a time may write a folder.
 ``--verify FOLDER`` re-hashes every shard of a prepared folder.
@@ -28,7 +29,7 @@ from trainer.runtime.errors import UserError, report
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("inputs", nargs="*", help=".txt / .jsonl / .jsonl.gz files or folders of them")
+    parser.add_argument("inputs", nargs="*", help=".txt / .jsonl / .jsonl.gz / .parquet files or folders of them")
     parser.add_argument(
         "--tokenizer", help="SentencePiece .model or Hugging Face tokenizer.json (model.tokenizer_path)"
     )
@@ -37,7 +38,10 @@ def main(argv: list[str] | None = None) -> int:
         "--workers", type=int, default=os.cpu_count() or 1, help="tokenizing processes (default: all cores)"
     )
     parser.add_argument(
-        "--unit-mb", type=int, default=UNIT_BYTES >> 20, help="big .jsonl files are cut into units of this size"
+        "--unit-mb",
+        type=int,
+        default=UNIT_BYTES >> 20,
+        help="big .jsonl files (and Parquet files, by decoded size) are cut into units of this size",
     )
     parser.add_argument(
         "--verify", metavar="FOLDER", help="check every shard of a prepared folder against its manifest"

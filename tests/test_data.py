@@ -250,7 +250,7 @@ def test_bad_jsonl_names_file_and_line(
 def test_dataset_errors(tokenizer: Tokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(DataError, match="training.dataset_path"):
         build_dataset("shakespeare", str(tmp_path / "nowhere"), tokenizer, 16)
-    with pytest.raises(DataError, match="training.dataset_path.*without .txt or .jsonl"):
+    with pytest.raises(DataError, match="training.dataset_path.*without .txt, .jsonl"):
         build_dataset("shakespeare", str(tmp_path), tokenizer, 16)
     with pytest.raises(DataError, match="yields no shakespeare samples.*training.seq_len"):
         build_dataset("shakespeare", str(write(tmp_path / "tiny.txt", "Hi.")), tokenizer, 64)

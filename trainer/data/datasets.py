@@ -8,7 +8,6 @@ that is part of the training set (its loss would measure memorisation)."""
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from trainer.config import JobConfig, resolve_path
 from trainer.data.mixture import Member, MixtureDataset
 from trainer.data.prepared import PreparedDataset, is_prepared
 from trainer.data.samples import SampleDataset, open_dataset
-from trainer.data.shards import MANIFEST
+from trainer.data.shards import MANIFEST, sha256_file
 from trainer.data.sources import local_files
 from trainer.data.tokenizer import Tokenizer
 from trainer.runtime.errors import DataError
@@ -97,7 +96,7 @@ def _check_named_once(paths: list[str]) -> None:
 
 
 def _fingerprint(file: Path) -> tuple[int, str]:
-    return file.stat().st_size, hashlib.sha256(file.read_bytes()).hexdigest()
+    return file.stat().st_size, sha256_file(file)
 
 
 def _warn_overlap(path: str, training_paths: list[str]) -> None:

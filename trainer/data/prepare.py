@@ -4,9 +4,10 @@ Training from raw text tokenizes the whole corpus in memory at start-up: right f
 plays, wrong for gigabytes. :func:`prepare` does the tokenizing ahead of time; training then
 maps the shards (``trainer.data.prepared``) instead of reading them.
 
-The corpus is cut into *units*, one shard each: a ``.txt`` or ``.jsonl.gz`` file, or a
-line-aligned byte range of a big ``.jsonl`` file (so one huge file still keeps every worker
-busy). Units follow the inputs' sorted order, and a shard's tokens depend on its unit only, so
+The corpus is cut into *units*, one shard each: a ``.txt`` or ``.jsonl.gz`` file, a
+line-aligned byte range of a big ``.jsonl`` file, or a run of whole row groups of a Parquet file
+(so one huge file still keeps every worker busy, and a worker holds one unit's text, not the
+file's). Units follow the inputs' sorted order, and a shard's tokens depend on its unit only, so
 the folder is the same whatever ``--workers`` is. Documents are framed ``[bos] + tokens +
 [eos]`` from the text ``trainer.data.sources`` reads: the shards hold exactly the token stream
 the in-memory ``shakespeare`` dataset packs, and give the same samples. The folder's layout
@@ -18,7 +19,8 @@ units whole; shard files are named by their content (``trainer.data.shards``), s
 beside the shards the current manifest names, never over them. The new manifest replaces the old
 in one rename at the very end; only then are the files no manifest names any more removed. A
 failure at any point before leaves the previous folder exactly as it was. The rerun reuses a unit
-whose done-record matches its source bytes and tokenizer and whose shard still has the sha256 the
+whose done-record matches its source bytes (a Parquet unit's: its row groups' and the footer's)
+and tokenizer and whose shard still has the sha256 the
 record says (re-hashed: sizes prove nothing), and redoes the others.
 
 One run at a time: the folder is locked (``.meshtrain.lock``, the dump folder's lock, taken over
@@ -43,7 +45,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from trainer.data import parquet
 from trainer.data.progress import Counters, Progress
+from trainer.data.records import PREPARE_INPUT, parquet_records
 from trainer.data.shards import (
     FORMAT_VERSION,
     MANIFEST,
@@ -60,13 +64,14 @@ from trainer.data.shards import (
     token_array,
     token_dtype,
 )
-from trainer.data.sources import PREPARE_INPUT, decode, file_documents, unique_files
+from trainer.data.sources import decode, file_documents, unique_files
 from trainer.data.tokenizer import Tokenizer, load_tokenizer
 from trainer.runtime.dump_folder import LOCK_FILE, DumpFolderLock, describe_holder, read_lock
 from trainer.runtime.errors import BusyFolderError, DataError
 
 UNIT_BYTES = 64 << 20
-"""Target size of the byte ranges a big uncompressed ``.jsonl`` file is cut into."""
+"""Target size of the byte ranges a big uncompressed ``.jsonl`` file is cut into, and of the
+decoded data of a Parquet file's runs of row groups."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,8 @@ def plan_units(inputs: Sequence[str], unit_bytes: int = UNIT_BYTES) -> list[Unit
         size = file.stat().st_size
         if file.name.lower().endswith(".jsonl") and size > unit_bytes:
             units.extend(Unit(str(file), start, end, size) for start, end in _line_ranges(file, size, unit_bytes))
+        elif parquet.is_parquet(file):
+            units.extend(Unit(str(file), start, end, size) for start, end in parquet.unit_ranges(file, unit_bytes))
         else:
             units.append(Unit(str(file), 0, size, size))
     return units
@@ -170,8 +177,12 @@ def _reusable(out: Path, index: int, identity: dict[str, Any]) -> dict | None:
     return None
 
 
-def _unit_documents(unit: Unit, data: bytes) -> list[str]:
+def _unit_documents(unit: Unit, data: bytes, sha256: str) -> list[str]:
+    """The unit's documents: from ``data``, its bytes, or read from a Parquet file's row groups,
+    whose bytes must still be the ones hashed (``sha256``)."""
     file = Path(unit.source)
+    if parquet.is_parquet(file):
+        return [text for (text,) in parquet_records(file, ("text",), PREPARE_INPUT, unit.start, unit.end, sha256)]
     text = decode(file, data)
     try:
         return file_documents(file, text, PREPARE_INPUT)
@@ -193,10 +204,15 @@ def _run_unit(task: _Task) -> tuple[dict[str, Any], bool]:
     counters: Counters = _worker["counters"]
     tick = _worker["tick"]
     out, unit = Path(task.out), task.unit
-    data = _read_range(unit)
+    in_parquet = parquet.is_parquet(Path(unit.source))
+    data = b"" if in_parquet else _read_range(unit)
     identity = {
         **asdict(unit),
-        "sha256": hashlib.sha256(data).hexdigest(),
+        "sha256": (
+            parquet.identity(Path(unit.source), unit.start, unit.end)
+            if in_parquet
+            else hashlib.sha256(data).hexdigest()
+        ),
         "tokenizer_sha256": tokenizer.sha256,
         "dtype": task.dtype,
         "format_version": FORMAT_VERSION,
@@ -205,13 +221,14 @@ def _run_unit(task: _Task) -> tuple[dict[str, Any], bool]:
     if record is not None:
         return record, True
 
-    documents = _unit_documents(unit, data)
+    documents = _unit_documents(unit, data, identity["sha256"])
     tokens = token_array(task.dtype)
     offsets = array("Q", [0])
     reported = [0, 0, 0]  # documents, tokens, bytes already added to the counters
 
     def report(done: int) -> None:
-        nbytes = len(data) * done // len(documents) if documents else len(data)
+        size = unit.end - unit.start
+        nbytes = size * done // len(documents) if documents else size
         counters.add(done - reported[0], len(tokens) - reported[1], nbytes - reported[2])
         reported[:] = [done, len(tokens), nbytes]
         if tick is not None:
@@ -322,7 +339,7 @@ def prepare(
     if unit_bytes < 1:
         raise DataError(f"--unit-mb = {unit_bytes >> 20}: units need at least 1 MB; give --unit-mb 1 or more.")
     if not inputs:
-        raise DataError("no inputs: name .txt, .jsonl or .jsonl.gz files, or folders of them.")
+        raise DataError("no inputs: name .txt, .jsonl, .jsonl.gz or .parquet files, or folders of them.")
     tokenizer = load_tokenizer(tokenizer_path)
     out_dir = Path(out)
     _check_out(out_dir)
@@ -337,8 +354,8 @@ def prepare(
         manifest = _manifest(tokenizer, dtype, units, entries, stream_sha256(out_dir, entries))
         if manifest["total_tokens"] == 0:
             raise DataError(
-                f"{', '.join(inputs)}: no documents (blank .txt files and .jsonl files without lines); nothing to "
-                "prepare: name files that hold text."
+                f"{', '.join(inputs)}: no documents (blank .txt files, .jsonl files without lines, Parquet files "
+                "without rows); nothing to prepare: name files that hold text."
             )
         _write_atomic(out_dir / MANIFEST, json.dumps(manifest, indent=1).encode())
         _remove_unnamed(out_dir, entries)

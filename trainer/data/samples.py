@@ -211,7 +211,8 @@ def build_dataset(
     """The dataset of kind ``kind`` (``training.dataset``) from the bundled plays or from ``path``.
 
     ``path`` (``training.dataset_path``; ``None`` or empty for the bundled plays) is a file or a
-    folder whose ``*.txt``/``*.jsonl`` files, found recursively, are read in sorted order:
+    folder whose ``*.txt``/``*.jsonl``/``*.parquet`` files, found recursively, are read in sorted
+    order (a Parquet row holds what a ``.jsonl`` line does, as columns):
 
     * ``shakespeare``: a ``.txt`` file is one document; a ``.jsonl`` line is a document
       ``{"text": ...}``.

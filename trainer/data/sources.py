@@ -2,28 +2,36 @@
 
 Files are read once into :class:`Sources`: their bytes are what the token cache is keyed on, and
 what :meth:`Sources.documents` (pre-training) and :meth:`Sources.pairs` (prompt/response) turn
-into text. A change here that alters the text coming out of the same files changes the samples
+into text. Parquet files are the exception: they are hashed, then read one row group at a time
+(``trainer.data.parquet``), never held whole. A change here that alters the text coming out of the same files changes the samples
 made from them: bump ``trainer.data.cache.FORMAT_VERSION`` with it.
 """
 
 from __future__ import annotations
 
-import difflib
 import gzip
 import importlib.util
 import itertools
 import json
 import re
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+from trainer.data import parquet
 from trainer.data.chat import ASSISTANT, Conversation
+from trainer.data.records import (
+    PREPARE_INPUT,
+    is_jsonl,
+    jsonl_conversations,
+    jsonl_records,
+    parquet_conversations,
+    parquet_records,
+)
 from trainer.runtime.errors import DataError
 
-LOCAL_SUFFIXES = (".txt", ".jsonl", ".jsonl.gz")
+LOCAL_SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", parquet.SUFFIX)
 """The file types ``training.dataset_path`` (and ``scripts/prepare_data.py``) read."""
 _PARAGRAPH_BREAK = re.compile(r"\n[ \t]*\n")
 _HEADING = re.compile(r"#+\s+(.*)")
@@ -136,24 +144,15 @@ def has_local_suffix(file: Path) -> bool:
     return file.name.lower().endswith(LOCAL_SUFFIXES)
 
 
-def is_jsonl(file: Path) -> bool:
-    """A ``.jsonl`` or ``.jsonl.gz`` file: one record per line."""
-    return file.name.lower().endswith((".jsonl", ".jsonl.gz"))
-
-
-PREPARE_INPUT = "prepare_data input"
-"""The ``key`` of :func:`local_files` for ``scripts/prepare_data.py``'s inputs, whose fixes differ."""
-
-
 def local_files(path: str, key: str = "`training.dataset_path`") -> list[Path]:
-    """The file ``path``, or the ``.txt``/``.jsonl``/``.jsonl.gz`` files of the folder ``path``
-    found recursively, in sorted order. ``key`` names where the path came from in errors."""
+    """The file ``path``, or the ``.txt``/``.jsonl``/``.jsonl.gz``/``.parquet`` files of the
+    folder ``path`` found recursively, in sorted order. ``key`` names where the path came from in errors."""
     root = Path(path).expanduser()
     preparing = key == PREPARE_INPUT
     accepted = (
-        "a .txt, .jsonl or .jsonl.gz file or a folder of them"
+        "a .txt, .jsonl, .jsonl.gz or .parquet file or a folder of them"
         if preparing
-        else "a .txt, .jsonl or .jsonl.gz file, a folder of them, or a folder made by scripts/prepare_data.py"
+        else "a .txt, .jsonl, .jsonl.gz or .parquet file, a folder of them, or a folder made by scripts/prepare_data.py"
     )
     if root.is_file():
         if root.name == "manifest.json" and not preparing:
@@ -169,7 +168,7 @@ def local_files(path: str, key: str = "`training.dataset_path`") -> list[Path]:
         if not files:
             inside = " (the shards of a prepared folder: name the folder above it)" if root.name == "shards" else ""
             raise DataError(
-                f"{key} = {path!r} is a folder without .txt or .jsonl(.gz) files{inside}; add some, or name {accepted}."
+                f"{key} = {path!r} is a folder without .txt, .jsonl(.gz) or .parquet files{inside}; add some, or name {accepted}."
             )
         return files
     if preparing:
@@ -209,10 +208,12 @@ def decode(file: Path, data: bytes) -> str:
             ) from None
     elif data[:2] == b"\x1f\x8b":
         raise DataError(f"{file}: gzip-compressed data in a file not named .gz; rename it {file.name}.gz.")
+    elif data[:4] == b"PAR1" and b"\0" in data:
+        raise DataError(f"{file}: a Parquet file not named .parquet; rename it {file.stem}.parquet.")
     if b"\0" in data:
         raise DataError(
             f"{file}: holds NUL bytes, so it is binary data, not text; move it out of the inputs "
-            "(meshtrain reads UTF-8 .txt, .jsonl and .jsonl.gz files)."
+            "(meshtrain reads UTF-8 .txt, .jsonl and .jsonl.gz files, and .parquet files)."
         )
     try:
         text = data.decode("utf-8")
@@ -223,84 +224,8 @@ def decode(file: Path, data: bytes) -> str:
     return text.replace("\r\n", "\n")
 
 
-def jsonl_records(
-    file: Path, text: str, keys: tuple[str, ...], kind: str, first_line: int = 1
-) -> Iterator[tuple[str, ...]]:
-    """The string fields ``keys`` of each non-blank line, with errors pointing at file:line
-    (``text`` starts at line ``first_line`` of ``file``)."""
-    where = (
-        "of a .jsonl input of prepare_data"
-        if kind == PREPARE_INPUT
-        else f"of a .jsonl file under `training.dataset_path`, with `training.dataset` = {kind!r},"
-    )
-    hint = f"every line {where} must be a JSON object with string keys {', '.join(map(json.dumps, keys))}"
-    for lineno, record in _json_lines(file, text, hint, first_line):
-        if not isinstance(record, dict):
-            raise DataError(f"{file}:{lineno}: not a JSON object; {hint}.")
-        for key in keys:
-            if key not in record:
-                raise DataError(f'{file}:{lineno}: missing key "{key}"; {hint}.')
-            if not isinstance(record[key], str):
-                raise DataError(f'{file}:{lineno}: key "{key}" is not a string; {hint}.')
-        yield tuple(record[key] for key in keys)
-
-
-def _json_lines(file: Path, text: str, hint: str, first_line: int = 1) -> Iterator[tuple[int, Any]]:
-    """``(line number, decoded value)`` of each non-blank line; invalid JSON names file:line."""
-    # JSONL separates records by "\n" only; str.splitlines would also split inside strings
-    # holding U+2028 and friends, which JSON allows unescaped.
-    for lineno, line in enumerate(text.split("\n"), start=first_line):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{file}:{lineno}: invalid JSON ({exc.msg}); {hint}.") from None
-        yield lineno, record
-
-
 def _alternating(turns: tuple[str, ...] | list[str]) -> tuple[tuple[str, str], ...]:
     return tuple(("user" if i % 2 == 0 else ASSISTANT, turn) for i, turn in enumerate(turns))
-
-
-ROLES = ("system", "user", ASSISTANT, "tool", "ipython")
-"""The roles chat formats know; only ``assistant`` messages are learned."""
-
-
-def _check_role(file: Path, lineno: int, number: int, role: str) -> None:
-    """A role that is almost a known one (``Assistant``, ``assitant``) is a typo that would
-    silently turn answers into context the model never learns."""
-    if role in ROLES:
-        return
-    close = [r for r in ROLES if r == role.lower()] or difflib.get_close_matches(role.lower(), ROLES, 1, 0.75)
-    if close:
-        raise DataError(
-            f'{file}:{lineno}: message {number} has the role "{role}": did you mean "{close[0]}"? Roles are '
-            f'lower case: {", ".join(map(json.dumps, ROLES))}; only "{ASSISTANT}" messages are learned.'
-        )
-
-
-def _jsonl_conversations(file: Path, text: str, kind: str) -> Iterator[Conversation]:
-    hint = (
-        f"with `training.dataset` = {kind!r}, every line of a .jsonl file under `training.dataset_path` "
-        'must be {"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}, ...]}'
-    )
-    for lineno, record in _json_lines(file, text, hint):
-        messages = record.get("messages") if isinstance(record, dict) else None
-        if not isinstance(messages, list) or not messages:
-            raise DataError(f'{file}:{lineno}: no "messages" list; {hint}.')
-        for number, message in enumerate(messages, start=1):
-            if not (
-                isinstance(message, dict)
-                and isinstance(message.get("role"), str)
-                and message["role"].strip()
-                and isinstance(message.get("content"), str)
-            ):
-                raise DataError(
-                    f'{file}:{lineno}: message {number} needs a non-empty string "role" and a string "content"; {hint}.'
-                )
-            _check_role(file, lineno, number, message["role"].strip())
-        yield Conversation(tuple((m["role"].strip(), m["content"]) for m in messages), f"{file}:{lineno}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -310,7 +235,9 @@ def _jsonl_conversations(file: Path, text: str, kind: str) -> Iterator[Conversat
 
 @dataclass(frozen=True)
 class Sources:
-    """The files one dataset is built from, each with its bytes, in reading order.
+    """The files one dataset is built from, each with its bytes, in reading order. A Parquet
+    file's "bytes" are its ``parquet.identity`` (a sha256, read in chunks), which the token cache
+    is keyed on as on other files' bytes; its text is read one row group at a time when needed.
 
     ``path`` is ``training.dataset_path``: empty or ``None`` means the files are the bundled
     plays. ``kind`` arguments (``training.dataset``) only name the kind in error messages.
@@ -330,17 +257,19 @@ class Sources:
 
     def documents(self, kind: str) -> list[str]:
         """Pre-training documents: a whole play, a whole ``.txt`` file, or a ``.jsonl`` line's
-        ``"text"``."""
+        or Parquet row's ``"text"``."""
         if not self.path:
             return [play.text for play in self.plays()]
         documents: list[str] = []
         for file, data in self.files:
-            text = decode(file, data)
-            documents.extend(file_documents(file, text, kind))
+            if parquet.is_parquet(file):
+                documents.extend(text for (text,) in parquet_records(file, ("text",), kind, expected=data.decode()))
+            else:
+                documents.extend(file_documents(file, decode(file, data), kind))
         return documents
 
     def conversations(self, kind: str) -> list[Conversation]:
-        """Chat conversations: a ``.jsonl`` line's ``"messages"``, a ``.txt`` file's blocks
+        """Chat conversations: a ``.jsonl`` line's or Parquet row's ``"messages"``, a ``.txt`` file's blocks
         (alternately user and assistant), or runs of four consecutive speeches of a play's scene
         (user, assistant, user, assistant)."""
         if not self.path:
@@ -351,9 +280,12 @@ class Sources:
             ]
         conversations: list[Conversation] = []
         for file, data in self.files:
+            if parquet.is_parquet(file):
+                conversations.extend(parquet_conversations(file, kind, expected=data.decode()))
+                continue
             text = decode(file, data)
             if is_jsonl(file):
-                conversations.extend(_jsonl_conversations(file, text, kind))
+                conversations.extend(jsonl_conversations(file, text, kind))
             else:
                 _refuse_json_lines(file, text)
                 turns = [block.strip() for block in _PARAGRAPH_BREAK.split(text) if block.strip()]
@@ -363,12 +295,16 @@ class Sources:
 
     def pairs(self, kind: str) -> list[tuple[str, str]]:
         """Prompt/response pairs: consecutive speeches of a scene, consecutive blocks of a
-        ``.txt`` file, or a ``.jsonl`` line's ``"prompt"`` and ``"response"``."""
+        ``.txt`` file, or a ``.jsonl`` line's or Parquet row's ``"prompt"`` and ``"response"``."""
         if not self.path:
             scenes = (scene for play in self.plays() for scene in play.scenes)
             return [pair for scene in scenes for pair in itertools.pairwise(scene)]
         pairs: list[tuple[str, str]] = []
         for file, data in self.files:
+            if parquet.is_parquet(file):
+                rows = parquet_records(file, ("prompt", "response"), kind, expected=data.decode())
+                pairs.extend((prompt, response) for prompt, response in rows)
+                continue
             text = decode(file, data)
             if is_jsonl(file):
                 records = jsonl_records(file, text, ("prompt", "response"), kind)
@@ -413,8 +349,13 @@ def _refuse_json_lines(file: Path, text: str) -> None:
 
 def read_sources(path: str | None, split: str = "train") -> Sources:
     """The bundled plays of ``split`` (``path`` empty or ``None``) or the ``.txt``/``.jsonl``/
-    ``.jsonl.gz`` files at ``path`` (a file, or a folder searched recursively, in sorted order),
-    read into memory. ``split`` also names the key in messages about ``path``."""
+    ``.jsonl.gz``/``.parquet`` files at ``path`` (a file, or a folder searched recursively, in
+    sorted order), read into memory (Parquet files: hashed, see :class:`Sources`). ``split`` also
+    names the key in messages about ``path``."""
     key = "`validation.dataset_path`" if split == "validation" else "`training.dataset_path`"
     files = local_files(path, key) if path else shakespeare_play_files(split)
-    return Sources(path, tuple((file, file.read_bytes()) for file in files), split)
+    return Sources(path, tuple((file, _contents(file)) for file in files), split)
+
+
+def _contents(file: Path) -> bytes:
+    return parquet.identity(file).encode() if parquet.is_parquet(file) else file.read_bytes()
