@@ -26,3 +26,9 @@ def test_the_data_layer_covers_the_configs_dataset_kinds():
 def test_the_parallelisms_cover_the_configs_choices():
     assert context_parallel.BACKENDS == choices.CONTEXT_PARALLEL_BACKENDS
     assert pipeline_parallel.SCHEDULES == choices.PIPELINE_SCHEDULES
+
+
+def test_the_hardware_table_covers_the_configs_gpus():
+    from trainer import hardware
+
+    assert tuple(hardware.GPUS) == choices.TARGET_GPUS

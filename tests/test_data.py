@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from data_helpers import TOKENIZER_PATH, global_batches, write
 from torch.utils.data import Dataset
 
 from trainer.config import ConfigError, load_config
@@ -20,7 +21,6 @@ from trainer.data.tokenizer import Tokenizer, load_tokenizer
 from trainer.loss import IGNORE_INDEX
 from trainer.runtime.errors import DataError
 
-TOKENIZER_PATH = Path(__file__).resolve().parent.parent / "assets" / "tokenizer" / "shakespeare.model"
 SEQ_LEN = 256
 
 # (dp_degree, local_batch_size) pairs for a global batch of 8: accumulation 1, 2 and 4.
@@ -72,42 +72,6 @@ def reference_stream(n: int, seed: int, length: int) -> list[int]:
         stream += torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
         epoch += 1
     return stream[:length]
-
-
-def global_batches(
-    dataset: Dataset,
-    *,
-    dp: int,
-    lbs: int,
-    g: int,
-    steps: int,
-    seed: int = 0,
-    state: dict | None = None,
-    workers: int = 0,
-) -> list[list[torch.Tensor]]:
-    """Each step's micro-batches of all ranks in global order (micro-batch major, then rank)."""
-    accumulation = g // (lbs * dp)
-    per_rank = []
-    for rank in range(dp):
-        loader = build_dataloader(
-            dataset,
-            microbatches=accumulation,
-            local_batch_size=lbs,
-            dp_rank=rank,
-            dp_degree=dp,
-            seed=seed,
-            num_workers=workers,
-        )
-        if state is not None:
-            loader.load_state_dict(state)
-        per_rank.append([loader.next_step() for _ in range(steps)])
-    return [[per_rank[r][s][m][0] for m in range(accumulation) for r in range(dp)] for s in range(steps)]
-
-
-def write(path: Path, text: str) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text, encoding="utf-8")
-    return path
 
 
 # ------------------------------------------------------------------------------------------

@@ -7,7 +7,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
-import logging
 import os
 import signal
 import subprocess
@@ -19,26 +18,21 @@ from typing import Any
 
 import numpy as np
 import pytest
+from data_helpers import SEQ_LEN, TOKENIZER_PATH, load_data, run_prepare, write
 from harness import children
 from hf_tokenizer import build
-from test_data import TOKENIZER_PATH, write
 
-from trainer.config import load_config
 from trainer.data import prepare as prepare_module
-from trainer.data.datasets import load_dataset, load_validation_dataset
 from trainer.data.prepare import prepare
 from trainer.data.prepared import PreparedDataset
 from trainer.data.samples import build_dataset, open_dataset
 from trainer.data.shards import verify
 from trainer.data.sources import read_sources
 from trainer.data.tokenizer import Tokenizer, load_tokenizer
-from trainer.planning.job_plan import resolve_job
 from trainer.runtime.dump_folder import DumpFolderLock
 from trainer.runtime.errors import BusyFolderError, DataError
 
 ROOT = Path(__file__).resolve().parent.parent
-SEQ_LEN = 32
-UNIT_BYTES = 3000
 
 
 @pytest.fixture(autouse=True)
@@ -66,10 +60,6 @@ def corpus(root: Path, variant: str = "") -> Path:
     lines = [json.dumps({"text": variant + p}) for p in plays[1].split("\n\n")[:120]]
     write(root / "b.jsonl", "\n".join(lines) + "\n")
     return root
-
-
-def run_prepare(inputs: list[Path], out: Path, workers: int = 1) -> dict:
-    return prepare([str(i) for i in inputs], str(TOKENIZER_PATH), str(out), workers, UNIT_BYTES, progress=None)
 
 
 def snapshot(out: Path) -> dict[str, bytes]:
@@ -316,7 +306,7 @@ def test_every_tokenizer_file_is_part_of_the_tokenizer(tmp_path: Path) -> None:
             load_tokenizer(str(tokenizer_json))
 
 
-def test_raw_files_and_their_prepared_folder_are_the_same_data(tmp_path: Path, tokenizer: Tokenizer) -> None:
+def test_raw_files_and_their_prepared_folder_are_the_sameload_data(tmp_path: Path, tokenizer: Tokenizer) -> None:
     """A run may resume from the prepared form of the files it trained on, and the reverse: the data
     identity is what the samples are, not where they were read from."""
     source = corpus(tmp_path / "in")
@@ -388,48 +378,24 @@ def test_inputs_that_cannot_be_meant_are_refused_naming_the_file(
         assert not (tmp_path / "out" / "manifest.json").exists()
 
 
-def _data(*args: str, validation: bool = False) -> Any:
-    plan = resolve_job(load_config(["--training.seq_len", str(SEQ_LEN), *args]), 1)
-    if validation:
-        return load_validation_dataset(plan.config, plan.tokenizer)
-    return load_dataset(plan.config, plan.tokenizer, plan.global_batch_size)
-
-
 def test_training_paths_named_twice_or_too_small_are_refused(tmp_path: Path) -> None:
     data = write(tmp_path / "data" / "a.txt", "To be, or not to be. " * 400)
     # The same path spelt twice alike is a config error; these name one file two ways.
     for paths in (f"{data},{tmp_path}/data/../data/a.txt", f"{tmp_path / 'data'},{data}"):
         with pytest.raises(DataError, match=r"`training.dataset_path` names .*a.txt' twice.*dataset_weights"):
-            _data("--training.dataset_path", paths)
+            load_data("--training.dataset_path", paths)
     small = write(tmp_path / "small.txt", "Few words here. " * 10)
     with pytest.raises(
         DataError, match=r"small.txt gives \d+ samples .* fewer than one global batch of 64.*global_batch"
     ):
-        _data("--training.dataset_path", str(small), "--training.global_batch_size", "64")
+        load_data("--training.dataset_path", str(small), "--training.global_batch_size", "64")
     run_prepare([tmp_path / "data"], tmp_path / "prepared")
     with pytest.raises(
         DataError, match=r"is a prepared folder's manifest; point `training.dataset_path` at the folder"
     ):
-        _data("--training.dataset_path", str(tmp_path / "prepared" / "manifest.json"))
+        load_data("--training.dataset_path", str(tmp_path / "prepared" / "manifest.json"))
     with pytest.raises(DataError, match=r"shards' is a folder without .* \(the shards of a prepared folder"):
-        _data("--training.dataset_path", str(tmp_path / "prepared" / "shards"))
-
-
-def test_validation_on_training_data_is_warned_about(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    train = write(tmp_path / "train" / "a.txt", "To be, or not to be. " * 400)
-    copy = write(tmp_path / "held" / "copy.txt", train.read_text())
-    write(tmp_path / "fresh" / "b.txt", "Other words entirely. " * 400)
-    for validation, overlap in ((train, "(the same file)"), (tmp_path / "held", f"(identical to {train})")):
-        caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="meshtrain"):
-            _data("--training.dataset_path", str(train), "--validation.dataset_path", str(validation), validation=True)
-        assert "overlaps the training data" in caplog.text and overlap in caplog.text
-        assert str(copy if validation != train else train) in caplog.text
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="meshtrain"):
-        fresh = str(tmp_path / "fresh")
-        _data("--training.dataset_path", str(train), "--validation.dataset_path", fresh, validation=True)
-    assert "overlaps" not in caplog.text
+        load_data("--training.dataset_path", str(tmp_path / "prepared" / "shards"))
 
 
 def test_prepare_data_names_what_is_missing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

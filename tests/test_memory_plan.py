@@ -91,11 +91,13 @@ PRESETS = ("llama3_1b.toml", "llama3_8b.toml", "llama3_70b.toml", "llama3_405b.t
 
 
 def _documented_world_size(preset: str) -> int:
-    """The world size the preset's header comment gives (``NGPU=8 NNODES=8 ./run_train.sh ...``)."""
+    """The machine the preset is sized for (``[machine]``), which its header's command launches."""
+    machine = load_config(["--config", preset]).machine
     header = (ROOT / "train_configs" / preset).read_text().split("\n[")[0]
-    found = re.search(r"NGPU=(\d+)(?: NNODES=(\d+))? \./run_train\.sh --config " + re.escape(preset), header)
-    assert found, f"{preset}: its header comment does not show the command for its machine"
-    return int(found.group(1)) * int(found.group(2) or 1)
+    nodes = f" NNODES={machine.nodes}" if machine.nodes > 1 else ""
+    assert f"NGPU={machine.gpus_per_node}{nodes} " in header, f"{preset}: its header does not launch its [machine]"
+    assert machine.gpu == "h100"
+    return machine.gpus_per_node * machine.nodes
 
 
 @pytest.mark.parametrize("preset", PRESETS)

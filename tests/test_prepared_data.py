@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_data import TOKENIZER_PATH, global_batches, write
+from data_helpers import TOKENIZER_PATH, global_batches, write
 
 from trainer.data import prepare as prepare_module
 from trainer.data.loader import GlobalOrder, build_dataloader

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from trainer.config.choices import CONTEXT_PARALLEL_BACKENDS, DATASET_KINDS, PIPELINE_SCHEDULES
+from trainer.config.choices import DATASET_KINDS, TARGET_GPUS
 from trainer.config.fields import FloatList, StrList, fields_by_key, setting
 from trainer.config.limits import MAX_LR, MAX_SEED, MAX_SEQ_LEN, MAX_TIMEOUT_SECONDS, MAX_WEIGHT_DECAY
+from trainer.config.parallelism import Parallelism
 
 
 @dataclass
@@ -22,6 +23,25 @@ class Job:
         "One job at a time: a running job holds a lock on it.",
     )
     description: str = setting("", "Free text describing the run; printed at start-up.")
+
+
+@dataclass
+class Machine:
+    """The machine a config is sized for, so that planning it needs no environment variables."""
+
+    gpu: str = setting(
+        "",
+        "The GPU this config is sized for (a `--target-gpu` name: h100, h200, a100, b200); empty: not stated. "
+        "`--dry-run` and `--simulate` on a machine without GPUs plan for it when `--target-gpu` is not given.",
+        ("", *TARGET_GPUS),
+    )
+    nodes: int = setting(
+        0,
+        "Nodes this config is sized for; 0: not stated. `--dry-run` and `--simulate` plan for "
+        "`machine.nodes` x `machine.gpus_per_node` ranks when NGPU and NNODES are not set.",
+        ge=0,
+    )
+    gpus_per_node: int = setting(0, "GPUs per node this config is sized for; 0: not stated.", ge=0)
 
 
 @dataclass
@@ -152,93 +172,13 @@ class Training:
     prefetch_factor: int = setting(2, "Micro-batches each data loader worker prepares ahead (workers > 0 only).", ge=1)
     data_timeout_seconds: int = setting(
         300,
-        "With data loader workers: the longest wait for one micro-batch before the job stops with "
-        "an error naming the data loader (a stalled or hung worker), instead of waiting silently.",
+        "The longest wait for one micro-batch before the job stops with an error naming the data "
+        "loader (a stalled or hung worker, or a read of an unresponsive file system), instead of waiting silently.",
         ge=1,
         le=MAX_TIMEOUT_SECONDS,
     )
     peak_flops: float = setting(
         0.0, "Peak dense bf16 FLOP/s of one device, for MFU; 0 looks the GPU up in the built-in table.", ge=0.0
-    )
-
-
-@dataclass
-class Parallelism:
-    data_parallel_replicate_degree: int = setting(
-        1, "HSDP replicas: full model copies, each sharded over `data_parallel_shard_degree` ranks."
-    )
-    data_parallel_shard_degree: int = setting(
-        -1, "FSDP shard degree; -1 infers it as world size / (pp x replicate x tp x cp)."
-    )
-    tensor_parallel_degree: int = setting(
-        1,
-        "Tensor-parallel degree: attention heads, feed-forward units and the vocabulary are split "
-        "over this many ranks, which see the same tokens (sequence parallel between blocks).",
-    )
-    context_parallel_degree: int = setting(
-        1,
-        "Context-parallel degree: each sequence is split over this many ranks (head-tail load "
-        "balanced), which also shard the parameters together with dp_shard.",
-    )
-    context_parallel_backend: str = setting(
-        "auto",
-        "Attention across context-parallel shards: `ring` (PyTorch's ring attention, CUDA only), "
-        "`allgather_kv` (all-gather keys and values, any device), `ulysses` (all-to-all to whole "
-        "sequences of heads / cp heads, any device; cp x tp must divide the heads), or `auto` "
-        "(ring on CUDA, allgather_kv elsewhere or with `training.document_mask`).",
-        ("auto", *CONTEXT_PARALLEL_BACKENDS),
-    )
-    context_parallel_rotate_method: str = setting(
-        "allgather",
-        "How the ring backend moves key/value shards between ranks.",
-        ("allgather", "alltoall"),
-    )
-    pipeline_parallel_degree: int = setting(
-        1,
-        "Pipeline-parallel degree (the outermost mesh dimension): the layers are split into "
-        "stages over this many ranks, embedding on the first, norm + output + loss on the last.",
-    )
-    pipeline_parallel_schedule: str = setting(
-        "1F1B",
-        "Pipeline schedule: `GPipe` and `1F1B` run one stage per rank; `Interleaved1F1B`, "
-        "`InterleavedZeroBubble` (looped) and `ZBVZeroBubble` (V-shaped, exactly 2) run several.",
-        PIPELINE_SCHEDULES,
-    )
-    pipeline_parallel_microbatch_size: int = setting(
-        1,
-        "Sequences per pipeline micro-batch: a data-parallel rank's share of the global batch "
-        "(global / data-parallel degree) is cut into micro-batches of this size, all run by one "
-        "schedule step.",
-        ge=1,
-    )
-    pipeline_parallel_layers_per_stage: int = setting(
-        -1,
-        "Stage units per stage (blocks, with the embedding and the output counted as the "
-        "less-layers below); the number of stages is the model's units divided by this, which "
-        "must be exact. -1: pp stages (2 x pp for multi-stage schedules), split as evenly as "
-        "possible.",
-        ge=1,
-        allowed=(-1,),
-    )
-    pipeline_parallel_first_stage_less_layers: int = setting(
-        1, "Blocks fewer on the first stage, which also runs the token embedding.", ge=0
-    )
-    pipeline_parallel_last_stage_less_layers: int = setting(
-        1, "Blocks fewer on the last stage, which also runs the norm, the output projection and the loss.", ge=0
-    )
-    fsdp_reshard_after_forward: str = setting(
-        "default",
-        "Free gathered parameters after forward: `always`, `never` (faster backward, more "
-        "memory), or `default` (every block but the last one, whose backward runs at once).",
-        ("default", "always", "never"),
-    )
-    disable_loss_parallel: bool = setting(
-        False, "With tensor parallelism, gather the logits instead of a vocabulary-parallel loss."
-    )
-    enable_async_tensor_parallel: bool = setting(
-        False,
-        "Overlap tensor-parallel communication with the matmuls (CUDA only; needs "
-        "`compile.enable`, since async TP is a torch.compile graph rewrite).",
     )
 
 
@@ -423,6 +363,7 @@ class Debug:
 @dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
+    machine: Machine = field(default_factory=Machine)
     model: Model = field(default_factory=Model)
     optimizer: Optimizer = field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)

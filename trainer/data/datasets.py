@@ -15,7 +15,7 @@ from trainer.config import JobConfig, resolve_path
 from trainer.data.mixture import Member, MixtureDataset
 from trainer.data.prepared import PreparedDataset, is_prepared
 from trainer.data.samples import SampleDataset, open_dataset
-from trainer.data.shards import MANIFEST, sha256_file
+from trainer.data.shards import MANIFEST, read_manifest, sha256_file
 from trainer.data.sources import local_files
 from trainer.data.tokenizer import Tokenizer
 from trainer.runtime.errors import DataError
@@ -99,11 +99,23 @@ def _fingerprint(file: Path) -> tuple[int, str]:
     return file.stat().st_size, sha256_file(file)
 
 
+def _with_sources(path: str, key: str) -> dict[Path, Path]:
+    """:func:`_contents`, and for a prepared folder the raw files it was made from (its manifest
+    names them) where they still exist: a folder prepared from the training files is training data."""
+    files = _contents(path, key)
+    if is_prepared(path):
+        for source in read_manifest(Path(path)).get("sources", []):
+            file = Path(source["path"])
+            if file.is_file():
+                files[file.resolve()] = file
+    return files
+
+
 def _warn_overlap(path: str, training_paths: list[str]) -> None:
-    """Warn, loudly and naming the file, when validation data is training data: the same file, or
-    a file with identical bytes (a copy)."""
-    held_out = _contents(path, "`validation.dataset_path`")
-    trained = {real: file for p in training_paths for real, file in _contents(p, "`training.dataset_path`").items()}
+    """Warn, loudly and naming the file, when validation data is training data: the same file, a
+    file with identical bytes (a copy), or a prepared folder made from it."""
+    held_out = _with_sources(path, "`validation.dataset_path`")
+    trained = {real: file for p in training_paths for real, file in _with_sources(p, "`training.dataset_path`").items()}
     sizes = {file.stat().st_size for file in held_out.values()}  # only files of equal size are hashed
     copies = {_fingerprint(file): file for file in trained.values() if file.stat().st_size in sizes}
     trained_sizes = {size for size, _ in copies}

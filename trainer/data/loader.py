@@ -192,7 +192,8 @@ class MicroBatchLoader:
         self.microbatches_per_step = microbatches
 
     def next_step(self, stop_requested: Callable[[], bool] = lambda: False) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The next step's micro-batches. With worker processes, a wait for one is bounded:
+        """The next step's micro-batches. A wait for one is bounded, whoever loads it (worker
+        processes, or this process, whose read of a hung file system would block it):
         ``stop_requested`` is asked every :data:`POLL_S` seconds (raising
         :class:`StoppedWaitingForData` when it says yes), and a wait past the data timeout
         raises a :class:`JobError` naming the loader; a stalled worker has no collective to
@@ -207,8 +208,6 @@ class MicroBatchLoader:
         return microbatches
 
     def _next(self, iterator: Iterator[list[torch.Tensor]], stop_requested: Callable[[], bool]) -> list[torch.Tensor]:
-        if self._workers == 0:
-            return next(iterator)  # loaded here: nothing else can stall
         if self._fetcher is None:
             self._fetcher = _Fetcher()
         started = time.monotonic()
@@ -223,10 +222,14 @@ class MicroBatchLoader:
                 raise StoppedWaitingForData(f"after waiting {waited:.0f} s for micro-batches of step {self._step + 1}")
             if waited >= self._timeout_s:
                 _end_workers(iterator)
+                who = (
+                    f"one of its `training.num_workers` = {self._workers} worker processes has stalled, died or hangs"
+                    if self._workers
+                    else "it reads in this process (`training.num_workers` = 0), and its read hangs"
+                )
                 raise JobError(
                     f"the data loader delivered nothing for step {self._step + 1} within "
-                    f"`training.data_timeout_seconds` = {self._timeout_s:g} s: one of its "
-                    f"`training.num_workers` = {self._workers} worker processes has stalled, died or hangs "
+                    f"`training.data_timeout_seconds` = {self._timeout_s:g} s: {who} "
                     "on its input (a stopped process, an unresponsive file system). Checkpoints already "
                     "written are kept; rerun to resume. If loading legitimately takes that long, raise "
                     "`training.data_timeout_seconds`."

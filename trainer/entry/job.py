@@ -116,8 +116,7 @@ def prepare(
     ``--dry-run``, before the memory check can refuse it. ``memory=False`` skips the check (a tool
     that only reads the data).
     """
-    job_plan = resolve_job(load_config(argv), world_size, target_device(target) if target else None, figures)
-    check_dump_folder(job_plan.config.job.dump_folder)
+    job_plan = prepare_plan(argv, world_size, target, figures)
     limit, where = memory_limit(local_ranks, device_index, started=started, target=target, figures=figures)
     if describe_to is not None:
         describe_to.append(describe(job_plan, limit, where))
@@ -133,6 +132,17 @@ def prepare(
         if memory:
             check_memory(job_plan, limit, where)
     return job
+
+
+def prepare_plan(
+    argv: list[str], world_size: int, target: str | None = None, figures: dict[str, float] | None = None
+) -> JobPlan:
+    """What :func:`prepare` checks before it opens the data: the config, its plan for
+    ``world_size`` (on one GPU of kind ``target`` with its ``figures``, when given), the dump folder.
+    ``--simulate`` stops here: it feeds synthetic batches, and the data may be on another machine."""
+    job_plan = resolve_job(load_config(argv), world_size, target_device(target) if target else None, figures)
+    check_dump_folder(job_plan.config.job.dump_folder)
+    return job_plan
 
 
 def describe_job(request: Request, world_size: int, local_ranks: int) -> None:

@@ -28,7 +28,6 @@ output is shown), ``MAX_RESTARTS`` (torchrun restarts after a failure), ``CONFIG
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import secrets
@@ -39,13 +38,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-from trainer.config import help_text
-from trainer.entry.job import describe_job, parse_request, prepare
+from trainer.config import help_text, load_config
+from trainer.entry.job import Request, describe_job, parse_request, prepare
 from trainer.entry.simulate import simulate
 from trainer.metrics import CONSOLE_TTY_ENV
 from trainer.runtime.dump_folder import TOKEN_ENV, DumpFolderLock, busy_message, is_stale, read_lock
 from trainer.runtime.errors import BusyFolderError, ConfigError, UserError, report
-from trainer.runtime.stop_requests import STOP_FILE_ENV
+from trainer.runtime.stop_requests import STOP_FILE_ENV, die_with_parent
 from trainer.simulation.targets import HELP as TARGET_HELP
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -65,13 +64,37 @@ def _env_int(name: str, default: int) -> int:
 
 
 def local_device_count() -> int:
-    """GPUs on this node (``nvidia-smi -L``), or 4 CPU processes on a machine without one."""
+    """GPUs on this node, or 4 CPU processes on a machine without one."""
+    return listed_gpus() or 4
+
+
+def listed_gpus() -> int:
+    """GPUs on this node, as ``nvidia-smi -L`` lists them (0 without it)."""
     if shutil.which("nvidia-smi"):
         listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
         gpus = sum(line.startswith("GPU") for line in listed.stdout.splitlines())
-        if listed.returncode == 0 and gpus:
+        if listed.returncode == 0:
             return gpus
-    return 4
+    return 0
+
+
+def planned_world(request: Request) -> tuple[int, int]:
+    """``(processes per node, nodes)`` to plan or launch for: NGPU and NNODES when set; for
+    ``--dry-run`` and ``--simulate`` on a machine without GPUs, the machine the config is sized
+    for (``machine.*``), whose GPU then becomes the target unless ``--target-gpu`` names one."""
+    nproc, nnodes = _env_int("NGPU", 0), _env_int("NNODES", 0)
+    if request.mode in ("dry_run", "simulate") and not (nproc or nnodes or listed_gpus()):
+        machine = load_config(request.argv).machine
+        if machine.gpus_per_node:
+            nproc, nnodes = machine.gpus_per_node, max(machine.nodes, 1)
+            request.target_gpu = request.target_gpu or machine.gpu or None
+            print(
+                f"planning for the machine the config is sized for: {nnodes} node(s) x {nproc} "
+                f"{(request.target or 'GPU').upper()} (`machine.*`); set NGPU and NNODES to plan for another.",
+                file=sys.stderr,
+                flush=True,
+            )
+    return nproc or local_device_count(), nnodes or 1
 
 
 def training_argv(argv: list[str]) -> list[str]:
@@ -140,15 +163,6 @@ def torchrun_command(argv: list[str], nproc: int, nnodes: int, log_dir: Path, sh
     ]
 
 
-_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
-
-
-def _die_with_parent() -> None:
-    """In the torchrun child: get SIGTERM if the launcher dies (Linux), so no job is orphaned."""
-    if _LIBC is not None:
-        _LIBC.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 class _StoppedBeforeLaunch(Exception):
     """A signal while the job was still being checked: nothing has started."""
 
@@ -159,7 +173,7 @@ def run(argv: list[str]) -> int:
     if request.mode == "help":
         print(help_text(request.argv) + "\n\n" + TARGET_HELP)
         return 0
-    nproc, nnodes = _env_int("NGPU", 0) or local_device_count(), _env_int("NNODES", 1)
+    nproc, nnodes = planned_world(request)
     if request.mode == "dry_run":
         describe_job(request, nproc * nnodes, nproc)
         return 0
@@ -207,7 +221,7 @@ def run(argv: list[str]) -> int:
             **({TOKEN_ENV: str(lock.token)} if lock is not None else {}),
         }
         launching = True
-        torchrun = subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+        torchrun = subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=die_with_parent)
         code = torchrun.wait()
     except _StoppedBeforeLaunch as stopped:
         shutil.rmtree(private, ignore_errors=True)

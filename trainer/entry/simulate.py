@@ -5,7 +5,8 @@ the job for that world size, then runs one rank of every pipeline stage (the ran
 differ only in which data and which shard they hold) through the trainer's real build and two
 real steps on fake tensors (``fake_job.py``), and reports each role's measured memory and
 estimated step time (``report.py``). Compile is off (it changes no memory the tracker can see
-and would trace for minutes); the data are synthetic samples of the training shape; context
+and would trace for minutes); the data are synthetic samples of the training shape (the job's data are not read: they may be
+on the cluster; ``--dry-run`` where they are checks them); context
 parallelism runs its ``allgather_kv`` attention, the one with a CPU path. The last line printed
 is the path of ``simulation.json``. Exit 0 when every role fits the target, 2 when one does not.
 """
@@ -15,8 +16,10 @@ from __future__ import annotations
 import sys
 
 from trainer.config import JobConfig, load_config
-from trainer.entry.job import Request, parse_request, prepare
+from trainer.entry.job import Request, parse_request, prepare_plan
 from trainer.planning.job_plan import JobPlan, check_torch, resolve_job
+from trainer.runtime.dump_folder import DumpFolderLock, check_dump_folder
+from trainer.runtime.stop_requests import Stopped, stopped_by_signals
 from trainer.simulation.fake_job import RoleRun
 from trainer.simulation.microbatches import schedule_count, shortened_args, traced_count
 from trainer.simulation.report import build_report, fit_advice, render, write
@@ -25,15 +28,33 @@ from trainer.simulation.targets import Target, target_named
 
 
 def simulate(argv: list[str] | Request, nproc: int, nnodes: int) -> int:
-    """Simulate the job ``argv`` describes on ``nproc x nnodes`` ranks; the exit code."""
+    """Simulate the job ``argv`` describes on ``nproc x nnodes`` ranks; the exit code.
+
+    The simulation holds its dump folder as a job does, so that two of them (or a simulation and
+    a training job) never overwrite each other's ``simulation.json``. SIGTERM or Ctrl-C ends it
+    at once, with its processes, and 128 + the signal's number: there is no step to finish.
+    """
     request = argv if isinstance(argv, Request) else parse_request(["--simulate", *argv])
     target = target_named(request.target_gpu, request.target_overrides, nproc)
-    job_plan, runs = simulate_roles(request.argv, nproc, nnodes, target)
-    report = build_report(job_plan, target, runs)
-    print(render(report))
-    if not report["fits"]:
-        print(fit_advice(job_plan, target, report))
-    print(write(report, job_plan.config.job.dump_folder))
+    folder = load_config(request.argv).job.dump_folder
+    check_dump_folder(folder)
+    lock = DumpFolderLock(folder)
+    lock.acquire()
+    try:
+        with stopped_by_signals():
+            job_plan, runs = simulate_roles(request.argv, nproc, nnodes, target)
+            report = build_report(job_plan, target, runs)
+            print(render(report))
+            if not report["fits"]:
+                print(fit_advice(job_plan, target, report))
+            print(write(report, job_plan.config.job.dump_folder))
+    except Stopped as stop:
+        print(
+            f"meshtrain: --simulate stopped by {stop}: its processes are ended; nothing was written.", file=sys.stderr
+        )
+        return 128 + stop.signum
+    finally:
+        lock.release()
     return 0 if report["fits"] else 2
 
 
@@ -45,10 +66,10 @@ def simulate_roles(
     check_torch(("fake", "fsdp", "pipelining"))
     start_fork_server()
     args = [*argv, "--compile.enable=false", "--training.num_workers", "0"]
-    job_plan = prepare(args, nproc * nnodes, local_ranks=nproc, memory=False).plan
+    job_plan = prepare_plan(args, nproc * nnodes)
     real = schedule_count(job_plan)
     traced = traced_count(job_plan) if shorten else real
-    # The job's own preparation above checked its data; the traced plan differs only in settings.
+    # The traced plan differs from the job's only in settings.
     traced_args = [*args, *_as_on_target(job_plan.config, target), *shortened_args(job_plan, traced)]
     traced_plan = resolve_job(load_config(traced_args), nproc * nnodes)
     print(

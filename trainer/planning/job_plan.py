@@ -116,7 +116,7 @@ def resolve_job(
             pp=parallelism.pipeline_parallel_degree,
         )
     except ParallelismError as e:
-        raise ConfigError(e.render(SETTING_KEYS)) from None
+        raise ConfigError(e.render(SETTING_KEYS) + sized_for(config, world_size)) from None
     check_torch(torch_concerns(config, dims))
     per_microbatch = training.local_batch_size * dims.dp
     global_batch = per_microbatch if training.global_batch_size == -1 else training.global_batch_size
@@ -157,6 +157,20 @@ def resolve_job(
         )
     workload = memory_workload(config, dims, settings, args, device, figures or {})
     return JobPlan(config, dims, settings, global_batch // per_microbatch, global_batch, args, tokenizer, workload)
+
+
+def sized_for(config: JobConfig, world_size: int) -> str:
+    """The machine the config names, when ``world_size`` is not it: a mesh written for 64 GPUs
+    does not divide 4, and the fix is the launch, not the mesh."""
+    machine = config.machine
+    ranks = machine.nodes * machine.gpus_per_node
+    if not ranks or ranks == world_size:
+        return ""
+    nodes = f" NNODES={machine.nodes}" if machine.nodes > 1 else ""
+    return (
+        f" This config is sized for {ranks} GPUs (`machine.*`): launch it with NGPU={machine.gpus_per_node}{nodes}, "
+        "or plan it from here with `--dry-run` / `--simulate`."
+    )
 
 
 def torch_concerns(config: JobConfig, dims: ParallelDims) -> tuple[str, ...]:

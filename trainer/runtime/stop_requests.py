@@ -20,9 +20,11 @@ at once, for a user who does not want to wait for the step and the checkpoint.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -95,3 +97,37 @@ class StopRequests:
         flag = torch.tensor([int(self.requested())], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         return bool(flag.item())
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+
+def die_with_parent(signum: int = signal.SIGTERM) -> None:
+    """Have this process sent ``signum`` when its parent dies (Linux): a child of a job killed with
+    SIGKILL, which can clean nothing up, must not live on as an orphan."""
+    if _LIBC is not None:
+        _LIBC.prctl(1, signum)  # PR_SET_PDEATHSIG
+
+
+class Stopped(Exception):
+    """A SIGTERM or SIGINT that ends a job that has no step to finish (``--simulate``)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def stopped_by_signals() -> Iterator[None]:
+    """Inside, SIGTERM and SIGINT raise :class:`Stopped` in the main thread, so that the ``with``
+    blocks around it end their processes and pools on the way out."""
+
+    def stop(signum: int, frame: object) -> None:
+        raise Stopped(signum)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

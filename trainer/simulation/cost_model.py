@@ -40,6 +40,8 @@ ASSUMPTIONS = (
     "micro-batches: gradient accumulation traces 4 of them, 1F1B pipeline rank r max(3, pp - r + 1), "
     "other schedules all; the peak is measured on those, and the steady ones' average FLOPs, bytes "
     "and collectives stand for each one not traced",
+    "data: synthetic samples of `training.seq_len` tokens, every label valid (the job's data are not "
+    "read, so their size and format are not checked: `--dry-run` on the machine that holds them does)",
     "MFU counts the model's FLOPs (6N + 12 L d S per token, as the training log does); HFU the traced "
     "ones, with activation-checkpointing recompute",
 )

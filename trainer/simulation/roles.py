@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import queue
 import sys
+import threading
 import time
 from multiprocessing import forkserver
+from multiprocessing.connection import wait
 from multiprocessing.pool import AsyncResult
+from multiprocessing.queues import SimpleQueue
 
 from trainer.planning.job_plan import JobPlan
 from trainer.simulation.fake_job import PipelineMetadata, RoleRun, run_rank
@@ -50,14 +52,15 @@ def run_roles(plan: JobPlan, gpus_per_node: int, real_microbatches: int, shorten
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     processes = max(1, min(pp, MAX_PROCESSES, cores))
     start = time.monotonic()
-    with context.Manager() as manager, context.Pool(processes, maxtasksperchild=1) as pool:
-        published = manager.Queue()
-        first = pool.apply_async(_run_child, (plan, 0, gpus_per_node, real_microbatches, shorten, None, published))
+    published = context.SimpleQueue()
+    pool = context.Pool(processes, _worker_start, (published,), maxtasksperchild=1)
+    with pool:
+        first = pool.apply_async(_run_child, (plan, 0, gpus_per_node, real_microbatches, shorten, None, True))
         results: list[AsyncResult] = [first]
         if pp > 1:
             forward = _first_forward_metadata(published, first)
             results += [
-                pool.apply_async(_run_child, (plan, stage, gpus_per_node, real_microbatches, shorten, forward, None))
+                pool.apply_async(_run_child, (plan, stage, gpus_per_node, real_microbatches, shorten, forward, False))
                 for stage in range(1, pp)
             ]
         runs = []
@@ -68,14 +71,34 @@ def run_roles(plan: JobPlan, gpus_per_node: int, real_microbatches: int, shorten
     return runs
 
 
-def _first_forward_metadata(published: queue.Queue, first: AsyncResult) -> object:
-    while True:
-        try:
-            return published.get(timeout=0.2)
-        except queue.Empty:
-            if first.ready():
-                first.get()  # raises the stage's error
-                raise RuntimeError("pipeline stage 0 finished without sending its forward metadata") from None
+def _first_forward_metadata(published: SimpleQueue, first: AsyncResult) -> object:
+    while published.empty():
+        if first.ready():
+            first.get()  # raises the stage's error
+            raise RuntimeError("pipeline stage 0 finished without sending its forward metadata")
+        time.sleep(0.2)
+    return published.get()
+
+
+_PUBLISHED: SimpleQueue | None = None
+"""In a role's process: where stage 0 publishes its forward metadata."""
+
+
+def _worker_start(published: SimpleQueue) -> None:
+    """Each role process, as it starts: keep the queue, and end when the simulation's process
+    does. The fork server and its children outlive a killed simulation otherwise: each holds the
+    fork server's "a client is alive" pipe, so none of them sees it go; a role would trace on for
+    minutes. Only SIGKILL needs this: SIGTERM and Ctrl-C end the pool (``trainer/entry/simulate.py``)."""
+    global _PUBLISHED
+    _PUBLISHED = published
+    simulation = multiprocessing.parent_process()
+    if simulation is not None:
+        threading.Thread(target=_end_with, args=(simulation.sentinel,), daemon=True).start()
+
+
+def _end_with(sentinel: int) -> None:
+    wait([sentinel])
+    os._exit(1)
 
 
 def _run_child(
@@ -85,7 +108,8 @@ def _run_child(
     real_microbatches: int,
     shorten: bool,
     forward: object | None,
-    published: queue.Queue | None,
+    publishes: bool,
 ) -> RoleRun:
-    metadata = PipelineMetadata(forward, published.put if published is not None else None)
+    publish = _PUBLISHED.put if publishes and _PUBLISHED is not None else None
+    metadata = PipelineMetadata(forward, publish)
     return run_rank(plan, rank_of_stage(plan, pp_rank), gpus_per_node, metadata, real_microbatches, shorten)
