@@ -62,11 +62,13 @@ from trainer.checkpoint.folders import (
 )
 from trainer.checkpoint.hf_load import load_hf_weights
 from trainer.checkpoint.integrity import (
+    LAYOUT_DEPENDENT,
     MANIFEST_FILE,
     ChecksummingWriter,
     checksum_problem,
     first_non_finite,
     read_manifest,
+    written_layout_invariant,
 )
 from trainer.checkpoint.save_failures import disk_refusal, refusal_message
 from trainer.checkpoint.states import ModelState, OptimizerState, optimizer_groups_flattened
@@ -96,8 +98,10 @@ class CheckpointManager:
         total_steps: int,
         data_identity: dict[str, str] | None = None,
         timeout_s: float = 1800.0,
+        layout_invariant: bool = False,
     ):
         self.config = config
+        self.layout_invariant = layout_invariant
         self.folder = Path(dump_folder) / config.folder
         self.model, self.model_args = model, model_args
         self.total_steps = total_steps
@@ -145,6 +149,7 @@ class CheckpointManager:
         if "dataloader" in keys:
             self._check_same_data(path)
         self._load(path, keys=keys, what="checkpoint")
+        self._warn_if_layout_dependent(path)
         timeline = self._follow(path, rejected)
         logger.info("resuming from %s (%s): %s", path, timeline.describe(), ", ".join(keys))
         return self.train_state.step
@@ -273,6 +278,12 @@ class CheckpointManager:
                 "`checkpoint.folder` elsewhere to start afresh."
             )
 
+    def _warn_if_layout_dependent(self, path: Path) -> None:
+        """A ``debug.layout_invariant`` run resuming a default-mode state is allowed (runs resumed
+        from the same checkpoint still agree bit for bit) but its promise is narrower: say so."""
+        if self.layout_invariant and self.rank == 0 and not written_layout_invariant(path):
+            logger.warning(LAYOUT_DEPENDENT, path)
+
     def _initial_load(self, path: Path) -> int:
         what = "`checkpoint.initial_load_path`:"
         if self.config.initial_load_in_hf:
@@ -290,6 +301,7 @@ class CheckpointManager:
             return 0
         logger.info("starting from the full state of %s", path)
         self._load(path, keys=tuple(self.states), what=what)
+        self._warn_if_layout_dependent(path)
         return self.train_state.step
 
     # ----------------------------------------------------------------------------------- save
@@ -319,7 +331,7 @@ class CheckpointManager:
             state: dict[str, Any] = {"model": ModelState(self.model, dtype)}
         else:
             state = dict(self.states)
-        writer = ChecksummingWriter(str(partial))
+        writer = ChecksummingWriter(str(partial), layout_invariant=self.layout_invariant)
         try:
             if self.config.async_mode == "async":
                 # A Future unless an async stager is configured, which this manager never does.
