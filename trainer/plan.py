@@ -18,6 +18,7 @@ from parallelisms.parallel_dims import ParallelDims, ParallelismError, device_ty
 from parallelisms.parallelize import ModelShape, ParallelSettings, check
 from parallelisms.torch_private import UnsupportedTorch
 from parallelisms.torch_private import check as check_torch_internals
+from trainer.checkpoint.folders import check_initial_load
 from trainer.config import ConfigError, JobConfig, resolve_path
 from trainer.data.tokenizer import Tokenizer, load_tokenizer
 from trainer.model.llama3 import ModelArgs, model_args
@@ -148,6 +149,7 @@ def plan(config: JobConfig, world_size: int, device: str | None = None) -> Plan:
     if config.profiling.enable_memory_snapshot and device != "cuda":
         raise ConfigError("`profiling.enable_memory_snapshot` records the CUDA allocator: it needs a GPU.")
     check_dump_folder(config.job.dump_folder)
+    check_initial_load(config.checkpoint)
     if config.checkpoint.create_seed_checkpoint and world_size != 1:
         raise ConfigError(
             f"`checkpoint.create_seed_checkpoint` runs on one process, not {world_size}: launch it with NGPU=1."

@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
+from trainer.checkpoint.disk import disk_refusal
 from trainer.checkpoint.folders import (
     MODEL_ARGS_FILE,
     PARAMETER_FIELDS,
@@ -70,7 +71,7 @@ from trainer.checkpoint.integrity import (
     read_manifest,
     written_layout_invariant,
 )
-from trainer.checkpoint.save_failures import disk_refusal, refusal_message
+from trainer.checkpoint.save_failures import refusal_message
 from trainer.checkpoint.states import ModelState, OptimizerState, optimizer_groups_flattened
 from trainer.checkpoint.timeline import Timeline, candidates, follow, reasons, start_over
 from trainer.config import Checkpoint
