@@ -1,15 +1,17 @@
-"""Compare two checkpoints tensor by tensor, bit for bit.
+"""Compare two checkpoints entry by entry, tensors bit for bit, and say which kinds of state differ.
 
 Usage: ``python scripts/compare_checkpoints.py CHECKPOINT_A CHECKPOINT_B``
 
 Each argument is a ``torch.distributed.checkpoint`` folder (``{dump_folder}/checkpoint/step-N``),
-saved on any mesh. Every tensor entry (weights, optimizer moments, step counters) is compared by
-its bits, so ``-0.0`` against ``0.0`` or two different NaNs count as different; non-tensor
-entries (data loader and schedule state) are not compared. Prints the first differing tensor
-and the largest absolute and relative differences over all of them: the question "why did these
-two runs diverge" starts from where and by how much. Exit 0 when every tensor is identical,
-1 when any differs, 2 when an argument is not a checkpoint. Runs in one process without a process
-group; holds both checkpoints in memory.
+saved on any mesh. Every tensor entry (weights, optimizer moments, step counters, the RNG state)
+is compared by its bits, so ``-0.0`` against ``0.0`` or two different NaNs count as different;
+every other entry (the optimizer's hyperparameters, the LR schedule, the data loader's position,
+the step) by value. Prints which kinds of state differ (model weights, optimizer state, RNG
+state...) and which are the same, the first differing entry, and the largest absolute and
+relative differences over the tensors: the question "why did these two runs diverge" starts
+from what, where and by how much. Exit 0 when every entry is identical, 1 when any differs, 2
+when an argument is not a checkpoint. Runs in one process without a process group; holds both
+checkpoints in memory.
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ from __future__ import annotations
 import argparse
 import sys
 import warnings
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))  # run as a plain script from anywhere
@@ -29,6 +33,17 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # noqa:
 
 from trainer.runtime.errors import UserError, report  # noqa: E402
 
+KINDS = (
+    ("model.", "model weights"),
+    ("optimizer.", "optimizer state"),
+    ("lr_scheduler.", "LR schedule"),
+    ("dataloader.", "data loader position"),
+    ("train_state.rng", "RNG state"),
+    ("train_state.", "train state"),
+)
+"""What a checkpoint entry is part of, by the first prefix of its key that matches, in the
+order the report lists them."""
+
 
 class NotACheckpointError(UserError, ValueError):
     """An argument that is not a DCP checkpoint folder."""
@@ -36,65 +51,95 @@ class NotACheckpointError(UserError, ValueError):
     label = "not a checkpoint"
 
 
-def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor entry of the checkpoint at ``folder``, whole, on the CPU."""
+def kind(key: str) -> str:
+    """The kind of state an entry belongs to, as the report names it."""
+    return next((name for prefix, name in KINDS if key.startswith(prefix)), key.split(".", 1)[0])
+
+
+def read_entries(folder: Path) -> dict[str, Any]:
+    """Every entry of the checkpoint at ``folder``: tensors whole and on the CPU, other values as saved."""
     try:
         metadata = dcp.FileSystemReader(str(folder)).read_metadata()
     except (FileNotFoundError, NotADirectoryError):
         raise NotACheckpointError(
             f"{folder} has no torch.distributed.checkpoint metadata; pass a `{{dump_folder}}/checkpoint/step-N` folder."
         ) from None
-    tensors = {
-        key: torch.empty(entry.size, dtype=entry.properties.dtype)
+    entries: dict[str, Any] = {
+        key: torch.empty(entry.size, dtype=entry.properties.dtype) if isinstance(entry, TensorStorageMetadata) else None
         for key, entry in metadata.state_dict_metadata.items()
-        if isinstance(entry, TensorStorageMetadata)
     }
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        dcp.load(tensors, checkpoint_id=str(folder), no_dist=True)
-    return tensors
+        dcp.load(entries, checkpoint_id=str(folder), no_dist=True)
+    return entries
+
+
+def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """The tensor entries of the checkpoint at ``folder``."""
+    return {key: value for key, value in read_entries(folder).items() if isinstance(value, torch.Tensor)}
 
 
 @dataclass
 class Comparison:
     compared: int = 0
     differing: list[str] = field(default_factory=list)
-    """Keys whose tensors differ (in dtype, shape or bits) or that only one checkpoint has, in key order."""
+    """Keys whose entries differ (in type, dtype, shape, bits or value) or that only one
+    checkpoint has, in key order."""
     reasons: dict[str, str] = field(default_factory=dict)
     largest_abs: tuple[float, str] = (0.0, "")
     largest_rel: tuple[float, str] = (0.0, "")
+    entries: dict[str, int] = field(default_factory=dict)
+    """How many entries each kind of state has, in either checkpoint."""
+
+    def differing_kinds(self) -> dict[str, int]:
+        """How many entries of each kind differ, for the kinds where any does."""
+        counts = {name: 0 for name in self.entries}
+        for key in self.differing:
+            counts[kind(key)] += 1
+        return {name: n for name, n in counts.items() if n}
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).contiguous().view(torch.uint8)
 
 
-def compare(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> Comparison:
+def compare(a: dict[str, Any], b: dict[str, Any]) -> Comparison:
     result = Comparison()
-    for key in sorted(a.keys() | b.keys()):
+    order = [name for _, name in KINDS]
+    keys = sorted(a.keys() | b.keys())
+    counts = Counter(kind(key) for key in keys)
+    for name in sorted(counts, key=lambda n: (order.index(n) if n in order else len(order), n)):
+        result.entries[name] = counts[name]
+    for key in keys:
         if key not in a or key not in b:
             result.differing.append(key)
             result.reasons[key] = f"only in {'A' if key in a else 'B'}"
             continue
-        x, y = a[key], b[key]
         result.compared += 1
-        if x.dtype != y.dtype or x.shape != y.shape:
+        reason = _difference(a[key], b[key], key, result)
+        if reason is not None:
             result.differing.append(key)
-            result.reasons[key] = f"{x.dtype} {tuple(x.shape)} in A, {y.dtype} {tuple(y.shape)} in B"
-            continue
-        if torch.equal(_bytes(x), _bytes(y)):
-            continue
-        diff = (x.double() - y.double()).abs().nan_to_num(nan=float("inf"))
-        scale = torch.maximum(x.double().abs(), y.double().abs())
-        rel = torch.where(scale > 0, diff / scale, diff).nan_to_num(nan=float("inf"))
-        worst_abs, worst_rel = diff.max().item(), rel.max().item()
-        result.differing.append(key)
-        result.reasons[key] = f"bits differ (largest absolute difference {worst_abs:.3e}, relative {worst_rel:.3e})"
-        if worst_abs >= result.largest_abs[0]:
-            result.largest_abs = (worst_abs, key)
-        if worst_rel >= result.largest_rel[0]:
-            result.largest_rel = (worst_rel, key)
+            result.reasons[key] = reason
     return result
+
+
+def _difference(x: Any, y: Any, key: str, result: Comparison) -> str | None:
+    """Why two entries differ, or None; a tensor's largest differences are recorded in ``result``."""
+    if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
+        return None if type(x) is type(y) and x == y else f"{x!r} in A, {y!r} in B"
+    if x.dtype != y.dtype or x.shape != y.shape:
+        return f"{x.dtype} {tuple(x.shape)} in A, {y.dtype} {tuple(y.shape)} in B"
+    if torch.equal(_bytes(x), _bytes(y)):
+        return None
+    diff = (x.double() - y.double()).abs().nan_to_num(nan=float("inf"))
+    scale = torch.maximum(x.double().abs(), y.double().abs())
+    rel = torch.where(scale > 0, diff / scale, diff).nan_to_num(nan=float("inf"))
+    worst_abs, worst_rel = diff.max().item(), rel.max().item()
+    if worst_abs >= result.largest_abs[0]:
+        result.largest_abs = (worst_abs, key)
+    if worst_rel >= result.largest_rel[0]:
+        result.largest_rel = (worst_rel, key)
+    return f"bits differ (largest absolute difference {worst_abs:.3e}, relative {worst_rel:.3e})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,16 +148,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("b", type=Path, help="another checkpoint folder")
     opts = parser.parse_args(argv)
     try:
-        a, b = read_tensors(opts.a), read_tensors(opts.b)
+        a, b = read_entries(opts.a), read_entries(opts.b)
     except UserError as err:
         return report(err, program="compare_checkpoints")
     result = compare(a, b)
     if not result.differing:
-        print(f"identical: {result.compared} tensors, {sum(t.numel() for t in a.values()):,} elements")
+        tensors = [t for t in a.values() if isinstance(t, torch.Tensor)]
+        print(
+            f"identical: {len(tensors)} tensors, {sum(t.numel() for t in tensors):,} elements, "
+            f"and {len(a) - len(tensors)} other entries ({', '.join(result.entries)})"
+        )
         return 0
+    kinds = result.differing_kinds()
+    print(f"{len(result.differing)} of {len(a.keys() | b.keys())} entries differ")
+    print("differ: " + ", ".join(f"{name} ({n} of {result.entries[name]} entries)" for name, n in kinds.items()))
+    same = [name for name in result.entries if name not in kinds]
+    print(f"identical: {', '.join(same) or 'nothing'}")
     first = result.differing[0]
-    print(f"{len(result.differing)} of {len(a.keys() | b.keys())} tensors differ")
-    print(f"first differing tensor: {first}: {result.reasons[first]}")
+    print(f"first differing entry: {first}: {result.reasons[first]}")
     if result.largest_abs[1]:
         print(f"largest absolute difference: {result.largest_abs[0]:.6e} in {result.largest_abs[1]}")
         print(f"largest relative difference: {result.largest_rel[0]:.6e} in {result.largest_rel[1]}")

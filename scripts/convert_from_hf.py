@@ -4,8 +4,8 @@ Usage: ``python scripts/convert_from_hf.py HF_DIR CHECKPOINT_DIR``
 
 HF_DIR holds ``config.json`` and safetensors weights (one file or shards with an index).
 CHECKPOINT_DIR, new or empty, receives a ``torch.distributed.checkpoint`` folder holding only
-``{"model": ...}`` plus ``model_args.json`` derived from ``config.json``; the trainer loads it on
-any mesh. Weights are stored in float32, the dtype of the trainer's parameters (casting from
+``{"model": ...}`` plus ``model_args.json`` derived from ``config.json``, checksummed as the
+trainer's own checkpoints and moved into place only once whole; the trainer loads it on any mesh. Weights are stored in float32, the dtype of the trainer's parameters (casting from
 bfloat16 or float16 is exact). A tied ``lm_head`` (Llama 3.2) becomes a separate output matrix
 that starts as a copy of the embedding. Tensors are read and cast one at a time, so memory
 peaks at the float32 model the checkpoint is written from, with no second copy in the folder's dtype.

@@ -9,6 +9,8 @@ with ``LlamaForCausalLM.from_pretrained(OUTPUT_DIR)``; with ``--tokenizer`` (the
 ``model.tokenizer_path``) also the tokenizer files. Runs in one process without a GPU or a process
 group, whatever mesh saved the checkpoint, and streams: one tensor is read from the checkpoint,
 converted and written before the next, so memory stays at about the largest tensor, not the model.
+The checkpoint's files are verified against its ``checksums.json`` first, as a resume verifies
+them, and OUTPUT_DIR gains its files only once all are written (a full disk leaves it as it was).
 """
 
 from __future__ import annotations

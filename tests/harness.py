@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import socket
 import subprocess
 import tempfile
@@ -19,6 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -288,6 +290,18 @@ def per_rank_mean_then_average(parts: StepParts, microbatches) -> dict[str, torc
 # --------------------------------------------------------------------------------------------
 # The real entry point
 # --------------------------------------------------------------------------------------------
+
+
+def can_mount_tmpfs() -> bool:
+    """A tiny or read-only file system needs a private mount namespace (``unshare``)."""
+    if not shutil.which("unshare"):
+        return False
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /mnt"], capture_output=True)
+    return probe.returncode == 0
+
+
+needs_tmpfs = pytest.mark.skipif(not can_mount_tmpfs(), reason="no user namespaces here to mount a small tmpfs")
+"""For a test on a real full or read-only file system: a tmpfs mounted in ``unshare -rm``."""
 
 
 def run_train(ngpu: int, args: list[str], timeout: float = 300, **env: str) -> subprocess.CompletedProcess:

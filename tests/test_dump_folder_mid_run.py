@@ -11,8 +11,8 @@ import shlex
 import subprocess
 
 import pytest
-from harness import ROOT
-from test_faults import QUICK, needs_tmpfs
+from harness import ROOT, needs_tmpfs
+from test_faults import QUICK
 
 from trainer.checkpoint.folders import read_dcp_model, step_folders
 

@@ -48,6 +48,29 @@ def test_a_user_error_is_one_line_with_its_exit_code(entry, tmp_path, capsys, mo
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("entry", [*ENTRY_POINTS, "launcher --simulate"])
+def test_an_initial_load_path_that_cannot_load_is_refused_before_launch(entry, tmp_path, capsys, monkeypatch):
+    """Known from the folder alone, so no entry point starts a job that fails at its load."""
+    monkeypatch.setenv("NGPU", "1")
+    run = ENTRY_POINTS.get(entry) or (lambda argv: launch.main([*argv, "--simulate"]))
+    hf, dcp = tmp_path / "hf", tmp_path / "checkpoint" / "step-4"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    dcp.mkdir(parents=True)
+    (dcp / ".metadata").write_bytes(b"")
+    key = "config error: `checkpoint.initial_load_path` = "
+    for extra, message in (
+        ([str(tmp_path / "absent")], f"{key}{tmp_path / 'absent'} does not exist; point it at a checkpoint's"),
+        ([str(hf)], f"{key}{hf} is a Hugging Face model folder: add `--checkpoint.initial_load_in_hf`"),
+        ([str(dcp), "--checkpoint.initial_load_in_hf"], f"{key}{dcp} is a training checkpoint (DCP), not a Hugging"),
+        ([str(tmp_path)], f"{key}{tmp_path} holds [checkpoint/step-4]: point it at one of those"),
+    ):
+        argv = [*TINY, "--job.dump_folder", str(tmp_path / "out"), "--checkpoint.initial_load_path", *extra]
+        assert run(argv) == 2, extra
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
+
+
 @pytest.mark.parametrize("entry", ENTRY_POINTS)
 def test_a_bug_while_preparing_keeps_its_traceback(entry, tmp_path, monkeypatch):
     def broken(*args: object, **kwargs: object) -> None:

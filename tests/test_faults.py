@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 import signal
 import socket
 import subprocess
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import ROOT, Launched, run_train
+from harness import ROOT, Launched, needs_tmpfs, run_train
 
 from trainer.checkpoint.folders import read_dcp_model, step_folders
 from trainer.config import ConfigError, load_config
@@ -80,17 +79,6 @@ def test_a_dump_folder_that_is_a_file_is_refused_before_any_process_group(tmp_pa
     for folder in (file, file / "run1"):
         with pytest.raises(ConfigError, match="job.dump_folder"):
             prepare(["--job.dump_folder", str(folder)], 1, local_ranks=1)
-
-
-def can_mount_tmpfs() -> bool:
-    """A tiny or read-only file system needs a private mount namespace (``unshare``)."""
-    if not shutil.which("unshare"):
-        return False
-    probe = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /mnt"], capture_output=True)
-    return probe.returncode == 0
-
-
-needs_tmpfs = pytest.mark.skipif(not can_mount_tmpfs(), reason="no user namespaces here to mount a small tmpfs")
 
 
 @needs_tmpfs

@@ -283,7 +283,7 @@ def test_convert_to_hf_defaults_to_bfloat16(tmp_path: Path):
 def test_not_a_checkpoint(tmp_path: Path):
     with pytest.raises(InteropError, match="is not a torch.distributed.checkpoint folder"):
         read_dcp_model(tmp_path)
-    with pytest.raises(InteropError, match="is not a torch.distributed.checkpoint folder"):
+    with pytest.raises(InteropError, match="missing does not exist; pass a `{dump_folder}/checkpoint/step-N`"):
         read_dcp_model(tmp_path / "missing")
 
     args = CONFIGS["gqa_rope_scaling"]
@@ -342,7 +342,7 @@ def test_folder_errors(tmp_path: Path):
     sd = build_model("gqa_rope_scaling").state_dict()
     with pytest.raises(InteropError, match="has no config.json"):
         load_hf_folder(tmp_path)
-    with pytest.raises(InteropError, match="model_args.json does not exist"):
+    with pytest.raises(InteropError, match="is not a torch.distributed.checkpoint folder"):
         read_model_args(tmp_path)
 
     save_hf_folder(tmp_path / "hf", sd, args, torch.float32)
@@ -355,6 +355,9 @@ def test_folder_errors(tmp_path: Path):
     write_dcp_model(tmp_path / "ckpt", sd, args)
     with pytest.raises(InteropError, match="is not empty"):
         write_dcp_model(tmp_path / "ckpt", sd, args)
+    (tmp_path / "ckpt" / "model_args.json").unlink()  # another trainer's checkpoint
+    with pytest.raises(InteropError, match="model_args.json does not exist; the trainer writes it"):
+        read_model_args(tmp_path / "ckpt")
     (tmp_path / "ckpt" / "model_args.json").write_text(json.dumps({"dim": 64, "n_expert": 8}))
     with pytest.raises(InteropError, match=r"unknown ModelArgs fields \['n_expert'\]"):
         read_model_args(tmp_path / "ckpt")

@@ -19,6 +19,7 @@ import re
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -89,9 +90,8 @@ def runs(tmp_path_factory) -> dict[str, tuple[Path, list[str]]]:
 
 
 def final_tensors(dump: Path) -> dict[str, torch.Tensor]:
-    """The weights and the optimizer state of the step-10 checkpoint (not the train state's RNG)."""
-    tensors = compare_checkpoints.read_tensors(dump / "checkpoint" / f"step-{STEPS}")
-    return {k: v for k, v in tensors.items() if k.startswith(("model.", "optimizer."))}
+    """The tensors of the step-10 checkpoint: weights, optimizer state, step counters, the RNG state."""
+    return compare_checkpoints.read_tensors(dump / "checkpoint" / f"step-{STEPS}")
 
 
 @pytest.mark.launcher
@@ -100,6 +100,7 @@ def test_every_layout_and_a_resume_give_the_same_bits(runs):
     assert len(reference) == STEPS and len(set(reference)) == STEPS
     expected = final_tensors(reference_dump)
     assert any(k.startswith("optimizer.state.") and k.endswith("exp_avg_sq") for k in expected)
+    assert "train_state.rng_cpu" in expected
     for name in ("fsdp4x2", "hsdp2x2x2", "resumed"):
         dump, logged = runs[name]
         steps = reference[5:] if name == "resumed" else reference
@@ -114,6 +115,30 @@ def test_another_summation_order_changes_the_bits(runs):
     after the other, not as the canonical tree, and the final state differs."""
     result = compare_checkpoints.compare(final_tensors(runs["1x8"][0]), final_tensors(runs["off_1x8"][0]))
     assert result.differing and all(not k.endswith(".step") for k in result.differing)
+    assert list(result.differing_kinds()) == ["model weights", "optimizer state"]
+
+
+@pytest.mark.launcher
+def test_a_resume_saves_the_state_of_a_run_never_interrupted_and_a_default_mode_one_is_named(tmp_path, capsys):
+    """Every entry of the checkpoints, the CPU RNG state and the data loader's position included:
+    nothing draws from the RNG a resume restored that an uninterrupted run would not. Resuming a
+    checkpoint written with the mode off says that the bits cannot match an uninterrupted run's."""
+    short = ["--training.steps", "4", "--checkpoint.interval", "2"]
+    straight, resumed, default = tmp_path / "straight", tmp_path / "resumed", tmp_path / "default"
+    launch(1, straight, [*ON, *short])
+    shutil.copytree(straight / "checkpoint" / "step-2", resumed / "checkpoint" / "step-2")
+    launch(1, resumed, [*ON, *short])
+    final = [str(dump / "checkpoint" / "step-4") for dump in (straight, resumed)]
+    assert compare_checkpoints.main(final) == 0, capsys.readouterr().out
+    assert "RNG state" in capsys.readouterr().out
+
+    launch(1, default, [*short, "--training.steps", "2"])
+    done = run_train(1, [*COMMON, *short, "--job.dump_folder", str(default), *ON], timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    warned = [line for line in done.stderr.splitlines() if "written with `debug.layout_invariant` off" in line]
+    assert len(warned) == 1 and "step-2" in warned[0], done.stderr[-3000:]
+    done = run_train(1, [*COMMON, *short, "--training.steps", "6", "--job.dump_folder", str(straight), *ON])
+    assert done.returncode == 0 and "layout_invariant` off" not in done.stderr, done.stderr[-3000:]
 
 
 # --------------------------------------------------------------------------------------------
@@ -207,8 +232,12 @@ def test_what_breaks_the_bits_is_refused_naming_both_keys(extra, key):
     resolve_job(load_config(extra), 4)  # accepted with the mode off
 
 
-def _save(folder: Path, tensors: dict[str, torch.Tensor]) -> Path:
-    dcp.save({k: v.clone() for k, v in tensors.items()}, checkpoint_id=str(folder), no_dist=True)
+def _save(folder: Path, entries: dict[str, Any]) -> Path:
+    dcp.save(
+        {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in entries.items()},
+        checkpoint_id=str(folder),
+        no_dist=True,
+    )
     return folder
 
 
@@ -224,15 +253,28 @@ def test_compare_checkpoints(tmp_path: Path, capsys):
     one_ulp["model.w"][2, 1] = torch.nextafter(one_ulp["model.w"][2, 1], torch.tensor(1e9))
     assert compare_checkpoints.main([str(a), str(_save(tmp_path / "ulp", one_ulp))]) == 1
     out = capsys.readouterr().out
-    assert "first differing tensor: model.w" in out and "largest relative difference: " in out
+    assert "first differing entry: model.w" in out and "largest relative difference: " in out
 
     negative_zero = dict(base, **{"model.b": -torch.zeros(4)})  # equal as numbers, not as bits
     assert compare_checkpoints.main([str(a), str(_save(tmp_path / "neg0", negative_zero))]) == 1
-    assert "first differing tensor: model.b" in capsys.readouterr().out
+    assert "first differing entry: model.b" in capsys.readouterr().out
 
     missing = {k: v for k, v in base.items() if k != "model.b"}
     assert compare_checkpoints.main([str(a), str(_save(tmp_path / "missing", missing))]) == 1
     assert "model.b: only in A" in capsys.readouterr().out
+
+    rng, position = torch.get_rng_state(), {"dataloader.step": 4}
+    state = _save(tmp_path / "state", {**base, "train_state.rng_cpu": rng, **position})
+    torch.rand(1)
+    moved = _save(tmp_path / "moved", {**base, "train_state.rng_cpu": torch.get_rng_state(), **position})
+    assert compare_checkpoints.main([str(state), str(moved)]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == "differ: RNG state (1 of 1 entries)", out
+    assert out[2] == "identical: model weights, optimizer state, data loader position", out
+    later = _save(tmp_path / "later", {**base, "train_state.rng_cpu": rng, "dataloader.step": 5})
+    assert compare_checkpoints.main([str(state), str(later)]) == 1
+    out = capsys.readouterr().out
+    assert "differ: data loader position (1 of 1 entries)" in out and "dataloader.step: 4 in A, 5 in B" in out
 
     assert compare_checkpoints.main([str(a), str(tmp_path / "nowhere")]) == 2
     err = capsys.readouterr().err.strip()

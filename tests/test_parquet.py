@@ -28,7 +28,7 @@ from trainer.data.shards import verify
 from trainer.data.sources import read_sources
 from trainer.data.tokenizer import Tokenizer, load_tokenizer
 from trainer.runtime.errors import DataError
-from trainer.train import fetch_step, forward_backward, optimizer_step
+from trainer.step import fetch_step, forward_backward, optimizer_step
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENIZER = str(ROOT / "assets" / "tokenizer" / "shakespeare.model")
@@ -186,15 +186,15 @@ def test_chat_and_pairs_from_parquet(tokenizer: Tokenizer, tmp_path: Path) -> No
 
 
 def losses_worker(argv: list[str]) -> tuple[list[float], float]:
-    p, trainer = trainer_for(argv)
-    validator = build_validator(p, trainer, load_validation_dataset(p))
+    p, parts = trainer_for(argv)
+    validator = build_validator(p, parts, load_validation_dataset(p.config, p.tokenizer))
     assert validator is not None
     losses = []
     for _ in range(3):
-        result = forward_backward(trainer, fetch_step(trainer))
-        optimizer_step(trainer, result)
+        result = forward_backward(parts, fetch_step(parts))
+        optimizer_step(parts, result)
         losses.append(result.loss_avg)
-    return losses, validator.run(trainer).loss
+    return losses, validator.run(parts).loss
 
 
 @pytest.mark.slow

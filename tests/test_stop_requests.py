@@ -11,8 +11,8 @@ import subprocess
 import time
 
 import pytest
-from harness import ROOT, Launched, children
-from test_faults import QUICK, needs_tmpfs
+from harness import ROOT, Launched, children, needs_tmpfs
+from test_faults import QUICK
 
 from trainer.checkpoint.folders import step_folders
 from trainer.runtime.dump_folder import LOCK_FILE

@@ -263,6 +263,7 @@ def resume(plan: JobPlan, dataset: TokenDataset, parts: StepParts) -> tuple[Trai
         total_steps=config.training.steps,
         data_identity=getattr(dataset, "identity", None),
         timeout_s=config.comm.init_timeout_seconds,
+        layout_invariant=config.debug.layout_invariant,
     )
     checkpointer.load()
     return state, checkpointer

@@ -1,5 +1,6 @@
 """Checkpoints: the manager the training loop calls (``manager``) and what DCP saves through it
 (``states``), the training-checkpoint folder it writes and the converters read (``folders``), its
 checksums and finite check (``integrity``), which checkpoints are the run's current history
-(``timeline``), a save the disk refuses (``save_failures``), Hugging Face model folders
-(``hf_folders``) and starting weights read from one (``hf_load``)."""
+(``timeline``), a save the disk refuses (``save_failures``, ``disk``), Hugging Face model folders
+(``hf_folders``) and starting weights read from one (``hf_load``); the converters' output, whole
+or not at all (``disk``)."""

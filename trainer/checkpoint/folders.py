@@ -12,6 +12,7 @@ without a process group, for the converters; the trainer loads what they write a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -20,15 +21,26 @@ import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from trainer.checkpoint.integrity import CHECKSUMMED, MANIFEST_FILE, METADATA_FILE, add_to_manifest
-from trainer.model.hf_llama3 import InteropError, check_state_dict, preview_names
+from trainer.checkpoint.disk import staged_output, user_entries
+from trainer.checkpoint.integrity import (
+    CHECKSUMMED,
+    MANIFEST_FILE,
+    METADATA_FILE,
+    ChecksummingWriter,
+    add_to_manifest,
+    checksum_problem,
+)
+from trainer.config import Checkpoint
+from trainer.model.hf_llama3 import CONFIG_FILE, InteropError, check_state_dict, preview_names
 from trainer.model.llama3 import ModelArgs
+from trainer.runtime.errors import ConfigError
 
 PARTIAL_SUFFIX = ".partial"
 STEP_FOLDER = re.compile(r"^step-(\d+)$")
@@ -127,10 +139,20 @@ def read_model_args(checkpoint_dir: str | Path) -> ModelArgs:
     """The ``ModelArgs`` a checkpoint was trained with, from its ``model_args.json``.
 
     Fields the file lacks take their defaults (files from before a field existed); fields
-    ``ModelArgs`` does not know are an error, as they would describe another model.
+    ``ModelArgs`` does not know are an error, as they would describe another model. A folder
+    that is no checkpoint at all is named for what it is.
     """
     path = Path(checkpoint_dir) / MODEL_ARGS_FILE
     if not path.is_file():
+        kind = folder_kind(Path(checkpoint_dir))
+        if kind == "hugging_face":
+            raise InteropError(
+                f"{checkpoint_dir} is already a Hugging Face model folder (it has {CONFIG_FILE}); to make a "
+                f"training checkpoint of it run `python scripts/convert_from_hf.py {checkpoint_dir} CHECKPOINT_DIR`, "
+                "or train from it with `--checkpoint.initial_load_path` and `--checkpoint.initial_load_in_hf`."
+            )
+        if kind != "checkpoint":
+            raise _not_a_checkpoint(Path(checkpoint_dir))
         raise InteropError(
             f"{path} does not exist; the trainer writes it beside every checkpoint. For another "
             f"checkpoint, write json.dumps(dataclasses.asdict(model_args)) of its ModelArgs there."
@@ -159,8 +181,66 @@ def model_differences(theirs: ModelArgs, ours: ModelArgs, fields: tuple[str, ...
     ]
 
 
+FolderKind = Literal["missing", "file", "checkpoint", "hugging_face", "other"]
+
+
+def folder_kind(path: Path) -> FolderKind:
+    """What a path given as a checkpoint is: missing, a file, a DCP checkpoint (it has
+    ``.metadata``), a Hugging Face model folder (``config.json`` and no ``.metadata``), or another
+    folder (a dump folder or its ``checkpoint`` folder among them: :func:`steps_inside`)."""
+    if not path.exists():
+        return "missing"
+    if not path.is_dir():
+        return "file"
+    if (path / METADATA_FILE).is_file():
+        return "checkpoint"
+    return "hugging_face" if (path / CONFIG_FILE).is_file() else "other"
+
+
+def steps_inside(folder: Path) -> list[str]:
+    """The ``step-N`` folders in ``folder`` or one level down (a dump folder's ``checkpoint/``),
+    relative to it: what the user most likely meant to pass."""
+    if not folder.is_dir():
+        return []
+    found = [*folder.glob("step-*"), *folder.glob("*/step-*")]
+    return sorted(str(p.relative_to(folder)) for p in found if p.is_dir() and STEP_FOLDER.match(p.name))
+
+
+def check_initial_load(config: Checkpoint) -> None:
+    """Refuse, before launch, a ``checkpoint.initial_load_path`` that cannot be what
+    ``checkpoint.initial_load_in_hf`` says it is; the job would start and fail at its load."""
+    if not config.initial_load_path:
+        return
+    path, key = Path(config.initial_load_path), f"`checkpoint.initial_load_path` = {config.initial_load_path}"
+    kind, steps = folder_kind(path), steps_inside(path)
+    hf = config.initial_load_in_hf
+    if kind == "missing":
+        raise ConfigError(
+            f"{key} does not exist; point it at a checkpoint's `step-N` folder (or a Hugging Face model folder "
+            "with `--checkpoint.initial_load_in_hf`), or unset it."
+        )
+    if kind == "hugging_face" and not hf:
+        raise ConfigError(f"{key} is a Hugging Face model folder: add `--checkpoint.initial_load_in_hf` to load it.")
+    if kind == "checkpoint" and hf:
+        raise ConfigError(
+            f"{key} is a training checkpoint (DCP), not a Hugging Face folder: drop `checkpoint.initial_load_in_hf`."
+        )
+    if kind in ("file", "other"):
+        what = (
+            f"holds {preview_names(steps)}: point it at one of those"
+            if steps
+            else ("is a file" if kind == "file" else f"holds neither a checkpoint nor a Hugging Face {CONFIG_FILE}")
+        )
+        wanted = (
+            f"a Hugging Face model folder ({CONFIG_FILE} + safetensors)" if hf else "a checkpoint's `step-N` folder"
+        )
+        raise ConfigError(f"{key} {what}; it must be {wanted}.")
+
+
 def _not_a_checkpoint(folder: Path) -> InteropError:
-    steps = sorted(p.name for p in folder.glob("step-*") if p.is_dir()) if folder.is_dir() else []
+    if not folder.exists():
+        return InteropError(f"{folder} does not exist; pass a `{{dump_folder}}/checkpoint/step-N` folder.")
+    steps = steps_inside(folder)
     hint = f" It holds {preview_names(steps)}: pass one of those folders." if steps else ""
     return InteropError(
         f"{folder} is not a torch.distributed.checkpoint folder (no checkpoint metadata); pass a "
@@ -181,12 +261,14 @@ def read_dcp_model(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
 
     One process and no process group: DCP records every tensor's global shape, so full tensors
     are allocated from the metadata and loaded with ``no_dist=True``, whatever mesh saved them.
-    Only ``model.`` entries are read; optimizer, scheduler and dataloader state is skipped.
+    Only ``model.`` entries are read; optimizer, scheduler and dataloader state is skipped. The
+    checkpoint's files are verified first, as a resume verifies them.
     """
     folder = Path(checkpoint_dir)
     model = {
         name: torch.empty(entry.size, dtype=entry.properties.dtype) for name, entry in _model_entries(folder).items()
     }
+    verify(folder)
     with _quiet_no_dist():
         dcp.load({MODEL_KEY: model}, checkpoint_id=str(folder), no_dist=True)
     return model
@@ -194,17 +276,31 @@ def read_dcp_model(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
 
 def dcp_model_reader(checkpoint_dir: str | Path) -> Callable[[str], torch.Tensor]:
     """``read(name)``: one full model tensor of a training checkpoint, read alone (``read_dcp_model``
-    one entry at a time), so that an export holds one tensor, not the model."""
+    one entry at a time), so that an export holds one tensor, not the model. The files are
+    verified at the first read, after the export's own quick checks."""
     folder = Path(checkpoint_dir)
     entries = _model_entries(folder)
+    verified = functools.cache(lambda: verify(folder))
 
     def read(name: str) -> torch.Tensor:
+        verified()
         tensor = torch.empty(entries[name].size, dtype=entries[name].properties.dtype)
         with _quiet_no_dist():
             dcp.load({MODEL_KEY: {name: tensor}}, checkpoint_id=str(folder), no_dist=True)
         return tensor
 
     return read
+
+
+def verify(folder: Path) -> None:
+    """Refuse a checkpoint whose files are incomplete or no longer match their checksums, as a
+    resume refuses it: converted, its flipped bytes would become weights (an embedding of 3.4e38)."""
+    problem = checkpoint_problem(folder) or checksum_problem(folder)
+    if problem:
+        raise InteropError(
+            f"{folder} cannot be read: {problem}. Convert another checkpoint (an older `step-N`), or "
+            "copy this one again from where it was written."
+        )
 
 
 def _model_entries(folder: Path) -> dict[str, TensorStorageMetadata]:
@@ -230,18 +326,21 @@ def _model_entries(folder: Path) -> dict[str, TensorStorageMetadata]:
 
 
 def write_dcp_model(checkpoint_dir: str | Path, state_dict_ours: dict[str, torch.Tensor], args: ModelArgs) -> None:
-    """Write a model-only training checkpoint (``{"model": sd}``) and its ``model_args.json``.
+    """Write a model-only training checkpoint (``{"model": sd}``) and its ``model_args.json``,
+    checksummed as the trainer's own.
 
     The trainer loads it as it loads its own checkpoints; it has no optimizer or dataloader
     state, so training from it starts those afresh. An existing non-empty folder is refused
-    rather than mixed with another checkpoint's files.
+    rather than mixed with another checkpoint's files; the files appear in it only once all are
+    written (``staged_output``), so a full disk leaves nothing that blocks the rerun.
     """
     folder = Path(checkpoint_dir)
     check_state_dict(state_dict_ours, args)
-    if folder.exists() and any(folder.iterdir()):
+    if folder.is_dir() and user_entries(folder):
         raise InteropError(f"{folder} is not empty; write the checkpoint into a new or empty folder.")
-    folder.mkdir(parents=True, exist_ok=True)
     model = {name: t.detach() for name, t in state_dict_ours.items()}
-    with _quiet_no_dist():
-        dcp.save({MODEL_KEY: model}, checkpoint_id=str(folder), no_dist=True)
-    write_model_args(folder, args)
+    needs = sum(t.numel() * t.element_size() for t in model.values())
+    with staged_output(folder, "write the checkpoint", needs) as staging, _quiet_no_dist():
+        dcp.save({MODEL_KEY: model}, storage_writer=ChecksummingWriter(str(staging)), no_dist=True)
+        write_model_args(staging, args)
+        add_to_manifest(staging, [MODEL_ARGS_FILE])

@@ -19,7 +19,9 @@ from typing import Any
 
 import torch
 
-from trainer.data.tokenizer import load_tokenizer
+from trainer.checkpoint.disk import staged_output
+from trainer.checkpoint.folders import folder_kind
+from trainer.data.tokenizer import Tokenizer, load_tokenizer
 from trainer.model.hf_llama3 import (
     CONFIG_FILE,
     InteropError,
@@ -99,12 +101,22 @@ def export_hf_folder(
     when the weights fit in ``max_shard_bytes``, else numbered shards and
     ``model.safetensors.index.json``. Every file is readable by all (0644). A folder that already
     holds a config or weights is refused: ``from_pretrained`` prefers a stale
-    ``model.safetensors`` over a new index.
+    ``model.safetensors`` over a new index. The files appear in ``path`` only once all are
+    written (``staged_output``), and the tokenizer is read first: a mistake found late, a full
+    disk or Ctrl-C leaves no partial model to block the rerun.
     """
     out = Path(path)
+    if max_shard_bytes < 1:
+        raise InteropError(
+            f"the largest shard (`--max-shard-bytes`) must be a positive number of bytes, got {max_shard_bytes}."
+        )
     stale = sorted(p.name for p in out.glob("*") if p.name == CONFIG_FILE or ".safetensors" in p.name)
     if stale:
         raise InteropError(f"{out} already holds {stale}; export into a new or empty folder.")
+    generation: dict[str, Any] = {"_from_model_config": True}
+    if tokenizer is not None:
+        loaded = _read_tokenizer(Path(tokenizer))
+        generation.update(bos_token_id=loaded.bos_id, eos_token_id=loaded.eos_id)
     config = hf_config(args, dtype)
     layout = hf_layout(args)
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -116,31 +128,34 @@ def export_hf_folder(
         else [f"model-{k:05d}-of-{len(shards):05d}.safetensors" for k in range(1, len(shards) + 1)]
     )
     ours = {hf_name: name for name, (hf_name, _) in layout.items()}
-    out.mkdir(parents=True, exist_ok=True)
-    written = []
-    for names, filename in zip(shards, files):
-        shapes = {n: tuple(layout[ours[n]][1]) for n in names}
-        with open(out / filename, "wb") as file:
-            file.write(_safetensors_header(shapes, dtype))
-            for n in names:
-                tensor = to_hf_tensor(ours[n], read(ours[n]).detach(), args)
-                file.write(tensor.to(device="cpu", dtype=dtype).contiguous().view(torch.uint8).numpy().data)
-        written.append(filename)
-    if len(shards) > 1:
-        index = {
-            "metadata": {"total_size": sum(sizes.values())},
-            "weight_map": {n: f for names, f in zip(shards, files) for n in names},
-        }
-        written.append(_write_json(out / INDEX_FILE, index))
-    written.append(_write_json(out / CONFIG_FILE, config))
-    generation: dict[str, Any] = {"_from_model_config": True}
-    if tokenizer is not None:
-        written += _copy_tokenizer(Path(tokenizer), out)
-        loaded = load_tokenizer(str(tokenizer))
-        generation.update(bos_token_id=loaded.bos_id, eos_token_id=loaded.eos_id)
-    written.append(_write_json(out / GENERATION_CONFIG_FILE, generation))
-    for name in written:
-        os.chmod(out / name, 0o644)
+    with staged_output(out, "export", needs=sum(sizes.values())) as staging:
+        for names, filename in zip(shards, files):
+            shapes = {n: tuple(layout[ours[n]][1]) for n in names}
+            with open(staging / filename, "wb") as file:
+                file.write(_safetensors_header(shapes, dtype))
+                for n in names:
+                    tensor = to_hf_tensor(ours[n], read(ours[n]).detach(), args)
+                    file.write(tensor.to(device="cpu", dtype=dtype).contiguous().view(torch.uint8).numpy().data)
+        if len(shards) > 1:
+            index = {
+                "metadata": {"total_size": sum(sizes.values())},
+                "weight_map": {n: f for names, f in zip(shards, files) for n in names},
+            }
+            _write_json(staging / INDEX_FILE, index)
+        _write_json(staging / CONFIG_FILE, config)
+        if tokenizer is not None:
+            _copy_tokenizer(Path(tokenizer), staging)
+        _write_json(staging / GENERATION_CONFIG_FILE, generation)
+        for written in staging.iterdir():
+            os.chmod(written, 0o644)
+
+
+def _read_tokenizer(tokenizer: Path) -> Tokenizer:
+    if not tokenizer.is_file():
+        raise InteropError(
+            f"tokenizer {tokenizer} does not exist; pass the run's `model.tokenizer_path` (nothing was written)."
+        )
+    return load_tokenizer(str(tokenizer))
 
 
 def _safetensors_header(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype) -> bytes:
@@ -161,27 +176,21 @@ def _safetensors_header(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype) 
     return struct.pack("<Q", len(text)) + text
 
 
-def _copy_tokenizer(tokenizer: Path, out: Path) -> list[str]:
+def _copy_tokenizer(tokenizer: Path, out: Path) -> None:
     """The run's tokenizer as Hugging Face reads it: a ``tokenizer.json`` with the
     ``tokenizer_config.json`` and ``special_tokens_map.json`` beside it, or a SentencePiece model
-    as ``tokenizer.model``; the names written."""
-    if not tokenizer.is_file():
-        raise InteropError(f"tokenizer {tokenizer} does not exist; pass the run's `model.tokenizer_path`.")
+    as ``tokenizer.model``."""
     if tokenizer.suffix != ".json":
         shutil.copyfile(tokenizer, out / "tokenizer.model")
-        return ["tokenizer.model"]
+        return
     shutil.copyfile(tokenizer, out / "tokenizer.json")
-    written = ["tokenizer.json"]
     for name in ("tokenizer_config.json", "special_tokens_map.json"):
         if (tokenizer.parent / name).is_file():
             shutil.copyfile(tokenizer.parent / name, out / name)
-            written.append(name)
-    return written
 
 
-def _write_json(path: Path, value: dict[str, Any]) -> str:
+def _write_json(path: Path, value: dict[str, Any]) -> None:
     path.write_text(json.dumps(value, indent=2) + "\n")
-    return path.name
 
 
 def load_hf_folder(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -206,7 +215,7 @@ class HFFolder:
         self.path = folder = Path(path)
         config_path = folder / CONFIG_FILE
         if not config_path.is_file():
-            raise InteropError(f"{folder} has no {CONFIG_FILE}; pass a Hugging Face model folder.")
+            raise InteropError(_not_hugging_face(folder))
         self.config = _read_json(config_path)
         self.files = _weight_files(folder)
         self.where: dict[str, Path] = {}
@@ -228,6 +237,17 @@ class HFFolder:
         """``tensor[box]`` of tensor ``name`` in its stored dtype; the file is mapped only while reading."""
         with _open(self.where[name]) as handle:
             return handle.get_slice(name)[box]
+
+
+def _not_hugging_face(folder: Path) -> str:
+    if not folder.exists():
+        return f"{folder} does not exist; pass a Hugging Face model folder ({CONFIG_FILE} + safetensors)."
+    if folder_kind(folder) == "checkpoint":
+        return (
+            f"{folder} is a training checkpoint, not a Hugging Face model folder: "
+            f"`python scripts/convert_to_hf.py {folder} HF_DIR` makes one of it."
+        )
+    return f"{folder} has no {CONFIG_FILE}; pass a Hugging Face model folder."
 
 
 def _weight_files(folder: Path) -> list[Path]:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
@@ -38,6 +38,14 @@ METADATA_FILE = ".metadata"
 CHECKSUMMED = "meshtrain.checksums"
 """Recorded in ``.metadata``'s ``storage_meta.modules`` (which DCP does not interpret): this
 checkpoint was written with a ``checksums.json``."""
+LAYOUT_INVARIANT = "meshtrain.layout_invariant"
+"""Recorded there too by a run with ``debug.layout_invariant``: only then does the state hold the
+same bits as on any other layout, which a layout-invariant run resuming it needs to know."""
+LAYOUT_DEPENDENT = (
+    "%s was written with `debug.layout_invariant` off: its weights and optimizer state hold the sums of "
+    "the layout that trained them, so this run's bits will match runs resumed from the same checkpoint, "
+    "not an uninterrupted `debug.layout_invariant` run"
+)
 _CHUNK = 8 << 20
 
 
@@ -60,11 +68,16 @@ class _Checksummed:
 
 
 class ChecksummingWriter(FileSystemWriter):
-    """``FileSystemWriter`` that records every file's CRC-32 in ``checksums.json`` (see above)."""
+    """``FileSystemWriter`` that records every file's CRC-32 in ``checksums.json`` (see above),
+    and whether the state was trained with ``debug.layout_invariant``."""
+
+    def __init__(self, path: str, *, layout_invariant: bool = False) -> None:
+        super().__init__(path)
+        self.layout_invariant = layout_invariant
 
     def storage_meta(self) -> StorageMeta | None:
         meta = super().storage_meta() or StorageMeta()
-        meta.modules = [*meta.modules, CHECKSUMMED]
+        meta.modules = [*meta.modules, CHECKSUMMED, *([LAYOUT_INVARIANT] if self.layout_invariant else [])]
         return meta
 
     def write_data(self, plan, planner) -> Future[list[WriteResult]]:
@@ -100,6 +113,12 @@ class ChecksummingWriter(FileSystemWriter):
         meta = folder / METADATA_FILE
         files[METADATA_FILE] = {"size": meta.stat().st_size, "crc32": file_crc32(meta)}
         write_manifest(folder, files)
+
+
+def written_layout_invariant(folder: Path) -> bool:
+    """Whether a checkpoint (whose metadata reads) was written by a ``debug.layout_invariant`` run."""
+    storage_meta = FileSystemReader(str(folder)).read_metadata().storage_meta
+    return storage_meta is not None and LAYOUT_INVARIANT in storage_meta.modules
 
 
 def write_manifest(folder: Path, files: dict[str, dict[str, Any]]) -> None:

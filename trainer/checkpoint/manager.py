@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
+from trainer.checkpoint.disk import disk_refusal
 from trainer.checkpoint.folders import (
     MODEL_ARGS_FILE,
     PARAMETER_FIELDS,
@@ -62,13 +63,15 @@ from trainer.checkpoint.folders import (
 )
 from trainer.checkpoint.hf_load import load_hf_weights
 from trainer.checkpoint.integrity import (
+    LAYOUT_DEPENDENT,
     MANIFEST_FILE,
     ChecksummingWriter,
     checksum_problem,
     first_non_finite,
     read_manifest,
+    written_layout_invariant,
 )
-from trainer.checkpoint.save_failures import disk_refusal, refusal_message
+from trainer.checkpoint.save_failures import refusal_message
 from trainer.checkpoint.states import ModelState, OptimizerState, optimizer_groups_flattened
 from trainer.checkpoint.timeline import Timeline, candidates, follow, reasons, start_over
 from trainer.config import Checkpoint
@@ -96,8 +99,10 @@ class CheckpointManager:
         total_steps: int,
         data_identity: dict[str, str] | None = None,
         timeout_s: float = 1800.0,
+        layout_invariant: bool = False,
     ):
         self.config = config
+        self.layout_invariant = layout_invariant
         self.folder = Path(dump_folder) / config.folder
         self.model, self.model_args = model, model_args
         self.total_steps = total_steps
@@ -145,6 +150,7 @@ class CheckpointManager:
         if "dataloader" in keys:
             self._check_same_data(path)
         self._load(path, keys=keys, what="checkpoint")
+        self._warn_if_layout_dependent(path)
         timeline = self._follow(path, rejected)
         logger.info("resuming from %s (%s): %s", path, timeline.describe(), ", ".join(keys))
         return self.train_state.step
@@ -273,6 +279,12 @@ class CheckpointManager:
                 "`checkpoint.folder` elsewhere to start afresh."
             )
 
+    def _warn_if_layout_dependent(self, path: Path) -> None:
+        """A ``debug.layout_invariant`` run resuming a default-mode state is allowed (runs resumed
+        from the same checkpoint still agree bit for bit) but its promise is narrower: say so."""
+        if self.layout_invariant and self.rank == 0 and not written_layout_invariant(path):
+            logger.warning(LAYOUT_DEPENDENT, path)
+
     def _initial_load(self, path: Path) -> int:
         what = "`checkpoint.initial_load_path`:"
         if self.config.initial_load_in_hf:
@@ -290,6 +302,7 @@ class CheckpointManager:
             return 0
         logger.info("starting from the full state of %s", path)
         self._load(path, keys=tuple(self.states), what=what)
+        self._warn_if_layout_dependent(path)
         return self.train_state.step
 
     # ----------------------------------------------------------------------------------- save
@@ -319,7 +332,7 @@ class CheckpointManager:
             state: dict[str, Any] = {"model": ModelState(self.model, dtype)}
         else:
             state = dict(self.states)
-        writer = ChecksummingWriter(str(partial))
+        writer = ChecksummingWriter(str(partial), layout_invariant=self.layout_invariant)
         try:
             if self.config.async_mode == "async":
                 # A Future unless an async stager is configured, which this manager never does.

@@ -308,6 +308,9 @@ def build_dataloader(
     order = global_order(dataset, microbatches * local_batch_size * dp_degree, seed)
 
     def open_at(start_step: int) -> StatefulDataLoader:
+        # Each iterator draws its workers' base seed from ``generator``; from torch's global
+        # generator, a resumed run's iterator would advance the RNG its checkpoint just restored,
+        # and its next checkpoint would differ from an uninterrupted run's.
         sampler = _RankBatchSampler(order, microbatches, local_batch_size, dp_rank, dp_degree, start_step)
         with warnings.catch_warnings():
             # torchdata 0.11 calls torch.set_vital, which newer torch deprecates; nothing to act on.
@@ -318,6 +321,7 @@ def build_dataloader(
                 num_workers=num_workers,
                 pin_memory=pin_memory,
                 prefetch_factor=prefetch_factor if num_workers > 0 else None,
+                generator=torch.Generator().manual_seed(seed),
             )
 
     return MicroBatchLoader(order, microbatches, open_at, allow_data_change, timeout_s, num_workers)
