@@ -17,3 +17,12 @@ CONTEXT_PARALLEL_BACKENDS = ("allgather_kv", "ring", "ulysses")
 
 PIPELINE_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
 """What ``parallelism.pipeline_parallel_schedule`` may name (``parallelisms/pipeline_parallel.py``)."""
+
+MODEL_FLAVORS = {
+    "llama3": ("debugmodel", "1B", "3B", "8B", "70B", "405B"),
+    "moe": ("debugmoe", "qwen3_30b_a3b", "qwen3_235b_a22b"),
+}
+"""Each ``model.name``'s ``model.flavor`` presets (``trainer/model/llama3.py``, ``trainer/model/moe.py``)."""
+
+BALANCE_SCOPES = ("global_batch", "sequence", "micro_batch")
+"""What ``moe.balance_loss_scope`` may name (``trainer/model/moe.py``)."""
