@@ -280,7 +280,10 @@ def test_help_mentions_every_key_with_its_doc():
 def test_help_shows_what_this_command_line_gives_and_the_code_default():
     text = help_text(["--config", "llama3_8b.toml", "--training.steps", "7"])
     assert "from llama3_8b.toml" in text
-    assert "--model.flavor (str {debugmodel|1B|3B|8B|70B|405B|debugmoe|qwen3_30b_a3b|qwen3_235b_a22b}) = '8B'; code default 'debugmodel'" in text
+    assert (
+        "--model.flavor (str {debugmodel|1B|3B|8B|70B|405B|debugmoe|qwen3_30b_a3b|qwen3_235b_a22b}) = '8B'; code default 'debugmodel'"
+        in text
+    )
     assert "--training.steps (int) = 7; code default 10000" in text
     assert "--training.seq_len (int) = 128" in help_text([])  # the default file's, not the code's 2048
     assert "training.stepz" in help_text(["--training.stepz", "1"])  # the error is shown, not raised
