@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from parallelisms.model_parts import blocks, end
+from parallelisms.model_parts import blocks, end, moe_layers
 
 
 def apply_fsdp(
@@ -30,6 +30,7 @@ def apply_fsdp(
     reduce_dtype: torch.dtype,
     reshard_after_forward: str,
     block_units: bool = True,
+    expert_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """Shard ``model`` in place over ``mesh`` (1-D: FSDP, 2-D: HSDP) and return it.
 
@@ -37,6 +38,10 @@ def apply_fsdp(
     schedules' split backward (input gradients, later weight gradients) gives wrong weight
     gradients for a block that is its own FSDP unit behind another one in the same stage
     (measured with torch 2.13), and exact ones with one unit for all of a stage's blocks.
+
+    ``expert_mesh``: under expert parallelism each MoE layer's routed experts are a unit of their
+    own, sharded over the data-parallel ranks outside the EP group
+    (``parallelisms/expert_parallel.py``).
     """
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
 
@@ -48,6 +53,9 @@ def apply_fsdp(
     if tok_embeddings is not None:  # a pipeline stage may hold neither end of the model
         shard(tok_embeddings, not never)
     units = list(blocks(model).values())
+    if expert_mesh is not None:
+        for moe in moe_layers(model):
+            fully_shard(moe.experts, mesh=expert_mesh, mp_policy=mp_policy, reshard_after_forward=not never)
     for i, block in enumerate(units if block_units else []):
         # The last block's backward starts right after forward, so freeing it is wasted work.
         last = i == len(units) - 1

@@ -11,7 +11,7 @@ model's ``attention_mask``; a block's ``layer_id``, ``checkpoint_fn`` and
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -62,3 +62,9 @@ def block_settings(block: nn.Module) -> BlockSettings:
 def model_settings(model: nn.Module) -> ModelSettings:
     # A plain attribute the model defines in __init__; nn.Module cannot declare it.
     return cast(ModelSettings, model)
+
+
+def moe_layers(model: nn.Module) -> list[Any]:
+    """The Mixture-of-Experts feed-forwards: modules with routed ``experts`` and a swappable
+    token ``dispatch`` (``trainer/model/moe.py``'s ``MoE``)."""
+    return [m for m in model.modules() if isinstance(getattr(m, "experts", None), nn.Module) and hasattr(m, "dispatch")]

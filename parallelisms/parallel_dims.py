@@ -13,7 +13,11 @@ hosts, while tensor parallelism (innermost) stays on the fastest links. The sub-
 - ``stats``: ``pp x loss`` - where the logged loss statistics are reduced: only the last
   pipeline stage computes a loss, so its sum and maximum travel over the stages too (the token
   count, which every stage knows, does not);
-- ``pp``, ``tp`` and ``cp``.
+- ``pp``, ``tp`` and ``cp``;
+- with expert parallelism, ``ep`` (``ep`` consecutive ``dp_shard`` ranks, which split the routed
+  experts) and ``expert_fsdp``: what shards the experts further, the ``dp_shard / ep`` ranks
+  outside the EP group (with ``dp_replicate`` in front under HSDP). They come from a second mesh
+  over the same ranks whose ``dp_shard`` dimension is cut in two, so the world mesh is unchanged.
 
 This package knows nothing of the trainer's configuration. Its errors are
 :class:`ParallelismError` templates that name the *settings* (``{tp}``, ``{seq_len}``); the
@@ -70,9 +74,11 @@ class ParallelDims:
     tp: int
     world_size: int
     pp: int = 1
+    ep: int = 1
+    """Expert-parallel degree, taken from the ``dp_shard`` ranks."""
 
     def __post_init__(self) -> None:
-        for name in ("pp", "dp_replicate", "cp", "tp"):
+        for name in ("pp", "dp_replicate", "cp", "tp", "ep"):
             value = getattr(self, name)
             if value < 1:
                 raise ParallelismError(f"{{{name}}} must be >= 1, got {value}.")
@@ -92,6 +98,11 @@ class ParallelDims:
                 f"mesh pp={self.pp} x dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x cp={self.cp} x "
                 f"tp={self.tp} = {product} does not match the world size {self.world_size}; set "
                 f"{{dp_shard}} to -1 to infer it, or launch {product} processes (NGPU={product})."
+            )
+        if self.dp_shard % self.ep:
+            raise ParallelismError(
+                f"{{ep}} = {self.ep} must divide {{dp_shard}} = {self.dp_shard}: expert parallelism takes its "
+                f"ranks from the data-parallel shard ranks; choose an ep that divides it."
             )
 
     @property
@@ -114,7 +125,16 @@ class ParallelDims:
         loss = flatten_mesh(mesh, ("dp_replicate", "dp_shard", "cp"), "dp_cp")
         stats = flatten_mesh(mesh, ("pp", "dp_replicate", "dp_shard", "cp"), "pp_dp_cp")
         fsdp = mesh["dp_replicate", "dp_shard_cp"] if self.hsdp else shard
-        return Meshes(batch=batch, fsdp=fsdp, loss=loss, tp=mesh["tp"], cp=mesh["cp"], pp=mesh["pp"], stats=stats)
+        meshes = Meshes(batch=batch, fsdp=fsdp, loss=loss, tp=mesh["tp"], cp=mesh["cp"], pp=mesh["pp"], stats=stats)
+        if self.ep > 1:
+            names = ("pp", "dp_replicate", "dp_shard_out_ep", "ep", "cp", "tp")
+            shape = (self.pp, self.dp_replicate, self.dp_shard // self.ep, self.ep, self.cp, self.tp)
+            expert_mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+            meshes.ep = expert_mesh["ep"]
+            meshes.expert_fsdp = (
+                expert_mesh["dp_replicate", "dp_shard_out_ep"] if self.hsdp else expert_mesh["dp_shard_out_ep"]
+            )
+        return meshes
 
 
 @dataclass
@@ -128,11 +148,14 @@ class Meshes:
     cp: DeviceMesh
     pp: DeviceMesh
     stats: DeviceMesh
+    ep: DeviceMesh | None = None
+    expert_fsdp: DeviceMesh | None = None
 
     def groups(self) -> list[ProcessGroup]:
         """Every process group of these meshes (for settings that apply per group, like timeouts)."""
         found: dict[int, ProcessGroup] = {}
-        for mesh in (self.batch, self.fsdp, self.loss, self.tp, self.cp, self.pp, self.stats):
+        optional = [m for m in (self.ep, self.expert_fsdp) if m is not None]
+        for mesh in (self.batch, self.fsdp, self.loss, self.tp, self.cp, self.pp, self.stats, *optional):
             for dim in range(mesh.ndim):
                 group = mesh.get_group(dim)
                 found[id(group)] = group

@@ -5,10 +5,12 @@ Applied once, to the model on the meta device, before the training loop:
 0. pipeline parallelism (the rank keeps its stages' modules; each stage is a view of them,
    and every step below is applied to each stage);
 1. tensor parallelism (splits the parameters into TP DTensors);
+1b. expert parallelism (each rank keeps its routed experts; tokens travel all-to-all);
 2. context parallelism's attention (each block's attention sees the whole sequence's K/V);
 3. activation checkpointing (per block);
 4. ``torch.compile`` (per block, in place, so parameter names stay the same);
-5. FSDP / HSDP (shards whatever the steps above left, last, so it wraps the final modules).
+5. FSDP / HSDP (shards whatever the steps above left, last, so it wraps the final modules;
+   under EP the experts over the data-parallel ranks outside the EP group).
 
 :func:`check` holds every constraint between the settings, the model's shape and the device,
 and is meant to run before any process group exists, so a setting that cannot work fails in
@@ -29,6 +31,7 @@ from torch import nn
 
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.context_parallel import ContextParallel, resolve_backend
+from parallelisms.expert_parallel import apply_expert_parallel
 from parallelisms.fsdp import apply_fsdp
 from parallelisms.model_parts import blocks
 from parallelisms.parallel_dims import Meshes, ParallelDims, ParallelismError
@@ -78,12 +81,15 @@ class ModelShape:
     n_kv_heads: int
     vocab_size: int
     n_layers: int = 1
+    n_experts: int = 0
+    """Routed experts per MoE layer; 0 for a dense model."""
 
 
 def check(dims: ParallelDims, settings: ParallelSettings, shape: ModelShape, device_type: str) -> None:
     """Raise :class:`ParallelismError` for the first combination that cannot work."""
     _check_tensor_parallel(dims, settings, shape, device_type)
     _check_context_parallel(dims, settings, shape, device_type)
+    _check_experts(dims, settings, shape)
     if dims.pp > 1:
         split = pipeline_split(dims, settings, shape.n_layers)
         check_pipeline(
@@ -168,6 +174,31 @@ def _check_context_parallel(
         )
 
 
+def _check_experts(dims: ParallelDims, settings: ParallelSettings, shape: ModelShape) -> None:
+    """Expert parallelism needs experts to split; MoE models compose with FSDP, HSDP, EP,
+    accumulation and activation checkpointing so far, not yet with TP, CP, PP or compile."""
+    if dims.ep > 1 and not shape.n_experts:
+        raise ParallelismError(f'{{ep}} = {dims.ep} needs a Mixture-of-Experts model: set {{model_name}} = "moe".')
+    if shape.n_experts % dims.ep:
+        raise ParallelismError(
+            f"{{ep}} = {dims.ep} does not divide the model's {shape.n_experts} experts; choose an ep that does."
+        )
+    if not shape.n_experts:
+        return
+    refused = [
+        (dims.tp > 1, "{tp}"),
+        (dims.cp > 1, "{cp}"),
+        (dims.pp > 1, "{pp}"),
+        (settings.compile_model or settings.compile_loss, "{compile_model}"),
+    ]
+    for on, key in refused:
+        if on:
+            raise ParallelismError(
+                f"Mixture-of-Experts models do not compose with {key} yet (FSDP, HSDP, {{ep}}, gradient "
+                f"accumulation and activation checkpointing do); turn it off."
+            )
+
+
 def pipeline_split(dims: ParallelDims, settings: ParallelSettings, n_layers: int) -> PipelineSplit:
     return plan_split(
         n_layers,
@@ -210,6 +241,8 @@ def parallelize(
     for part in parts:
         if dims.tp > 1:
             apply_tp(part, meshes.tp, loss_parallel=settings.loss_parallel, async_tp=settings.async_tp)
+        if meshes.ep is not None:
+            apply_expert_parallel(part, meshes.ep)
         if context_parallel:
             context_parallel.apply(part)
         apply_activation_checkpointing(part, settings.ac_mode, settings.ac_option)
@@ -223,5 +256,6 @@ def parallelize(
             reduce_dtype=settings.reduce_dtype,
             reshard_after_forward=settings.reshard_after_forward,
             block_units=dims.pp == 1 or settings.pp_schedule not in ZERO_BUBBLE_SCHEDULES,
+            expert_mesh=meshes.expert_fsdp,
         )
     return Parallelized(context_parallel, parts if split else None, split)

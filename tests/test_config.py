@@ -167,6 +167,7 @@ def test_parse_mesh():
         "parallelism.data_parallel_shard_degree": 2,
         "parallelism.tensor_parallel_degree": 1,
         "parallelism.context_parallel_degree": 1,
+        "parallelism.expert_parallel_degree": 1,
     }
     # Unnamed dimensions are 1, except dp_shard which is inferred (-1).
     assert parse_mesh("tp=2,cp=4") == {
@@ -175,6 +176,7 @@ def test_parse_mesh():
         "parallelism.data_parallel_shard_degree": -1,
         "parallelism.tensor_parallel_degree": 2,
         "parallelism.context_parallel_degree": 4,
+        "parallelism.expert_parallel_degree": 1,
     }
     assert parse_mesh("")["parallelism.data_parallel_shard_degree"] == -1
 
@@ -278,7 +280,10 @@ def test_help_mentions_every_key_with_its_doc():
 def test_help_shows_what_this_command_line_gives_and_the_code_default():
     text = help_text(["--config", "llama3_8b.toml", "--training.steps", "7"])
     assert "from llama3_8b.toml" in text
-    assert "--model.flavor (str {debugmodel|1B|3B|8B|70B|405B}) = '8B'; code default 'debugmodel'" in text
+    assert (
+        "--model.flavor (str {debugmodel|1B|3B|8B|70B|405B|debugmoe|qwen3_30b_a3b|qwen3_235b_a22b}) = '8B'; code default 'debugmodel'"
+        in text
+    )
     assert "--training.steps (int) = 7; code default 10000" in text
     assert "--training.seq_len (int) = 128" in help_text([])  # the default file's, not the code's 2048
     assert "training.stepz" in help_text(["--training.stepz", "1"])  # the error is shown, not raised

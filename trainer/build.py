@@ -23,18 +23,21 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
+from parallelisms.expert_parallel import expert_params
 from parallelisms.parallel_dims import Meshes, device_type
 from parallelisms.parallelize import Parallelized, parallelize
 from parallelisms.pipeline_parallel import Pipeline
 from trainer.checkpoint.manager import CheckpointManager
 from trainer.data.datasets import TokenDataset, data_lines
 from trainer.data.loader import build_dataloader
+from trainer.expert_balance import ExpertBalance
 from trainer.grad_accumulator import GradAccumulator
 from trainer.layout_invariant import LayoutInvariantReduction
 from trainer.loss import CrossEntropy, ModelLoss, cross_entropy_sum
 from trainer.metrics import MetricsLogger, model_flops_per_token, peak_flops, use_color
 from trainer.metrics.reports import log_start, save_config
 from trainer.model.llama3 import Transformer, num_params
+from trainer.model.moe import moe_layers
 from trainer.optimizer import build_lr_scheduler, build_optimizer
 from trainer.planning.job_plan import JobPlan
 from trainer.runtime.distributed import init_distributed
@@ -188,6 +191,8 @@ def _assemble(
         layout_invariant=(
             LayoutInvariantReduction(model, meshes.batch.get_group(), plan.dims.dp_shard) if layout_invariant else None
         ),
+        expert_params=expert_params(model),
+        ep_degree=plan.dims.ep,
     )
     pipeline = None
     if parallelized.split is not None:
@@ -218,6 +223,24 @@ def _assemble(
         positions=positions,
         document_bos_id=plan.tokenizer.bos_id if training.document_mask else None,
         pipeline=pipeline,
+        balance=build_balance(plan, model, meshes),
+    )
+
+
+def build_balance(plan: JobPlan, model: Transformer, meshes: Meshes) -> ExpertBalance | None:
+    """The step's expert balancing, for a Mixture-of-Experts model."""
+    if not moe_layers(model):
+        return None
+    moe = plan.config.moe
+    return ExpertBalance(
+        model,
+        meshes.loss.get_group(),
+        bias_update_rate=moe.bias_update_rate,
+        loss_weight=moe.balance_loss_weight,
+        loss_scope=moe.balance_loss_scope,
+        global_batch=plan.global_batch_size,
+        seq_len=plan.config.training.seq_len,
+        global_microbatches=plan.microbatches * meshes.loss.size(),
     )
 
 

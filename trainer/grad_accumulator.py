@@ -95,7 +95,11 @@ class GradAccumulator:
         stats_group: dist.ProcessGroup | None = None,
         pp_degree: int = 1,
         layout_invariant: LayoutInvariantReduction | None = None,
+        expert_params: list[nn.Parameter] | None = None,
+        ep_degree: int = 1,
     ):
+        """``expert_params``: under expert parallelism (``ep_degree`` > 1), the parameters whose
+        shards on different EP ranks hold different experts, not copies (see ``_total_norm``)."""
         self.model = model
         self.fsdp = model if isinstance(model, FSDPModule) else None
         self.loss_group = loss_group
@@ -107,6 +111,8 @@ class GradAccumulator:
         self.stats_group = stats_group or loss_group
         self.pp_degree = pp_degree
         self.layout_invariant = layout_invariant
+        self._expert_ids = {id(p) for p in expert_params or []}
+        self.ep_degree = ep_degree
         self._holds_loss = True
         self._sums: _StepSums | None = None
         self._next_microbatch = 0
@@ -172,6 +178,15 @@ class GradAccumulator:
         self._holds_loss = bool(losses)
         self._next_microbatch = self.num_microbatches
 
+    def global_count(self) -> int:
+        """The step's N, once its all-reduce is done: what the MoE balancing loss is scaled by
+        before the first backward (``trainer/expert_balance.py``)."""
+        sums = self._begun()
+        if sums.count_work is not None:
+            sums.count_work.wait()
+            sums.count_work = None
+        return int(sums.count.item())
+
     def _begun(self) -> _StepSums:
         if self._sums is None:
             raise RuntimeError("begin_step must come before the step's losses and finalize")
@@ -201,8 +216,10 @@ class GradAccumulator:
             grads, squares, loss_sum = self.layout_invariant.finish()
             raw_norm, loss_sum = squares.sqrt().reshape(1), loss_sum.reshape(1)
         else:
-            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-            raw_norm = _total_norm(grads, self.pp_degree).reshape(1).to(loss_sum.device)
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            grads = [g for p in params if (g := p.grad) is not None]
+            spread = [self.ep_degree if id(p) in self._expert_ids else 1 for p in params]
+            raw_norm = _total_norm(grads, self.pp_degree, spread).reshape(1).to(loss_sum.device)
         if self._distributed:
             for work in (sums.count_work, loss_work, max_work):
                 if work is not None:
@@ -226,7 +243,7 @@ class GradAccumulator:
         return StepResult(loss_avg, loss_max, true_norm, n, skipped=False)
 
 
-def _total_norm(grads: list[torch.Tensor], pp_degree: int = 1) -> torch.Tensor:
+def _total_norm(grads: list[torch.Tensor], pp_degree: int = 1, spread: list[int] | None = None) -> torch.Tensor:
     """2-norm over all gradients, each shard counted once and each replica not repeated.
 
     Every rank adds up the squares of its local shards, weighting a gradient by one over the
@@ -235,17 +252,20 @@ def _total_norm(grads: list[torch.Tensor], pp_degree: int = 1) -> torch.Tensor:
     parameters); one all-reduce over all ranks then counts every element exactly once. The
     result is the same, to float32 round-off, whatever the sharding, which keeps the clip
     coefficient (and so every gradient) mesh-independent.
+
+    ``spread[i]``: over how many ranks outside its mesh gradient ``i`` holds *different* values
+    (the EP degree for routed experts, whose mesh leaves the EP ranks out), 1 for the others.
     """
     groups: dict[int, list[torch.Tensor]] = {}
     distributed = pp_degree > 1
-    for g in grads:
+    for g, ranks_apart in zip(grads, spread or [1] * len(grads)):
         copies = 1
         if isinstance(g, DTensor):
             distributed = True
             if any(isinstance(p, Partial) for p in g.placements):
                 g = g.redistribute(placements=[Replicate() if isinstance(p, Partial) else p for p in g.placements])
             mesh = g.device_mesh
-            copies = dist.get_world_size() // (mesh.size() * pp_degree)
+            copies = dist.get_world_size() // (mesh.size() * pp_degree * ranks_apart)
             for dim, placement in enumerate(g.placements):
                 if isinstance(placement, Replicate):
                     copies *= mesh.size(dim)

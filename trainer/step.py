@@ -25,6 +25,7 @@ from parallelisms.pipeline_parallel import Pipeline
 from parallelisms.tensor_parallel import loss_context
 from trainer.data.documents import split_documents
 from trainer.data.loader import MicroBatchLoader
+from trainer.expert_balance import BalanceStats, ExpertBalance
 from trainer.grad_accumulator import GradAccumulator, StepResult
 from trainer.loss import ModelLoss
 from trainer.model.llama3 import Transformer
@@ -85,6 +86,8 @@ class StepParts:
     pipeline: Pipeline | None = None
     """This rank's pipeline stages and their schedule (None without pipeline parallelism);
     ``model`` then holds only these stages' modules."""
+    balance: ExpertBalance | None = None
+    """A Mixture-of-Experts model's balancing over the step (None for a dense model)."""
 
     @contextlib.contextmanager
     def compute_context(self) -> Iterator[None]:
@@ -109,6 +112,8 @@ class StepStats:
     """Steps skipped so far in the run (counted by the train state, restored on resume)."""
     data_time_s: float
     step_time_s: float
+    balance: BalanceStats | None = None
+    """A Mixture-of-Experts model's balancing loss and expert loads of the step."""
 
 
 def train_step(
@@ -121,6 +126,7 @@ def train_step(
     data_time = time.perf_counter() - step_start
     result = forward_backward(parts, microbatches)
     lr = optimizer_step(parts, result)
+    balance = parts.balance.finish_step(result.skipped) if parts.balance else None
     state.record_step(result.skipped)
     return StepStats(
         step=state.step,
@@ -130,6 +136,7 @@ def train_step(
         n_skipped_steps=state.n_skipped_steps,
         data_time_s=data_time,
         step_time_s=time.perf_counter() - step_start,
+        balance=balance,
     )
 
 
@@ -144,6 +151,8 @@ def forward_backward(parts: StepParts, microbatches: list[MicroBatch]) -> StepRe
         return pipeline_forward_backward(parts, parts.pipeline, microbatches)
     accumulator = parts.accumulator
     accumulator.begin_step([mb.labels for mb in microbatches])
+    if parts.balance is not None:
+        parts.balance.begin_step(lambda: counting_prepass(parts, microbatches), accumulator.global_count)
     with parts.compute_context():
         for i, (inputs, labels, positions, document_ids) in enumerate(microbatches):
             accumulator.prepare_backward(i)
@@ -151,6 +160,14 @@ def forward_backward(parts: StepParts, microbatches: list[MicroBatch]) -> StepRe
             loss.backward()
             accumulator.record_loss(loss)
     return accumulator.finalize()
+
+
+def counting_prepass(parts: StepParts, microbatches: list[MicroBatch]) -> None:
+    """Every micro-batch's forward, without autograd: the MoE layers count the step's routing
+    (``trainer/expert_balance.py``)."""
+    with parts.compute_context():
+        for inputs, labels, positions, document_ids in microbatches:
+            parts.model_loss(parts.model, inputs, positions, document_ids, labels)
 
 
 def pipeline_forward_backward(parts: StepParts, pipeline: Pipeline, microbatches: list[MicroBatch]) -> StepResult:

@@ -2,7 +2,8 @@
 
 Mesh flattening (one data-parallel dimension out of several), the box of a global tensor a rank
 holds, the TP styles' output hook (overridden by ``parallelisms/tensor_parallel.py``), the ring
-attention's rotation setting, the autograd all-to-all of functional collectives (Ulysses), and a
+attention's rotation setting, the autograd all-to-alls of functional collectives (Ulysses, even;
+expert parallelism, uneven), and a
 DTensor's local tensor as the simulator's dispatch mode sees it.
 """
 
@@ -65,6 +66,16 @@ def all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     from it. Gradients route back. Waited for at once: the callers need the whole result, and an
     un-waited collective tensor that only a view consumes is still in flight at process exit."""
     return funcol.wait_tensor(funcol.all_to_all_single_autograd(x.contiguous(), None, None, group))
+
+
+def all_to_all_uneven(
+    x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup
+) -> torch.Tensor:
+    """Rows ``input_splits[i]`` of ``x`` (in order) go to rank ``i``; the result holds
+    ``output_splits[i]`` rows from rank ``i``. Gradients route back (expert parallelism's token
+    exchange). Waited for at once, as :func:`all_to_all`."""
+    out = funcol.all_to_all_single_autograd(x.contiguous(), output_splits, input_splits, group)
+    return funcol.wait_tensor(out)
 
 
 def local_tensor(t: DTensor) -> torch.Tensor:

@@ -1,15 +1,19 @@
-"""Private ops and switches: multi-tensor kernels, attention ops, async TP, CUDA memory history."""
+"""Private ops and switches: multi-tensor kernels, the grouped matmul, attention ops, async TP, CUDA
+memory history, and whether autograd is running a backward (activation checkpointing recomputes)."""
 
 from __future__ import annotations
 
 import torch
 
-FEATURE = "the gradient finalize, activation checkpointing and the profiler"
+FEATURE = "the gradient finalize, the experts' grouped matmul, activation checkpointing and the profiler"
 CHECKED_ON = ("2.11.0", "2.13.0", "2.14.1")
 NAMES = (
     "_foreach_norm",
     "_foreach_mul_",
     "_foreach_copy_",
+    "_grouped_mm",
+    "_C",
+    "_current_graph_task_id",
     "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_cudnn_attention",
@@ -46,6 +50,19 @@ def foreach_mul_(tensors: list[torch.Tensor], scale: torch.Tensor | float) -> No
 
 def foreach_copy_(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
     torch._foreach_copy_(targets, sources)
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``a``'s rows cut at ``offsets`` (int32 cumulative ends), group ``g`` times ``b[g]``: one
+    kernel for every expert's matmul (CUDA sm90+ in bfloat16; torch 2.13's CPU forward matches a
+    loop, but its backward rejects broadcast gradients)."""
+    return torch._grouped_mm(a, b, offs=offsets)
+
+
+def in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread: a forward that runs now is
+    activation checkpointing's recomputation, which must not count anything twice."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def enable_async_tp(group: torch.distributed.ProcessGroup) -> None:

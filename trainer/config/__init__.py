@@ -8,6 +8,7 @@ from trainer.config.limits import Limits
 from trainer.config.parser import (
     CONFIG_DIR,
     DEFAULT_CONFIG,
+    MESH_DIMS,
     REPO_ROOT,
     changed_settings,
     help_text,
@@ -20,7 +21,6 @@ from trainer.config.parser import (
 )
 from trainer.config.schema import (
     FIELDS,
-    MESH_DIMS,
     ActivationCheckpoint,
     Checkpoint,
     Comm,

@@ -20,3 +20,12 @@ PIPELINE_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble
 
 TARGET_GPUS = ("h100", "h200", "a100", "b200")
 """What ``machine.gpu`` may name besides nothing: the GPUs of the hardware table (``trainer/hardware.py``)."""
+
+MODEL_FLAVORS = {
+    "llama3": ("debugmodel", "1B", "3B", "8B", "70B", "405B"),
+    "moe": ("debugmoe", "qwen3_30b_a3b", "qwen3_235b_a22b"),
+}
+"""Each ``model.name``'s ``model.flavor`` presets (``trainer/model/llama3.py``, ``trainer/model/moe.py``)."""
+
+BALANCE_SCOPES = ("global_batch", "sequence", "micro_batch")
+"""What ``moe.balance_loss_scope`` may name (``trainer/model/moe.py``)."""

@@ -29,6 +29,11 @@ class Parallelism:
         "Context-parallel degree: each sequence is split over this many ranks (head-tail load "
         "balanced), which also shard the parameters together with dp_shard.",
     )
+    expert_parallel_degree: int = setting(
+        1,
+        "Expert-parallel degree (`moe` models): the routed experts are split over this many of the "
+        "`data_parallel_shard_degree` ranks, which exchange tokens all-to-all; must divide it.",
+    )
     context_parallel_backend: str = setting(
         "auto",
         "Attention across context-parallel shards: `ring` (PyTorch's ring attention, CUDA only), "

@@ -16,7 +16,7 @@ from typing import Any
 import tomli_w
 
 from trainer.config.fields import FloatList, StrList, type_name
-from trainer.config.schema import FIELDS, MESH_DIMS, JobConfig
+from trainer.config.schema import FIELDS, JobConfig
 from trainer.config.validate import validate
 from trainer.runtime.errors import ConfigError
 
@@ -29,6 +29,17 @@ REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 CONFIG_DIR = REPO_ROOT / "train_configs"
 DEFAULT_CONFIG = CONFIG_DIR / "debug_model.toml"
 BOOL_WORDS = ("true", "false")
+
+
+MESH_DIMS = {
+    "pp": "pipeline_parallel_degree",
+    "dp_replicate": "data_parallel_replicate_degree",
+    "dp_shard": "data_parallel_shard_degree",
+    "tp": "tensor_parallel_degree",
+    "cp": "context_parallel_degree",
+    "ep": "expert_parallel_degree",
+}
+"""``--mesh``'s dimension names and the `parallelism` fields they set."""
 
 
 def resolve_path(path: str) -> str:
@@ -148,12 +159,12 @@ def load_toml(path: Path) -> dict[str, dict[str, Any]]:
 
 
 def parse_mesh(spec: str) -> dict[str, int]:
-    """``pp=2,dp_replicate=2,dp_shard=2,tp=2`` -> the five parallelism degrees.
+    """``pp=2,dp_replicate=2,dp_shard=2,tp=2`` -> the six parallelism degrees (ep included).
 
     The shorthand describes the whole mesh: a dimension it does not name is 1, except dp_shard,
     which is then inferred from the world size.
     """
-    degrees = {"pp": 1, "dp_replicate": 1, "dp_shard": -1, "tp": 1, "cp": 1}
+    degrees = {"pp": 1, "dp_replicate": 1, "dp_shard": -1, "tp": 1, "cp": 1, "ep": 1}
     for part in filter(None, spec.split(",")):
         name, sep, value = part.partition("=")
         name = name.strip()
@@ -231,7 +242,7 @@ def help_text(argv: list[str] | None = None) -> str:
     except ConfigError as e:
         values, source = JobConfig(), f"the code (the command line has an error: {e})"
     lines = [
-        "usage: ./run_train.sh [--config FILE] [--mesh pp=P,dp_replicate=R,dp_shard=S,tp=T,cp=C] [--dry-run] [--section.key VALUE ...]",
+        "usage: ./run_train.sh [--config FILE] [--mesh pp=P,dp_replicate=R,dp_shard=S,tp=T,cp=C,ep=E] [--dry-run] [--section.key VALUE ...]",
         "",
         "  --config FILE   TOML file, a path or a name inside train_configs/ (default: debug_model.toml)",
         "  --mesh SPEC     the whole mesh at once; unnamed dimensions are 1, dp_shard is inferred",

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from trainer.config.choices import DATASET_KINDS, TARGET_GPUS
+from trainer.config.choices import DATASET_KINDS, MODEL_FLAVORS, TARGET_GPUS
 from trainer.config.fields import FloatList, StrList, fields_by_key, setting
 from trainer.config.limits import MAX_LR, MAX_SEED, MAX_SEQ_LEN, MAX_TIMEOUT_SECONDS, MAX_WEIGHT_DECAY
+from trainer.config.moe_section import MoE
 from trainer.config.parallelism import Parallelism
 
 
@@ -46,12 +47,8 @@ class Machine:
 
 @dataclass
 class Model:
-    name: str = setting("llama3", "Model family. Only `llama3` exists.", ("llama3",))
-    flavor: str = setting(
-        "debugmodel",
-        "Model size preset.",
-        ("debugmodel", "1B", "3B", "8B", "70B", "405B"),
-    )
+    name: str = setting("llama3", "Model family: `llama3` (dense) or `moe` (Mixture-of-Experts).", tuple(MODEL_FLAVORS))
+    flavor: str = setting("debugmodel", "Model size preset of the family.", sum(MODEL_FLAVORS.values(), ()))
     n_layers: int = setting(
         0,
         "Transformer blocks; 0 keeps the flavor's. Fewer blocks keep the flavor's width: a large "
@@ -369,6 +366,7 @@ class JobConfig:
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)
+    moe: MoE = field(default_factory=MoE)
     comm: Comm = field(default_factory=Comm)
     metrics: Metrics = field(default_factory=Metrics)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
@@ -377,15 +375,6 @@ class JobConfig:
     profiling: Profiling = field(default_factory=Profiling)
     validation: Validation = field(default_factory=Validation)
     debug: Debug = field(default_factory=Debug)
-
-
-MESH_DIMS = {
-    "pp": "pipeline_parallel_degree",
-    "dp_replicate": "data_parallel_replicate_degree",
-    "dp_shard": "data_parallel_shard_degree",
-    "tp": "tensor_parallel_degree",
-    "cp": "context_parallel_degree",
-}
 
 
 FIELDS = fields_by_key(JobConfig)

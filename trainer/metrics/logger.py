@@ -296,6 +296,11 @@ class MetricsLogger:
         ]
         if mfu is not None:
             fields.append(f"{c['magenta']}mfu: {mfu:.2f}%")
+        if stats.balance is not None:
+            if stats.balance.balance_loss is not None:
+                fields.append(f"{c['yellow']}balance loss: {stats.balance.balance_loss:.4f}")
+            loads = " ".join(f"{load:.2f}" for load in stats.balance.max_load)
+            fields.append(f"{c['yellow']}expert load max/mean per layer: {loads}")
         fields.append(f"{c['white']}eta: {format_duration(eta_s)}")
         if self._n_skipped_steps:
             fields.append(f"{c['red']}skipped steps: {self._n_skipped_steps}")

@@ -9,7 +9,7 @@ same whatever mesh the parameters are sharded over, and a rank draws only what i
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 import torch
@@ -39,6 +39,10 @@ class ModelArgs:
     max_seq_len: int = 131072
     vocab_from_tokenizer: bool = False
     """Debug flavors take the tokenizer's vocabulary; real flavors keep Llama 3's 128256 rows."""
+    head_size: int = 0
+    """Per-head width; 0 is ``dim // n_heads`` (Qwen3 sets it apart from the width)."""
+    qk_norm: bool = False
+    """Qwen3's RMSNorm over each query and key head, before RoPE."""
 
     @property
     def kv_heads(self) -> int:
@@ -46,7 +50,11 @@ class ModelArgs:
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.head_size or self.dim // self.n_heads
+
+    def make_block(self, layer_id: int) -> nn.Module:
+        """Block ``layer_id`` of the model these arguments describe (a shape family may have its own)."""
+        return TransformerBlock(layer_id, self)
 
     @property
     def ffn_hidden_dim(self) -> int:
@@ -115,10 +123,14 @@ FLAVORS: dict[str, ModelArgs] = {
 }
 
 
-def model_args(flavor: str, tokenizer_vocab_size: int, seq_len: int, n_layers: int = 0) -> ModelArgs:
+def model_args(
+    flavor: str, tokenizer_vocab_size: int, seq_len: int, n_layers: int = 0, flavors: Mapping[str, ModelArgs] = FLAVORS
+) -> ModelArgs:
     """The flavor's shape, sized for the tokenizer and the training sequence length; ``n_layers``
-    blocks instead of the flavor's when it is not 0."""
-    args = FLAVORS[flavor]
+    blocks instead of the flavor's when it is not 0. ``flavors``: the model family's."""
+    if flavor not in flavors:
+        raise ValueError(f"`model.flavor` = {flavor} is not of this `model.name`; choose one of {', '.join(flavors)}.")
+    args = flavors[flavor]
     if n_layers:
         args = replace(args, n_layers=n_layers)
     if args.vocab_from_tokenizer:
@@ -242,6 +254,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.q_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps) if args.qk_norm else None
+        self.k_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps) if args.qk_norm else None
 
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: object = None) -> torch.Tensor:
         """``mask``: what ``attention_fn`` takes besides q, k, v (document masking), or None (causal)."""
@@ -250,6 +264,8 @@ class Attention(nn.Module):
         xq = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
         xk = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
         xv = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            xq, xk = self.q_norm(xq), self.k_norm(xk)
         xq, xk = apply_rotary_emb(xq, xk, freqs_cis)
         xq, xk, xv = (t.transpose(1, 2) for t in (xq, xk, xv))
         out = self.attention_fn(xq, xk, xv) if mask is None else self.attention_fn(xq, xk, xv, mask)
@@ -257,9 +273,10 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, hidden: int = 0):
+        """SwiGLU of ``hidden`` units (0: the model's ``ffn_hidden_dim``)."""
         super().__init__()
-        hidden = args.ffn_hidden_dim
+        hidden = hidden or args.ffn_hidden_dim
         self.w1 = nn.Linear(args.dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, args.dim, bias=False)
         self.w3 = nn.Linear(args.dim, hidden, bias=False)
@@ -269,11 +286,12 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, layer_id: int, args: ModelArgs):
+    def __init__(self, layer_id: int, args: ModelArgs, feed_forward: nn.Module | None = None):
+        """``feed_forward``: the block's MLP when it is not the dense SwiGLU (a mixture of experts)."""
         super().__init__()
         self.layer_id = layer_id
         self.attention = Attention(args)
-        self.feed_forward = FeedForward(args)
+        self.feed_forward = feed_forward or FeedForward(args)
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         # Depth-scaled init of the output projections keeps the residual stream's variance flat.
@@ -322,7 +340,7 @@ class Transformer(nn.Module):
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         # A ModuleDict keyed "0".."L-1" keeps torchtitan's names and lets blocks be wrapped by name.
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): args.make_block(i) for i in range(args.n_layers)})
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output = OutputProjection(args.dim, args.vocab_size)
         self.register_buffer(
@@ -371,9 +389,9 @@ class Transformer(nn.Module):
             return "trunc_normal", self.args.dim**-0.5
         if name.endswith("norm.weight"):
             return "ones", 0.0
-        if name.endswith(("wq.weight", "wk.weight", "wv.weight", "w1.weight")):
+        if name.endswith(("wq.weight", "wk.weight", "wv.weight", "w1.weight", "gate.weight", "experts.w1")):
             return "trunc_normal", 0.02
-        if name.endswith(("wo.weight", "w2.weight", "w3.weight")):
+        if name.endswith(("wo.weight", "w2.weight", "w3.weight", "experts.w2", "experts.w3")):
             layer = self.layers[name.split(".")[1]]
             assert isinstance(layer, TransformerBlock)
             return "trunc_normal", layer.output_init_std
@@ -388,6 +406,11 @@ class Transformer(nn.Module):
         a rank draws only the tiles its shards overlap. The result is independent of the mesh,
         the sharding and the order of initialisation. ``progress`` is told each parameter's
         global size once it is filled.
+
+        A module holding some of a stacked parameter's slices (expert parallelism's experts)
+        says which with ``first_expert`` and ``n_experts``: its slices draw the tiles of their
+        place in the whole stack. Modules with ``reset_buffers`` (an MoE's bias and counters)
+        reset them.
         """
         for name, param in self.named_parameters():
             kind, std = self.init_std(name)
@@ -396,9 +419,18 @@ class Transformer(nn.Module):
                 local.fill_(1.0)
             else:
                 offset, _ = local_box(param)
-                fill_local_(local, tuple(param.shape), offset, kind, std, seed, name)
+                shape = tuple(param.shape)
+                owner = self.get_submodule(name.rpartition(".")[0])
+                first, stack = getattr(owner, "first_expert", None), getattr(owner, "n_experts", 0)
+                if first is not None:
+                    offset, shape = (offset[0] + first, *offset[1:]), (stack, *shape[1:])
+                fill_local_(local, shape, offset, kind, std, seed, name)
             if progress is not None:
                 progress(param.numel())
+        for module in self.modules():
+            reset = getattr(module, "reset_buffers", None)
+            if reset is not None:
+                reset()
         self.freqs_cis = rope_frequencies(self.args, device=self.freqs_cis.device)
 
 

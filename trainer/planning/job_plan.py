@@ -25,7 +25,9 @@ from trainer.config import ConfigError, JobConfig, resolve_path
 from trainer.data.datasets import validates, validation_seq_len
 from trainer.data.tokenizer import Tokenizer, load_tokenizer
 from trainer.hardware import GIB, gib
-from trainer.model.llama3 import ModelArgs, model_args
+from trainer.model.llama3 import FLAVORS, ModelArgs, model_args
+from trainer.model.moe import FLAVORS as MOE_FLAVORS
+from trainer.model.moe import MoEArgs
 from trainer.planning.memory_limits import TARGET_MEMORY_BYTES, cpu_limit_per_rank, gpu_limit
 from trainer.planning.memory_plan import Estimate, Workload, estimate, what_would_fit
 
@@ -34,6 +36,8 @@ SETTING_KEYS = {
     "dp_shard": "`parallelism.data_parallel_shard_degree`",
     "cp": "`parallelism.context_parallel_degree`",
     "tp": "`parallelism.tensor_parallel_degree`",
+    "ep": "`parallelism.expert_parallel_degree`",
+    "model_name": "`model.name`",
     "seq_len": "`training.seq_len`",
     "async_tp": "`parallelism.enable_async_tensor_parallel`",
     "loss_parallel": "loss parallel (`parallelism.disable_loss_parallel`)",
@@ -115,6 +119,7 @@ def resolve_job(
             tp=parallelism.tensor_parallel_degree,
             world_size=world_size,
             pp=parallelism.pipeline_parallel_degree,
+            ep=parallelism.expert_parallel_degree,
         )
     except ParallelismError as e:
         raise ConfigError(e.render(SETTING_KEYS) + sized_for(config, world_size)) from None
@@ -130,15 +135,19 @@ def resolve_job(
         )
     tokenizer = load_tokenizer(resolve_path(config.model.tokenizer_path))
     try:
-        args = model_args(config.model.flavor, tokenizer.vocab_size, training.seq_len, config.model.n_layers)
+        flavors = MOE_FLAVORS if config.model.name == "moe" else FLAVORS
+        args = model_args(config.model.flavor, tokenizer.vocab_size, training.seq_len, config.model.n_layers, flavors)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     settings = parallel_settings(config, dims, global_batch // dims.dp, device)
+    n_experts = args.n_experts if isinstance(args, MoEArgs) else 0
     try:
-        check(dims, settings, ModelShape(args.n_heads, args.kv_heads, args.vocab_size, args.n_layers), device)
+        shape = ModelShape(args.n_heads, args.kv_heads, args.vocab_size, args.n_layers, n_experts)
+        check(dims, settings, shape, device)
     except ParallelismError as e:
         raise ConfigError(e.render(SETTING_KEYS)) from None
     check_layout_invariant(config, dims, settings)
+    check_experts(config, dims, n_experts)
     validation = config.validation
     if validation.enable and (dims.cp > 1 or dims.pp > 1) and validation.seq_len not in (-1, training.seq_len):
         which = (
@@ -191,6 +200,19 @@ def check_torch(concerns: tuple[str, ...]) -> None:
         check_torch_internals(concerns)
     except UnsupportedTorch as e:
         raise ConfigError(str(e)) from None
+
+
+def check_experts(config: JobConfig, dims: ParallelDims, n_experts: int) -> None:
+    """What a Mixture-of-Experts run does not do yet, beyond the parallelisms' own refusals."""
+    if not n_experts:
+        return
+    if config.debug.layout_invariant:
+        raise ConfigError('`debug.layout_invariant` is not implemented for `model.name` = "moe"; turn it off.')
+    if config.checkpoint.enable and dims.ep > 1:
+        raise ConfigError(
+            f"`checkpoint.enable` with `parallelism.expert_parallel_degree` = {dims.ep}: expert-parallel "
+            "checkpoints are not implemented yet; turn checkpoints off or set the degree to 1."
+        )
 
 
 def check_layout_invariant(config: JobConfig, dims: ParallelDims, settings: ParallelSettings) -> None:

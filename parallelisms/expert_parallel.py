@@ -1,0 +1,75 @@
+"""Expert parallelism: the routed experts split over ``ep`` ranks, tokens exchanged all-to-all.
+
+The ``ep`` ranks are taken from the data-parallel shard ranks, as torchtitan does: each reads
+its own samples and routes its own tokens, then one all-to-all with uneven splits sends every
+token to the rank holding its expert and a second one brings the outputs back (autograd routes
+the gradients the same way). Routing is dropless, so no token is lost to a capacity and the
+result does not depend on ``ep``. A rank holds experts ``first_expert ..`` of the stack, shaped
+``(n_experts / ep, ...)``; ``parallelisms/fsdp.py`` shards them again over the data-parallel
+ranks outside the EP group (their own FSDP unit), while the router and the shared experts stay
+in the block's unit like any dense layer.
+
+Gradients: an expert's gradient sums the contributions of every EP rank's tokens on the rank
+holding it, and FSDP sums over its own replicas: a pure sum, divided by nothing, like every other
+gradient (``GradAccumulator`` divides once by the step's valid tokens). The gradient norm counts
+the expert shards of different EP ranks as different values, not copies (``expert_params``).
+
+Supported: ``ep`` dividing ``dp_shard``, with FSDP, HSDP, gradient accumulation and activation
+checkpointing; TP, CP, PP and compile are refused by ``parallelize.check``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from parallelisms.model_parts import moe_layers
+from parallelisms.torch_private import dtensor
+
+
+class ExpertParallelDispatch:
+    """The routed tokens, sorted by global expert, through the experts of every EP rank."""
+
+    def __init__(self, group: dist.ProcessGroup, ep: int, local_experts: int):
+        self.group, self.ep, self.local_experts = group, ep, local_experts
+        self.bytes_sent = 0
+        """Bytes this rank sent to other ranks in the token all-to-alls (for the benchmark)."""
+
+    def __call__(self, routed: torch.Tensor, counts: torch.Tensor, experts: nn.Module) -> torch.Tensor:
+        send = counts.view(self.ep, self.local_experts).contiguous()
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.group)
+        in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
+        received = dtensor.all_to_all_uneven(routed, out_splits, in_splits, self.group)
+        # Received in (source rank, expert) order; the experts want (expert, source rank).
+        expert = torch.arange(self.local_experts, device=recv.device).view(1, -1)
+        source = torch.arange(self.ep, device=recv.device).view(-1, 1)
+        key = (expert * self.ep + source).flatten().repeat_interleave(recv.flatten())
+        perm = key.argsort(stable=True)
+        out = experts(received[perm], recv.sum(0))
+        back = torch.zeros_like(out).index_copy(0, perm, out)
+        rank = dist.get_rank(self.group)
+        row = routed.element_size() * routed.shape[1]
+        self.bytes_sent += row * (sum(in_splits) - in_splits[rank] + sum(out_splits) - out_splits[rank])
+        return dtensor.all_to_all_uneven(back, in_splits, out_splits, self.group)
+
+
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
+    """Keep this rank's experts of every MoE layer (on the meta device) and exchange tokens with
+    the other EP ranks."""
+    ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
+    for moe in moe_layers(model):
+        experts = moe.experts
+        local = experts.n_experts // ep
+        for name in ("w1", "w2", "w3"):
+            whole = getattr(experts, name)
+            setattr(experts, name, nn.Parameter(torch.empty((local, *whole.shape[1:]), device=whole.device)))
+        experts.first_expert = rank * local
+        moe.dispatch = ExpertParallelDispatch(ep_mesh.get_group(), ep, local)
+
+
+def expert_params(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters that differ between EP ranks: every MoE layer's routed experts."""
+    return [p for moe in moe_layers(model) for p in moe.experts.parameters()]

@@ -1,0 +1,117 @@
+"""The Mixture-of-Experts model: published shapes, the grouped matmul against its exact fallback,
+the routing bias, counting once under recompute, and the configurations refused before any
+process group. The meshes against the 1-process reference are in ``test_expert_parallel.py``."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from parallelisms.torch_private import kernels
+from trainer.config import ConfigError, load_config
+from trainer.config.choices import BALANCE_SCOPES, MODEL_FLAVORS
+from trainer.model.llama3 import Transformer, num_params, whole_model
+from trainer.model.moe import FLAVORS, Balancing, active_params, balance_part, grouped_swiglu, looped_swiglu, moe_layers
+from trainer.planning.job_plan import resolve_job
+
+
+@pytest.mark.parametrize(
+    ("flavor", "total", "active"),
+    [("qwen3_30b_a3b", 30.5e9, 3.3e9), ("qwen3_235b_a22b", 235e9, 22e9)],
+)
+def test_published_parameter_counts(flavor, total, active):
+    """Hugging Face's config values give Qwen's published total and active counts."""
+    args = FLAVORS[flavor]
+    counted = num_params(whole_model(args))
+    assert counted == pytest.approx(total, rel=0.005)
+    assert active_params(args, counted) == pytest.approx(active, rel=0.03)
+
+
+def test_flavors_are_the_configs():
+    assert tuple(FLAVORS) == MODEL_FLAVORS["moe"]
+
+
+def test_grouped_matmul_equals_the_loop():
+    """torch 2.13's CPU grouped matmul runs the forward: it must match the per-expert loop, with
+    empty experts in between."""
+    torch.manual_seed(0)
+    x = torch.randn(20, 16)
+    counts = torch.tensor([5, 0, 9, 0, 6])
+    w1, w3 = torch.randn(5, 12, 16), torch.randn(5, 12, 16)
+    w2 = torch.randn(5, 16, 12)
+    torch.testing.assert_close(grouped_swiglu(x, counts, w1, w2, w3), looped_swiglu(x, counts, w1, w2, w3))
+
+
+def debug_moe(**changes) -> Transformer:
+    args = replace(FLAVORS["debugmoe"], vocab_size=256, max_seq_len=32, **changes)
+    model = Transformer(args)
+    model.init_weights(3)
+    return model
+
+
+def test_bias_moves_the_choice_not_the_weights():
+    torch.manual_seed(0)
+    router = moe_layers(debug_moe())[0].router
+    x = torch.randn(64, 256)
+    probs, _, _ = router(x, torch.zeros(8))
+    bias = torch.zeros(8)
+    bias[0] = 10.0
+    _, chosen_b, weights_b = router(x, bias)
+    assert (chosen_b == 0).any(dim=1).all()  # every token now picks expert 0
+    picked = probs.gather(1, chosen_b)
+    torch.testing.assert_close(weights_b, picked / picked.sum(-1, keepdim=True))
+
+
+def test_recompute_counts_each_token_once(monkeypatch):
+    """Under activation checkpointing the router runs again in backward; the step's tokens per
+    expert must equal those of a run without recompute. The injected bug counts twice."""
+    from torch.utils.checkpoint import checkpoint
+
+    tokens = torch.randint(0, 256, (2, 32))
+
+    def counts(recompute: bool) -> torch.Tensor:
+        model = debug_moe()
+        if recompute:
+            for block in model.layers.values():
+                block.checkpoint_fn = lambda fn, *a: checkpoint(fn, *a, use_reentrant=False)
+        model(tokens, labels=tokens).backward()
+        return torch.stack([m.tokens_per_expert for m in moe_layers(model)])
+
+    plain = counts(False)
+    assert plain.sum() == 2 * 32 * 2 * 3  # tokens x top-2 x 3 MoE layers
+    torch.testing.assert_close(counts(True), plain)
+    monkeypatch.setattr(kernels, "in_backward", lambda: False)
+    assert counts(True).sum() == 2 * plain.sum()
+
+
+@pytest.mark.parametrize("scope", BALANCE_SCOPES)
+def test_every_scope_is_one_on_a_uniform_router(scope):
+    """``E x sum_i f_i P_i`` is 1 when probabilities and choices are uniform, in every scope."""
+    probs = torch.full((8, 4), 0.25)
+    chosen = torch.tensor([[0, 1], [2, 3]] * 4)
+    counts = torch.bincount(chosen.flatten(), minlength=4).float()
+    balancing = Balancing(scope=scope, global_tokens=8, global_sequences=2, global_microbatches=1)
+    assert balance_part(probs, chosen, counts, counts, 2, balancing).item() == pytest.approx(1.0)
+
+
+MOE = ["--model.name", "moe", "--model.flavor", "debugmoe", "--training.global_batch_size", "8"]
+
+
+@pytest.mark.parametrize(
+    ("world", "extra", "names"),
+    [
+        (4, ["--mesh", "dp_shard=4,ep=3"], "`parallelism.expert_parallel_degree` = 3 must divide"),
+        (2, ["--model.name", "llama3", "--model.flavor", "debugmodel", "--mesh", "dp_shard=2,ep=2"], "`model.name`"),
+        (4, ["--mesh", "dp_shard=2,tp=2"], "`parallelism.tensor_parallel_degree`"),
+        (4, ["--mesh", "dp_shard=2,pp=2"], "`parallelism.pipeline_parallel_degree`"),
+        (2, ["--model.flavor", "8B"], "`model.flavor` = 8B is not of this `model.name`"),
+        (2, ["--mesh", "dp_shard=2,ep=2", "--checkpoint.enable"], "`checkpoint.enable`"),
+    ],
+)
+def test_refused_before_any_process_group(world, extra, names):
+    with pytest.raises(ConfigError, match=None) as caught:
+        resolve_job(load_config(MOE + extra), world)
+    message = str(caught.value)
+    assert names in message and "\n" not in message

@@ -1,0 +1,28 @@
+"""The ``[moe]`` section: how a Mixture-of-Experts model is kept balanced (``trainer/expert_balance.py``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trainer.config.choices import BALANCE_SCOPES
+from trainer.config.fields import setting
+
+
+@dataclass
+class MoE:
+    bias_update_rate: float = setting(
+        0.001,
+        "Aux-loss-free balancing (DeepSeek-V3): after each optimizer step every expert's routing bias moves by "
+        "this much towards the mean load, from the step's global tokens per expert; 0 turns it off.",
+        ge=0.0,
+    )
+    balance_loss_weight: float = setting(
+        0.0, "Weight of the load-balancing loss `E x sum_i f_i P_i` per MoE layer; 0 turns it off.", ge=0.0
+    )
+    balance_loss_scope: str = setting(
+        "global_batch",
+        "Where the expert frequencies `f` of the balancing loss are counted: `global_batch` (the whole step, "
+        "by a forward-only counting pre-pass; the same on every mesh), `sequence` or `micro_batch` (per "
+        "rank-local micro-batch, as most frameworks do; depends on the mesh).",
+        BALANCE_SCOPES,
+    )

@@ -1,0 +1,317 @@
+"""Mixture-of-Experts: Llama 3's attention, norms and embeddings around routed SwiGLU experts.
+
+Each MoE block replaces the dense feed-forward by a router (softmax or sigmoid scores, top-k,
+optional renormalisation of the chosen weights, a routed scaling factor), ``n_experts`` SwiGLU
+experts stacked in three 3-D parameters, and optional shared experts that every token passes;
+the first ``n_dense_layers`` blocks stay dense (DeepSeek). Routing is **dropless**: every token
+reaches its k experts, there is no capacity factor, so the loss cannot depend on how experts
+are laid out over ranks.
+
+Balancing (``trainer/expert_balance.py`` drives it per step):
+
+- the aux-loss-free bias (DeepSeek-V3) is added to the scores for the top-k choice only, never to
+  the weights; each layer counts the tokens it routed in ``tokens_per_expert``, once per real
+  forward: a forward inside autograd's backward is activation checkpointing's recomputation and
+  is not counted;
+- the load-balancing loss ``E * sum_i f_i P_i`` (``f_i``: share of the k x T choices that went to
+  expert i, ``P_i``: mean router probability of expert i) has a scope. Over the ``global_batch``
+  it is a sum over tokens once ``f`` is known, so each micro-batch adds its tokens' part with the
+  step's global ``f`` (counted by a forward-only pre-pass) and the parts add up to the whole
+  batch's loss on every mesh. Its gradient enters the backward of the summed cross-entropy scaled
+  by ``weight x N``, so the accumulator's one ``1 / N`` leaves it at ``weight``: never divided twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from parallelisms.torch_private import kernels
+from trainer.model.llama3 import FeedForward, ModelArgs, TransformerBlock
+
+
+@dataclass(frozen=True)
+class MoEArgs(ModelArgs):
+    n_experts: int = 8
+    top_k: int = 2
+    moe_hidden_dim: int = 256
+    """Hidden units of each routed expert (and of each shared one)."""
+    n_shared_experts: int = 0
+    n_dense_layers: int = 0
+    """The first blocks keep the dense feed-forward."""
+    score_func: str = "softmax"
+    """``softmax`` or ``sigmoid`` router scores."""
+    route_norm: bool = True
+    """Renormalise the k chosen weights to sum to one (Qwen3's ``norm_topk_prob``)."""
+    route_scale: float = 1.0
+
+    def make_block(self, layer_id: int) -> nn.Module:
+        if layer_id < self.n_dense_layers:
+            return TransformerBlock(layer_id, self)
+        return TransformerBlock(layer_id, self, MoE(self))
+
+
+FLAVORS: dict[str, MoEArgs] = {
+    "debugmoe": MoEArgs(
+        dim=256,
+        n_layers=4,
+        n_heads=16,
+        n_kv_heads=8,
+        vocab_size=2048,
+        rope_scaling=False,
+        vocab_from_tokenizer=True,
+        qk_norm=True,
+        n_experts=8,
+        top_k=2,
+        moe_hidden_dim=256,
+        n_shared_experts=1,
+        n_dense_layers=1,
+    ),
+    # Hugging Face's Qwen/Qwen3-30B-A3B and Qwen3-235B-A22B config.json; the output projection is
+    # not tied to the embedding there either.
+    "qwen3_30b_a3b": MoEArgs(
+        dim=2048,
+        n_layers=48,
+        n_heads=32,
+        n_kv_heads=4,
+        head_size=128,
+        vocab_size=151936,
+        norm_eps=1e-6,
+        rope_theta=1000000.0,
+        rope_scaling=False,
+        qk_norm=True,
+        n_experts=128,
+        top_k=8,
+        moe_hidden_dim=768,
+    ),
+    "qwen3_235b_a22b": MoEArgs(
+        dim=4096,
+        n_layers=94,
+        n_heads=64,
+        n_kv_heads=4,
+        head_size=128,
+        vocab_size=151936,
+        norm_eps=1e-6,
+        rope_theta=1000000.0,
+        rope_scaling=False,
+        qk_norm=True,
+        n_experts=128,
+        top_k=8,
+        moe_hidden_dim=1536,
+    ),
+}
+
+
+def active_params(args: MoEArgs, total: int) -> int:
+    """Parameters a token passes through: ``total`` less the experts it is not routed to."""
+    per_expert = 3 * args.dim * args.moe_hidden_dim
+    return total - (args.n_layers - args.n_dense_layers) * (args.n_experts - args.top_k) * per_expert
+
+
+@dataclass
+class Balancing:
+    """What the MoE layers need to know about the step, shared by all of them and set by
+    ``trainer/expert_balance.py``: the balancing loss's weight and scope, and the global sizes
+    its parts are divided by."""
+
+    weight: float = 0.0
+    scope: str = "global_batch"
+    grad_scale: float = 0.0
+    """``weight x N`` of the step: the loss's gradient in the summed cross-entropy's units."""
+    global_tokens: int = 1
+    global_sequences: int = 1
+    global_microbatches: int = 1
+    prepass: bool = False
+    """The forward-only pre-pass: count the routing into ``global_counts``, nothing else."""
+
+
+Dispatch = Callable[[torch.Tensor, torch.Tensor, nn.Module], torch.Tensor]
+
+
+def local_dispatch(routed: torch.Tensor, counts: torch.Tensor, experts: nn.Module) -> torch.Tensor:
+    """Every expert on this rank: the tokens, sorted by expert, go straight through."""
+    return experts(routed, counts)
+
+
+class Router(nn.Module):
+    def __init__(self, args: MoEArgs):
+        super().__init__()
+        self.gate = nn.Linear(args.dim, args.n_experts, bias=False)
+        self.score_func, self.top_k = args.score_func, args.top_k
+        self.route_norm, self.route_scale = args.route_norm, args.route_scale
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(probs, chosen, weights)``: each token's probability per expert (float32, summing
+        to one), its k experts, and their weights. ``bias`` moves the choice, not the weights."""
+        logits = self.gate(x).float()
+        scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
+        chosen = (scores + bias).topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, chosen)
+        if self.route_norm:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        probs = scores if self.score_func == "softmax" else scores / scores.sum(-1, keepdim=True)
+        return probs, chosen, weights * self.route_scale
+
+
+def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor):
+    """The experts as three grouped matmuls over the expert-sorted tokens."""
+    offsets = counts.cumsum(0).to(torch.int32)
+    h = F.silu(kernels.grouped_mm(x, w1.transpose(-2, -1), offsets)) * kernels.grouped_mm(
+        x, w3.transpose(-2, -1), offsets
+    )
+    return kernels.grouped_mm(h, w2.transpose(-2, -1), offsets)
+
+
+def looped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor):
+    """The same, one expert at a time: exact wherever the grouped kernel is missing."""
+    outs = [(F.silu(chunk @ w1[e].T) * (chunk @ w3[e].T)) @ w2[e].T for e, chunk in enumerate(x.split(counts.tolist()))]
+    return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[1])
+
+
+def has_grouped_mm(x: torch.Tensor) -> bool:
+    return x.is_cuda and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+
+
+class GroupedExperts(nn.Module):
+    """The routed experts' SwiGLU weights, stacked: ``w1``, ``w3`` ``(experts, hidden, dim)``,
+    ``w2`` ``(experts, dim, hidden)``. Under expert parallelism a rank holds experts
+    ``first_expert ..`` of the ``n_experts``."""
+
+    def __init__(self, n_experts: int, dim: int, hidden: int):
+        super().__init__()
+        self.n_experts, self.first_expert = n_experts, 0
+        self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """``x``: tokens sorted by local expert, ``counts[e]`` of them for expert ``e``."""
+        swiglu = grouped_swiglu if has_grouped_mm(x) else looped_swiglu
+        return swiglu(x, counts, self.w1, self.w2, self.w3)
+
+
+class _AddBalanceLoss(torch.autograd.Function):
+    """The identity on ``out``, whose backward also gives ``loss`` the gradient ``scale``: the
+    balancing loss joins the backward without changing what the model returns."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, loss: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        return grad, torch.full((), ctx.scale, dtype=torch.float32, device=grad.device), None
+
+
+class MoE(nn.Module):
+    expert_bias: torch.Tensor
+    tokens_per_expert: torch.Tensor
+    global_counts: torch.Tensor
+    balance_sum: torch.Tensor
+
+    def __init__(self, args: MoEArgs):
+        super().__init__()
+        self.n_experts, self.top_k = args.n_experts, args.top_k
+        self.router = Router(args)
+        self.experts = GroupedExperts(args.n_experts, args.dim, args.moe_hidden_dim)
+        hidden = args.n_shared_experts * args.moe_hidden_dim
+        self.shared_experts = FeedForward(args, hidden) if hidden else None
+        # Expert parallelism swaps in the all-to-all exchange with the other ranks' experts.
+        self.dispatch: Dispatch = local_dispatch
+        self.balancing = Balancing()
+        self.register_buffer("expert_bias", torch.zeros(args.n_experts))
+        self.register_buffer("tokens_per_expert", torch.zeros(args.n_experts), persistent=False)
+        self.register_buffer("global_counts", torch.zeros(args.n_experts), persistent=False)
+        self.register_buffer("balance_sum", torch.zeros(()), persistent=False)
+
+    def reset_buffers(self) -> None:
+        self.expert_bias.zero_()
+        self.reset_counters()
+
+    def reset_counters(self) -> None:
+        """Clear what a step counts (at its start)."""
+        for buffer in (self.tokens_per_expert, self.global_counts, self.balance_sum):
+            buffer.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bsz, seq, dim = x.shape
+        flat = x.reshape(-1, dim)
+        probs, chosen, weights = self.router(flat, self.expert_bias)
+        counts = torch.bincount(chosen.flatten(), minlength=self.n_experts)
+        counted = self._count(counts)
+        order = chosen.flatten().argsort(stable=True)
+        routed = self.dispatch(flat[order // self.top_k], counts, self.experts)
+        unsorted = torch.zeros_like(routed).index_copy(0, order, routed)
+        out = (unsorted.view(-1, self.top_k, dim) * weights.unsqueeze(-1).to(unsorted.dtype)).sum(1)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(flat)
+        return self._add_balance_loss(out, probs, chosen, counts, bsz, counted).view(bsz, seq, dim)
+
+    def _count(self, counts: torch.Tensor) -> bool:
+        """Add the routing to the step's counts, once per real training forward (right after the
+        router, which a recomputation always reaches); True when this forward was counted."""
+        if self.balancing.prepass:
+            self.global_counts += counts
+            return False
+        counted = torch.is_grad_enabled() and not kernels.in_backward()
+        if counted:
+            self.tokens_per_expert += counts
+        return counted
+
+    def _add_balance_loss(
+        self,
+        out: torch.Tensor,
+        probs: torch.Tensor,
+        chosen: torch.Tensor,
+        counts: torch.Tensor,
+        bsz: int,
+        counted: bool,
+    ) -> torch.Tensor:
+        """Attach this micro-batch's part of the balancing loss, also when recomputed (the
+        recomputed graph is the one backward uses); log it once."""
+        balancing = self.balancing
+        if balancing.prepass or balancing.weight == 0 or not torch.is_grad_enabled():
+            return out
+        part = balance_part(probs, chosen, counts, self.global_counts, bsz, balancing)
+        if counted:
+            self.balance_sum += part.detach()
+        return _AddBalanceLoss.apply(out, part, balancing.grad_scale)
+
+
+def balance_part(
+    probs: torch.Tensor,
+    chosen: torch.Tensor,
+    counts: torch.Tensor,
+    global_counts: torch.Tensor,
+    bsz: int,
+    balancing: Balancing,
+) -> torch.Tensor:
+    """This micro-batch's share of ``E * sum_i f_i P_i`` in the chosen scope.
+
+    ``global_batch``: ``f`` over the whole step (the pre-pass's counts), ``P`` summed over these
+    tokens and divided by the step's tokens, so the parts of every micro-batch and rank add up to
+    the global loss. ``sequence`` and ``micro_batch``: the loss of each sequence or micro-batch
+    on its own, averaged over the step's sequences or (rank-local) micro-batches.
+    """
+    n_experts, k = probs.shape[1], chosen.shape[1]
+    if balancing.scope == "global_batch":
+        f = global_counts / (k * balancing.global_tokens)
+        return n_experts * (f * probs.sum(0)).sum() / balancing.global_tokens
+    if balancing.scope == "micro_batch":
+        f = counts / (k * probs.shape[0])
+        return n_experts * (f * probs.mean(0)).sum() / balancing.global_microbatches
+    seq_probs = probs.view(bsz, -1, n_experts)
+    seq_counts = torch.zeros(bsz, n_experts, device=probs.device).scatter_add_(
+        1, chosen.view(bsz, -1), torch.ones(chosen.numel(), device=probs.device).view(bsz, -1)
+    )
+    f = seq_counts / (k * seq_probs.shape[1])
+    return n_experts * (f * seq_probs.mean(1)).sum() / balancing.global_sequences
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
