@@ -120,6 +120,15 @@ def _simulate(tmp_path: Path, nproc: int, *args: str, nnodes: int = 1) -> tuple[
 
 
 @pytest.mark.slow
+def test_a_job_larger_than_this_machines_data_is_simulated_on_synthetic_batches(tmp_path):
+    """A cluster's global batch (here 102,400 sequences, the bundled plays hold about 13,000 of
+    128 tokens) is planned from a laptop: the job's data are not read, and the report says so."""
+    code, _, report = _simulate(tmp_path, 2, "--training.global_batch_size", "102400", "--target-gpu", "h100")
+    assert code == 0 and report["fits"] is True
+    assert any(a.startswith("data: synthetic samples") for a in report["assumptions"])
+
+
+@pytest.mark.slow
 def test_an_hsdp_tp_job_keeps_the_contract_and_sums_to_the_model_state(tmp_path):
     args = ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.tensor_parallel_degree", "2"]
     code, text, report = _simulate(tmp_path, 8, *args, "--target-gpu", "h100")

@@ -82,3 +82,20 @@ def test_the_simulators_advice_never_proposes_the_job_it_simulated():
     report = {"roles": [{"fits": False, "needed_bytes": 32 * GIB, "pp_stage": 0, "ranks": 1}]}
     advice = fit_advice(plan, target, report)
     assert "dp_shard 1 " not in advice and "dp_shard 2 (2 processes" in advice
+
+
+def test_presets_plan_for_their_machine_without_environment_variables(monkeypatch, capsys):
+    monkeypatch.delenv("NGPU")
+    monkeypatch.delenv("NNODES", raising=False)
+    assert launch_main(["--config", "llama3_70b.toml", "--dry-run"]) == 0
+    out, err = capsys.readouterr()
+    assert "the machine the config is sized for: 8 node(s) x 8 H100" in err
+    assert "mesh: pp=1 dp_replicate=1 dp_shard=8 cp=1 tp=8 (64 processes)" in out
+    assert "one H100's memory" in out
+
+
+def test_a_preset_launched_on_too_few_gpus_names_its_machine(monkeypatch, capsys):
+    monkeypatch.setenv("NGPU", "4")
+    assert launch_main(["--config", "llama3_70b.toml", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "This config is sized for 64 GPUs (`machine.*`): launch it with NGPU=8 NNODES=8" in err
