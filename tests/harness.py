@@ -63,6 +63,21 @@ BASE_ARGV = [
     "48",
 ]
 
+QUICK = [
+    "--validation.enable=false",  # validation is tested on its own (test_validation, test_run_train)
+    "--training.seq_len",
+    "64",
+    "--training.local_batch_size",
+    "2",
+    "--training.global_batch_size",
+    "8",
+    "--metrics.log_freq",
+    "1",
+    "--metrics.disable_color_printing",
+]
+"""A short job's settings (no validation, a line per step), which the fault and stop-request
+tests lengthen as they need."""
+
 
 # --------------------------------------------------------------------------------------------
 # Ranks

@@ -3,53 +3,39 @@ skipped, non-finite states never published, async saves, seed checkpoints, model
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 import signal
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
-from harness import Launched, run_ranks, run_train, tensorboard_scalars, trainer_for
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from checkpoint_helpers import (
+    COMMON,
+    TINY,
+    one_rank,
+    overwrite,
+    resume_worker,
+    small_argv,
+    tiny_manager,
+    train_worker,
+)
+from harness import Launched, run_ranks, run_train, tensorboard_scalars
+from torch.distributed.checkpoint import FileSystemReader
 
 from trainer.checkpoint.folders import checkpoint_problem, read_dcp_model, step_folders
-from trainer.checkpoint.manager import CheckpointManager
-from trainer.config import Checkpoint, load_config
+from trainer.config import load_config
 from trainer.data.datasets import load_dataset
-from trainer.model.llama3 import ModelArgs, Transformer
+from trainer.model.llama3 import Transformer
 from trainer.planning.job_plan import resolve_job
 from trainer.runtime.errors import CheckpointError, UserError
 from trainer.train import train
-from trainer.train_state import TrainState
 
-# A schedule that does not depend on training.steps (warm-up, then constant), so a 4-step run
-# and the first 4 steps of an 8-step run take the same learning rates.
-COMMON = [
-    "--validation.enable=false",  # validation is tested on its own (test_validation, test_run_train)
-    "--training.dataset",
-    "shakespeare_dialogue",
-    "--training.seq_len",
-    "64",
-    "--training.global_batch_size",
-    "8",
-    "--lr_scheduler.warmup_steps",
-    "2",
-    "--lr_scheduler.decay_ratio",
-    "0",
-    "--metrics.log_freq",
-    "1",
-    "--metrics.disable_color_printing",
-    "--debug.seed",
-    "5",
-]
+__all__ = ["one_rank"]  # the fixture, used by name
 
 
 def newest_scalars(dump: Path, first_step: int) -> dict[str, list[float]]:
@@ -103,66 +89,6 @@ def test_sigterm_saves_and_the_resume_continues_the_same_curve(straight, tmp_pat
         assert resumed[tag] == pytest.approx(expected[saved[0] :], rel=1e-5), tag
 
 
-def train_worker(argv: list[str], kill_rank: int | None = None, kill_step: int | None = None) -> None:
-    """Train through the real entry; optionally SIGKILL one rank while it writes a checkpoint."""
-    if kill_rank is not None:
-        original = FileSystemWriter.write_data
-
-        def write_then_die(self, plan_, planner):
-            result = original(self, plan_, planner)
-            if int(os.environ["RANK"]) == kill_rank and f"step-{kill_step}" in str(self.path):
-                result.wait()
-                os.kill(os.getpid(), signal.SIGKILL)
-            return result
-
-        FileSystemWriter.write_data = write_then_die
-    job_plan = resolve_job(load_config(argv), int(os.environ["WORLD_SIZE"]))
-    train(job_plan, load_dataset(job_plan.config, job_plan.tokenizer, job_plan.global_batch_size))
-
-
-def resume_worker(argv: list[str]) -> dict:
-    """Which step a new job resumes from, and what it warned about."""
-    records: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: records.append(record.getMessage())
-    logging.getLogger("meshtrain").addHandler(handler)
-    p, job = trainer_for(argv)
-    train_state = TrainState()
-    manager = CheckpointManager(
-        p.config.checkpoint,
-        p.config.job.dump_folder,
-        model=job.model,
-        optimizer=job.optimizer,
-        lr_scheduler=job.scheduler,
-        dataloader=job.loader,
-        train_state=train_state,
-        model_args=p.model_args,
-        total_steps=p.config.training.steps,
-    )
-    start = manager.load()
-    weights = {
-        name: (prm.full_tensor() if hasattr(prm, "full_tensor") else prm).detach().clone()
-        for name, prm in job.model.named_parameters()
-    }
-    return {"start": start, "warnings": records, "loader": job.loader.state_dict(), "weights": weights}
-
-
-def small_argv(dump: Path, *extra: str) -> list[str]:
-    return COMMON + [
-        "--training.local_batch_size",
-        "4",
-        "--training.steps",
-        "6",
-        "--checkpoint.enable",
-        "--checkpoint.interval",
-        "2",
-        "--metrics.enable_tensorboard=false",
-        "--job.dump_folder",
-        str(dump),
-        *extra,
-    ]
-
-
 @pytest.mark.slow
 def test_kill_during_save_leaves_previous_checkpoint_loadable(tmp_path):
     argv = small_argv(tmp_path)
@@ -177,13 +103,6 @@ def test_kill_during_save_leaves_previous_checkpoint_loadable(tmp_path):
     excluded = run_ranks(resume_worker, 2, argv + ["--checkpoint.exclude_from_loading", "dataloader"])[0]
     assert excluded["start"] == 2
     assert excluded["loader"]["step"] == 0  # not restored: the data position starts over
-
-
-def overwrite(file: Path, offset: int, size: int) -> None:
-    """Replace ``size`` bytes at ``offset`` with other bytes; the file keeps its length."""
-    data = bytearray(file.read_bytes())
-    data[offset : offset + size] = bytes((b + 1) % 256 for b in data[offset : offset + size])
-    file.write_bytes(bytes(data))
 
 
 @pytest.mark.slow
@@ -336,60 +255,6 @@ def test_seed_checkpoint_on_several_processes_is_refused_before_any_process_grou
 
     with pytest.raises(ConfigError, match="create_seed_checkpoint.*NGPU=1"):
         resolve_job(load_config(small_argv(tmp_path, "--checkpoint.create_seed_checkpoint")), 2)
-
-
-TINY = ModelArgs(
-    dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16, rope_scaling=False, max_seq_len=16
-)
-
-
-class Position:
-    """A data loader's place in its stream: all of a loader that reaches the checkpoint."""
-
-    def __init__(self) -> None:
-        self.step = 0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step = state["step"]
-
-
-def tiny_manager(
-    dump: Path, args: ModelArgs = TINY, data: str = "a", step: int = 0, **checkpoint: Any
-) -> CheckpointManager:
-    """A manager over a plain ``Transformer(args)`` at ``step``, trained on data fingerprinted ``data``."""
-    model = Transformer(args)
-    optimizer = torch.optim.AdamW(model.parameters())
-    train_state = TrainState()
-    train_state.step = step
-    return CheckpointManager(
-        Checkpoint(**{"enable": True, **checkpoint}),
-        str(dump),
-        model=model,
-        optimizer=optimizer,
-        lr_scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0),
-        dataloader=Position(),
-        train_state=train_state,
-        model_args=args,
-        total_steps=4,
-        data_identity={"data_sha256": data},
-    )
-
-
-@pytest.fixture
-def one_rank() -> Iterator[None]:
-    """A 1-rank gloo group in this process (or the one another in-process test left)."""
-    owns_group = not dist.is_initialized()
-    if owns_group:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    rng = torch.get_rng_state()
-    yield
-    torch.set_rng_state(rng)  # a load sets this process's RNG to the checkpoint's
-    if owns_group:
-        dist.barrier()
-        dist.destroy_process_group()
 
 
 def test_a_checkpoint_that_cannot_serve_the_run_is_a_checkpoint_error(tmp_path: Path, one_rank: None):

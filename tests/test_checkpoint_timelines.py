@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from checkpoint_helpers import TINY, one_rank, overwrite, resume_worker, small_argv, tiny_manager, train_worker
 from harness import run_ranks
-from test_checkpoint import TINY, one_rank, overwrite, resume_worker, small_argv, tiny_manager, train_worker
 
 import trainer.checkpoint.manager as manager_module
 from trainer.checkpoint.folders import checkpoint_problem, step_folders

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from config_helpers import write
 
 from trainer.config import (
     CONFIG_DIR,
@@ -29,12 +30,6 @@ from trainer.planning.job_plan import resolve_job
 ROOT = Path(__file__).resolve().parent.parent
 FAST_EXIT_S = 90.0
 """A config error exits long before this; a process group waiting for its peers would wait far longer."""
-
-
-def write(tmp_path: Path, text: str, name: str = "job.toml") -> str:
-    path = tmp_path / name
-    path.write_text(text)
-    return str(path)
 
 
 # --------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
-from test_config import write
+from config_helpers import write
 
 from trainer.config import (
     CONFIG_DIR,

@@ -11,10 +11,7 @@ import re
 
 import pytest
 import torch
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from tensorboard.plugins.custom_scalar import layout_pb2
-from tensorboard.util import tensor_util
-from test_metrics import (
+from metrics_helpers import (
     CPU_ALIASES,
     CPU_TAGS,
     FLOPS_PER_TOKEN,
@@ -31,6 +28,9 @@ from test_metrics import (
     _stats,
     fake_cuda,  # noqa: F401  (a fixture, requested by name below)
 )
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins.custom_scalar import layout_pb2
+from tensorboard.util import tensor_util
 
 from trainer.metrics import DASHBOARD_ALIASES
 from trainer.metrics.dashboard import DASHBOARD

@@ -11,8 +11,7 @@ import shlex
 import subprocess
 
 import pytest
-from harness import ROOT, needs_tmpfs
-from test_faults import QUICK
+from harness import QUICK, ROOT, needs_tmpfs
 
 from trainer.checkpoint.folders import read_dcp_model, step_folders
 

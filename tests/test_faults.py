@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import ROOT, Launched, needs_tmpfs, run_train
+from harness import QUICK, ROOT, Launched, needs_tmpfs, run_train
 
 from trainer.checkpoint.folders import read_dcp_model, step_folders
 from trainer.config import ConfigError, load_config
@@ -25,19 +25,6 @@ from trainer.entry.job import prepare
 from trainer.entry.worker import main
 from trainer.runtime.dump_folder import LOCK_FILE, STALE_AFTER_S, DumpFolderLock, read_lock
 from trainer.runtime.errors import BusyFolderError
-
-QUICK = [
-    "--validation.enable=false",  # validation is tested on its own (test_validation, test_run_train)
-    "--training.seq_len",
-    "64",
-    "--training.local_batch_size",
-    "2",
-    "--training.global_batch_size",
-    "8",
-    "--metrics.log_freq",
-    "1",
-    "--metrics.disable_color_printing",
-]
 
 
 def python_train(args: list[str], *prefix: str, timeout: float = 300) -> subprocess.CompletedProcess:

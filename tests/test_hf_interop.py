@@ -9,15 +9,14 @@ so a wrong scaling, like a wrong q/k permutation, shows in the logits.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from dataclasses import replace
-from functools import cache
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from hf_helpers import CONFIGS, SEQ_LEN, assert_same_tensors, build_model, run_script
 from transformers import LlamaForCausalLM
 
 from trainer.checkpoint.folders import read_dcp_model, read_model_args, write_dcp_model
@@ -32,55 +31,12 @@ from trainer.model.hf_llama3 import (
 from trainer.model.llama3 import FLAVORS, ModelArgs, Transformer
 from trainer.runtime.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parent.parent
-SEQ_LEN = 256
-SEED = 7
 LOGITS_TOL = 1e-5
-
-CONFIGS = {
-    "debugmodel": replace(FLAVORS["debugmodel"], max_seq_len=SEQ_LEN),
-    "gqa_rope_scaling": replace(
-        ModelArgs(),
-        dim=64,
-        n_layers=2,
-        n_heads=8,
-        n_kv_heads=2,
-        vocab_size=256,
-        multiple_of=64,
-        rope_scaling=True,
-        rope_scaling_factor=8.0,
-        max_seq_len=SEQ_LEN,
-    ),
-}
-
-
-@cache
-def build_model(name: str) -> Transformer:
-    """``CONFIGS[name]`` freshly initialised, with q/k scaled up 10x; built once (init takes seconds).
-
-    At the default 0.02 init, attention is nearly uniform and a wrong RoPE layout moves the
-    logits by about 1e-5, the same as round-off; sharper attention makes it ~1e-2. Tests must
-    not modify the model.
-    """
-    model = Transformer(CONFIGS[name])
-    model.init_weights(SEED)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith(("attention.wq.weight", "attention.wk.weight")):
-                param.mul_(10.0)
-    return model.eval()
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def model(request: pytest.FixtureRequest) -> Transformer:
     return build_model(request.param)
-
-
-def assert_same_tensors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    assert list(got) == list(want)
-    for name, tensor in want.items():
-        assert got[name].dtype == tensor.dtype, name
-        assert torch.equal(got[name], tensor), name
 
 
 def assert_same_shapes(got: ModelArgs, want: ModelArgs) -> None:
@@ -108,16 +64,6 @@ def logits_max_abs_diff(model: Transformer, hf_dir: Path) -> float:
     tokens = torch.randint(0, model.args.vocab_size, (2, SEQ_LEN), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         return (hf(tokens).logits - model(tokens)).abs().max().item()
-
-
-def run_script(name: str, *args: str | Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / name), *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-    )
 
 
 # --------------------------------------------------------------------------------------------

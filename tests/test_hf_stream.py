@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import BASE_ARGV, run_cases, trainer_for
+from harness import BASE_ARGV, ROOT, run_cases, trainer_for
+from hf_helpers import CONFIGS, assert_same_tensors, build_model, run_script
 from hf_tokenizer import build
 from safetensors.torch import load_file, save_file
-from test_hf_interop import CONFIGS, ROOT, assert_same_tensors, build_model, run_script
 from transformers import LlamaForCausalLM
 
 from trainer.checkpoint.folders import write_dcp_model

@@ -8,6 +8,9 @@ config) import downward only; the ground floor (``trainer/runtime/``) imports no
 ``trainer`` import, so it can be read, tested and reused without the trainer's configuration.
 No two modules and no two packages import each other. Every import counts, the lazy ones inside
 functions and the ``TYPE_CHECKING`` ones too: each still ties the two files together for a reader.
+In ``tests/``, no module imports a test module (``test_*``): what tests share lives in
+``harness.py``, ``conftest.py`` or a helpers module (``checkpoint_helpers.py``, ...), so a test
+module can be read, run and changed on its own.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+TESTS = ROOT / "tests"
 PACKAGES = ("trainer", "parallelisms")
 ROOF = "trainer.entry"
 GROUND = "trainer.runtime"
@@ -155,6 +159,16 @@ def package_graph(graph: Graph) -> Graph:
     return units
 
 
+def imports_of_test_modules(folder: Path = TESTS) -> list[str]:
+    """Every import of a test module (a module named ``test_*``) by a file under ``folder``."""
+    return sorted(
+        f"{file.relative_to(folder)} -> {module}"
+        for file in sorted(folder.rglob("*.py"))
+        for module in imported_modules(file)
+        if module.split(".")[0].startswith("test_")
+    )
+
+
 GRAPH = import_graph()
 
 
@@ -192,6 +206,11 @@ def test_parallelisms_never_import_trainer():
     }
     assert not {file: mods for file, mods in offenders.items() if mods}
     assert not parallelisms_to_trainer(GRAPH)
+
+
+def test_no_module_of_the_tests_imports_a_test_module():
+    assert (TESTS / "harness.py").exists()
+    assert not imports_of_test_modules()
 
 
 def test_imported_modules_sees_every_form(tmp_path: Path):
@@ -233,3 +252,12 @@ def test_each_rule_fails_on_a_violation():
     assert not cycles({"trainer.metrics.logger": {"trainer.metrics.accounting"}, "trainer.metrics.accounting": set()})
     assert cycles(package_graph(two_packages)) == [["trainer.build", "trainer.metrics", "trainer.validation"]]
     assert cycles(package_graph({"trainer.a.x": {"trainer.b.y"}, "trainer.b.z": {"trainer.a.w"}}))
+
+
+def test_the_test_module_rule_fails_on_a_violation(tmp_path: Path):
+    """Test modules imported at the top, lazily, or as a package's module are each found; helpers are not."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "test_a.py").write_text("from test_b import helper\nfrom checkpoint_helpers import TINY\n")
+    (tmp_path / "sub" / "b_helpers.py").write_text("import harness\ndef later():\n    import test_c.inner\n")
+    (tmp_path / "test_ok.py").write_text("from harness import ROOT\nimport contest_results\n")
+    assert imports_of_test_modules(tmp_path) == ["sub/b_helpers.py -> test_c.inner", "test_a.py -> test_b"]

@@ -9,15 +9,25 @@ import logging
 import math
 import os
 import threading
-import types
 from collections.abc import Iterable
 
 import pytest
 import torch
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from metrics_helpers import (
+    CPU_ALIASES,
+    CPU_TAGS,
+    GPU_ONLY_ALIASES,
+    GPU_ONLY_TAGS,
+    LOCAL_TOKENS,
+    _make_logger,
+    _read_events,
+    _run,
+    _scalars,
+    _stats,
+    fake_cuda,
+)
 
 from trainer import metrics
-from trainer.grad_accumulator import StepResult
 from trainer.metrics import (
     CONSOLE_TTY_ENV,
     DASHBOARD_ALIASES,
@@ -30,47 +40,7 @@ from trainer.runtime.errors import JobError
 from trainer.step import StepStats
 from trainer.validation import ValidationResult
 
-CPU_TAGS = {
-    "loss_metrics/global_avg_loss",
-    "loss_metrics/global_max_loss",
-    "grad_norm",
-    "lr",
-    "n_valid_tokens",
-    "n_tokens_seen",
-    "throughput(tps)",
-    "tflops",
-    "memory/max_active(GiB)",
-    "time_metrics/end_to_end(s)",
-    "time_metrics/data_loading(%)",
-    "n_skipped_steps",
-}
-CPU_ALIASES = {
-    "dashboard/throughput_tps",
-    "dashboard/memory_max_active_GiB",
-    "dashboard/end_to_end_s",
-    "dashboard/data_loading_pct",
-}
-GPU_ONLY_TAGS = {
-    "mfu(%)",
-    "memory/max_reserved(GiB)",
-    "memory/max_active(%)",
-    "memory/max_reserved(%)",
-    "memory/num_alloc_retries",
-    "memory/num_ooms",
-}
-GPU_ONLY_ALIASES = {
-    "dashboard/mfu_pct",
-    "dashboard/memory_max_reserved_GiB",
-    "dashboard/memory_max_active_pct",
-    "dashboard/memory_max_reserved_pct",
-}
-GPU_ONLY_CHARTS = {"MFU %", "peak memory (% of device)", "allocator retries and OOMs"}
-VALIDATION_TAGS = {"validation/loss", "validation/perplexity", "validation/seconds"}
-GIB = 1024**3
-
-FLOPS_PER_TOKEN = 1_000_000
-GLOBAL_TOKENS = 512
-LOCAL_TOKENS = 128
+__all__ = ["fake_cuda"]  # the fixture, used by name
 
 
 def test_flops_per_token_matches_hand_count() -> None:
@@ -132,29 +102,6 @@ def test_device_memory_cpu_reports_rss_only() -> None:
     assert memory == metrics.MemoryStats(active_gib=memory.active_gib)
 
 
-@pytest.fixture
-def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> list[object]:
-    """Fakes the CUDA memory API so the GPU-only branches run on a CPU-only machine; returns the resets."""
-    resets: list[object] = []
-    monkeypatch.setattr(
-        torch.cuda,
-        "memory_stats",
-        lambda device=None: {
-            "active_bytes.all.peak": 2 * GIB,
-            "reserved_bytes.all.peak": 4 * GIB,
-            "num_alloc_retries": 3,
-            "num_ooms": 1,
-        },
-    )
-    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", resets.append)
-    monkeypatch.setattr(
-        torch.cuda,
-        "get_device_properties",
-        lambda device=None: types.SimpleNamespace(total_memory=80 * GIB),
-    )
-    return resets
-
-
 def test_device_memory_cuda_reports_torchtitan_memory_stats(fake_cuda: list[object]) -> None:
     memory = metrics.device_memory(torch.device("cuda", 0))
     assert memory == metrics.MemoryStats(
@@ -166,59 +113,6 @@ def test_device_memory_cuda_reports_torchtitan_memory_stats(fake_cuda: list[obje
         num_ooms=1,
     )
     assert fake_cuda == [torch.device("cuda", 0)]
-
-
-def _stats(step: int, **overrides: object) -> StepStats:
-    """A step's stats; ``overrides`` name fields of the stats or of the accumulator's result."""
-    result: dict[str, object] = dict(
-        loss_avg=10.0 / step,
-        loss_max=12.0 / step,
-        grad_norm=1.5,
-        n_valid_tokens=400 + step,
-        skipped=False,
-        skip_reason="",
-    )
-    fields: dict[str, object] = dict(
-        step=step, lr=1e-3 * step, local_tokens=LOCAL_TOKENS, n_skipped_steps=0, data_time_s=0.1, step_time_s=0.5
-    )
-    for name, value in overrides.items():
-        (result if name in result else fields)[name] = value
-    return StepStats(result=StepResult(**result), **fields)  # type: ignore[arg-type]
-
-
-def _make_logger(tmp_path: os.PathLike[str], **overrides: object) -> MetricsLogger:
-    kwargs: dict[str, object] = dict(
-        rank=0,
-        console=True,
-        dump_folder=str(tmp_path),
-        tb_folder="tb",
-        enable_tensorboard=True,
-        log_freq=2,
-        color=False,
-        device=torch.device("cpu"),
-        total_steps=5,
-        flops_per_token=FLOPS_PER_TOKEN,
-        peak_flops=None,
-        global_tokens_per_step=GLOBAL_TOKENS,
-    )
-    kwargs.update(overrides)
-    return MetricsLogger(**kwargs)  # type: ignore[arg-type]
-
-
-def _run(logger: MetricsLogger, steps: Iterable[StepStats]) -> None:
-    for stats in steps:
-        logger.log(stats)
-    logger.close()
-
-
-def _read_events(tb_dir: str) -> EventAccumulator:
-    acc = EventAccumulator(tb_dir)
-    acc.Reload()
-    return acc
-
-
-def _scalars(acc: EventAccumulator, tag: str) -> dict[int, float]:
-    return {event.step: event.value for event in acc.Scalars(tag)}
 
 
 def test_validation_is_logged_to_console_and_tensorboard(tmp_path: os.PathLike[str], caplog) -> None:

@@ -11,8 +11,7 @@ import subprocess
 import time
 
 import pytest
-from harness import ROOT, Launched, children, needs_tmpfs
-from test_faults import QUICK
+from harness import QUICK, ROOT, Launched, children, needs_tmpfs
 
 from trainer.checkpoint.folders import step_folders
 from trainer.runtime.dump_folder import LOCK_FILE
