@@ -21,7 +21,7 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
 from trainer.checkpoint.hf_folders import load_hf_folder, save_hf_folder
-from trainer.checkpoint.hf_load import load_hf_weights
+from trainer.checkpoint.hf_load import check_folder_config, load_hf_weights
 from trainer.loss import IGNORE_INDEX
 from trainer.model.hf_architectures import adapter_for_config
 from trainer.model.hf_llama3 import InteropError
@@ -35,7 +35,7 @@ from trainer.model.hf_qwen3_moe import (
     transformers_balancing_loss,
 )
 from trainer.model.llama3 import FLAVORS as LLAMA_FLAVORS
-from trainer.model.llama3 import Transformer
+from trainer.model.llama3 import Transformer, model_args
 from trainer.model.moe import FLAVORS, Balancing, Router, balance_part, moe_layers
 
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -166,6 +166,55 @@ def test_boxes_are_slices_of_the_whole(hf_dir: Path):
     for name, (_, shape) in hf_layout(args).items():
         box = tuple(slice(n // 4, n // 4 + max(1, n // 2)) for n in shape)
         assert torch.equal(read_box(name, args, box, read), whole[name][box]), name
+
+
+# Hugging Face's Qwen/Qwen3-30B-A3B and Qwen3-235B-A22B config.json, the keys that matter.
+PUBLISHED = {
+    "qwen3_30b_a3b": {
+        "hidden_size": 2048,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+    },
+    "qwen3_235b_a22b": {
+        "hidden_size": 4096,
+        "num_hidden_layers": 94,
+        "num_attention_heads": 64,
+        "intermediate_size": 12288,
+        "moe_intermediate_size": 1536,
+    },
+}
+PUBLISHED_COMMON = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "attention_bias": False,
+    "decoder_sparse_step": 1,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "max_position_embeddings": 40960,
+    "mlp_only_layers": [],
+    "norm_topk_prob": True,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "num_key_value_heads": 4,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000.0,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+
+
+@pytest.mark.parametrize("flavor", list(PUBLISHED))
+def test_published_configs_load_into_their_flavor(flavor: str):
+    """``initial_load_in_hf`` of the published folder into our flavor passes the config check."""
+    args = model_args(flavor, 151665, 4096, flavors=FLAVORS)
+    check_folder_config({**PUBLISHED_COMMON, **PUBLISHED[flavor]}, args, Path(flavor))
+    with pytest.raises(InteropError, match="route_norm: False there, True here"):
+        check_folder_config({**PUBLISHED_COMMON, **PUBLISHED[flavor], "norm_topk_prob": False}, args, Path(flavor))
 
 
 def test_a_folder_of_the_other_kind_is_refused(hf_dir: Path):

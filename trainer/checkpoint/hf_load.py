@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -31,17 +33,14 @@ HF_FIELDS = PARAMETER_FIELDS + ("norm_eps", "rope_theta", "rope_scaling", "rope_
 load silently."""
 
 
-def load_hf_weights(model: Transformer, model_args: ModelArgs, path: Path) -> None:
-    """Copy the weights of the Hugging Face folder ``path`` into ``model``, each rank its own
-    slices, after checking that the folder describes the model of ``model_args``; raises
-    ``UserError`` for a folder that cannot be loaded."""
-    logger.info("loading Hugging Face weights from %s", path)
-    folder = HFFolder(path)
-    adapter = adapter_for_config(folder.config)
-    theirs = adapter.model_args_from_hf_config(folder.config)
+def check_folder_config(config: dict[str, Any], model_args: ModelArgs, path: Path) -> ModuleType:
+    """The adapter of a folder's ``config.json``, after checking that it describes the model of
+    ``model_args``, the MoE's routing included; raises ``UserError`` naming what differs."""
+    adapter = adapter_for_config(config)
+    theirs = adapter.model_args_from_hf_config(config)
     if type(theirs) is not type(model_args):
         raise InteropError(
-            f"{path} holds a {type(theirs).__name__} model ({folder.config.get('architectures')}) but `model.flavor` "
+            f"{path} holds a {type(theirs).__name__} model ({config.get('architectures')}) but `model.flavor` "
             f"is a {type(model_args).__name__} one; pick a flavor of the folder's architecture."
         )
     fields = HF_FIELDS + (("head_dim", "qk_norm") + MOE_FIELDS if adapter is not hf_llama3 else ())
@@ -51,6 +50,16 @@ def load_hf_weights(model: Transformer, model_args: ModelArgs, path: Path) -> No
             f"{path} holds a different model than `model.flavor` describes ({'; '.join(differ)}); pick the "
             "matching flavor and tokenizer."
         )
+    return adapter
+
+
+def load_hf_weights(model: Transformer, model_args: ModelArgs, path: Path) -> None:
+    """Copy the weights of the Hugging Face folder ``path`` into ``model``, each rank its own
+    slices, after checking that the folder describes the model of ``model_args``; raises
+    ``UserError`` for a folder that cannot be loaded."""
+    logger.info("loading Hugging Face weights from %s", path)
+    folder = HFFolder(path)
+    adapter = check_folder_config(folder.config, model_args, path)
     tied = bool(folder.config.get("tie_word_embeddings"))
     adapter.check_hf_shapes(folder.shapes, model_args, tie_word_embeddings=tied)
     with torch.no_grad():
