@@ -1,4 +1,4 @@
-"""Import a Hugging Face ``LlamaForCausalLM`` folder as a model-only meshtrain checkpoint.
+"""Import a Hugging Face ``LlamaForCausalLM`` or ``Qwen3MoeForCausalLM`` folder as a model-only meshtrain checkpoint.
 
 Usage: ``python scripts/convert_from_hf.py HF_DIR CHECKPOINT_DIR``
 
@@ -22,7 +22,7 @@ sys.path.insert(0, str(REPO_ROOT))  # run as a plain script from anywhere
 
 from trainer.checkpoint.folders import write_dcp_model  # noqa: E402
 from trainer.checkpoint.hf_folders import HFFolder  # noqa: E402
-from trainer.model.hf_llama3 import check_hf_shapes, hf_layout, model_args_from_hf_config, read_box  # noqa: E402
+from trainer.model.hf_architectures import adapter_for_config  # noqa: E402
 from trainer.runtime.errors import UserError, report  # noqa: E402
 
 
@@ -33,12 +33,15 @@ def main(argv: list[str] | None = None) -> None:
     opts = parser.parse_args(argv)
     try:
         folder = HFFolder(opts.hf_dir)
-        args = model_args_from_hf_config(folder.config)
+        adapter = adapter_for_config(folder.config)
+        args = adapter.model_args_from_hf_config(folder.config)
         tied = bool(folder.config.get("tie_word_embeddings"))
-        check_hf_shapes(folder.shapes, args, tie_word_embeddings=tied)
+        adapter.check_hf_shapes(folder.shapes, args, tie_word_embeddings=tied)
         ours = {
-            name: read_box(name, args, tuple(slice(0, n) for n in shape), folder.read, tie_word_embeddings=tied).float()
-            for name, (_, shape) in hf_layout(args).items()
+            name: adapter.read_box(
+                name, args, tuple(slice(0, n) for n in shape), folder.read, tie_word_embeddings=tied
+            ).float()
+            for name, (_, shape) in adapter.hf_layout(args).items()
         }
         write_dcp_model(opts.checkpoint_dir, ours, args)
     except UserError as err:

@@ -1,11 +1,12 @@
-"""Export a meshtrain training checkpoint as a Hugging Face ``LlamaForCausalLM`` folder.
+"""Export a meshtrain training checkpoint as a Hugging Face ``LlamaForCausalLM`` folder, or
+``Qwen3MoeForCausalLM`` for an MoE checkpoint of Qwen3-MoE's options.
 
 Usage: ``python scripts/convert_to_hf.py CHECKPOINT_DIR OUTPUT_DIR [--dtype bfloat16|float32|float16]``
 
 CHECKPOINT_DIR is a ``{dump_folder}/checkpoint/step-N`` folder (DCP files and
 ``model_args.json``). OUTPUT_DIR receives ``config.json``, ``generation_config.json`` and safetensors weights
 (``model-0000k-of-0000n.safetensors`` shards with an index past ``--max-shard-bytes``), loadable
-with ``LlamaForCausalLM.from_pretrained(OUTPUT_DIR)``; with ``--tokenizer`` (the run's
+with ``AutoModelForCausalLM.from_pretrained(OUTPUT_DIR)``; with ``--tokenizer`` (the run's
 ``model.tokenizer_path``) also the tokenizer files. Runs in one process without a GPU or a process
 group, whatever mesh saved the checkpoint, and streams: one tensor is read from the checkpoint,
 converted and written before the next, so memory stays at about the largest tensor, not the model.
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     except UserError as err:
         sys.exit(report(err, program="convert_to_hf"))
-    print(f"wrote {opts.output_dir}: {args.n_layers}-layer Llama 3 in {opts.dtype}")
+    print(f"wrote {opts.output_dir}: {args.n_layers}-layer {type(args).__name__} model in {opts.dtype}")
 
 
 if __name__ == "__main__":

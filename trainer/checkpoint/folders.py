@@ -38,8 +38,10 @@ from trainer.checkpoint.integrity import (
     checksum_problem,
 )
 from trainer.config import Checkpoint
-from trainer.model.hf_llama3 import CONFIG_FILE, InteropError, check_state_dict, preview_names
+from trainer.model.hf_architectures import adapter_for_args
+from trainer.model.hf_llama3 import CONFIG_FILE, InteropError, preview_names
 from trainer.model.llama3 import ModelArgs
+from trainer.model.moe import MoEArgs
 from trainer.runtime.errors import ConfigError
 
 PARTIAL_SUFFIX = ".partial"
@@ -161,11 +163,13 @@ def read_model_args(checkpoint_dir: str | Path) -> ModelArgs:
         values = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise InteropError(f"{path} is not valid JSON: {err}") from err
-    known = {f.name for f in dataclasses.fields(ModelArgs)}
+    # An MoE's file holds the fields MoEArgs adds to ModelArgs.
+    args_type: type[ModelArgs] = MoEArgs if set(values) - {f.name for f in dataclasses.fields(ModelArgs)} else ModelArgs
+    known = {f.name for f in dataclasses.fields(args_type)}
     unknown = sorted(set(values) - known)
     if unknown:
         raise InteropError(f"{path}: unknown ModelArgs fields {unknown}; known fields: {sorted(known)}.")
-    return ModelArgs(**values)
+    return args_type(**values)
 
 
 PARAMETER_FIELDS = ("dim", "n_layers", "n_heads", "kv_heads", "vocab_size", "ffn_hidden_dim")
@@ -335,7 +339,7 @@ def write_dcp_model(checkpoint_dir: str | Path, state_dict_ours: dict[str, torch
     written (``staged_output``), so a full disk leaves nothing that blocks the rerun.
     """
     folder = Path(checkpoint_dir)
-    check_state_dict(state_dict_ours, args)
+    adapter_for_args(args).check_state_dict(state_dict_ours, args)
     if folder.is_dir() and user_entries(folder):
         raise InteropError(f"{folder} is not empty; write the checkpoint into a new or empty folder.")
     model = {name: t.detach() for name, t in state_dict_ours.items()}

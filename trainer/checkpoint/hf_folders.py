@@ -1,8 +1,8 @@
 """Hugging Face model folders: ``config.json`` plus safetensors weights, one file or shards.
 
-The layout is what ``LlamaForCausalLM.from_pretrained`` reads and ``save_pretrained`` writes, so
-an export loads in transformers and a published Llama 3 folder loads here. The tensors are
-Hugging Face's (``trainer/model/hf_llama3.py`` converts the names and the q/k layout).
+The layout is what ``from_pretrained`` reads and ``save_pretrained`` writes, so an export loads
+in transformers and a published Llama 3 or Qwen3-MoE folder loads here. The tensors are Hugging
+Face's (``trainer/model/hf_architectures.py`` picks the adapter that converts names and layouts).
 """
 
 from __future__ import annotations
@@ -22,15 +22,8 @@ import torch
 from trainer.checkpoint.disk import staged_output
 from trainer.checkpoint.folders import folder_kind
 from trainer.data.tokenizer import Tokenizer, load_tokenizer
-from trainer.model.hf_llama3 import (
-    CONFIG_FILE,
-    InteropError,
-    check_state_dict,
-    hf_config,
-    hf_layout,
-    preview_names,
-    to_hf_tensor,
-)
+from trainer.model.hf_architectures import adapter_for_args
+from trainer.model.hf_llama3 import CONFIG_FILE, InteropError, preview_names
 from trainer.model.llama3 import ModelArgs
 from trainer.runtime.errors import ConfigError
 
@@ -77,7 +70,7 @@ def save_hf_folder(
     tokenizer: str | Path | None = None,
 ) -> None:
     """``export_hf_folder`` of a state dict of full tensors held in memory."""
-    check_state_dict(state_dict_ours, args)
+    adapter_for_args(args).check_state_dict(state_dict_ours, args)
     export_hf_folder(
         path, state_dict_ours.__getitem__, args, dtype, max_shard_bytes=max_shard_bytes, tokenizer=tokenizer
     )
@@ -117,24 +110,28 @@ def export_hf_folder(
     if tokenizer is not None:
         loaded = _read_tokenizer(Path(tokenizer))
         generation.update(bos_token_id=loaded.bos_id, eos_token_id=loaded.eos_id)
-    config = hf_config(args, dtype)
-    layout = hf_layout(args)
+    adapter = adapter_for_args(args)
+    config = adapter.hf_config(args, dtype)
+    pieces = adapter.hf_pieces(args)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    sizes = {hf_name: math.prod(shape) * itemsize for hf_name, shape in layout.values()}
+    sizes = {hf_name: math.prod(shape) * itemsize for hf_name, (_, _, shape) in pieces.items()}
     shards = _plan_shards(sizes, max_shard_bytes)
     files = (
         [SINGLE_FILE]
         if len(shards) == 1
         else [f"model-{k:05d}-of-{len(shards):05d}.safetensors" for k in range(1, len(shards) + 1)]
     )
-    ours = {hf_name: name for name, (hf_name, _) in layout.items()}
     with staged_output(out, "export", needs=sum(sizes.values())) as staging:
+        held: tuple[str, torch.Tensor] | None = None  # the experts' HF tensors are slices of one of ours
         for names, filename in zip(shards, files):
-            shapes = {n: tuple(layout[ours[n]][1]) for n in names}
+            shapes = {n: tuple(pieces[n][2]) for n in names}
             with open(staging / filename, "wb") as file:
                 file.write(_safetensors_header(shapes, dtype))
                 for n in names:
-                    tensor = to_hf_tensor(ours[n], read(ours[n]).detach(), args)
+                    name = pieces[n][0]
+                    if held is None or held[0] != name:
+                        held = (name, read(name).detach())
+                    tensor = adapter.to_hf_piece(n, held[1], args, pieces)
                     file.write(tensor.to(device="cpu", dtype=dtype).contiguous().view(torch.uint8).numpy().data)
         if len(shards) > 1:
             index = {

@@ -1,4 +1,4 @@
-"""Starting weights from a Hugging Face Llama folder (``checkpoint.initial_load_in_hf``).
+"""Starting weights from a Hugging Face Llama or Qwen3-MoE folder (``checkpoint.initial_load_in_hf``).
 
 A Hugging Face folder has no sharding metadata for DCP to reshard from, so each rank works out
 the box of every global tensor it holds (FSDP shard x TP shard, its pipeline stages' parameters)
@@ -11,13 +11,18 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from trainer.checkpoint.folders import PARAMETER_FIELDS, model_differences
 from trainer.checkpoint.hf_folders import HFFolder
-from trainer.model.hf_llama3 import InteropError, check_hf_shapes, model_args_from_hf_config, read_box
+from trainer.model import hf_llama3
+from trainer.model.hf_architectures import adapter_for_config
+from trainer.model.hf_llama3 import InteropError
+from trainer.model.hf_qwen3_moe import MOE_FIELDS
 from trainer.model.llama3 import ModelArgs, Transformer
 from trainer.model.tiled_init import local_box
 
@@ -28,20 +33,35 @@ HF_FIELDS = PARAMETER_FIELDS + ("norm_eps", "rope_theta", "rope_scaling", "rope_
 load silently."""
 
 
+def check_folder_config(config: dict[str, Any], model_args: ModelArgs, path: Path) -> ModuleType:
+    """The adapter of a folder's ``config.json``, after checking that it describes the model of
+    ``model_args``, the MoE's routing included; raises ``UserError`` naming what differs."""
+    adapter = adapter_for_config(config)
+    theirs = adapter.model_args_from_hf_config(config)
+    if type(theirs) is not type(model_args):
+        raise InteropError(
+            f"{path} holds a {type(theirs).__name__} model ({config.get('architectures')}) but `model.flavor` "
+            f"is a {type(model_args).__name__} one; pick a flavor of the folder's architecture."
+        )
+    fields = HF_FIELDS + (("head_dim", "qk_norm") + MOE_FIELDS if adapter is not hf_llama3 else ())
+    differ = model_differences(theirs, model_args, fields)
+    if differ:
+        raise InteropError(
+            f"{path} holds a different model than `model.flavor` describes ({'; '.join(differ)}); pick the "
+            "matching flavor and tokenizer."
+        )
+    return adapter
+
+
 def load_hf_weights(model: Transformer, model_args: ModelArgs, path: Path) -> None:
     """Copy the weights of the Hugging Face folder ``path`` into ``model``, each rank its own
     slices, after checking that the folder describes the model of ``model_args``; raises
     ``UserError`` for a folder that cannot be loaded."""
     logger.info("loading Hugging Face weights from %s", path)
     folder = HFFolder(path)
-    differ = model_differences(model_args_from_hf_config(folder.config), model_args, HF_FIELDS)
-    if differ:
-        raise InteropError(
-            f"{path} holds a different model than `model.flavor` describes ({'; '.join(differ)}); pick the "
-            "matching flavor and tokenizer."
-        )
+    adapter = check_folder_config(folder.config, model_args, path)
     tied = bool(folder.config.get("tie_word_embeddings"))
-    check_hf_shapes(folder.shapes, model_args, tie_word_embeddings=tied)
+    adapter.check_hf_shapes(folder.shapes, model_args, tie_word_embeddings=tied)
     with torch.no_grad():
         for name, param in model.named_parameters():
             offset, shape = local_box(param)
@@ -49,5 +69,5 @@ def load_hf_weights(model: Transformer, model_args: ModelArgs, path: Path) -> No
             local = param.to_local() if isinstance(param, DTensor) else param
             if local.numel() == 0:
                 continue
-            values = read_box(name, model_args, box, folder.read, tie_word_embeddings=tied)
+            values = adapter.read_box(name, model_args, box, folder.read, tie_word_embeddings=tied)
             local.copy_(values.to(local.device, local.dtype))

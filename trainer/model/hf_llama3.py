@@ -163,6 +163,17 @@ def hf_layout(args: ModelArgs) -> dict[str, tuple[str, torch.Size]]:
     return _expected(args)
 
 
+def hf_pieces(args: ModelArgs) -> dict[str, tuple[str, None, torch.Size]]:
+    """Hugging Face name -> (our name, None, shape): the export's view, shared with MoE adapters
+    whose tensors are slices of ours (``hf_qwen3_moe.hf_pieces``)."""
+    return {hf_name: (name, None, shape) for name, (hf_name, shape) in _expected(args).items()}
+
+
+def to_hf_piece(hf_name: str, tensor: torch.Tensor, args: ModelArgs, pieces: dict[str, Any]) -> torch.Tensor:
+    """Hugging Face tensor ``hf_name`` out of our full tensor it comes from."""
+    return to_hf_tensor(pieces[hf_name][0], tensor, args)
+
+
 def to_hf_tensor(name: str, tensor: torch.Tensor, args: ModelArgs) -> torch.Tensor:
     """One full tensor of ours in Hugging Face's layout (``to_hf_state_dict`` for one entry)."""
     heads = _heads_of(name, args)
