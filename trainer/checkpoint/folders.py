@@ -40,6 +40,7 @@ from trainer.checkpoint.integrity import (
 from trainer.config import Checkpoint
 from trainer.model.hf_llama3 import CONFIG_FILE, InteropError, check_state_dict, preview_names
 from trainer.model.llama3 import ModelArgs
+from trainer.model.moe import MoEArgs
 from trainer.runtime.errors import ConfigError
 
 PARTIAL_SUFFIX = ".partial"
@@ -139,8 +140,9 @@ def read_model_args(checkpoint_dir: str | Path) -> ModelArgs:
     """The ``ModelArgs`` a checkpoint was trained with, from its ``model_args.json``.
 
     Fields the file lacks take their defaults (files from before a field existed); fields
-    ``ModelArgs`` does not know are an error, as they would describe another model. A folder
-    that is no checkpoint at all is named for what it is.
+    ``ModelArgs`` does not know are an error, as they would describe another model. A
+    Mixture-of-Experts model's file names its experts (``n_experts``) and reads as ``MoEArgs``.
+    A folder that is no checkpoint at all is named for what it is.
     """
     path = Path(checkpoint_dir) / MODEL_ARGS_FILE
     if not path.is_file():
@@ -161,11 +163,12 @@ def read_model_args(checkpoint_dir: str | Path) -> ModelArgs:
         values = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise InteropError(f"{path} is not valid JSON: {err}") from err
-    known = {f.name for f in dataclasses.fields(ModelArgs)}
+    args_type = MoEArgs if "n_experts" in values else ModelArgs
+    known = {f.name for f in dataclasses.fields(args_type)}
     unknown = sorted(set(values) - known)
     if unknown:
-        raise InteropError(f"{path}: unknown ModelArgs fields {unknown}; known fields: {sorted(known)}.")
-    return ModelArgs(**values)
+        raise InteropError(f"{path}: unknown {args_type.__name__} fields {unknown}; known fields: {sorted(known)}.")
+    return args_type(**values)
 
 
 PARAMETER_FIELDS = ("dim", "n_layers", "n_heads", "kv_heads", "vocab_size", "ffn_hidden_dim")
