@@ -56,9 +56,9 @@ class ExpertParallelDispatch:
         return dtensor.all_to_all_uneven(back, in_splits, out_splits, self.group)
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, checkpoint_mesh: DeviceMesh | None) -> None:
     """Keep this rank's experts of every MoE layer (on the meta device) and exchange tokens with
-    the other EP ranks."""
+    the other EP ranks; ``checkpoint_mesh`` places their shards in the whole stack on save."""
     ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
     for moe in moe_layers(model):
         experts = moe.experts
@@ -67,6 +67,7 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
             whole = getattr(experts, name)
             setattr(experts, name, nn.Parameter(torch.empty((local, *whole.shape[1:]), device=whole.device)))
         experts.first_expert = rank * local
+        experts.checkpoint_mesh = checkpoint_mesh
         moe.dispatch = ExpertParallelDispatch(ep_mesh.get_group(), ep, local)
 
 

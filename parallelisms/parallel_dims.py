@@ -17,7 +17,9 @@ hosts, while tensor parallelism (innermost) stays on the fastest links. The sub-
 - with expert parallelism, ``ep`` (``ep`` consecutive ``dp_shard`` ranks, which split the routed
   experts) and ``expert_fsdp``: what shards the experts further, the ``dp_shard / ep`` ranks
   outside the EP group (with ``dp_replicate`` in front under HSDP). They come from a second mesh
-  over the same ranks whose ``dp_shard`` dimension is cut in two, so the world mesh is unchanged.
+  over the same ranks whose ``dp_shard`` dimension is cut in two, so the world mesh is unchanged;
+  ``expert_checkpoint`` orders those ranks as the experts are, ``ep`` outside (a checkpoint's
+  global view of the experts, ``trainer/checkpoint/expert_shards.py``).
 
 This package knows nothing of the trainer's configuration. Its errors are
 :class:`ParallelismError` templates that name the *settings* (``{tp}``, ``{seq_len}``); the
@@ -134,6 +136,11 @@ class ParallelDims:
             meshes.expert_fsdp = (
                 expert_mesh["dp_replicate", "dp_shard_out_ep"] if self.hsdp else expert_mesh["dp_shard_out_ep"]
             )
+            # The same ranks with ``ep`` outside ``dp_shard_out_ep``: the order of the experts.
+            ranks = expert_mesh.mesh.transpose(2, 3)
+            names = ("pp", "dp_replicate", "ep", "dp_shard_out_ep", "cp", "tp")
+            global_order = DeviceMesh(device_type, ranks, mesh_dim_names=names)
+            meshes.expert_checkpoint = global_order["dp_replicate", "ep", "dp_shard_out_ep"]
         return meshes
 
 
@@ -150,6 +157,7 @@ class Meshes:
     stats: DeviceMesh
     ep: DeviceMesh | None = None
     expert_fsdp: DeviceMesh | None = None
+    expert_checkpoint: DeviceMesh | None = None
 
     def groups(self) -> list[ProcessGroup]:
         """Every process group of these meshes (for settings that apply per group, like timeouts)."""

@@ -242,7 +242,7 @@ def parallelize(
         if dims.tp > 1:
             apply_tp(part, meshes.tp, loss_parallel=settings.loss_parallel, async_tp=settings.async_tp)
         if meshes.ep is not None:
-            apply_expert_parallel(part, meshes.ep)
+            apply_expert_parallel(part, meshes.ep, meshes.expert_checkpoint)
         if context_parallel:
             context_parallel.apply(part)
         apply_activation_checkpointing(part, settings.ac_mode, settings.ac_option)

@@ -32,6 +32,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.util import tensor_util
 
+from trainer.expert_balance import BalanceStats
 from trainer.metrics import DASHBOARD_ALIASES
 from trainer.metrics.dashboard import DASHBOARD
 from trainer.validation import ValidationResult
@@ -155,21 +156,31 @@ def test_frontend_model_reproduces_the_parentheses_bug() -> None:
     assert _frontend_run_name("memory/max_active(GiB)", "20260101-000000") != "20260101-000000"
 
 
+MOE_TAGS = {"moe/balance_loss", "moe/load_max_over_mean/layer_1", "moe/load_max_over_mean/layer_3"}
+MOE_BALANCE = BalanceStats(
+    balance_loss=1.01, max_load=[1.5, 1.25], tokens_per_expert=torch.ones(2, 8), expert_bias=torch.zeros(2, 8)
+)
+
+
 @pytest.mark.parametrize(
-    ("on_gpu", "validation"), [(False, False), (True, False), (False, True)], ids=["cpu", "cuda", "validation"]
+    ("on_gpu", "validation", "moe"),
+    [(False, False, False), (True, False, False), (False, True, False), (False, False, True)],
+    ids=["cpu", "cuda", "validation", "moe"],
 )
 def test_custom_scalars_layout_charts_every_written_tag_drawably(
-    request: pytest.FixtureRequest, tmp_path: os.PathLike[str], on_gpu: bool, validation: bool
+    request: pytest.FixtureRequest, tmp_path: os.PathLike[str], on_gpu: bool, validation: bool, moe: bool
 ) -> None:
     if on_gpu:
         request.getfixturevalue("fake_cuda")
         logger = _make_logger(tmp_path, console=False, device=torch.device("cuda", 0), peak_flops=1e12)
+    elif moe:
+        logger = _make_logger(tmp_path, console=False, moe_layers=(1, 3), balance_loss=True)
     else:
         logger = _make_logger(tmp_path, console=False, validation=validation)
     assert logger.tb_dir is not None
     if validation:
         logger.log_validation(1, ValidationResult(loss=2.0, n_valid_tokens=100, batches=2, seconds=0.5))
-    _run(logger, [_stats(1)])
+    _run(logger, [_stats(1, balance=MOE_BALANCE if moe else None)])
 
     acc = _read_events(logger.tb_dir)
     charts = _layout_charts(acc)
@@ -179,10 +190,19 @@ def test_custom_scalars_layout_charts_every_written_tag_drawably(
         | CPU_ALIASES
         | (GPU_ONLY_TAGS | GPU_ONLY_ALIASES if on_gpu else set())
         | (VALIDATION_TAGS if validation else set())
+        | (MOE_TAGS if moe else set())
     )
+    if moe:
+        assert _scalars(acc, "moe/balance_loss") == {1: pytest.approx(1.01)}
+        assert _scalars(acc, "moe/load_max_over_mean/layer_3") == {1: 1.25}
+        assert charts["expert load max/mean per layer"] == [
+            "moe/load_max_over_mean/layer_1",
+            "moe/load_max_over_mean/layer_3",
+        ]
     # Every chart is there that has data on this device, and no other.
+    optional = {"validation": validation, "moe": moe}
     assert set(charts) == {
-        title for name, category in DASHBOARD.items() for title in category if validation or name != "validation"
+        title for name, category in DASHBOARD.items() for title in category if optional.get(name, True)
     } - (set() if on_gpu else GPU_ONLY_CHARTS)
     # Written last first, as TensorBoard shows margin charts last first (see layout_summary).
     for category in _layout(acc).category:

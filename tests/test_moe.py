@@ -107,7 +107,6 @@ MOE = ["--model.name", "moe", "--model.flavor", "debugmoe", "--training.global_b
         (4, ["--mesh", "dp_shard=2,tp=2"], "`parallelism.tensor_parallel_degree`"),
         (4, ["--mesh", "dp_shard=2,pp=2"], "`parallelism.pipeline_parallel_degree`"),
         (2, ["--model.flavor", "8B"], "`model.flavor` = 8B is not of this `model.name`"),
-        (2, ["--mesh", "dp_shard=2,ep=2", "--checkpoint.enable"], "`checkpoint.enable`"),
     ],
 )
 def test_refused_before_any_process_group(world, extra, names):

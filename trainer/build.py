@@ -37,7 +37,7 @@ from trainer.loss import CrossEntropy, ModelLoss, cross_entropy_sum
 from trainer.metrics import MetricsLogger, model_flops_per_token, peak_flops, use_color
 from trainer.metrics.reports import log_start, save_config
 from trainer.model.llama3 import Transformer, num_params
-from trainer.model.moe import moe_layers
+from trainer.model.moe import MoEArgs, moe_layers
 from trainer.optimizer import build_lr_scheduler, build_optimizer
 from trainer.planning.job_plan import JobPlan
 from trainer.runtime.distributed import init_distributed
@@ -313,6 +313,8 @@ def build_metrics(plan: JobPlan, device: torch.device, rank: int, resumed: bool 
         devices_per_replica=plan.dims.pp * plan.dims.tp * plan.dims.cp,
         validation=plan.validates,
         resumed=resumed,
+        moe_layers=tuple(range(args.n_dense_layers, args.n_layers)) if isinstance(args, MoEArgs) else (),
+        balance_loss=isinstance(args, MoEArgs) and config.moe.balance_loss_weight > 0,
     )
 
 

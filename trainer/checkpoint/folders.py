@@ -141,8 +141,9 @@ def read_model_args(checkpoint_dir: str | Path) -> ModelArgs:
     """The ``ModelArgs`` a checkpoint was trained with, from its ``model_args.json``.
 
     Fields the file lacks take their defaults (files from before a field existed); fields
-    ``ModelArgs`` does not know are an error, as they would describe another model. A folder
-    that is no checkpoint at all is named for what it is.
+    ``ModelArgs`` does not know are an error, as they would describe another model. A
+    Mixture-of-Experts model's file names its experts (``n_experts``) and reads as ``MoEArgs``.
+    A folder that is no checkpoint at all is named for what it is.
     """
     path = Path(checkpoint_dir) / MODEL_ARGS_FILE
     if not path.is_file():
@@ -163,12 +164,11 @@ def read_model_args(checkpoint_dir: str | Path) -> ModelArgs:
         values = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise InteropError(f"{path} is not valid JSON: {err}") from err
-    # An MoE's file holds the fields MoEArgs adds to ModelArgs.
-    args_type: type[ModelArgs] = MoEArgs if set(values) - {f.name for f in dataclasses.fields(ModelArgs)} else ModelArgs
+    args_type: type[ModelArgs] = MoEArgs if "n_experts" in values else ModelArgs
     known = {f.name for f in dataclasses.fields(args_type)}
     unknown = sorted(set(values) - known)
     if unknown:
-        raise InteropError(f"{path}: unknown ModelArgs fields {unknown}; known fields: {sorted(known)}.")
+        raise InteropError(f"{path}: unknown {args_type.__name__} fields {unknown}; known fields: {sorted(known)}.")
     return args_type(**values)
 
 

@@ -18,21 +18,25 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from trainer.checkpoint.expert_shards import ExpertShards, optimizer_fqn
+
 
 class ModelState(Stateful):
-    """The model's parameters by name, as (sharded) DTensors: DCP reshards them on load."""
+    """The model's parameters by name, as (sharded) DTensors of their global shape: DCP
+    reshards them on load (expert-parallel ones through ``ExpertShards``)."""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype | None = None):
         self.model, self.dtype = model, dtype
+        self.experts = ExpertShards(model)
 
     def state_dict(self) -> dict[str, Any]:
-        state = get_model_state_dict(self.model)
+        state = self.experts.to_global(get_model_state_dict(self.model), lambda key: key)
         if self.dtype is not None:
             state = {k: v.to(self.dtype) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_model_state_dict(self.model, state_dict)
+        set_model_state_dict(self.model, self.experts.to_fsdp(state_dict))
 
 
 class OptimizerState(Stateful):
@@ -48,12 +52,15 @@ class OptimizerState(Stateful):
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
         self.model, self.optimizer = model, optimizer
         self.flatten = True
+        self.experts = ExpertShards(model)
 
     def state_dict(self) -> dict[str, Any]:
-        return get_optimizer_state_dict(self.model, self.optimizer, options=self._options())
+        state = get_optimizer_state_dict(self.model, self.optimizer, options=self._options())
+        return self.experts.to_global(state, optimizer_fqn)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_optimizer_state_dict(self.model, self.optimizer, state_dict, options=self._options())
+        state = self.experts.to_fsdp(state_dict)
+        set_optimizer_state_dict(self.model, self.optimizer, state, options=self._options())
 
     def _options(self) -> StateDictOptions:
         return StateDictOptions(flatten_optimizer_state_dict=self.flatten)

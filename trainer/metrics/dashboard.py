@@ -57,6 +57,14 @@ class Tag:
     VAL_LOSS = "validation/loss"
     VAL_PERPLEXITY = "validation/perplexity"
     VAL_TIME = "validation/seconds"
+    MOE_BALANCE_LOSS = "moe/balance_loss"
+    MOE_LOAD = "moe/load_max_over_mean"
+    """A group: one tag per MoE layer, :func:`moe_load_tag` (a chart of it charts them all)."""
+
+
+def moe_load_tag(layer: int) -> str:
+    """The busiest expert's load over the mean load of MoE layer ``layer`` (its block's index)."""
+    return f"{Tag.MOE_LOAD}/layer_{layer}"
 
 
 DASHBOARD_ALIASES: dict[str, str] = {
@@ -99,12 +107,19 @@ DASHBOARD: dict[str, dict[str, tuple[str, ...]]] = {
         "step time (s)": (Tag.STEP_TIME,),
         "data loading %": (Tag.DATA_PCT,),
     },
+    "moe": {
+        "balancing loss": (Tag.MOE_BALANCE_LOSS,),
+        "expert load max/mean per layer": (Tag.MOE_LOAD,),
+    },
 }
 """Categories and charts of the Custom Scalars tab, by torchtitan tag."""
 
 
-def written_tags(*, mfu: bool, cuda: bool, validation: bool) -> set[str]:
-    """The tags the logger writes: MFU needs a peak, the rest of memory CUDA, and validation its own."""
+def written_tags(
+    *, mfu: bool, cuda: bool, validation: bool, moe_layers: tuple[int, ...] = (), balance_loss: bool = False
+) -> set[str]:
+    """The tags the logger writes: MFU needs a peak, the rest of memory CUDA, validation its own,
+    and a Mixture-of-Experts model its layers' loads and (when it is on) its balancing loss."""
     tags = {
         Tag.LOSS_AVG,
         Tag.LOSS_MAX,
@@ -125,7 +140,22 @@ def written_tags(*, mfu: bool, cuda: bool, validation: bool) -> set[str]:
         tags |= {Tag.VAL_LOSS, Tag.VAL_PERPLEXITY, Tag.VAL_TIME}
     if cuda:
         tags |= {Tag.MEM_RESERVED, Tag.MEM_ACTIVE_PCT, Tag.MEM_RESERVED_PCT, Tag.ALLOC_RETRIES, Tag.OOMS}
+    tags |= {moe_load_tag(layer) for layer in moe_layers}
+    if balance_loss:
+        tags.add(Tag.MOE_BALANCE_LOSS)
     return tags
+
+
+def _charted(tags: tuple[str, ...], written: set[str]) -> list[str]:
+    """A chart's written tags; a group tag (``Tag.MOE_LOAD``) stands for the written tags under it,
+    by layer."""
+    found = []
+    for tag in tags:
+        if tag in written:
+            found.append(tag)
+        else:
+            found += sorted((w for w in written if w.startswith(tag + "/")), key=lambda w: (len(w), w))
+    return found
 
 
 def layout_summary(written: set[str]) -> Summary:
@@ -150,7 +180,7 @@ def layout_summary(written: set[str]) -> Summary:
         for title, tags in charts.items():
             series = [
                 layout_pb2.MarginChartContent.Series(value=alias, lower=alias, upper=alias)
-                for alias in (DASHBOARD_ALIASES.get(t, t) for t in tags if t in written)
+                for alias in (DASHBOARD_ALIASES.get(t, t) for t in _charted(tags, written))
             ]
             if series:
                 shown.append(layout_pb2.Chart(title=title, margin=layout_pb2.MarginChartContent(series=series)))

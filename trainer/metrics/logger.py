@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from trainer.validation import ValidationResult
 
 from trainer.metrics.accounting import MemoryStats, device_memory, tokens_per_second_per_device
-from trainer.metrics.dashboard import DASHBOARD_ALIASES, Tag, layout_summary, written_tags
+from trainer.metrics.dashboard import DASHBOARD_ALIASES, Tag, layout_summary, moe_load_tag, written_tags
 from trainer.runtime.errors import JobError
 from trainer.step import StepStats
 
@@ -147,6 +147,8 @@ class MetricsLogger:
         devices_per_replica: int = 1,
         validation: bool = False,
         resumed: bool = False,
+        moe_layers: tuple[int, ...] = (),
+        balance_loss: bool = False,
     ) -> None:
         self._console = console
         self._log_freq = log_freq
@@ -157,6 +159,7 @@ class MetricsLogger:
         self._peak_flops = peak_flops
         self._global_tokens_per_step = global_tokens_per_step
         self._devices_per_replica = devices_per_replica
+        self._moe_layers = moe_layers
 
         self._window_steps = 0
         self._window_tokens = 0
@@ -174,7 +177,13 @@ class MetricsLogger:
             self.tb_dir = str(tensorboard_run(Path(dump_folder), tb_folder, resumed))
             self._writer = SummaryWriter(log_dir=self.tb_dir)
             _quiet_event_writer_thread()
-            written = written_tags(mfu=peak_flops is not None, cuda=device.type == "cuda", validation=validation)
+            written = written_tags(
+                mfu=peak_flops is not None,
+                cuda=device.type == "cuda",
+                validation=validation,
+                moe_layers=moe_layers,
+                balance_loss=balance_loss,
+            )
             # add_custom_scalars builds margin charts of one series only; this layout goes to the
             # events file the way that method sends its own.
             self._writer._get_file_writer().add_summary(layout_summary(written))
@@ -227,6 +236,10 @@ class MetricsLogger:
                 Tag.OOMS: memory.num_ooms,
             }
             scalars.update({tag: value for tag, value in optional.items() if value is not None})
+            if stats.balance is not None:
+                if stats.balance.balance_loss is not None:
+                    scalars[Tag.MOE_BALANCE_LOSS] = stats.balance.balance_loss
+                scalars.update(zip(map(moe_load_tag, self._moe_layers), stats.balance.max_load))
             self._write(scalars, stats.step)
 
         self._window_steps = 0

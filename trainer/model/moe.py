@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from parallelisms.torch_private import kernels
 from trainer.model.llama3 import FeedForward, ModelArgs, TransformerBlock
@@ -184,6 +185,8 @@ class GroupedExperts(nn.Module):
     def __init__(self, n_experts: int, dim: int, hidden: int):
         super().__init__()
         self.n_experts, self.first_expert = n_experts, 0
+        self.checkpoint_mesh: DeviceMesh | None = None
+        """Under expert parallelism, where a checkpoint places this rank's experts in the stack."""
         self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))

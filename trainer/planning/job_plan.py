@@ -208,11 +208,6 @@ def check_experts(config: JobConfig, dims: ParallelDims, n_experts: int) -> None
         return
     if config.debug.layout_invariant:
         raise ConfigError('`debug.layout_invariant` is not implemented for `model.name` = "moe"; turn it off.')
-    if config.checkpoint.enable and dims.ep > 1:
-        raise ConfigError(
-            f"`checkpoint.enable` with `parallelism.expert_parallel_degree` = {dims.ep}: expert-parallel "
-            "checkpoints are not implemented yet; turn checkpoints off or set the degree to 1."
-        )
 
 
 def check_layout_invariant(config: JobConfig, dims: ParallelDims, settings: ParallelSettings) -> None:

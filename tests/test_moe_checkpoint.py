@@ -1,0 +1,112 @@
+"""Expert-parallel checkpoints: a debug MoE run saved at ep = 2 resumes at ep = 1 and at ep = 4
+and continues the uninterrupted ep = 2 run's losses (which needs the experts' weights and
+optimizer state back as saved), with the same routing biases; its TensorBoard holds the
+balancing scalars."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from harness import ROOT, run_train, tensorboard_scalars
+
+from trainer.checkpoint.folders import read_dcp_model
+from trainer.metrics.dashboard import Tag, moe_load_tag
+
+STEPS, SAVED = 4, 2
+TOLERANCE = 5e-5
+LOSS_TAGS = (Tag.LOSS_AVG, Tag.GRAD_NORM)
+MOE_TAGS = (Tag.MOE_BALANCE_LOSS, *(moe_load_tag(layer) for layer in (1, 2, 3)))
+ARGV = [
+    "--config",
+    str(ROOT / "train_configs" / "debug_moe.toml"),
+    "--training.dataset",
+    "shakespeare_dialogue",
+    "--training.seq_len",
+    "64",
+    "--training.global_batch_size",
+    "8",
+    "--training.steps",
+    str(STEPS),
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--lr_scheduler.decay_ratio",
+    "0",
+    "--moe.bias_update_rate",
+    "0.01",
+    "--validation.enable=false",
+    "--metrics.log_freq",
+    "1",
+    "--debug.seed",
+    "3",
+    "--checkpoint.enable",
+    "--checkpoint.interval",
+    str(SAVED),
+    "--comm.init_timeout_seconds",
+    "60",
+]
+
+
+def argv(dump: Path, local_batch: int, mesh: str, *extra: str) -> list[str]:
+    return [
+        *ARGV,
+        "--job.dump_folder",
+        str(dump),
+        "--training.local_batch_size",
+        str(local_batch),
+        "--mesh",
+        mesh,
+        *extra,
+    ]
+
+
+def resumed_from(saved: Path) -> list[str]:
+    return ["--checkpoint.initial_load_path", str(saved), "--checkpoint.initial_load_model_only=false"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    """``ep2`` saves at step 2 and runs on to step 4; ``ep1`` and ``ep4`` resume its step 2."""
+    root = tmp_path_factory.mktemp("moe_checkpoint")
+    saved = root / "ep2" / "checkpoint" / f"step-{SAVED}"
+    for world, name, local_batch, mesh, extra in (
+        (2, "ep2", 4, "dp_shard=2,ep=2", []),
+        (2, "ep1", 4, "dp_shard=2", resumed_from(saved)),
+        (4, "ep4", 2, "dp_shard=4,ep=4", resumed_from(saved)),
+    ):
+        proc = run_train(world, argv(root / name, local_batch, mesh, *extra))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return root
+
+
+@pytest.mark.launcher
+@pytest.mark.parametrize("resumed", ["ep1", "ep4"])
+def test_a_run_saved_at_ep2_continues_the_same_curve_on_another_ep_degree(runs, resumed):
+    straight = tensorboard_scalars(runs / "ep2", LOSS_TAGS)
+    continued = tensorboard_scalars(runs / resumed, LOSS_TAGS)
+    for tag in LOSS_TAGS:
+        assert sorted(continued[tag]) == list(range(SAVED + 1, STEPS + 1)), tag
+        for step, value in continued[tag].items():
+            assert abs(value - straight[tag][step]) <= TOLERANCE * max(1.0, abs(value)), (tag, step)
+    # The last checkpoints, each saved on its own EP degree: the routing biases equal exactly
+    # (they move in steps of +-rate, so a bias loaded wrong would stay wrong), the experts at 5e-5.
+    final = read_dcp_model(runs / resumed / "checkpoint" / f"step-{STEPS}")
+    expected = read_dcp_model(runs / "ep2" / "checkpoint" / f"step-{STEPS}")
+    biases = [name for name in expected if name.endswith("expert_bias")]
+    assert len(biases) == 3 and all(expected[name].abs().sum() > 0 for name in biases)
+    for name in biases:
+        assert torch.equal(final[name], expected[name]), name
+    experts = [name for name in expected if ".experts." in name]
+    assert len(experts) == 9 and all(expected[name].shape[0] == 8 for name in experts)
+    for name in experts:
+        assert (final[name] - expected[name]).abs().max() <= TOLERANCE, name
+
+
+@pytest.mark.launcher
+def test_a_moe_runs_tensorboard_holds_the_balancing_scalars(runs):
+    scalars = tensorboard_scalars(runs / "ep2", MOE_TAGS)
+    for tag in MOE_TAGS:
+        assert sorted(scalars[tag]) == list(range(1, STEPS + 1)), tag
+    assert all(value > 0 for value in scalars[Tag.MOE_BALANCE_LOSS].values())
+    assert all(value >= 1 for tag in MOE_TAGS[1:] for value in scalars[tag].values())
