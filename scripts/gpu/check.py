@@ -230,7 +230,9 @@ class Check:
         setting = f"{self.shape.loss_steps} steps, {'CPU' if self.shape.cpu else '1 GPU'} vs CPU"
         for name, run in (("GPU", gpu), ("CPU", cpu)):
             if not run.ok:
-                self.results.add(Row("debug model bf16 vs fp32", setting, f"{name} run: {run.cause}", "", "error"))
+                self.results.add(
+                    Row("debug model bf16 vs fp32", setting, f"{name} run: {run.cause}", "", "error"), run.output
+                )
                 return
         gpu_loss, cpu_loss = gpu.scalars[measure.LOSS], cpu.scalars[measure.LOSS]
         worst = max(abs(gpu_loss[s] - cpu_loss[s]) / cpu_loss[s] for s in cpu_loss)
@@ -262,7 +264,7 @@ class Check:
             self.scratch / f"run-{len(self.results.rows)}", job.args, self.deadline.left(), self.shape.cpu
         )
         if not run.ok:
-            self.results.add(Row(name, job.note, run.cause, "", "error", {"seconds": run.seconds}))
+            self.results.add(Row(name, job.note, run.cause, "", "error", {"seconds": run.seconds}), run.output)
             return
         figures = {**measure.throughput(run), "seconds": run.seconds}
         mfu = f", MFU {figures['mfu_pct']:.1f}%" if "mfu_pct" in figures else ""
@@ -325,7 +327,7 @@ class Check:
             resumed = measure.train(self.scratch / "resume-b", [*base, *extra], self.deadline.left(), self.shape.cpu)
         setting = "debug model, 3 steps from step-3"
         if not resumed.ok:
-            self.results.add(Row("resume", setting, resumed.cause, "", "error"))
+            self.results.add(Row("resume", setting, resumed.cause, "", "error"), resumed.output or first.output)
             return
         before, after = first.scalars[measure.LOSS], resumed.scalars[measure.LOSS]
         worst = max(abs(after[s] - before[s]) / before[s] for s in (4, 5, 6))

@@ -112,11 +112,12 @@ def cause(output: str) -> str:
     the last traceback, else the last line printed."""
     lines = [line.strip() for line in output.splitlines() if line.strip()]
     for line in reversed(lines):
-        if line.startswith("meshtrain") and "error" in line:
+        if line.startswith("meshtrain:"):
             return line[:300]
     for line in reversed(lines):
         bare = line.split("]:", 1)[-1].strip()  # torchrun prefixes a rank's lines with [rankN]:
-        if bare[:1].isalpha() and ("Error" in bare.split(":", 1)[0] or "Exception" in bare.split(":", 1)[0]):
+        kind = bare.split(":", 1)[0]
+        if bare[:1].isalpha() and ("Error" in kind or "Exception" in kind) and "ChildFailedError" not in kind:
             return bare[:300]
     return lines[-1][:300] if lines else "no output"
 

@@ -39,8 +39,14 @@ class Results:
         self.jsonl = out / "results.jsonl"
         self.jsonl.write_text("")
 
-    def add(self, row: Row) -> Row:
+    def add(self, row: Row, output: str = "") -> Row:
+        """Record ``row``; a failed run's ``output`` (its last lines) goes to ``failures.log``,
+        which comes back with the table: one line of cause rarely tells the whole story."""
         self.rows.append(row)
+        if output:
+            tail = "\n".join(output.splitlines()[-200:])
+            with (self.out / "failures.log").open("a") as f:
+                f.write(f"===== {row.check} | {row.setting}\n{tail}\n")
         with self.jsonl.open("a") as f:
             f.write(json.dumps({"time": round(time.time(), 1), **asdict(row)}) + "\n")
         (self.out / "table.md").write_text(f"{self.title}\n\n{markdown(self.rows)}\n")
