@@ -36,7 +36,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from parallelisms.pipeline_parallel import BUBBLE_FRACTION, SCHEDULES
+from parallelisms.pipeline_split import BUBBLE_FRACTION, SCHEDULES
 from trainer.build import build_step_parts
 from trainer.config import load_config
 from trainer.data.datasets import load_dataset

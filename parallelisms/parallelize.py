@@ -35,7 +35,7 @@ from parallelisms.expert_parallel import apply_expert_parallel
 from parallelisms.fsdp import apply_fsdp
 from parallelisms.model_parts import blocks
 from parallelisms.parallel_dims import Meshes, ParallelDims, ParallelismError
-from parallelisms.pipeline_parallel import (
+from parallelisms.pipeline_split import (
     ZERO_BUBBLE_SCHEDULES,
     PipelineSplit,
     check_pipeline,

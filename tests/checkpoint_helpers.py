@@ -15,15 +15,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from harness import trainer_for
+from harness import train_as_a_worker, trainer_for
 from torch.distributed.checkpoint import FileSystemWriter
 
 from trainer.checkpoint.manager import CheckpointManager
-from trainer.config import Checkpoint, load_config
-from trainer.data.datasets import load_dataset
+from trainer.config import Checkpoint
 from trainer.model.llama3 import ModelArgs, Transformer
-from trainer.planning.job_plan import resolve_job
-from trainer.train import train
 from trainer.train_state import TrainState
 
 # A schedule that does not depend on training.steps (warm-up, then constant), so a 4-step run
@@ -61,8 +58,7 @@ def train_worker(argv: list[str], kill_rank: int | None = None, kill_step: int |
             return result
 
         FileSystemWriter.write_data = write_then_die
-    job_plan = resolve_job(load_config(argv), int(os.environ["WORLD_SIZE"]))
-    train(job_plan, load_dataset(job_plan.config, job_plan.tokenizer, job_plan.global_batch_size))
+    train_as_a_worker(argv)
 
 
 def resume_worker(argv: list[str]) -> dict:

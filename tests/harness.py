@@ -29,10 +29,12 @@ from trainer.build import build_step_parts
 from trainer.config import load_config
 from trainer.data.datasets import load_dataset
 from trainer.data.loader import global_order
+from trainer.entry.job import prepare
 from trainer.loss import IGNORE_INDEX, cross_entropy_sum
 from trainer.model.llama3 import Transformer
 from trainer.planning.job_plan import resolve_job
 from trainer.step import StepParts, fetch_step, forward_backward
+from trainer.train import train
 
 ROOT = Path(__file__).resolve().parent.parent
 GLOBAL_BATCH = 8
@@ -155,6 +157,14 @@ def trainer_for(argv: list[str]) -> tuple[Any, StepParts]:
 # --------------------------------------------------------------------------------------------
 # The reference and the comparison
 # --------------------------------------------------------------------------------------------
+
+
+def train_as_a_worker(argv: list[str]) -> None:
+    """Train as ``python -m trainer.entry.worker`` does: prepared through the one way in (which
+    also makes the dump folder), then the loop; without its memory check, stop requests or
+    validation."""
+    job = prepare(argv, int(os.environ["WORLD_SIZE"]), local_ranks=int(os.environ["LOCAL_WORLD_SIZE"]), memory=False)
+    train(job.plan, job.dataset)
 
 
 def argv_for(local_batch_size: int, extra: list[str]) -> list[str]:

@@ -4,15 +4,11 @@ dp_shard 2 x tp 2. Also: profiler traces land where documented."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
-from harness import BASE_ARGV, argv_for, assert_matches, run_ranks, step_worker
+from harness import BASE_ARGV, argv_for, assert_matches, run_ranks, step_worker, train_as_a_worker
 
 from trainer.config import ConfigError, load_config
-from trainer.data.datasets import load_dataset
 from trainer.planning.job_plan import resolve_job
-from trainer.train import train
 
 VARIANTS = {
     "AC full": ["--activation_checkpoint.mode", "full"],
@@ -73,8 +69,7 @@ def test_bad_selective_option_names_the_key():
 
 
 def train_worker(argv: list[str]) -> None:
-    job_plan = resolve_job(load_config(argv), int(os.environ["WORLD_SIZE"]))
-    train(job_plan, load_dataset(job_plan.config, job_plan.tokenizer, job_plan.global_batch_size))
+    train_as_a_worker(argv)
 
 
 @pytest.mark.slow

@@ -24,16 +24,14 @@ from checkpoint_helpers import (
     tiny_manager,
     train_worker,
 )
-from harness import Launched, run_ranks, run_train, tensorboard_scalars
+from harness import Launched, run_ranks, run_train, tensorboard_scalars, train_as_a_worker
 from torch.distributed.checkpoint import FileSystemReader
 
 from trainer.checkpoint.folders import checkpoint_problem, read_dcp_model, step_folders
 from trainer.config import load_config
-from trainer.data.datasets import load_dataset
 from trainer.model.llama3 import Transformer
 from trainer.planning.job_plan import resolve_job
 from trainer.runtime.errors import CheckpointError, UserError
-from trainer.train import train
 
 __all__ = ["one_rank"]  # the fixture, used by name
 
@@ -168,8 +166,7 @@ def poisoned_worker(argv: list[str], poison_step: int) -> None:
         return lr
 
     step.optimizer_step = poisoning_step
-    job_plan = resolve_job(load_config(argv), int(os.environ["WORLD_SIZE"]))
-    train(job_plan, load_dataset(job_plan.config, job_plan.tokenizer, job_plan.global_batch_size))
+    train_as_a_worker(argv)
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ import sys
 
 from harness import ROOT
 
-from parallelisms import context_parallel, pipeline_parallel
+from parallelisms import context_parallel, pipeline_split
 from trainer.config import choices
 from trainer.data import samples
 
@@ -25,7 +25,7 @@ def test_the_data_layer_covers_the_configs_dataset_kinds():
 
 def test_the_parallelisms_cover_the_configs_choices():
     assert context_parallel.BACKENDS == choices.CONTEXT_PARALLEL_BACKENDS
-    assert pipeline_parallel.SCHEDULES == choices.PIPELINE_SCHEDULES
+    assert pipeline_split.SCHEDULES == choices.PIPELINE_SCHEDULES
 
 
 def test_the_hardware_table_covers_the_configs_gpus():

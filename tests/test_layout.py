@@ -261,3 +261,14 @@ def test_the_test_module_rule_fails_on_a_violation(tmp_path: Path):
     (tmp_path / "sub" / "b_helpers.py").write_text("import harness\ndef later():\n    import test_c.inner\n")
     (tmp_path / "test_ok.py").write_text("from harness import ROOT\nimport contest_results\n")
     assert imports_of_test_modules(tmp_path) == ["sub/b_helpers.py -> test_c.inner", "test_a.py -> test_b"]
+
+
+def test_every_file_stays_under_450_lines():
+    """A file past 450 lines holds more than one concept: split it by concept."""
+    files = [
+        f
+        for folder in ("trainer", "parallelisms", "scripts", "benchmarks", "tests")
+        for f in (ROOT / folder).rglob("*.py")
+    ]
+    long = {str(f.relative_to(ROOT)): n for f in files if (n := len(f.read_text().splitlines())) > 450}
+    assert files and not long

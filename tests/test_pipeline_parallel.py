@@ -25,7 +25,7 @@ from harness import (
     trainer_for,
 )
 
-from parallelisms.pipeline_parallel import BUBBLE_FRACTION, SCHEDULES, plan_split, split_model
+from parallelisms.pipeline_split import BUBBLE_FRACTION, SCHEDULES, plan_split, split_model
 from parallelisms.tensor_parallel import loss_context
 from trainer.build import resume
 from trainer.config import ConfigError, load_config

@@ -16,7 +16,7 @@ CONTEXT_PARALLEL_BACKENDS = ("allgather_kv", "ring", "ulysses")
 (``parallelisms/context_parallel.py``)."""
 
 PIPELINE_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
-"""What ``parallelism.pipeline_parallel_schedule`` may name (``parallelisms/pipeline_parallel.py``)."""
+"""What ``parallelism.pipeline_parallel_schedule`` may name (``parallelisms/pipeline_split.py``)."""
 
 TARGET_GPUS = ("h100", "h200", "a100", "b200")
 """What ``machine.gpu`` may name besides nothing: the GPUs of the hardware table (``trainer/hardware.py``)."""

@@ -31,7 +31,7 @@ make it fit, instead of spending minutes initialising and then dying of an out-o
   by what it exceeds them by;
 * **pipeline stages**: under pipeline parallelism each ``pp`` rank holds its stages' blocks, the
   embedding on the first stage, the final norm and output on the last
-  (``parallelisms/pipeline_parallel.py`` splits them; the estimate is the largest rank's).
+  (``parallelisms/pipeline_split.py`` splits them; the estimate is the largest rank's).
   torch's ``PipelineStage`` keeps FSDP from resharding after backward and from reducing
   gradients until the step's last micro-batch, so a rank holds its stages' parameters gathered
   and their gradients unsharded (in the reduce dtype) for most of the step; with tensor
@@ -61,7 +61,7 @@ import math
 from dataclasses import dataclass, replace
 
 from parallelisms.parallel_dims import ParallelismError
-from parallelisms.pipeline_parallel import plan_split
+from parallelisms.pipeline_split import plan_split
 from trainer.hardware import ALLOCATOR_SLACK, RUNTIME_BYTES, gib
 
 

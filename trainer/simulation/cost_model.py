@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils.flop_counter import flop_registry
 
-from parallelisms.pipeline_parallel import BUBBLE_FRACTION
+from parallelisms.pipeline_split import BUBBLE_FRACTION
 from parallelisms.torch_private import dtensor
 from parallelisms.torch_private.fake import process_group_name, tree_map_only
 from trainer.simulation.memory_tracker import tensors_in
@@ -36,7 +36,7 @@ ASSUMPTIONS = (
     "adds to the step",
     "tensor-parallel, context-parallel and loss/statistics collectives are exposed (no async TP)",
     "pipeline send/recv overlaps compute; the schedule's bubble stretches the busy time: step = "
-    "busy / (1 - bubble), bubble from parallelisms/pipeline_parallel.py (1F1B: (pp-1)/(m+pp-1))",
+    "busy / (1 - bubble), bubble from parallelisms/pipeline_split.py (1F1B: (pp-1)/(m+pp-1))",
     "micro-batches: gradient accumulation traces 4 of them, 1F1B pipeline rank r max(3, pp - r + 1), "
     "other schedules all; the peak is measured on those, and the steady ones' average FLOPs, bytes "
     "and collectives stand for each one not traced",
