@@ -4,9 +4,11 @@ own plan."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from torch.utils.data import Dataset
 
@@ -21,6 +23,17 @@ SEQ_LEN = 32
 """Of the datasets :func:`load_data` opens: short, so that small corpora hold many samples."""
 UNIT_BYTES = 3000
 """``prepare_data``'s unit at test size: a few KB of text make several units."""
+
+__all__ = ["cache_dir"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Keep the token cache out of the home directory, one per test module (imported there)."""
+    path = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MESHTRAIN_CACHE_DIR", str(path))
+        yield path
 
 
 def write(path: Path, text: str) -> Path:

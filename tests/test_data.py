@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from data_helpers import TOKENIZER_PATH, global_batches, write
+from data_helpers import (
+    TOKENIZER_PATH,
+    cache_dir,  # noqa: F401 (the autouse token-cache fixture)
+    global_batches,
+    write,
+)
 from torch.utils.data import Dataset
 
 from trainer.config import ConfigError, load_config
@@ -25,15 +29,6 @@ SEQ_LEN = 256
 
 # (dp_degree, local_batch_size) pairs for a global batch of 8: accumulation 1, 2 and 4.
 MESHES_G8 = [(1, 8), (1, 4), (1, 2), (2, 4), (2, 2), (2, 1), (4, 2), (4, 1)]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """Keep the token cache out of the home directory."""
-    path = tmp_path_factory.mktemp("cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MESHTRAIN_CACHE_DIR", str(path))
-        yield path
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ import json
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from data_helpers import cache_dir  # noqa: F401 (the autouse token-cache fixture)
 from harness import run_cases, run_train, trainer_for
 
 from trainer.build import build_validator
@@ -37,15 +37,6 @@ PLAYS = 8
 ROWS_PER_GROUP = 3
 UNIT_BYTES = 200_000
 """About two plays of text: the Parquet file is cut into several units of whole row groups."""
-
-
-@pytest.fixture(scope="module", autouse=True)
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """Keep the in-memory path's token cache out of the home directory."""
-    path = tmp_path_factory.mktemp("cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MESHTRAIN_CACHE_DIR", str(path))
-        yield path
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +74,10 @@ def shards(out: Path, suffix: str) -> list[bytes]:
 
 
 def test_raw_parquet_gives_the_jsonl_samples_and_cache(
-    plays: tuple[Path, Path], tokenizer: Tokenizer, cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+    plays: tuple[Path, Path],
+    tokenizer: Tokenizer,
+    cache_dir: Path,  # noqa: F811 (the fixture imported above)
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     jsonl, table = plays
     assert pq.ParquetFile(table).metadata.num_row_groups == 3

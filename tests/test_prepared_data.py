@@ -10,12 +10,17 @@ import pickle
 import re
 import shutil
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
 import torch
-from data_helpers import TOKENIZER_PATH, global_batches, write
+from data_helpers import (
+    TOKENIZER_PATH,
+    cache_dir,  # noqa: F401 (the autouse token-cache fixture)
+    global_batches,
+    write,
+)
 
 from trainer.data import prepare as prepare_module
 from trainer.data.loader import GlobalOrder, build_dataloader
@@ -31,15 +36,6 @@ SEQ_LEN = 32
 ROOT = Path(__file__).resolve().parent.parent
 UNIT_BYTES = 4000
 """Small units, so the .jsonl file is cut into several line-aligned ranges and samples span shards."""
-
-
-@pytest.fixture(scope="module", autouse=True)
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """Keep the in-memory path's token cache out of the home directory."""
-    path = tmp_path_factory.mktemp("cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MESHTRAIN_CACHE_DIR", str(path))
-        yield path
 
 
 @pytest.fixture(scope="module")
