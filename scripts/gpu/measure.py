@@ -48,7 +48,7 @@ def environment(cpu: bool) -> dict[str, str]:
 
 
 def start(dump: Path, args: list[str], cpu: bool) -> tuple[subprocess.Popen[str], float]:
-    """Start a training job in a process group of its own (so a timeout ends all of it)."""
+    """Start a training job (see :func:`launched`)."""
     command = [
         str(REPO_ROOT / "run_train.sh"),
         *args,
@@ -59,6 +59,12 @@ def start(dump: Path, args: list[str], cpu: bool) -> tuple[subprocess.Popen[str]
         "--metrics.enable_tensorboard",
         "--validation.enable=false",
     ]
+    return launched(command, cpu)
+
+
+def launched(command: list[str], cpu: bool) -> tuple[subprocess.Popen[str], float]:
+    """``command`` started in a process group of its own (so that a timeout ends all of it), its
+    output collected; the process and when it started."""
     proc = subprocess.Popen(
         command,
         env=environment(cpu),
@@ -156,16 +162,7 @@ def start_simulation(dump: Path, args: list[str], target: str) -> tuple[subproce
     """``--simulate`` the same one-GPU job for ``target``, on the CPU, beside the GPU runs."""
     command = [str(REPO_ROOT / "run_train.sh"), *args, "--job.dump_folder", str(dump), "--simulate"]
     command += ["--target-gpu", target]
-    proc = subprocess.Popen(
-        command,
-        env=environment(cpu=True),
-        cwd=REPO_ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    return proc, time.monotonic()
+    return launched(command, cpu=True)
 
 
 def simulation(proc: subprocess.Popen[str], started: float, dump: Path, timeout: float) -> dict[str, float] | str:
