@@ -7,31 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import BASE_ARGV, run_by_world, trainer_for
-
-from parallelisms.torch_private import kernels
-from trainer.model.moe import moe_layers
-from trainer.step import fetch_step, forward_backward, optimizer_step
-
-STEPS = 3
-TOLERANCE = 5e-5
-MOE_ARGV = [
-    *BASE_ARGV,
-    "--model.name",
-    "moe",
-    "--model.flavor",
-    "debugmoe",
-    "--moe.balance_loss_weight",
-    "0.1",
-    "--moe.bias_update_rate",
-    "0.01",
-    "--optimizer.lr",
-    "0.003",
-    "--lr_scheduler.warmup_steps",
-    "0",
-]
-# A routing bias that makes the last experts rare, so some get no token from some ranks.
-SKEW = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, -0.05, -0.1, -0.2])
+from harness import run_by_world
+from moe_helpers import SKEW, TOLERANCE, differences, moe_argv, moe_steps
 
 # name: (world size, local batch size, extra argv); global batch 8, so accumulation = 8 / (local x dp)
 MESHES = {
@@ -47,37 +24,6 @@ BUGS = {
 }
 
 
-def moe_argv(local_batch: int, extra: list[str]) -> list[str]:
-    return [*MOE_ARGV, "--training.local_batch_size", str(local_batch), *extra]
-
-
-def moe_steps(argv: list[str], bug: str = "") -> dict:
-    """``STEPS`` optimizer steps through the trainer's own code; what every rank reports."""
-    if bug == "tokens counted again in recompute":
-        kernels.in_backward = lambda: False
-    p, parts = trainer_for(argv)
-    layers = moe_layers(parts.model)
-    for layer in layers:
-        layer.expert_bias.copy_(SKEW)
-    if bug == "expert gradients divided by ep":
-        for layer in layers:
-            layer.experts.set_gradient_divide_factor(float(p.dims.ep))
-    assert parts.balance is not None
-    out: dict[str, list] = {"loss": [], "norm": [], "n": [], "balance": [], "bias": [], "tokens": [], "local": []}
-    for _ in range(STEPS):
-        result = forward_backward(parts, fetch_step(parts))
-        out["local"].append(torch.stack([layer.tokens_per_expert.clone() for layer in layers]))
-        optimizer_step(parts, result)
-        stats = parts.balance.finish_step(result.skipped)
-        out["loss"].append(result.loss_avg)
-        out["norm"].append(result.grad_norm)
-        out["n"].append(result.n_valid_tokens)
-        out["balance"].append(stats.balance_loss)
-        out["bias"].append(stats.expert_bias)
-        out["tokens"].append(stats.tokens_per_expert)
-    return out
-
-
 @pytest.fixture(scope="module")
 def launched() -> dict[str, list]:
     cases = {"reference": (1, (moe_steps, moe_argv(8, [])))}
@@ -86,19 +32,6 @@ def launched() -> dict[str, list]:
     for name, (world, local, extra) in BUGS.items():
         cases[f"bug: {name}"] = (world, (moe_steps, moe_argv(local, extra), name))
     return run_by_world(cases)
-
-
-def differences(result: dict, ref: dict) -> dict[str, float]:
-    """The largest relative difference of each reported value over the steps."""
-
-    def rel(a, b) -> float:
-        a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
-        return ((a - b).norm() / b.norm().clamp(min=1e-12)).item()
-
-    return {
-        key: max(rel(a, b) for a, b in zip(result[key], ref[key]))
-        for key in ("loss", "norm", "balance", "bias", "tokens")
-    }
 
 
 @pytest.mark.slow
