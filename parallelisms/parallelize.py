@@ -175,8 +175,8 @@ def _check_context_parallel(
 
 
 def _check_experts(dims: ParallelDims, settings: ParallelSettings, shape: ModelShape) -> None:
-    """Expert parallelism needs experts to split; MoE models compose with FSDP, HSDP, EP,
-    accumulation and activation checkpointing so far, not yet with TP, CP, PP or compile."""
+    """Expert parallelism needs experts to split; MoE models compose with FSDP, HSDP, EP, PP,
+    accumulation and activation checkpointing so far, not yet with TP, CP or compile."""
     if dims.ep > 1 and not shape.n_experts:
         raise ParallelismError(f'{{ep}} = {dims.ep} needs a Mixture-of-Experts model: set {{model_name}} = "moe".')
     if shape.n_experts % dims.ep:
@@ -188,14 +188,13 @@ def _check_experts(dims: ParallelDims, settings: ParallelSettings, shape: ModelS
     refused = [
         (dims.tp > 1, "{tp}"),
         (dims.cp > 1, "{cp}"),
-        (dims.pp > 1, "{pp}"),
         (settings.compile_model or settings.compile_loss, "{compile_model}"),
     ]
     for on, key in refused:
         if on:
             raise ParallelismError(
-                f"Mixture-of-Experts models do not compose with {key} yet (FSDP, HSDP, {{ep}}, gradient "
-                f"accumulation and activation checkpointing do); turn it off."
+                f"Mixture-of-Experts models do not compose with {key} yet (FSDP, HSDP, {{ep}}, {{pp}}, "
+                f"gradient accumulation and activation checkpointing do); turn it off."
             )
 
 

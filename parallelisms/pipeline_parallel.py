@@ -74,6 +74,7 @@ class Pipeline:
             for module, index in zip(stage_modules, stage_ids)
         ]
         pipelining.no_warmup_with_itself(self.stages)
+        pipelining.mark_metadata_inference(self.stages)
         schedule_class = get_schedule_class(split.schedule)
         first = self.stages[0] if issubclass(schedule_class, PipelineScheduleSingle) else self.stages
         self.schedule = schedule_class(
@@ -141,24 +142,40 @@ class Pipeline:
         for start in range(0, inputs.shape[0], step_batch):
             rows = slice(start, start + step_batch)
             chunk_inputs, chunk_labels = _padded(inputs[rows], labels[rows], step_batch)
-            kwargs = self._stage_kwargs(
+            losses = self.forward_only(
+                chunk_inputs,
+                chunk_labels,
                 None if positions is None else _padded_rows(positions[rows], step_batch),
                 None if document_ids is None else _padded_rows(document_ids[rows], step_batch),
             )
-            losses: list[torch.Tensor] = []
-            with self._running_forward_only():
-                self.schedule.eval(
-                    *self._inputs(chunk_inputs),
-                    target=self._target(chunk_labels),
-                    losses=losses,
-                    **kwargs,
-                    **self._labels(chunk_labels),
-                    **self._step_kwargs,
-                )
             for loss in losses:
                 total += (loss.to_local() if hasattr(loss, "to_local") else loss).float()
         dist.all_reduce(total, group=self.group)  # only the last stage holds a non-zero sum
         return total
+
+    @torch.no_grad()
+    def forward_only(
+        self,
+        inputs: torch.Tensor,
+        labels: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> list[torch.Tensor]:
+        """One step's batch forward through every stage, without autograd: the last stage's
+        summed micro-batch losses (other stages: an empty list). Each stage's activations reach
+        the next by the schedule's own sends, so a pass that only needs what the stages see (a
+        Mixture-of-Experts' counting pre-pass) runs the training step's micro-batches exactly."""
+        losses: list[torch.Tensor] = []
+        with self._running_forward_only():
+            self.schedule.eval(
+                *self._inputs(inputs),
+                target=self._target(labels),
+                losses=losses,
+                **self._stage_kwargs(positions, document_ids),
+                **self._labels(labels),
+                **self._step_kwargs,
+            )
+        return losses
 
     def _stage_kwargs(
         self, positions: torch.Tensor | None, document_ids: torch.Tensor | None

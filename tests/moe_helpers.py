@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from harness import BASE_ARGV, trainer_for
 
-from parallelisms.torch_private import kernels
+from parallelisms.torch_private import kernels, pipelining
 from trainer.model.moe import moe_layers
 from trainer.step import fetch_step, forward_backward, optimizer_step
 
@@ -40,6 +40,8 @@ def moe_steps(argv: list[str], bug: str = "") -> dict:
     """``STEPS`` optimizer steps through the trainer's own code; what every rank reports."""
     if bug == "tokens counted again in recompute":
         kernels.in_backward = lambda: False
+    if bug == "pipeline's shape-learning pass counted":
+        pipelining.in_metadata_inference = lambda: False
     p, parts = trainer_for(argv)
     layers = moe_layers(parts.model)
     for layer in layers:
@@ -48,10 +50,16 @@ def moe_steps(argv: list[str], bug: str = "") -> dict:
         for layer in layers:
             layer.experts.set_gradient_divide_factor(float(p.dims.ep))
     assert parts.balance is not None
+    if bug == "counting pre-pass skipped under PP":
+        parts.pipeline.forward_only = lambda *args: []
+    if bug == "statistics not gathered over the stages":
+        parts.balance.stats_group = parts.balance.loss_group
     out: dict[str, list] = {"loss": [], "norm": [], "n": [], "balance": [], "bias": [], "tokens": [], "local": []}
+    out["rows"] = parts.balance.rows  # under PP, the whole model's rows of this rank's layers
     for _ in range(STEPS):
         result = forward_backward(parts, fetch_step(parts))
-        out["local"].append(torch.stack([layer.tokens_per_expert.clone() for layer in layers]))
+        local = [layer.tokens_per_expert.clone() for layer in layers]
+        out["local"].append(torch.stack(local) if local else torch.zeros(0, len(SKEW)))
         optimizer_step(parts, result)
         stats = parts.balance.finish_step(result.skipped)
         out["loss"].append(result.loss_avg)

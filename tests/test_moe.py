@@ -105,7 +105,11 @@ MOE = ["--model.name", "moe", "--model.flavor", "debugmoe", "--training.global_b
         (4, ["--mesh", "dp_shard=4,ep=3"], "`parallelism.expert_parallel_degree` = 3 must divide"),
         (2, ["--model.name", "llama3", "--model.flavor", "debugmodel", "--mesh", "dp_shard=2,ep=2"], "`model.name`"),
         (4, ["--mesh", "dp_shard=2,tp=2"], "`parallelism.tensor_parallel_degree`"),
-        (4, ["--mesh", "dp_shard=2,pp=2"], "`parallelism.pipeline_parallel_degree`"),
+        (
+            2,
+            ["--moe.balance_loss_layers", "pooled", "--moe.balance_loss_scope", "sequence"],
+            "`moe.balance_loss_layers` = 'pooled' counts",
+        ),
         (2, ["--model.flavor", "8B"], "`model.flavor` = 8B is not of this `model.name`"),
     ],
 )

@@ -37,7 +37,7 @@ from trainer.loss import CrossEntropy, ModelLoss, cross_entropy_sum
 from trainer.metrics import MetricsLogger, model_flops_per_token, peak_flops, use_color
 from trainer.metrics.reports import log_start, save_config
 from trainer.model.llama3 import Transformer, num_params
-from trainer.model.moe import MoEArgs, moe_layers
+from trainer.model.moe import MoEArgs
 from trainer.optimizer import build_lr_scheduler, build_optimizer
 from trainer.planning.job_plan import JobPlan
 from trainer.runtime.distributed import init_distributed
@@ -228,19 +228,26 @@ def _assemble(
 
 
 def build_balance(plan: JobPlan, model: Transformer, meshes: Meshes) -> ExpertBalance | None:
-    """The step's expert balancing, for a Mixture-of-Experts model."""
-    if not moe_layers(model):
+    """The step's expert balancing, for a Mixture-of-Experts model (also on a pipeline rank
+    whose stages hold no MoE layer: it joins the sums over the stages)."""
+    args = plan.model_args
+    if not isinstance(args, MoEArgs):
         return None
-    moe = plan.config.moe
+    moe, pipelined = plan.config.moe, plan.dims.pp > 1
     return ExpertBalance(
         model,
         meshes.loss.get_group(),
         bias_update_rate=moe.bias_update_rate,
         loss_weight=moe.balance_loss_weight,
         loss_scope=moe.balance_loss_scope,
+        loss_layers=moe.balance_loss_layers,
         global_batch=plan.global_batch_size,
         seq_len=plan.config.training.seq_len,
-        global_microbatches=plan.microbatches * meshes.loss.size(),
+        global_microbatches=(plan.pipeline_microbatches if pipelined else plan.microbatches) * meshes.loss.size(),
+        moe_layer_ids=range(args.n_dense_layers, args.n_layers),
+        n_experts=args.n_experts,
+        stats_group=meshes.stats.get_group() if pipelined else None,
+        pp_group=meshes.pp.get_group() if pipelined else None,
     )
 
 

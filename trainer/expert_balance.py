@@ -18,26 +18,41 @@ depend on the mesh or the accumulation count:
   scaled by ``weight x N`` (the step's valid tokens) so that the accumulator's single ``1 / N``
   leaves it at ``weight``.
 
-The step's statistics (:class:`BalanceStats`): the balancing loss (mean over MoE layers, summed
-over the loss mesh) and each layer's max / mean expert load.
+**Layers pooled** (``balance_loss_layers = "pooled"``, transformers' ``output_router_logits``
+aux loss): one ``E x sum_i f_i P_i`` over every MoE layer's tokens together, ``f_i`` the choices
+of expert ``i`` per token-layer (summing to k), ``P_i`` its mean probability over token-layers.
+In the ``global_batch`` scope each layer's part uses the counts of all layers summed, so the
+parts add up to the pooled loss; the pre-pass's counts are therefore summed over the pipeline
+stages too.
+
+**Pipeline parallelism.** A rank holds only its stages' MoE layers. Every table here is the
+whole model's, ``(MoE layers, experts)``, a rank filling the rows of its layers with zeros
+elsewhere, so one sum over the pipeline ranks (and the loss mesh) gives every rank the whole
+model's statistics: the pre-pass runs the step's micro-batches forward-only through the pipeline
+(``Pipeline.forward_only``) and each stage counts its own layers.
+
+The step's statistics (:class:`BalanceStats`): the balancing loss (mean over MoE layers, or the
+pooled loss, summed over the loss mesh) and each layer's max / mean expert load.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from parallelisms.model_parts import blocks
 from trainer.model.moe import Balancing, MoE, moe_layers
 
 
 @dataclass(frozen=True)
 class BalanceStats:
     balance_loss: float | None
-    """Mean over MoE layers of ``E x sum_i f_i P_i`` over the step (None when the loss is off)."""
+    """Mean over MoE layers of ``E x sum_i f_i P_i`` over the step, or the layers' pooled loss
+    (None when the loss is off)."""
     max_load: list[float]
     """Per MoE layer: the busiest expert's tokens over the mean tokens per expert."""
     tokens_per_expert: torch.Tensor
@@ -60,16 +75,36 @@ class ExpertBalance:
         global_batch: int,
         seq_len: int,
         global_microbatches: int,
+        loss_layers: str = "per_layer",
+        moe_layer_ids: Sequence[int] | None = None,
+        n_experts: int = 0,
+        stats_group: dist.ProcessGroup | None = None,
+        pp_group: dist.ProcessGroup | None = None,
     ):
-        self.layers: list[MoE] = moe_layers(model)
+        """``moe_layer_ids``: the block index of every MoE layer of the whole model (default:
+        those ``model`` holds); under pipeline parallelism ``stats_group`` is the loss mesh times
+        the pipeline ranks and ``pp_group`` the pipeline ranks alone (a stage may hold no MoE
+        layer; ``n_experts`` then sizes its rows)."""
+        held = [(int(name), layer) for name, block in blocks(model).items() for layer in moe_layers(block)]
+        ids = list(moe_layer_ids) if moe_layer_ids is not None else [i for i, _ in held]
+        self.layers: list[MoE] = [layer for _, layer in held]
+        self.rows = [ids.index(i) for i, _ in held]
+        """The whole model's row of each of this rank's MoE layers."""
+        self.n_rows = len(ids)
+        self.n_experts = self.layers[0].n_experts if self.layers else n_experts
+        self.device = self.layers[0].expert_bias.device if self.layers else next(model.parameters()).device
         self.loss_group = loss_group
+        self.stats_group = stats_group or loss_group
+        self.pp_group = pp_group
         self.bias_update_rate = bias_update_rate
+        self.pooled = loss_layers == "pooled"
         self.balancing = Balancing(
             weight=loss_weight,
             scope=loss_scope,
             global_tokens=global_batch * seq_len,
             global_sequences=global_batch,
             global_microbatches=global_microbatches,
+            pooled_layers=self.n_rows if self.pooled else 0,
         )
         for layer in self.layers:
             layer.balancing = self.balancing
@@ -86,38 +121,58 @@ class ExpertBalance:
         if self.balancing.weight == 0:
             return
         self.balancing.grad_scale = self.balancing.weight * n_valid_tokens()
-        if self.counting_prepass:
-            self.balancing.prepass = True
-            try:
-                with torch.no_grad():
-                    prepass()
-            finally:
-                self.balancing.prepass = False
-            counts = torch.stack([layer.global_counts for layer in self.layers])
-            self._sum(counts)
-            for layer, row in zip(self.layers, counts):
-                layer.global_counts.copy_(row)
+        if not self.counting_prepass:
+            return
+        self.balancing.prepass = True
+        try:
+            with torch.no_grad():
+                prepass()
+        finally:
+            self.balancing.prepass = False
+        if self.pooled:
+            # Every layer's part needs all layers' counts, those of the other stages included.
+            counts = self._whole([layer.global_counts for layer in self.layers])
+            self._sum(counts, self.stats_group)
+            for layer in self.layers:
+                layer.global_counts.copy_(counts.sum(0))
+            return
+        if not self.layers:  # nor do the loss mesh's other ranks: they run the same stages
+            return
+        counts = torch.stack([layer.global_counts for layer in self.layers])
+        self._sum(counts, self.loss_group)
+        for layer, row in zip(self.layers, counts):
+            layer.global_counts.copy_(row)
 
     def finish_step(self, skipped: bool) -> BalanceStats:
-        """Sum the step's counts and balancing loss over the loss mesh; move the biases unless
-        the optimizer step was skipped."""
-        counts = torch.stack([layer.tokens_per_expert for layer in self.layers])
-        losses = torch.stack([layer.balance_sum for layer in self.layers])
+        """Sum the step's counts and balancing loss over the loss mesh and the pipeline stages;
+        move the biases unless the optimizer step was skipped."""
+        counts = self._whole([layer.tokens_per_expert for layer in self.layers])
+        losses = self._whole([layer.balance_sum.reshape(1) for layer in self.layers], 1)[:, 0]
         summed = torch.cat([counts.flatten(), losses])
-        self._sum(summed)
+        self._sum(summed, self.stats_group)
         counts, losses = summed[: counts.numel()].view_as(counts), summed[counts.numel() :]
         if not skipped and self.bias_update_rate > 0:
-            for layer, load in zip(self.layers, counts):
+            for layer, row in zip(self.layers, self.rows):
+                load = counts[row]
                 step = self.bias_update_rate * torch.sign(load.mean() - load)
                 layer.expert_bias += step - step.mean()
+        biases = self._whole([layer.expert_bias for layer in self.layers])
+        self._sum(biases, self.pp_group)
         max_load = (counts.max(1).values / counts.mean(1).clamp(min=1e-9)).tolist()
-        return BalanceStats(
-            balance_loss=losses.mean().item() if self.balancing.weight > 0 else None,
-            max_load=max_load,
-            tokens_per_expert=counts,
-            expert_bias=torch.stack([layer.expert_bias for layer in self.layers]).detach().clone(),
-        )
+        balance_loss = None
+        if self.balancing.weight > 0:
+            balance_loss = (losses.sum() if self.pooled else losses.mean()).item()
+        return BalanceStats(balance_loss=balance_loss, max_load=max_load, tokens_per_expert=counts, expert_bias=biases)
 
-    def _sum(self, t: torch.Tensor) -> None:
-        if self.loss_group is not None:
-            dist.all_reduce(t, group=self.loss_group)
+    def _whole(self, rows: list[torch.Tensor], width: int | None = None) -> torch.Tensor:
+        """The whole model's ``(MoE layers, width)`` table (width: experts by default) with this
+        rank's ``rows`` filled in."""
+        table = torch.zeros((self.n_rows, width or self.n_experts), device=self.device)
+        for row, values in zip(self.rows, rows):
+            table[row] = values.detach()
+        return table
+
+    @staticmethod
+    def _sum(t: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+        if group is not None:
+            dist.all_reduce(t, group=group)

@@ -173,7 +173,8 @@ def counting_prepass(parts: StepParts, microbatches: list[MicroBatch]) -> None:
 def pipeline_forward_backward(parts: StepParts, pipeline: Pipeline, microbatches: list[MicroBatch]) -> StepResult:
     """The rank's micro-batches are one batch for the pipeline schedule, which cuts it into
     pipeline micro-batches and runs every forward and backward on summed losses; finalize
-    normalises and clips as without PP."""
+    normalises and clips as without PP. A Mixture-of-Experts' counting pre-pass runs the same
+    batch forward-only through the pipeline, each stage counting its own layers."""
     accumulator = parts.accumulator
     accumulator.begin_step([mb.labels for mb in microbatches])
     inputs, labels = torch.cat([mb.inputs for mb in microbatches]), torch.cat([mb.labels for mb in microbatches])
@@ -182,6 +183,13 @@ def pipeline_forward_backward(parts: StepParts, pipeline: Pipeline, microbatches
     if microbatches[0].document_ids is not None:
         positions = torch.cat([mb.positions for mb in microbatches if mb.positions is not None])
         document_ids = torch.cat([mb.document_ids for mb in microbatches if mb.document_ids is not None])
+    if parts.balance is not None:
+
+        def prepass() -> None:
+            with parts.compute_context():
+                pipeline.forward_only(inputs, labels, positions, document_ids)
+
+        parts.balance.begin_step(prepass, accumulator.global_count)
     with parts.compute_context():
         losses = pipeline.step(inputs, labels, positions, document_ids)
     accumulator.record_pipeline_losses(losses)

@@ -157,6 +157,40 @@ def _for_microbatches(prepare: Callable[..., Any], count: int) -> Callable[..., 
     return preparing
 
 
+_inferring_metadata = False
+
+
+def in_metadata_inference() -> bool:
+    """True while a stage runs its modules to learn its shapes rather than to train or evaluate."""
+    return _inferring_metadata
+
+
+def mark_metadata_inference(stages: list[Any]) -> None:
+    """Make :func:`in_metadata_inference` true while ``stages`` learn their shapes.
+
+    Before its first step, and again at each switch between ``eval`` and ``step``, a schedule runs
+    every stage forward (and backward to its inputs) on a micro-batch of real or empty tensors, in
+    ``_prepare_forward_infra`` / ``_prepare_backward_infra``. Layers that count what passes
+    through them (the MoE routing) must not count that pass.
+    """
+    for stage in stages:
+        stage._prepare_forward_infra = _inferring(stage._prepare_forward_infra)
+        stage._prepare_backward_infra = _inferring(stage._prepare_backward_infra)
+
+
+def _inferring(prepare: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(prepare)
+    def preparing(*args: Any, **kwargs: Any) -> Any:
+        global _inferring_metadata
+        _inferring_metadata = True
+        try:
+            return prepare(*args, **kwargs)
+        finally:
+            _inferring_metadata = False
+
+    return preparing
+
+
 def buffer_is_persistent(module: nn.Module, name: str) -> bool:
     """Whether ``module``'s own buffer ``name`` goes into its state dict."""
     return name not in module._non_persistent_buffers_set

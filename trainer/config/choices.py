@@ -29,3 +29,6 @@ MODEL_FLAVORS = {
 
 BALANCE_SCOPES = ("global_batch", "sequence", "micro_batch")
 """What ``moe.balance_loss_scope`` may name (``trainer/model/moe.py``)."""
+
+BALANCE_LAYERS = ("per_layer", "pooled")
+"""What ``moe.balance_loss_layers`` may name (``trainer/expert_balance.py``)."""

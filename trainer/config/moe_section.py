@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainer.config.choices import BALANCE_SCOPES
+from trainer.config.choices import BALANCE_LAYERS, BALANCE_SCOPES
 from trainer.config.fields import setting
 
 
@@ -25,4 +25,11 @@ class MoE:
         "by a forward-only counting pre-pass; the same on every mesh), `sequence` or `micro_batch` (per "
         "rank-local micro-batch, as most frameworks do; depends on the mesh).",
         BALANCE_SCOPES,
+    )
+    balance_loss_layers: str = setting(
+        "per_layer",
+        "How the balancing loss treats the MoE layers: `per_layer` (one loss per layer; the weight applies to each, "
+        "the log shows their mean) or `pooled` (transformers' `output_router_logits` aux loss: one loss over every "
+        "layer's tokens together, `f` summing to top-k; needs the `global_batch` scope).",
+        BALANCE_LAYERS,
     )

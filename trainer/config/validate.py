@@ -26,6 +26,7 @@ def validate(config: JobConfig) -> None:
     _activation_checkpoint(config)
     _checkpoint(config)
     _validation(config)
+    _moe(config)
 
 
 def _check_value(key: str, typ: type, limits: Limits | None, value: Any) -> None:
@@ -96,4 +97,14 @@ def _validation(config: JobConfig) -> None:
         raise ConfigError(
             f"`validation.seq_len` = {validation.seq_len} must be in [1, `training.seq_len` = {training.seq_len}] "
             "(the model's RoPE table is sized for training), or -1 for the training length."
+        )
+
+
+def _moe(config: JobConfig) -> None:
+    moe = config.moe
+    if moe.balance_loss_layers == "pooled" and moe.balance_loss_scope != "global_batch":
+        raise ConfigError(
+            f"`moe.balance_loss_layers` = 'pooled' counts the expert frequencies over every layer of the whole "
+            f"step, but `moe.balance_loss_scope` = {moe.balance_loss_scope!r} counts them per rank-local part; use "
+            f"`moe.balance_loss_scope` = 'global_batch' or `moe.balance_loss_layers` = 'per_layer'."
         )

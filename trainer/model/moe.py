@@ -12,7 +12,7 @@ Balancing (``trainer/expert_balance.py`` drives it per step):
 - the aux-loss-free bias (DeepSeek-V3) is added to the scores for the top-k choice only, never to
   the weights; each layer counts the tokens it routed in ``tokens_per_expert``, once per real
   forward: a forward inside autograd's backward is activation checkpointing's recomputation and
-  is not counted;
+  is not counted, nor is a pipeline stage's shape-learning pass;
 - the load-balancing loss ``E * sum_i f_i P_i`` (``f_i``: share of the k x T choices that went to
   expert i, ``P_i``: mean router probability of expert i) has a scope. Over the ``global_batch``
   it is a sum over tokens once ``f`` is known, so each micro-batch adds its tokens' part with the
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from parallelisms.torch_private import kernels
+from parallelisms.torch_private import kernels, pipelining
 from trainer.model.llama3 import FeedForward, ModelArgs, TransformerBlock
 
 
@@ -126,6 +126,8 @@ class Balancing:
     global_tokens: int = 1
     global_sequences: int = 1
     global_microbatches: int = 1
+    pooled_layers: int = 0
+    """transformers' definition: the number of MoE layers whose tokens form one loss (0: per layer)."""
     prepass: bool = False
     """The forward-only pre-pass: count the routing into ``global_counts``, nothing else."""
 
@@ -257,7 +259,10 @@ class MoE(nn.Module):
 
     def _count(self, counts: torch.Tensor) -> bool:
         """Add the routing to the step's counts, once per real training forward (right after the
-        router, which a recomputation always reaches); True when this forward was counted."""
+        router, which a recomputation always reaches); True when this forward was counted. A
+        pipeline stage learning its shapes runs a forward that is not one."""
+        if pipelining.in_metadata_inference():
+            return False
         if self.balancing.prepass:
             self.global_counts += counts
             return False
@@ -298,10 +303,15 @@ def balance_part(
 
     ``global_batch``: ``f`` over the whole step (the pre-pass's counts), ``P`` summed over these
     tokens and divided by the step's tokens, so the parts of every micro-batch and rank add up to
-    the global loss. ``sequence`` and ``micro_batch``: the loss of each sequence or micro-batch
+    the global loss; with ``pooled_layers`` (transformers' aux loss), ``f`` and ``P`` over the
+    token-layers of all MoE layers, so the parts of every layer add up to the pooled loss. ``sequence`` and ``micro_batch``: the loss of each sequence or micro-batch
     on its own, averaged over the step's sequences or (rank-local) micro-batches.
     """
     n_experts, k = probs.shape[1], chosen.shape[1]
+    if balancing.scope == "global_batch" and balancing.pooled_layers:
+        # ``global_counts``: every layer's counts summed; ``f`` per token-layer, summing to k.
+        token_layers = balancing.pooled_layers * balancing.global_tokens
+        return n_experts * (global_counts / token_layers * probs.sum(0)).sum() / token_layers
     if balancing.scope == "global_batch":
         f = global_counts / (k * balancing.global_tokens)
         return n_experts * (f * probs.sum(0)).sum() / balancing.global_tokens
