@@ -5,14 +5,18 @@ balancing scalars."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from checkpoint_helpers import TINY, one_rank, tiny_manager
 from harness import ROOT, run_train, tensorboard_scalars
 
 from trainer.checkpoint.folders import read_dcp_model
 from trainer.metrics.dashboard import Tag, moe_load_tag
+from trainer.model.moe import MoEArgs
+from trainer.runtime.errors import CheckpointError
 
 STEPS, SAVED = 4, 2
 TOLERANCE = 5e-5
@@ -110,3 +114,29 @@ def test_a_moe_runs_tensorboard_holds_the_balancing_scalars(runs):
         assert sorted(scalars[tag]) == list(range(1, STEPS + 1)), tag
     assert all(value > 0 for value in scalars[Tag.MOE_BALANCE_LOSS].values())
     assert all(value >= 1 for tag in MOE_TAGS[1:] for value in scalars[tag].values())
+
+
+__all__ = ["one_rank"]  # the fixture, used by name
+
+TINY_MOE = MoEArgs(**{**vars(TINY), "n_experts": 4, "top_k": 2, "moe_hidden_dim": 16})
+
+
+@pytest.mark.parametrize(
+    ("changed", "message"),
+    [
+        ({"n_experts": 8}, "n_experts: 4 there, 8 here"),
+        ({"top_k": 1}, "top_k: 2 there, 1 here"),
+        ({"moe_hidden_dim": 32}, "moe_hidden_dim: 16 there, 32 here"),
+    ],
+)
+def test_resuming_with_other_experts_is_one_line(tmp_path: Path, one_rank: None, changed: dict, message: str):
+    """Other experts than the checkpoint's: a one-line ``CheckpointError`` naming the setting and
+    both values, not DCP's shape error (``top_k`` changes no shape: DCP would load it silently)."""
+    saving = tiny_manager(tmp_path, TINY_MOE, step=2)
+    saving.model.init_weights(0)
+    saving.save(2)
+    with pytest.raises(CheckpointError, match=f"holds another model .*{message}") as caught:
+        tiny_manager(tmp_path, replace(TINY_MOE, **changed)).load()
+    assert "\n" not in str(caught.value)
+    with pytest.raises(CheckpointError, match="model.name: moe there, llama3 here"):
+        tiny_manager(tmp_path, TINY).load()

@@ -176,6 +176,21 @@ PARAMETER_FIELDS = ("dim", "n_layers", "n_heads", "kv_heads", "vocab_size", "ffn
 """The ``ModelArgs`` that decide the parameters' names and shapes, and how heads divide them."""
 
 
+EXPERT_FIELDS = ("n_experts", "top_k", "moe_hidden_dim", "n_shared_experts", "n_dense_layers")
+"""The ``MoEArgs`` that decide the experts' shapes and which blocks route (``top_k`` changes no
+shape, but a model routing to other numbers of experts is another model)."""
+
+
+def checkpoint_model_differences(theirs: ModelArgs, ours: ModelArgs) -> list[str]:
+    """What makes a checkpoint's model another than this run's: the parameter fields, whether it
+    is a Mixture-of-Experts, and between two MoEs the expert fields."""
+    differ = model_differences(theirs, ours, PARAMETER_FIELDS)
+    kinds = ["moe" if isinstance(args, MoEArgs) else "llama3" for args in (theirs, ours)]
+    if kinds[0] != kinds[1]:
+        return [*differ, f"model.name: {kinds[0]} there, {kinds[1]} here"]
+    return differ + (model_differences(theirs, ours, EXPERT_FIELDS) if kinds[0] == "moe" else [])
+
+
 def model_differences(theirs: ModelArgs, ours: ModelArgs, fields: tuple[str, ...]) -> list[str]:
     """``fields`` that differ, each as ``"name: theirs there, ours here"``."""
     return [

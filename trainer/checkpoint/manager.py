@@ -50,11 +50,10 @@ from torch.distributed.tensor import DTensor
 from trainer.checkpoint.disk import disk_refusal
 from trainer.checkpoint.folders import (
     MODEL_ARGS_FILE,
-    PARAMETER_FIELDS,
     PARTIAL_SUFFIX,
+    checkpoint_model_differences,
     checkpoint_problem,
     is_model_only,
-    model_differences,
     publish,
     read_data_identity,
     read_model_args,
@@ -262,10 +261,10 @@ class CheckpointManager:
 
     def _check_same_model(self, path: Path, what: str) -> None:
         """Refuse, in one line, a checkpoint of another model (another flavor, a vocabulary of
-        another size): DCP would fail on the first tensor of another shape with every rank's
+        another size, other experts): DCP would fail on the first tensor of another shape with every rank's
         traceback. A checkpoint without ``model_args.json`` is left to DCP."""
         saved = self._agree(lambda: _saved_model_args(path))
-        differ = model_differences(saved, self.model_args, PARAMETER_FIELDS) if saved is not None else []
+        differ = checkpoint_model_differences(saved, self.model_args) if saved is not None else []
         if differ:
             vocabulary = (
                 " The vocabulary size comes from the tokenizer: set `model.tokenizer_path` to the one the "
