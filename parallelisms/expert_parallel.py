@@ -37,7 +37,9 @@ class ExpertParallelDispatch:
         self.bytes_sent = 0
         """Bytes this rank sent to other ranks in the token all-to-alls (for the benchmark)."""
 
+    @torch.compiler.disable
     def __call__(self, routed: torch.Tensor, counts: torch.Tensor, experts: nn.Module) -> torch.Tensor:
+        """Eager inside a compiled block: the exchange's sizes are the routing's counts."""
         send = counts.view(self.ep, self.local_experts).contiguous()
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.group)

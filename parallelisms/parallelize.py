@@ -188,7 +188,6 @@ def _check_experts(dims: ParallelDims, settings: ParallelSettings, shape: ModelS
     refused = [
         (dims.tp > 1, "{tp}"),
         (dims.cp > 1, "{cp}"),
-        (settings.compile_model or settings.compile_loss, "{compile_model}"),
     ]
     for on, key in refused:
         if on:

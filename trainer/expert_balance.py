@@ -120,7 +120,7 @@ class ExpertBalance:
             layer.reset_counters()
         if self.balancing.weight == 0:
             return
-        self.balancing.grad_scale = self.balancing.weight * n_valid_tokens()
+        self.balancing.grad_scale.fill_(self.balancing.weight * n_valid_tokens())
         if not self.counting_prepass:
             return
         self.balancing.prepass = True

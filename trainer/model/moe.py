@@ -24,7 +24,7 @@ Balancing (``trainer/expert_balance.py`` drives it per step):
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -121,8 +121,9 @@ class Balancing:
 
     weight: float = 0.0
     scope: str = "global_batch"
-    grad_scale: float = 0.0
-    """``weight x N`` of the step: the loss's gradient in the summed cross-entropy's units."""
+    grad_scale: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
+    """``weight x N`` of the step: the loss's gradient in the summed cross-entropy's units. A
+    tensor set in place, so a compiled block reads it rather than being traced again for each N."""
     global_tokens: int = 1
     global_sequences: int = 1
     global_microbatches: int = 1
@@ -169,8 +170,11 @@ def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: 
     return kernels.grouped_mm(h, w2.transpose(-2, -1), offsets)
 
 
+@torch.compiler.disable
 def looped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor):
-    """The same, one expert at a time: exact wherever the grouped kernel is missing."""
+    """The same, one expert at a time: exact wherever the grouped kernel is missing. Eager inside
+    a compiled block: its split sizes are the routing's counts, which would make torch.compile
+    trace it again for every new routing."""
     outs = [(F.silu(chunk @ w1[e].T) * (chunk @ w3[e].T)) @ w2[e].T for e, chunk in enumerate(x.split(counts.tolist()))]
     return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[1])
 
@@ -204,13 +208,14 @@ class _AddBalanceLoss(torch.autograd.Function):
     balancing loss joins the backward without changing what the model returns."""
 
     @staticmethod
-    def forward(ctx, out: torch.Tensor, loss: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
+    def forward(ctx, out: torch.Tensor, loss: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(scale)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
-        return grad, torch.full((), ctx.scale, dtype=torch.float32, device=grad.device), None
+        (scale,) = ctx.saved_tensors
+        return grad, scale.to(device=grad.device, dtype=torch.float32), None
 
 
 class MoE(nn.Module):
