@@ -14,8 +14,9 @@ holding it, and FSDP sums over its own replicas: a pure sum, divided by nothing,
 gradient (``GradAccumulator`` divides once by the step's valid tokens). The gradient norm counts
 the expert shards of different EP ranks as different values, not copies (``expert_params``).
 
-Supported: ``ep`` dividing ``dp_shard``, with FSDP, HSDP, gradient accumulation and activation
-checkpointing; TP, CP, PP and compile are refused by ``parallelize.check``.
+Supported: ``ep`` dividing ``dp_shard``, with FSDP, HSDP, gradient accumulation, activation
+checkpointing, pipeline stages (each EP group lies inside one stage) and compile (the exchange
+runs eagerly inside a compiled block); TP and CP are refused by ``parallelize.check``.
 """
 
 from __future__ import annotations
