@@ -71,13 +71,15 @@ def resumed_from(saved: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
-    """``ep2`` saves at step 2 and runs on to step 4; ``ep1`` and ``ep4`` resume its step 2."""
+    """``ep2`` saves at step 2 and runs on to step 4; ``ep1``, ``ep4`` and ``pp2_ep2`` (the MoE
+    layers in two pipeline stages, the experts over ep = 2 in each) resume its step 2."""
     root = tmp_path_factory.mktemp("moe_checkpoint")
     saved = root / "ep2" / "checkpoint" / f"step-{SAVED}"
     for world, name, local_batch, mesh, extra in (
         (2, "ep2", 4, "dp_shard=2,ep=2", []),
         (2, "ep1", 4, "dp_shard=2", resumed_from(saved)),
         (4, "ep4", 2, "dp_shard=4,ep=4", resumed_from(saved)),
+        (4, "pp2_ep2", 1, "pp=2,dp_shard=2,ep=2", resumed_from(saved)),
     ):
         proc = run_train(world, argv(root / name, local_batch, mesh, *extra))
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -85,11 +87,13 @@ def runs(tmp_path_factory) -> Path:
 
 
 @pytest.mark.launcher
-@pytest.mark.parametrize("resumed", ["ep1", "ep4"])
+@pytest.mark.parametrize("resumed", ["ep1", "ep4", "pp2_ep2"])
 def test_a_run_saved_at_ep2_continues_the_same_curve_on_another_ep_degree(runs, resumed):
-    straight = tensorboard_scalars(runs / "ep2", LOSS_TAGS)
-    continued = tensorboard_scalars(runs / resumed, LOSS_TAGS)
-    for tag in LOSS_TAGS:
+    """The losses, and the balancing loss and expert loads of the whole model (under PP gathered
+    over the stages), continue the straight run's."""
+    straight = tensorboard_scalars(runs / "ep2", LOSS_TAGS + MOE_TAGS)
+    continued = tensorboard_scalars(runs / resumed, LOSS_TAGS + MOE_TAGS)
+    for tag in LOSS_TAGS + MOE_TAGS:
         assert sorted(continued[tag]) == list(range(SAVED + 1, STEPS + 1)), tag
         for step, value in continued[tag].items():
             assert abs(value - straight[tag][step]) <= TOLERANCE * max(1.0, abs(value)), (tag, step)
