@@ -5,11 +5,12 @@ rank reports, and the comparison with the 1-process reference."""
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from harness import BASE_ARGV, trainer_for
 
 from parallelisms.torch_private import kernels, pipelining
 from trainer.model.moe import moe_layers
-from trainer.step import fetch_step, forward_backward, optimizer_step
+from trainer.step import MicroBatch, StepParts, fetch_step, forward_backward, optimizer_step
 
 STEPS = 3
 TOLERANCE = 5e-5
@@ -36,8 +37,10 @@ def moe_argv(local_batch: int, extra: list[str]) -> list[str]:
     return [*MOE_ARGV, "--training.local_batch_size", str(local_batch), *extra]
 
 
-def moe_steps(argv: list[str], bug: str = "") -> dict:
-    """``STEPS`` optimizer steps through the trainer's own code; what every rank reports."""
+def moe_steps(argv: list[str], bug: str = "", validate: bool = False) -> dict:
+    """``STEPS`` optimizer steps through the trainer's own code; what every rank reports. With
+    ``validate``, after each step (as the loop validates) the step's batch is evaluated forward
+    only, as validation runs it: ``evaluated``, its summed loss over every rank."""
     if bug == "tokens counted again in recompute":
         kernels.in_backward = lambda: False
     if bug == "pipeline's shape-learning pass counted":
@@ -57,7 +60,8 @@ def moe_steps(argv: list[str], bug: str = "") -> dict:
     out: dict[str, list] = {"loss": [], "norm": [], "n": [], "balance": [], "bias": [], "tokens": [], "local": []}
     out["rows"] = parts.balance.rows  # under PP, the whole model's rows of this rank's layers
     for _ in range(STEPS):
-        result = forward_backward(parts, fetch_step(parts))
+        microbatches = fetch_step(parts)
+        result = forward_backward(parts, microbatches)
         local = [layer.tokens_per_expert.clone() for layer in layers]
         out["local"].append(torch.stack(local) if local else torch.zeros(0, len(SKEW)))
         optimizer_step(parts, result)
@@ -68,7 +72,29 @@ def moe_steps(argv: list[str], bug: str = "") -> dict:
         out["balance"].append(stats.balance_loss)
         out["bias"].append(stats.expert_bias)
         out["tokens"].append(stats.tokens_per_expert)
+        if validate:
+            out.setdefault("evaluated", []).append(evaluated(parts, microbatches))
     return out
+
+
+def evaluated(parts: StepParts, microbatches: list[MicroBatch]) -> float:
+    """The summed loss of ``microbatches`` on every rank, forward only (the pipeline's
+    ``evaluate`` under PP, as validation calls it)."""
+    with parts.compute_context(), torch.no_grad():
+        if parts.pipeline is not None:
+            inputs, labels = (
+                torch.cat([mb.inputs for mb in microbatches]),
+                torch.cat([mb.labels for mb in microbatches]),
+            )
+            total = parts.pipeline.evaluate(inputs, labels)
+        else:
+            total = sum(
+                parts.model_loss(parts.model, mb.inputs, mb.positions, mb.document_ids, mb.labels)
+                for mb in microbatches
+            )
+    total = torch.as_tensor(total, dtype=torch.float32).reshape(())
+    dist.all_reduce(total, group=parts.meshes.loss.get_group())
+    return total.item()
 
 
 def differences(result: dict, ref: dict) -> dict[str, float]:

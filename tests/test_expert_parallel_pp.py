@@ -34,6 +34,9 @@ MESHES = {
     "pp=2 x dp_shard=2 x ep=2 GPipe, 4 micro-batches": (4, 1, ["--mesh", "pp=2,dp_shard=2,ep=2", *GPIPE], "reference"),
     "pp=2 x dp_shard=2 x ep=2, pooled over layers": (4, 1, ["--mesh", "pp=2,dp_shard=2,ep=2", *POOLED], "pooled"),
 }
+VALIDATED = ("pp=2 Interleaved1F1B", "pp=2 x dp_shard=2 x ep=2 GPipe, 4 micro-batches")
+"""Meshes that also evaluate each step's batch after the step, as validation does: the same loss
+as the 1-process evaluation, and training unperturbed."""
 BUGS = {
     "counting pre-pass skipped under PP": MESHES["pp=2 Interleaved1F1B"],
     "statistics not gathered over the stages": MESHES["pp=2 Interleaved1F1B"],
@@ -44,9 +47,12 @@ BUGS = {
 
 @pytest.fixture(scope="module")
 def launched() -> dict[str, list]:
-    cases = {"reference": (1, (moe_steps, moe_argv(8, []))), "pooled": (1, (moe_steps, moe_argv(8, POOLED)))}
+    cases = {
+        "reference": (1, (moe_steps, moe_argv(8, []), "", True)),
+        "pooled": (1, (moe_steps, moe_argv(8, POOLED))),
+    }
     for name, (world, local, extra, _) in MESHES.items():
-        cases[name] = (world, (moe_steps, moe_argv(local, extra)))
+        cases[name] = (world, (moe_steps, moe_argv(local, extra), "", name in VALIDATED))
     for name, (world, local, extra, _) in BUGS.items():
         cases[f"bug: {name}"] = (world, (moe_steps, moe_argv(local, extra), name))
     return run_by_world(cases)
@@ -69,6 +75,8 @@ def test_every_pipeline_mesh_matches_the_single_process_moe(mesh, launched):
     for rank_result in results:
         assert rank_result["n"] == ref["n"]
         assert max(differences(rank_result, ref).values()) < TOLERANCE, differences(rank_result, ref)
+        if mesh in VALIDATED:
+            torch.testing.assert_close(rank_result["evaluated"], ref["evaluated"], rtol=TOLERANCE, atol=0)
     assert (ref["bias"][-1] - SKEW).abs().max() > 0
     assert any(not r["rows"] for r in results) == ("without MoE layers" in mesh)
     # Where data-parallel ranks run the same stages, the routing was uneven: some expert got no
