@@ -25,11 +25,12 @@ In the ``global_batch`` scope each layer's part uses the counts of all layers su
 parts add up to the pooled loss; the pre-pass's counts are therefore summed over the pipeline
 stages too.
 
-**Pipeline parallelism.** A rank holds only its stages' MoE layers. Every table here is the
-whole model's, ``(MoE layers, experts)``, a rank filling the rows of its layers with zeros
-elsewhere, so one sum over the pipeline ranks (and the loss mesh) gives every rank the whole
-model's statistics: the pre-pass runs the step's micro-batches forward-only through the pipeline
-(``Pipeline.forward_only``) and each stage counts its own layers.
+**Pipeline parallelism.** A rank holds only its stages' MoE layers. The pre-pass runs the
+step's micro-batches forward-only through the pipeline (``Pipeline.forward_only``) and each stage
+counts its own layers; per layer, those counts are summed over the loss mesh alone. The step's
+statistics, and the pooled loss's counts, are whole-model tables ``(MoE layers, experts)``, a
+rank filling the rows of its layers and leaving zeros elsewhere, so one sum over the pipeline
+ranks and the loss mesh gives every rank the whole model's.
 
 The step's statistics (:class:`BalanceStats`): the balancing loss (mean over MoE layers, or the
 pooled loss, summed over the loss mesh) and each layer's max / mean expert load.
