@@ -17,6 +17,7 @@ RECOMPUTE = ["--activation_checkpoint.mode", "full"]
 MESHES = {
     "compiled, 2 micro-batches": (1, 4, COMPILE),
     "compiled, full recompute": (1, 4, [*COMPILE, *RECOMPUTE]),
+    "compiled, per-op selective recompute": (1, 4, [*COMPILE, "--activation_checkpoint.mode", "selective"]),
     "compiled, ep=2, full recompute": (2, 2, ["--mesh", "dp_shard=2,ep=2", *COMPILE, *RECOMPUTE]),
     "compiled, pp=2 1F1B": (2, 4, ["--mesh", "pp=2", *COMPILE]),
 }
