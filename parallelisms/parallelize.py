@@ -176,7 +176,7 @@ def _check_context_parallel(
 
 def _check_experts(dims: ParallelDims, settings: ParallelSettings, shape: ModelShape) -> None:
     """Expert parallelism needs experts to split; MoE models compose with FSDP, HSDP, EP, PP,
-    accumulation and activation checkpointing so far, not yet with TP, CP or compile."""
+    accumulation, activation checkpointing and compile so far, not yet with TP or CP."""
     if dims.ep > 1 and not shape.n_experts:
         raise ParallelismError(f'{{ep}} = {dims.ep} needs a Mixture-of-Experts model: set {{model_name}} = "moe".')
     if shape.n_experts % dims.ep:
@@ -193,7 +193,7 @@ def _check_experts(dims: ParallelDims, settings: ParallelSettings, shape: ModelS
         if on:
             raise ParallelismError(
                 f"Mixture-of-Experts models do not compose with {key} yet (FSDP, HSDP, {{ep}}, {{pp}}, "
-                f"gradient accumulation and activation checkpointing do); turn it off."
+                f"gradient accumulation, activation checkpointing and compile do); turn it off."
             )
 
 
