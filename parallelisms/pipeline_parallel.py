@@ -12,6 +12,12 @@ cross-replica all-reduce, per FSDP unit and step.
 keyword arguments cut along the batch, so every stage builds the unsplit model's masks; without
 masking one ``positions`` is replicated to every micro-batch.
 
+**Layers that count what passes through them** (a Mixture-of-Experts' routing): torch's stages
+learn their shapes by running their modules on a micro-batch before the first step and at every
+switch between :meth:`Pipeline.forward_only` and :meth:`Pipeline.step`;
+``torch_private.pipelining.in_metadata_inference`` is true during that pass, which counts for
+nothing.
+
 This module knows nothing of the trainer; it expects torchtitan's Llama module names and a
 model whose ``forward`` accepts a missing embedding (hidden states in) and output (hidden states
 out). With ``labels_to_model`` the last stage returns the summed loss itself (the chunked loss of
