@@ -106,6 +106,7 @@ class ExpertBalance:
             global_sequences=global_batch,
             global_microbatches=global_microbatches,
             pooled_layers=self.n_rows if self.pooled else 0,
+            grad_scale=torch.zeros((), device=self.device),
         )
         for layer in self.layers:
             layer.balancing = self.balancing
