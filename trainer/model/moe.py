@@ -309,8 +309,9 @@ def balance_part(
     ``global_batch``: ``f`` over the whole step (the pre-pass's counts), ``P`` summed over these
     tokens and divided by the step's tokens, so the parts of every micro-batch and rank add up to
     the global loss; with ``pooled_layers`` (transformers' aux loss), ``f`` and ``P`` over the
-    token-layers of all MoE layers, so the parts of every layer add up to the pooled loss. ``sequence`` and ``micro_batch``: the loss of each sequence or micro-batch
-    on its own, averaged over the step's sequences or (rank-local) micro-batches.
+    token-layers of all MoE layers, so the parts of every layer add up to the pooled loss.
+    ``sequence`` and ``micro_batch``: the loss of each sequence or micro-batch on its own,
+    averaged over the step's sequences or (rank-local) micro-batches.
     """
     n_experts, k = probs.shape[1], chosen.shape[1]
     if balancing.scope == "global_batch" and balancing.pooled_layers:
