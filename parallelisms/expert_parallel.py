@@ -1,21 +1,26 @@
 """Expert parallelism: the routed experts split over ``ep`` ranks, tokens exchanged all-to-all.
 
-The ``ep`` ranks are taken from the data-parallel shard ranks, as torchtitan does: each reads
-its own samples and routes its own tokens, then one all-to-all with uneven splits sends every
+The ``ep`` ranks are taken from the data-parallel shard and context-parallel ranks
+(``dp_shard x cp``), as torchtitan does: each routes its own tokens (its samples, its sequence
+shard), then one all-to-all with uneven splits sends every
 token to the rank holding its expert and a second one brings the outputs back (autograd routes
 the gradients the same way). Routing is dropless, so no token is lost to a capacity and the
 result does not depend on ``ep``. A rank holds experts ``first_expert ..`` of the stack, shaped
-``(n_experts / ep, ...)``; ``parallelisms/fsdp.py`` shards them again over the data-parallel
-ranks outside the EP group (their own FSDP unit), while the router and the shared experts stay
-in the block's unit like any dense layer.
+``(n_experts / ep, ...)``; ``parallelisms/fsdp.py`` shards them again over the ``dp_shard x cp``
+ranks outside the EP group and the TP ranks (their own FSDP unit), while the router and the
+shared experts stay in the block's unit like any dense layer (under TP a unit of their own that
+also spans ``tp``). Under tensor parallelism the experts are expert-parallel, not tensor-parallel:
+each TP rank routes its own sequence shard (``parallelisms/tensor_parallel.py``) and exchanges its
+tokens with the EP ranks of its own TP index.
 
 Gradients: an expert's gradient sums the contributions of every EP rank's tokens on the rank
-holding it, and FSDP sums over its own replicas: a pure sum, divided by nothing, like every other
+holding it, and FSDP sums over its own replicas (the other data-parallel, context-parallel and
+tensor-parallel ranks): a pure sum, divided by nothing, like every other
 gradient (``GradAccumulator`` divides once by the step's valid tokens). The gradient norm counts
 the expert shards of different EP ranks as different values, not copies (``expert_params``).
 
-Supported: ``ep`` dividing ``dp_shard``, with FSDP, HSDP, gradient accumulation and activation
-checkpointing; TP, CP, PP and compile are refused by ``parallelize.check``.
+Supported: ``ep`` dividing ``dp_shard x cp``, with FSDP, HSDP, TP, CP (every backend), gradient
+accumulation and activation checkpointing; PP and compile are refused by ``parallelize.check``.
 """
 
 from __future__ import annotations

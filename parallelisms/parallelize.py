@@ -5,12 +5,14 @@ Applied once, to the model on the meta device, before the training loop:
 0. pipeline parallelism (the rank keeps its stages' modules; each stage is a view of them,
    and every step below is applied to each stage);
 1. tensor parallelism (splits the parameters into TP DTensors);
-1b. expert parallelism (each rank keeps its routed experts; tokens travel all-to-all);
+1b. expert parallelism (each rank keeps its routed experts; tokens travel all-to-all; under TP
+    the MoE runs on each rank's sequence shard, ``parallelisms/tensor_parallel.py``);
 2. context parallelism's attention (each block's attention sees the whole sequence's K/V);
 3. activation checkpointing (per block);
 4. ``torch.compile`` (per block, in place, so parameter names stay the same);
 5. FSDP / HSDP (shards whatever the steps above left, last, so it wraps the final modules;
-   under EP the experts over the data-parallel ranks outside the EP group).
+   under EP the experts over the data-parallel and context-parallel ranks outside the EP group
+   and the TP ranks; under TP an MoE's router and shared experts over the TP ranks too).
 
 :func:`check` holds every constraint between the settings, the model's shape and the device,
 and is meant to run before any process group exists, so a setting that cannot work fails in
@@ -175,8 +177,8 @@ def _check_context_parallel(
 
 
 def _check_experts(dims: ParallelDims, settings: ParallelSettings, shape: ModelShape) -> None:
-    """Expert parallelism needs experts to split; MoE models compose with FSDP, HSDP, EP,
-    accumulation and activation checkpointing so far, not yet with TP, CP, PP or compile."""
+    """Expert parallelism needs experts to split; MoE models compose with FSDP, HSDP, EP, TP, CP,
+    accumulation and activation checkpointing so far, not yet with PP or compile."""
     if dims.ep > 1 and not shape.n_experts:
         raise ParallelismError(f'{{ep}} = {dims.ep} needs a Mixture-of-Experts model: set {{model_name}} = "moe".')
     if shape.n_experts % dims.ep:
@@ -186,16 +188,14 @@ def _check_experts(dims: ParallelDims, settings: ParallelSettings, shape: ModelS
     if not shape.n_experts:
         return
     refused = [
-        (dims.tp > 1, "{tp}"),
-        (dims.cp > 1, "{cp}"),
         (dims.pp > 1, "{pp}"),
         (settings.compile_model or settings.compile_loss, "{compile_model}"),
     ]
     for on, key in refused:
         if on:
             raise ParallelismError(
-                f"Mixture-of-Experts models do not compose with {key} yet (FSDP, HSDP, {{ep}}, gradient "
-                f"accumulation and activation checkpointing do); turn it off."
+                f"Mixture-of-Experts models do not compose with {key} yet (FSDP, HSDP, {{ep}}, {{tp}}, {{cp}}, "
+                f"gradient accumulation and activation checkpointing do); turn it off."
             )
 
 
@@ -257,5 +257,6 @@ def parallelize(
             reshard_after_forward=settings.reshard_after_forward,
             block_units=dims.pp == 1 or settings.pp_schedule not in ZERO_BUBBLE_SCHEDULES,
             expert_mesh=meshes.expert_fsdp,
+            replicated_mesh=meshes.replicated_fsdp if dims.tp > 1 else None,
         )
     return Parallelized(context_parallel, parts if split else None, split)

@@ -234,13 +234,13 @@ def build_balance(plan: JobPlan, model: Transformer, meshes: Meshes) -> ExpertBa
     moe = plan.config.moe
     return ExpertBalance(
         model,
-        meshes.loss.get_group(),
+        meshes.routing.get_group(),
         bias_update_rate=moe.bias_update_rate,
         loss_weight=moe.balance_loss_weight,
         loss_scope=moe.balance_loss_scope,
         global_batch=plan.global_batch_size,
         seq_len=plan.config.training.seq_len,
-        global_microbatches=plan.microbatches * meshes.loss.size(),
+        global_microbatches=plan.microbatches * meshes.routing.size(),
     )
 
 

@@ -4,14 +4,15 @@ Two mechanisms, both defined on the step's *global* batch so that, like the loss
 depend on the mesh or the accumulation count:
 
 - **aux-loss-free bias** (DeepSeek-V3): after the optimizer step, the tokens every MoE layer
-  routed to each expert, summed over the step's micro-batches and the loss mesh (data-parallel
-  ranks and context-parallel shards), move each expert's routing bias by ``bias_update_rate``
+  routed to each expert, summed over the step's micro-batches and the routing mesh (data-parallel
+  ranks, context-parallel shards and tensor-parallel ranks, which route their own sequence
+  shards: ``Meshes.routing``), move each expert's routing bias by ``bias_update_rate``
   towards the mean load (``sign``, centred). Counts are integers summed exactly, and each token
   is counted once: the layers skip the recomputation of activation checkpointing.
 - **balancing loss** ``E x sum_i f_i P_i`` per layer, in one of three scopes. For
   ``global_batch`` the frequencies ``f`` must be those of the whole step before the first
   backward: a forward-only **counting pre-pass** runs the step's micro-batches through the
-  model without autograd and sums the routing over the loss mesh (one all-reduce of layers x
+  model without autograd and sums the routing over the routing mesh (one all-reduce of layers x
   experts counts). It costs one extra forward per micro-batch, about a third of a step's compute
   (measured in ``benchmarks/moe.py``); the alternative, holding every micro-batch's graph until
   the counts are known, would cost the accumulation's memory saving. The loss's gradient is
@@ -19,7 +20,7 @@ depend on the mesh or the accumulation count:
   leaves it at ``weight``.
 
 The step's statistics (:class:`BalanceStats`): the balancing loss (mean over MoE layers, summed
-over the loss mesh) and each layer's max / mean expert load.
+over the routing mesh) and each layer's max / mean expert load.
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ class ExpertBalance:
                 layer.global_counts.copy_(row)
 
     def finish_step(self, skipped: bool) -> BalanceStats:
-        """Sum the step's counts and balancing loss over the loss mesh; move the biases unless
+        """Sum the step's counts and balancing loss over the routing mesh; move the biases unless
         the optimizer step was skipped."""
         counts = torch.stack([layer.tokens_per_expert for layer in self.layers])
         losses = torch.stack([layer.balance_sum for layer in self.layers])

@@ -208,6 +208,13 @@ def check_experts(config: JobConfig, dims: ParallelDims, n_experts: int) -> None
         return
     if config.debug.layout_invariant:
         raise ConfigError('`debug.layout_invariant` is not implemented for `model.name` = "moe"; turn it off.')
+    moe = config.moe
+    if moe.balance_loss_weight > 0 and moe.balance_loss_scope == "sequence" and dims.cp * dims.tp > 1:
+        raise ConfigError(
+            '`moe.balance_loss_scope` = "sequence" needs whole sequences on a rank, but '
+            f"`parallelism.context_parallel_degree` x `parallelism.tensor_parallel_degree` = {dims.cp} x {dims.tp} "
+            'splits each one; use "global_batch" (exact on every mesh) or "micro_batch".'
+        )
 
 
 def check_layout_invariant(config: JobConfig, dims: ParallelDims, settings: ParallelSettings) -> None:
