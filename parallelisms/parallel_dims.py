@@ -48,6 +48,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from parallelisms.torch_private import dtensor
 
 MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+EXPERT_MESH_DIM_NAMES = ("pp", "dp_replicate", "ep", "expert_shard")
 
 
 class ParallelismError(ValueError):
@@ -157,7 +158,9 @@ class ParallelDims:
             ranks, names = expert_rank_grid(mesh.mesh, self)
             expert_mesh = DeviceMesh(device_type, ranks, mesh_dim_names=names)
             meshes.ep = expert_mesh["ep"]
-            meshes.expert_fsdp = expert_mesh["dp_replicate", "expert_shard"] if self.hsdp else expert_mesh["expert_shard"]
+            meshes.expert_fsdp = (
+                expert_mesh["dp_replicate", "expert_shard"] if self.hsdp else expert_mesh["expert_shard"]
+            )
             meshes.expert_checkpoint = expert_mesh["dp_replicate", "ep", "expert_shard"]
         return meshes
 
@@ -168,7 +171,7 @@ def expert_rank_grid(ranks: torch.Tensor, dims: ParallelDims) -> tuple[torch.Ten
     EP group and ``ep`` consecutive ones, and ``expert_shard`` is those outside ranks times ``tp``."""
     outside = dims.dp_shard * dims.cp // dims.ep
     grid = ranks.reshape(dims.pp, dims.dp_replicate, outside, dims.ep, dims.tp).permute(0, 1, 3, 2, 4)
-    return grid.reshape(dims.pp, dims.dp_replicate, dims.ep, outside * dims.tp), ("pp", "dp_replicate", "ep", "expert_shard")
+    return grid.reshape(dims.pp, dims.dp_replicate, dims.ep, outside * dims.tp), EXPERT_MESH_DIM_NAMES
 
 
 @dataclass
@@ -192,7 +195,8 @@ class Meshes:
         """Every process group of these meshes (for settings that apply per group, like timeouts)."""
         found: dict[int, ProcessGroup] = {}
         optional = [m for m in (self.ep, self.expert_fsdp) if m is not None]
-        for mesh in (self.batch, self.fsdp, self.loss, self.tp, self.cp, self.pp, self.stats, self.routing, self.replicated_fsdp, *optional):
+        every = [self.batch, self.fsdp, self.loss, self.tp, self.cp, self.pp, self.stats, self.routing]
+        for mesh in (*every, self.replicated_fsdp, *optional):
             for dim in range(mesh.ndim):
                 group = mesh.get_group(dim)
                 found[id(group)] = group

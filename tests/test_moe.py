@@ -104,7 +104,11 @@ MOE = ["--model.name", "moe", "--model.flavor", "debugmoe", "--training.global_b
     [
         (4, ["--mesh", "dp_shard=4,ep=3"], "`parallelism.expert_parallel_degree` = 3 must divide"),
         (2, ["--model.name", "llama3", "--model.flavor", "debugmodel", "--mesh", "dp_shard=2,ep=2"], "`model.name`"),
-        (4, ["--mesh", "cp=2,tp=2,ep=4"], "must divide `parallelism.data_parallel_shard_degree` x `parallelism.context"),
+        (
+            4,
+            ["--mesh", "cp=2,tp=2,ep=4"],
+            "must divide `parallelism.data_parallel_shard_degree` x `parallelism.context",
+        ),
         (4, ["--mesh", "dp_shard=2,pp=2"], "`parallelism.pipeline_parallel_degree`"),
         (
             2,
