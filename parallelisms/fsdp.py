@@ -44,10 +44,10 @@ def apply_fsdp(
     own, sharded over the data-parallel ranks outside the EP group
     (``parallelisms/expert_parallel.py``).
 
-    ``replicated_mesh``: under tensor parallelism each MoE layer's router and shared experts,
-    replicated over TP ranks that feed them different tokens, are a unit over ``mesh`` with
-    ``tp`` folded in, so that their gradients are summed over TP as well
-    (``parallelisms/tensor_parallel.py``).
+    ``replicated_mesh``: under tensor parallelism each MoE layer's router and shared experts
+    (and its routed experts without EP), replicated over TP ranks that feed them different
+    tokens, are a unit over ``mesh`` with ``tp`` folded in, so that their gradients are summed
+    over TP as well (``parallelisms/tensor_parallel.py``).
     """
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
 
@@ -64,7 +64,9 @@ def apply_fsdp(
             fully_shard(moe.experts, mesh=expert_mesh, mp_policy=mp_policy, reshard_after_forward=not never)
     if replicated_mesh is not None:
         for moe in moe_layers(model):
-            replicated = [m for m in (moe.router, moe.shared_experts) if m is not None]
+            # Without expert parallelism the routed experts are replicated over TP as well.
+            experts = None if expert_mesh is not None else moe.experts
+            replicated = [m for m in (moe.router, moe.shared_experts, experts) if m is not None]
             fully_shard(replicated, mesh=replicated_mesh, mp_policy=mp_policy, reshard_after_forward=not never)
     for i, block in enumerate(units if block_units else []):
         # The last block's backward starts right after forward, so freeing it is wasted work.

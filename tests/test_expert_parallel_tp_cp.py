@@ -29,6 +29,7 @@ MESHES = {
             "full",
         ],
     ),
+    "tp=2, no expert parallelism": (2, 4, ["--mesh", "tp=2"]),
     "cp=2 x ep=2, allgather_kv": (2, 4, ["--mesh", "cp=2,ep=2", *ALLGATHER]),
     "cp=2 x ep=2, ulysses": (2, 4, ["--mesh", "cp=2,ep=2", *ULYSSES]),
     "dp_shard=2 x cp=2 x ep=2, allgather_kv": (4, 2, ["--mesh", "dp_shard=2,cp=2,ep=2", *ALLGATHER]),
