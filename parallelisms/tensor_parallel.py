@@ -13,10 +13,10 @@ as torchtitan does: the MoE gets this rank's sequence shard as a plain tensor an
 routes its own tokens. Nothing in it is split by TP: the router and the shared experts are
 replicated and run on the local tokens, the routed experts are expert-parallel over
 ``dp_shard x cp`` (``parallelisms/expert_parallel.py``) and every TP rank sends its own tokens
-to them (without EP they are replicated like the router). Its output is the sequence shard the residual stream holds, so no collective is added;
-the gradients of those replicated parameters differ between TP ranks (each saw other tokens)
-and are summed over TP by FSDP, which shards them over a mesh that includes ``tp``
-(``Meshes.replicated_fsdp``, ``Meshes.expert_fsdp``).
+to them (without EP they are replicated like the router). Its output is the sequence shard the
+residual stream holds, so no collective is added. The gradients of those replicated parameters
+differ between TP ranks (each saw other tokens) and are summed over TP by FSDP, which shards
+them over a mesh that includes ``tp`` (``Meshes.replicated_fsdp``, ``Meshes.expert_fsdp``).
 
 Applied before FSDP: FSDP then shards the tensor-parallel DTensors over its own mesh.
 """
