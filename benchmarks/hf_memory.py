@@ -3,9 +3,10 @@ and the 8B preset's logits memory per rank at seq 8192 from the estimate, chunke
 
 Writes the model's folder once (random bf16 weights, streamed tensor by tensor), then loads it
 into ``--ranks`` processes (gloo, the trainer's own parallelisation of ``--mesh``, the model in
-bf16 so that the shards stay small) and prints, per rank, the rise of its peak RSS during the
-load, counted from before its shard was allocated (so the shard itself is in the rise) and from
-after (what the reading costs on top). Each rank then converts every tensor of the folder whole,
+bf16 so that the shards stay small) and prints, per rank, the rise of its peak RSS (``VmHWM``,
+reset first) during the load, counted from before its shard was allocated (the shard itself is
+in the rise) and from after it was allocated and written (what the reading costs on top; mapped
+file pages count while a read holds them). Each rank then converts every tensor of the folder whole,
 one at a time, and checks that its shard equals that tensor's box bit for bit: the whole-model
 import. ``--code /work/main`` imports the trainer from another checkout for the comparison; the
 8B figures need no processes.
@@ -21,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import sys
 from pathlib import Path
 from typing import Any
@@ -63,7 +63,15 @@ def write_folder(folder: Path, args: Any) -> None:
 
 
 def _peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """This process's peak RSS since the last ``_reset_peak`` (``VmHWM``)."""
+    status = Path("/proc/self/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:"))) * 1024
+
+
+def _reset_peak() -> None:
+    """Start the peak afresh: ``ru_maxrss`` would carry the parent's peak (writing the folder) into
+    a spawned rank, which hides the load's rise under it."""
+    Path("/proc/self/clear_refs").write_text("5")
 
 
 def _rank(rank: int, world: int, port: int, opts: argparse.Namespace, out: str) -> None:
@@ -81,8 +89,12 @@ def _rank(rank: int, world: int, port: int, opts: argparse.Namespace, out: str) 
         model = Transformer(plan.model_args)
     parallelize(model, meshes, plan.dims, plan.parallel, "cpu")
     dist.barrier()
+    _reset_peak()
     base = _peak_rss()
     model.to_empty(device="cpu")
+    with torch.no_grad():
+        for param in model.parameters():
+            _local(param).zero_()
     held = sum(_local(p).numel() * 2 for p in model.parameters())
     dist.barrier()
     before = _peak_rss()
@@ -96,7 +108,7 @@ def _rank(rank: int, world: int, port: int, opts: argparse.Namespace, out: str) 
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
-    return param.to_local() if hasattr(param, "to_local") else param  # type: ignore[operator]
+    return param.to_local() if hasattr(param, "to_local") else param
 
 
 def _differ_from_whole(model: torch.nn.Module, args: Any, folder: Path) -> list[str]:
