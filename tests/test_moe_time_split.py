@@ -15,9 +15,11 @@ import torch
 from harness import BASE_ARGV, run_ranks, train_as_a_worker
 
 from parallelisms.moe_split import PARTS, SPLIT
+from parallelisms.torch_private import kernels
 from trainer.metrics.reports import moe_split_line
+from trainer.model import moe
 from trainer.model.llama3 import Transformer
-from trainer.model.moe import FLAVORS, moe_layers
+from trainer.model.moe import FLAVORS, GroupedExperts, has_grouped_mm, moe_layers
 
 TINY = replace(FLAVORS["debugmoe"], dim=64, vocab_size=256)
 
@@ -58,6 +60,24 @@ def test_the_line_gives_each_part_per_step_and_its_share():
     assert line.startswith("MoE time split, steps 2-3")
     assert "router 1.0 ms (1%), dispatch 2.0 ms (2%), experts 15.0 ms (15%), combine 2.0 ms (2%)" in line
     assert "20.0 ms of the 100.0 ms step (20%)" in line
+
+
+def test_the_experts_range_runs_the_grouped_matmul_where_chosen(monkeypatch: pytest.MonkeyPatch):
+    """Only CUDA bf16 at sm90+ picks ``torch._grouped_mm``; where picked, the experts go through it
+    (one kernel per weight) and give the loop's bf16 result bit for bit (CPU's forward here; the
+    GPU's is for the device check)."""
+    experts = GroupedExperts(5, 32, 16).to(torch.bfloat16)
+    torch.nn.init.normal_(experts.w1), torch.nn.init.normal_(experts.w2), torch.nn.init.normal_(experts.w3)
+    x, counts = torch.randn(20, 32, dtype=torch.bfloat16), torch.tensor([5, 0, 9, 0, 6])
+    assert not has_grouped_mm(x)
+    looped = experts(x, counts)
+    calls: list[int] = []
+    grouped_mm = kernels.grouped_mm
+    monkeypatch.setattr(kernels, "grouped_mm", lambda *args, **kw: calls.append(1) or grouped_mm(*args, **kw))
+    monkeypatch.setattr(moe, "has_grouped_mm", lambda x: True)
+    with torch.no_grad():
+        assert torch.equal(experts(x, counts), looped.detach())
+    assert len(calls) == 3
 
 
 def run_worker(argv: list[str], dump: str) -> dict:
