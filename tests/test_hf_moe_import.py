@@ -22,6 +22,7 @@ from trainer.checkpoint.hf_folders import HFFolder, export_hf_folder, load_hf_fo
 from trainer.config import load_config
 from trainer.data.datasets import load_dataset
 from trainer.data.tokenizer import load_tokenizer
+from trainer.model import hf_qwen3_moe
 from trainer.model.hf_qwen3_moe import from_hf_state_dict
 from trainer.model.llama3 import Transformer
 from trainer.model.moe import MoEArgs
@@ -216,3 +217,20 @@ def test_export_folder_loads_in_transformers_with_its_tokenizer(tmp_path: Path):
     assert AutoTokenizer.from_pretrained(out).encode("To be", add_special_tokens=False) == loaded.encode(
         "To be", bos=False, eos=False
     )
+
+
+def test_export_warns_that_a_learned_routing_bias_stays_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A training checkpoint holds each MoE layer's ``expert_bias``; a nonzero one moves the
+    top-k choice, which a ``Qwen3MoeForCausalLM`` cannot, so the export says so (and not for zeros)."""
+    args = qwen3_args()
+    model = Transformer(args)
+    model.init_weights(3)
+    monkeypatch.setattr(hf_qwen3_moe, "check_state_dict", lambda sd, args: None)  # a trainer checkpoint's keys
+    warned = {}
+    for bias in (0.0, 0.01):
+        biases = {name: torch.full_like(b, bias) for name, b in model.named_buffers() if name.endswith("expert_bias")}
+        write_dcp_model(tmp_path / f"ckpt{bias}", {**_params(model), **biases}, args)
+        done = run_script("convert_to_hf.py", tmp_path / f"ckpt{bias}", tmp_path / f"hf{bias}")
+        assert done.returncode == 0, done.stderr
+        warned[bias] = "routes with a learned expert bias" in done.stderr
+    assert warned == {0.0: False, 0.01: True}
