@@ -6,7 +6,8 @@ every layer; under expert parallelism the dispatch and the combine are the token
 The parts never nest, so their times add up. While ``SPLIT`` measures (the run's first timed
 steps, for the start report), each part's wall-clock time is also summed, the device
 synchronised at its edges so that a kernel counts in the part that launched it; otherwise nothing
-is timed or synchronised. One ``SPLIT`` per process: every MoE layer of the rank adds to it.
+is timed or synchronised, and without a profiler recording no range is opened (a range costs
+microseconds). One ``SPLIT`` per process: every MoE layer of the rank adds to it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import time
 from collections.abc import Callable, Iterator
 
 import torch
+
+from parallelisms.torch_private import kernels
 
 PARTS = ("router", "dispatch", "experts", "combine")
 
@@ -37,8 +40,14 @@ class MoESplit:
         self.measuring = False
         return dict(self.seconds)
 
+    def part(self, name: str) -> contextlib.AbstractContextManager[None]:
+        """The part's range while a profiler records, timed while measuring; otherwise nothing."""
+        if self.measuring or kernels.profiler_enabled():
+            return self._ranged(name)
+        return contextlib.nullcontext()
+
     @contextlib.contextmanager
-    def part(self, name: str) -> Iterator[None]:
+    def _ranged(self, name: str) -> Iterator[None]:
         with torch.profiler.record_function(f"moe/{name}"):
             if not self.measuring:
                 yield
