@@ -5,14 +5,15 @@ one tensor at a time and transformers loads what it wrote, tokenizer and generat
 from __future__ import annotations
 
 import os
+import sys
 import weakref
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-from harness import BASE_ARGV, run_by_world
-from hf_helpers import assert_same_tensors, run_script
+from harness import BASE_ARGV, ROOT, run_by_world
+from hf_helpers import assert_same_tensors
 from hf_tokenizer import build
 
 from trainer.build import build_step_parts
@@ -28,6 +29,9 @@ from trainer.model.llama3 import Transformer
 from trainer.model.moe import MoEArgs
 from trainer.model.tiled_init import local_box, stacked_box
 from trainer.planning.job_plan import JobPlan, resolve_job
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import convert_to_hf
 
 ARGV = [*BASE_ARGV, "--model.name", "moe", "--model.flavor", "debugmoe", "--training.local_batch_size", "2"]
 
@@ -176,7 +180,7 @@ def test_export_streams_one_tensor_at_a_time(tmp_path: Path):
 
 
 def test_export_folder_loads_in_transformers_with_its_tokenizer(tmp_path: Path):
-    """The script's sharded bf16 export of an MoE checkpoint: shards, index, config, generation
+    """The converter's sharded bf16 export of an MoE checkpoint: shards, index, config, generation
     config and tokenizer; transformers loads all of them, and its weights are ours in bf16."""
     from transformers import AutoTokenizer, GenerationConfig, Qwen3MoeForCausalLM
 
@@ -185,10 +189,9 @@ def test_export_folder_loads_in_transformers_with_its_tokenizer(tmp_path: Path):
     model.init_weights(3)
     tokenizer = build(tmp_path / "tok")
     write_dcp_model(tmp_path / "ckpt", _params(model), args)
-    done = run_script(
-        "convert_to_hf.py", tmp_path / "ckpt", tmp_path / "hf", "--tokenizer", tokenizer, "--max-shard-bytes", "400000"
+    convert_to_hf.main(
+        [str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--tokenizer", str(tokenizer), "--max-shard-bytes", "400000"]
     )
-    assert done.returncode == 0, done.stderr
     out = tmp_path / "hf"
     names = sorted(p.name for p in out.iterdir())
     shards = [n for n in names if n.startswith("model-")]
@@ -219,7 +222,9 @@ def test_export_folder_loads_in_transformers_with_its_tokenizer(tmp_path: Path):
     )
 
 
-def test_export_warns_that_a_learned_routing_bias_stays_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+def test_export_warns_that_a_learned_routing_bias_stays_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+):
     """A training checkpoint holds each MoE layer's ``expert_bias``; a nonzero one moves the
     top-k choice, which a ``Qwen3MoeForCausalLM`` cannot, so the export says so (and not for zeros)."""
     args = qwen3_args()
@@ -230,7 +235,6 @@ def test_export_warns_that_a_learned_routing_bias_stays_behind(tmp_path: Path, m
     for bias in (0.0, 0.01):
         biases = {name: torch.full_like(b, bias) for name, b in model.named_buffers() if name.endswith("expert_bias")}
         write_dcp_model(tmp_path / f"ckpt{bias}", {**_params(model), **biases}, args)
-        done = run_script("convert_to_hf.py", tmp_path / f"ckpt{bias}", tmp_path / f"hf{bias}")
-        assert done.returncode == 0, done.stderr
-        warned[bias] = "routes with a learned expert bias" in done.stderr
+        convert_to_hf.main([str(tmp_path / f"ckpt{bias}"), str(tmp_path / f"hf{bias}")])
+        warned[bias] = "routes with a learned expert bias" in capsys.readouterr().err
     assert warned == {0.0: False, 0.01: True}
