@@ -31,6 +31,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from parallelisms.model_parts import moe_layers
+from parallelisms.moe_split import SPLIT
 from parallelisms.torch_private import dtensor
 
 
@@ -43,22 +44,25 @@ class ExpertParallelDispatch:
         """Bytes this rank sent to other ranks in the token all-to-alls (for the benchmark)."""
 
     def __call__(self, routed: torch.Tensor, counts: torch.Tensor, experts: nn.Module) -> torch.Tensor:
-        send = counts.view(self.ep, self.local_experts).contiguous()
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=self.group)
-        in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
-        received = dtensor.all_to_all_uneven(routed, out_splits, in_splits, self.group)
-        # Received in (source rank, expert) order; the experts want (expert, source rank).
-        expert = torch.arange(self.local_experts, device=recv.device).view(1, -1)
-        source = torch.arange(self.ep, device=recv.device).view(-1, 1)
-        key = (expert * self.ep + source).flatten().repeat_interleave(recv.flatten())
-        perm = key.argsort(stable=True)
-        out = experts(received[perm], recv.sum(0))
-        back = torch.zeros_like(out).index_copy(0, perm, out)
-        rank = dist.get_rank(self.group)
-        row = routed.element_size() * routed.shape[1]
-        self.bytes_sent += row * (sum(in_splits) - in_splits[rank] + sum(out_splits) - out_splits[rank])
-        return dtensor.all_to_all_uneven(back, in_splits, out_splits, self.group)
+        with SPLIT.part("dispatch"):
+            send = counts.view(self.ep, self.local_experts).contiguous()
+            recv = torch.empty_like(send)
+            dist.all_to_all_single(recv, send, group=self.group)
+            in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
+            received = dtensor.all_to_all_uneven(routed, out_splits, in_splits, self.group)
+            # Received in (source rank, expert) order; the experts want (expert, source rank).
+            expert = torch.arange(self.local_experts, device=recv.device).view(1, -1)
+            source = torch.arange(self.ep, device=recv.device).view(-1, 1)
+            key = (expert * self.ep + source).flatten().repeat_interleave(recv.flatten())
+            perm = key.argsort(stable=True)
+            sorted_tokens = received[perm]
+        out = experts(sorted_tokens, recv.sum(0))
+        with SPLIT.part("combine"):
+            back = torch.zeros_like(out).index_copy(0, perm, out)
+            rank = dist.get_rank(self.group)
+            row = routed.element_size() * routed.shape[1]
+            self.bytes_sent += row * (sum(in_splits) - in_splits[rank] + sum(out_splits) - out_splits[rank])
+            return dtensor.all_to_all_uneven(back, in_splits, out_splits, self.group)
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, checkpoint_mesh: DeviceMesh | None) -> None:

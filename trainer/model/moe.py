@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from parallelisms.moe_split import SPLIT
 from parallelisms.torch_private import kernels
 from trainer.model.llama3 import FeedForward, ModelArgs, TransformerBlock
 
@@ -194,7 +195,8 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``x``: tokens sorted by local expert, ``counts[e]`` of them for expert ``e``."""
         swiglu = grouped_swiglu if has_grouped_mm(x) else looped_swiglu
-        return swiglu(x, counts, self.w1, self.w2, self.w3)
+        with SPLIT.part("experts"):
+            return swiglu(x, counts, self.w1, self.w2, self.w3)
 
 
 class _AddBalanceLoss(torch.autograd.Function):
@@ -244,13 +246,17 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bsz, seq, dim = x.shape
         flat = x.reshape(-1, dim)
-        probs, chosen, weights = self.router(flat, self.expert_bias)
-        counts = torch.bincount(chosen.flatten(), minlength=self.n_experts)
-        counted = self._count(counts)
-        order = chosen.flatten().argsort(stable=True)
-        routed = self.dispatch(flat[order // self.top_k], counts, self.experts)
-        unsorted = torch.zeros_like(routed).index_copy(0, order, routed)
-        out = (unsorted.view(-1, self.top_k, dim) * weights.unsqueeze(-1).to(unsorted.dtype)).sum(1)
+        with SPLIT.part("router"):
+            probs, chosen, weights = self.router(flat, self.expert_bias)
+            counts = torch.bincount(chosen.flatten(), minlength=self.n_experts)
+            counted = self._count(counts)
+        with SPLIT.part("dispatch"):
+            order = chosen.flatten().argsort(stable=True)
+            sorted_tokens = flat[order // self.top_k]
+        routed = self.dispatch(sorted_tokens, counts, self.experts)
+        with SPLIT.part("combine"):
+            unsorted = torch.zeros_like(routed).index_copy(0, order, routed)
+            out = (unsorted.view(-1, self.top_k, dim) * weights.unsqueeze(-1).to(unsorted.dtype)).sum(1)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         return self._add_balance_loss(out, probs, chosen, counts, bsz, counted).view(bsz, seq, dim)
