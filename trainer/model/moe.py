@@ -177,6 +177,13 @@ def has_grouped_mm(x: torch.Tensor) -> bool:
     return x.is_cuda and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
 
 
+def expert_counts(chosen: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Tokens routed to each expert. A scatter, not ``bincount``, whose output size depends on
+    the values: ``--simulate`` traces this on fake tensors, which have none."""
+    flat = chosen.flatten()
+    return flat.new_zeros(n_experts).scatter_add_(0, flat, torch.ones_like(flat))
+
+
 class GroupedExperts(nn.Module):
     """The routed experts' SwiGLU weights, stacked: ``w1``, ``w3`` ``(experts, hidden, dim)``,
     ``w2`` ``(experts, dim, hidden)``. Under expert parallelism a rank holds experts
@@ -185,6 +192,9 @@ class GroupedExperts(nn.Module):
     def __init__(self, n_experts: int, dim: int, hidden: int):
         super().__init__()
         self.n_experts, self.first_expert = n_experts, 0
+        self.grouped: bool | None = None
+        """Run the grouped kernel; None: where the device has it. ``--simulate`` sets it, tracing
+        on fake CPU tensors the kernel an sm90 GPU runs (the loop needs the counts' values)."""
         self.checkpoint_mesh: DeviceMesh | None = None
         """Under expert parallelism, where a checkpoint places this rank's experts in the stack."""
         self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))
@@ -193,7 +203,8 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``x``: tokens sorted by local expert, ``counts[e]`` of them for expert ``e``."""
-        swiglu = grouped_swiglu if has_grouped_mm(x) else looped_swiglu
+        grouped = has_grouped_mm(x) if self.grouped is None else self.grouped
+        swiglu = grouped_swiglu if grouped else looped_swiglu
         return swiglu(x, counts, self.w1, self.w2, self.w3)
 
 
@@ -245,7 +256,7 @@ class MoE(nn.Module):
         bsz, seq, dim = x.shape
         flat = x.reshape(-1, dim)
         probs, chosen, weights = self.router(flat, self.expert_bias)
-        counts = torch.bincount(chosen.flatten(), minlength=self.n_experts)
+        counts = expert_counts(chosen, self.n_experts)
         counted = self._count(counts)
         order = chosen.flatten().argsort(stable=True)
         routed = self.dispatch(flat[order // self.top_k], counts, self.experts)

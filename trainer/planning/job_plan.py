@@ -308,6 +308,7 @@ def memory_workload(
         pp_layers_per_stage=settings.pp_layers_per_stage,
         pp_first_less=settings.pp_first_stage_less_layers,
         pp_last_less=settings.pp_last_stage_less_layers,
+        routing_imbalance=figures.get("routing_imbalance", 1.0) if figures else 1.0,
     )
 
 

@@ -110,6 +110,8 @@ class Workload:
     pp_layers_per_stage: int = -1
     pp_first_less: int = 1
     pp_last_less: int = 1
+    routing_imbalance: float = 1.0
+    """The tokens the busiest expert-parallel rank receives, over the average (``--target.routing_imbalance``)."""
 
     @property
     def block_params(self) -> int:

@@ -42,11 +42,13 @@ ASSUMPTIONS = (
     "and collectives stand for each one not traced",
     "data: synthetic samples of `training.seq_len` tokens, every label valid (the job's data are not "
     "read, so their size and format are not checked: `--dry-run` on the machine that holds them does)",
-    "MFU counts the model's FLOPs (6N + 12 L d S per token, as the training log does); HFU the traced "
-    "ones, with activation-checkpointing recompute",
+    "MFU counts the model's FLOPs (6N + 12 L d S per token, as the training log does; N of a Mixture-of-"
+    "Experts model its active parameters: router, shared and top-k routed experts); HFU the traced ones, with "
+    "activation-checkpointing recompute",
 )
 
-FSDP_DIMS = ("dp_shard_cp", "dp_replicate")
+FSDP_DIMS = ("dp_shard_cp", "dp_replicate", "dp_shard_out_ep")
+"""FSDP's groups, the routed experts' (``dp_shard_out_ep``, under expert parallelism) included."""
 KINDS = {
     "all_gather": ("allgather", "all_gather", "_allgather_base"),
     "reduce_scatter": ("reduce_scatter", "_reduce_scatter_base"),
@@ -65,6 +67,8 @@ ATTENTION_FORWARD = {
 ATTENTION_BACKWARD = {name + "_backward": 10 for name in ATTENTION_FORWARD}
 """FLOPs per (batch x head x query x key x head_dim): forward QK^T and PV; backward recomputes
 the scores and forms four more products."""
+GROUPED_MM = "_grouped_mm"
+"""The experts' grouped matmul, which torch's FLOP counter does not know."""
 
 
 @dataclass
@@ -149,12 +153,14 @@ class CostRecorder:
         flops = memory = 0
         if func.namespace in ("c10d", "_c10d_functional"):
             self._collective(name, args, out)
-        elif func.overloadpacket in flop_registry or name in ATTENTION_FORWARD or name in ATTENTION_BACKWARD:
+        elif func.overloadpacket in flop_registry or name in (*ATTENTION_FORWARD, *ATTENTION_BACKWARD, GROUPED_MM):
             # A DTensor op computes on the local shards: count with their shapes. (``to_local``
             # would dispatch an op of its own per tensor, through every mode.)
             args, kwargs, out = tree_map_only(DTensor, dtensor.local_tensor, (args, kwargs, out))
             if func.overloadpacket in flop_registry:
                 flops = int(flop_registry[func.overloadpacket](*args, **kwargs, out_val=out))
+            elif name == GROUPED_MM:
+                flops = _grouped_mm_flops(args[0], args[1])
             else:
                 flops = _attention_flops(name, args, kwargs)
         elif func.namespace == "aten" and not func.is_view and not name.startswith(("empty", "detach", "_local")):
@@ -194,6 +200,14 @@ class CostRecorder:
             if isinstance(name, str) and name in self.groups:
                 return self.groups[name]
         return None
+
+
+def _grouped_mm_flops(a: Any, b: Any) -> int:
+    """Every row of ``a`` meets one group's matrix: ``2 x a's elements x b's columns`` for the
+    experts' forward (``(tokens, dim) x (experts, dim, hidden)``) and their input gradient, and
+    for the weight gradient (``(dim, tokens) x (tokens, hidden)``, grouped along the tokens)."""
+    groups = a.shape[0] if a.dim() == 3 and b.dim() == 2 else 1
+    return 2 * a.numel() * b.shape[-1] // groups
 
 
 def _attention_flops(name: str, args: tuple, kwargs: dict) -> int:

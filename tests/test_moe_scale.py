@@ -1,0 +1,51 @@
+"""Mixture-of-Experts at its real size: the FLOPs a token costs, the routing the planners assume."""
+
+from __future__ import annotations
+
+import pytest
+
+from parallelisms.expert_parallel import AssumedRouting
+from trainer.metrics import model_flops_per_token
+from trainer.model.llama3 import num_params, whole_model
+from trainer.model.moe import FLAVORS
+
+
+def _hand_count(flavor: str) -> tuple[int, int]:
+    """(all parameters but the embedding, those one token passes through), from the shapes."""
+    a = FLAVORS[flavor]
+    head_dim = a.head_size or a.dim // a.n_heads
+    q, kv = a.n_heads * head_dim, a.kv_heads * head_dim
+    attention = 2 * a.dim * q + 2 * a.dim * kv + 2 * a.dim + (2 * head_dim if a.qk_norm else 0)
+    expert = 3 * a.dim * a.moe_hidden_dim
+    router_and_shared = a.dim * a.n_experts + a.n_shared_experts * expert
+    dense = a.n_dense_layers * (attention + 3 * a.dim * a.ffn_hidden_dim)
+    moe_layers = a.n_layers - a.n_dense_layers
+    outside = a.dim + a.vocab_size * a.dim  # final norm, output projection
+    total = dense + moe_layers * (attention + router_and_shared + a.n_experts * expert) + outside
+    active = dense + moe_layers * (attention + router_and_shared + a.top_k * expert) + outside
+    return total, active
+
+
+@pytest.mark.parametrize(("flavor", "active"), [("debugmoe", 3_678_592), ("qwen3_30b_a3b", 3_041_867_776)])
+def test_flops_per_token_count_the_active_parameters(flavor: str, active: int) -> None:
+    """MFU's FLOPs per token: 6 x the parameters a token meets (router, shared experts, its k
+    routed experts, the dense first blocks, the output) + attention's 12 L d S; not every expert."""
+    args, seq_len = FLAVORS[flavor], 4096
+    total, counted = _hand_count(flavor)
+    assert num_params(whole_model(args), exclude_embedding=True) == total
+    assert counted == active
+    assert model_flops_per_token(args, seq_len) == 6 * active + 12 * args.n_layers * args.dim * seq_len
+
+
+@pytest.mark.parametrize(("imbalance", "ep", "rank"), [(1.0, 4, 0), (1.5, 4, 0), (1.5, 8, 3), (2.0, 2, 1), (3.0, 1, 0)])
+def test_assumed_routing_sizes_the_busiest_rank(imbalance: float, ep: int, rank: int) -> None:
+    """The planned rank receives ``imbalance`` x its share from every source alike, sends all its
+    rows, and what it sends itself is what it receives from itself."""
+    rows = 8192 * 8
+    sent, received = AssumedRouting(imbalance).splits(rows, ep, rank)
+    assert len(sent) == len(received) == ep
+    assert sum(sent) == rows
+    assert sum(received) == (round(rows * imbalance) if ep > 1 else rows)
+    assert sent[rank] == received[rank]
+    assert max(received) - min(received) <= 1
+    assert min(sent) >= 0
