@@ -15,8 +15,9 @@ from harness import ROOT, run_train
 from trainer.config import ConfigError, load_config
 from trainer.entry.launch import main as launch_main
 from trainer.planning.job_plan import check_memory, memory_limit, resolve_job, target_device
+from trainer.planning.memory_fixes import fixes
 from trainer.planning.memory_limits import TARGET_MEMORY_BYTES
-from trainer.planning.memory_plan import Workload, estimate, estimates, fixes
+from trainer.planning.memory_plan import Workload, estimate, estimates
 
 GIB = 1024**3
 EIGHT_B = Workload(

@@ -28,8 +28,10 @@ from trainer.hardware import GIB, gib
 from trainer.model.llama3 import FLAVORS, ModelArgs, model_args
 from trainer.model.moe import FLAVORS as MOE_FLAVORS
 from trainer.model.moe import MoEArgs
+from trainer.planning.memory_fixes import what_would_fit
 from trainer.planning.memory_limits import TARGET_MEMORY_BYTES, cpu_limit_per_rank, gpu_limit
-from trainer.planning.memory_plan import Estimate, Workload, estimate, what_would_fit
+from trainer.planning.memory_plan import Estimate, Workload, estimate
+from trainer.planning.moe_memory import RoutedExperts
 
 SETTING_KEYS = {
     "dp_replicate": "`parallelism.data_parallel_replicate_degree`",
@@ -273,6 +275,7 @@ def memory_workload(
     ``training.local_batch_size`` (which only cuts the loader's batch)."""
     training = config.training
     pipelined = dims.pp > 1
+    imbalance = figures.get("routing_imbalance", 1.0) if figures else 1.0
     return Workload(
         dim=args.dim,
         n_layers=args.n_layers,
@@ -308,8 +311,17 @@ def memory_workload(
         pp_layers_per_stage=settings.pp_layers_per_stage,
         pp_first_less=settings.pp_first_stage_less_layers,
         pp_last_less=settings.pp_last_stage_less_layers,
-        routing_imbalance=figures.get("routing_imbalance", 1.0) if figures else 1.0,
+        routing_imbalance=imbalance,
+        head_dim=args.head_dim,
+        experts=routed_experts(args, dims.ep, imbalance),
     )
+
+
+def routed_experts(args: ModelArgs, ep: int, imbalance: float) -> RoutedExperts | None:
+    if not isinstance(args, MoEArgs):
+        return None
+    shared = args.n_shared_experts * args.moe_hidden_dim
+    return RoutedExperts(args.n_experts, args.top_k, args.moe_hidden_dim, shared, args.n_dense_layers, ep, imbalance)
 
 
 def describe(plan: JobPlan, limit: int | None, where: str) -> str:
@@ -322,12 +334,22 @@ def describe(plan: JobPlan, limit: int | None, where: str) -> str:
             f"model: {config.model.name} {config.model.flavor}, {w.params:,} parameters "
             f"({w.n_layers} layers, dim {w.dim}, vocabulary {w.vocab_size})",
             f"mesh: pp={dims.pp} dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} cp={dims.cp} tp={dims.tp} "
-            f"({dims.world_size} processes)",
+            + (f"ep={dims.ep} " if w.experts else "")
+            + f"({dims.world_size} processes)",
+            *([experts_line(w.experts)] if w.experts else []),
             f"batch: {plan.global_batch_size} x {training.seq_len} tokens per step = {plan.microbatches} "
             f"micro-batch(es) of {training.local_batch_size} per data-parallel rank; {training.steps} steps",
             f"memory: {plan.memory.line()}{fits}",
             f"output: {config.job.dump_folder}",
         ]
+    )
+
+
+def experts_line(experts: RoutedExperts) -> str:
+    return (
+        f"experts: {experts.n_experts} routed (top-{experts.top_k}), {experts.n_experts // experts.ep} per rank; "
+        f"the busiest rank assumed to receive {experts.imbalance:g}x the average routed tokens "
+        "(`--target.routing_imbalance`)"
     )
 
 

@@ -35,6 +35,11 @@ ASSUMPTIONS = (
     "step's first all-gather and last reduce-scatter / all-reduce; what does not fit under the compute "
     "adds to the step",
     "tensor-parallel, context-parallel and loss/statistics collectives are exposed (no async TP)",
+    "Mixture-of-Experts: expert parallelism's token all-to-alls (dispatch and combine, and their "
+    "gradients) are exposed, NVLink when the EP group is inside a node, the network when it spans "
+    "nodes; their splits follow the stated routing (`routing_imbalance`: the simulated rank receives "
+    "that multiple of the average tokens, 1 = balanced); the experts run the grouped matmul, 2 x rows "
+    "x dim x hidden FLOPs per product",
     "pipeline send/recv overlaps compute; the schedule's bubble stretches the busy time: step = "
     "busy / (1 - bubble), bubble from parallelisms/pipeline_split.py (1F1B: (pp-1)/(m+pp-1))",
     "micro-batches: gradient accumulation traces 4 of them, 1F1B pipeline rank r max(3, pp - r + 1), "
@@ -187,10 +192,13 @@ class CostRecorder:
             bus = full
         else:
             bus = full * (n - 1) // n * (2 if kind == "all_reduce" else 1)
+        # FSDP exchanges nothing all-to-all: one on its group is expert parallelism's token
+        # exchange over the same ranks (ep = dp_shard), exposed, not hidden under compute.
+        dim = "ep" if kind == "all_to_all" and info.dim in FSDP_DIMS else info.dim
         if self.microbatch is not None:
             self.costs.first_collective.setdefault(self.microbatch, len(self.costs.total.collectives))
         for cost in self._costs():
-            cost.collectives.append(Collective(kind, info.dim, n, bus, info.crosses_nodes))
+            cost.collectives.append(Collective(kind, dim, n, bus, info.crosses_nodes))
 
     def _group(self, args: tuple) -> GroupInfo | None:
         """The group a collective runs on: a name (functional collectives) or a process group
