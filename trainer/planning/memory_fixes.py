@@ -31,6 +31,10 @@ def fixes(w: Workload, limit: int, world_size: int) -> tuple[str, list[str]]:
     shards = _fitting_shards(w, limit)
     if shards is not None:
         single.append(_shard_text(w, shards, world_size // w.dp_shard * shards))
+    for ep in _ep_degrees(w):
+        if estimate(_with_ep(w, ep)).total <= limit:
+            single.append(f"`--parallelism.expert_parallel_degree {ep}`")
+            break
     for tp in _tp_degrees(w):
         if estimate(replace(w, tp=tp)).total <= limit:
             single.append(f"`--parallelism.tensor_parallel_degree {tp}` (with {world_size // w.tp * tp} processes)")
@@ -41,13 +45,15 @@ def fixes(w: Workload, limit: int, world_size: int) -> tuple[str, list[str]]:
         if estimate(_with_microbatch(w, batch)).total <= limit:
             single.append(_microbatch_text(w, batch))
             break
-    for pp in _pp_degrees(w):
+    for pp in _pp_degrees(w) if w.experts is None else []:
         if estimate(replace(w, pp=pp)).total <= limit:
             single.append(f"`--parallelism.pipeline_parallel_degree {pp}` (with {world_size // w.pp * pp} processes)")
             break
     if single:
         return "any", single
     smallest = replace(_with_microbatch(w, 1), ac_mode="full")
+    ep = ([w.experts.ep] + _ep_degrees(w))[-1] if w.experts else 1
+    smallest = _with_ep(smallest, ep)
     for tp in (w.tp, *_tp_degrees(w)):
         shards = _fitting_shards(replace(smallest, tp=tp), limit)
         if shards is not None:
@@ -56,6 +62,7 @@ def fixes(w: Workload, limit: int, world_size: int) -> tuple[str, list[str]]:
                 "`--activation_checkpoint.mode full`",
                 _microbatch_text(w, 1).split(" (")[0],
                 *([f"`--parallelism.tensor_parallel_degree {tp}`"] if tp != w.tp else []),
+                *([f"`--parallelism.expert_parallel_degree {ep}`"] if w.experts and ep != w.experts.ep else []),
                 _shard_text(w, shards, processes),
             ]
     return "all", []
@@ -93,7 +100,21 @@ def _pp_degrees(w: Workload) -> list[int]:
 
 
 def _tp_degrees(w: Workload) -> list[int]:
+    if w.experts is not None:
+        return []  # Mixture-of-Experts models shard by EP x FSDP (parallelize.py refuses TP, PP)
     return [tp for tp in (2, 4, 8) if tp > w.tp and w.n_heads % tp == 0 and w.kv_heads % tp == 0]
+
+
+def _ep_degrees(w: Workload) -> list[int]:
+    """Larger expert-parallel degrees: dividing the experts and the shard ranks they come from."""
+    if w.experts is None:
+        return []
+    n, ep = w.experts.n_experts, w.experts.ep
+    return [d for d in range(ep + 1, w.dp_shard + 1) if n % d == 0 and w.dp_shard % d == 0]
+
+
+def _with_ep(w: Workload, ep: int) -> Workload:
+    return replace(w, experts=replace(w.experts, ep=ep)) if w.experts else w
 
 
 def _fitting_shards(w: Workload, limit: int) -> int | None:
