@@ -84,7 +84,7 @@ def build_report(plan: JobPlan, target: Target, runs: list[RoleRun]) -> dict[str
             "dp_shard": dims.dp_shard,
             "cp": dims.cp,
             "tp": dims.tp,
-            "ep": dims.ep,
+            **({"ep": dims.ep} if dims.ep > 1 else {}),
         },
         "target_gpu": target.to_json(),
         "fits": all(r["fits"] for r in roles),
