@@ -12,8 +12,9 @@ What differs from a dense block, per rank:
   (``--target.routing_imbalance``: dropless routing sends every token where the router says).
   Kept for backward per MoE block: the router's float32 probabilities, the received rows sorted
   by expert (input of two grouped matmuls), the four ``hidden``-wide SwiGLU intermediates of each
-  received row, the combined rows before their weighting, the shared experts' intermediates, and
-  the routing's int64 orders. The token exchange's dispatch and combine buffers (the received
+  received row, the experts' output rows and the rows combined back (``index_copy`` keeps its
+  source), the combined rows before their weighting, the shared experts' intermediates, and the
+  routing's int64 orders. The token exchange's dispatch and combine buffers (the received
   rows and their gradients) live while a block is computed or recomputed;
 * **selective ``op`` checkpointing** keeps the matmuls' outputs (router logits, shared experts)
   and recomputes the grouped matmuls and the exchange.
@@ -55,10 +56,13 @@ class RoutedExperts:
     def kept(self, dim: int, compute_bytes: int) -> float:
         """Bytes per local token one MoE block's feed-forward keeps for backward (no checkpointing)."""
         rows, b = self.received_rows(), compute_bytes
-        router = self.n_experts * 4 + self.top_k * (4 + 4 + b)
+        router = self.n_experts * 4 + self.top_k * (8 + 4 + b) + 4
         orders = 8 * (2 * self.top_k + rows)
-        routed = rows * (dim + 4 * self.hidden) * b + self.top_k * dim * b
-        return router + orders + routed + 4 * self.shared_hidden * b
+        # index_copy keeps its source for backward: the experts' output rows (sent back under
+        # EP), and the rows combined back on this rank.
+        outputs = rows * dim if self.ep > 1 else 0
+        routed = rows * (dim + 4 * self.hidden) + outputs + 2 * self.top_k * dim
+        return router + orders + routed * b + 4 * self.shared_hidden * b
 
     def exchange(self, dim: int, compute_bytes: int) -> float:
         """Bytes per local token of the dispatch and combine buffers while a block runs."""
