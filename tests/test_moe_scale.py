@@ -5,9 +5,12 @@ from __future__ import annotations
 import pytest
 
 from parallelisms.expert_parallel import AssumedRouting
+from trainer.config import load_config
+from trainer.entry.launch import main as launch_main
 from trainer.metrics import model_flops_per_token
 from trainer.model.llama3 import num_params, whole_model
 from trainer.model.moe import FLAVORS
+from trainer.planning.job_plan import resolve_job
 
 
 def _hand_count(flavor: str) -> tuple[int, int]:
@@ -49,3 +52,32 @@ def test_assumed_routing_sizes_the_busiest_rank(imbalance: float, ep: int, rank:
     assert sent[rank] == received[rank]
     assert max(received) - min(received) <= 1
     assert min(sent) >= 0
+
+
+@pytest.mark.parametrize(
+    ("ngpu", "args", "advice"),
+    [
+        # One node: ep 1 gathers all 128 experts of a block; 16 per GPU fit a 66 GiB GPU.
+        ("8", ["--mesh", "ep=1", "--target.memory_gib", "66"], "`--parallelism.expert_parallel_degree 4`"),
+        # Half the node: the float32 state alone is 114 GiB per GPU.
+        ("4", ["--mesh", "ep=4"], "dp_shard 8 (8 processes in all"),
+        # No checkpointing: 70 GiB of activations, 42 of them the routed tokens'.
+        ("8", ["--activation_checkpoint.mode", "none"], "`--activation_checkpoint.mode full`"),
+    ],
+)
+def test_an_oversized_moe_job_exits_2_naming_what_fits(monkeypatch, tmp_path, capsys, ngpu, args, advice):
+    monkeypatch.setenv("NGPU", ngpu)
+    monkeypatch.chdir(tmp_path)
+    code = launch_main(["--config", "qwen3_30b_a3b.toml", "--dry-run", "--target-gpu", "h100", *args])
+    out, err = capsys.readouterr()
+    assert code == 2 and "experts: 128 routed (top-8)" in out
+    assert err.count("\n") == 1 and "this job needs about" in err and advice in err, err
+
+
+def test_the_imbalance_sizes_the_busiest_rank_in_the_estimate():
+    """The busiest rank's routed activations and buffers grow with the stated imbalance; the
+    experts' weights and state do not."""
+    config = load_config(["--config", "qwen3_30b_a3b.toml", "--activation_checkpoint.mode", "none"])
+    balanced, skewed = (resolve_job(config, 8, "cuda", {"routing_imbalance": f}).memory for f in (1.0, 2.0))
+    assert skewed.activations > 1.3 * balanced.activations
+    assert skewed.fsdp_buffers == balanced.fsdp_buffers
