@@ -81,3 +81,11 @@ def test_the_imbalance_sizes_the_busiest_rank_in_the_estimate():
     balanced, skewed = (resolve_job(config, 8, "cuda", {"routing_imbalance": f}).memory for f in (1.0, 2.0))
     assert skewed.activations > 1.3 * balanced.activations
     assert skewed.fsdp_buffers == balanced.fsdp_buffers
+
+
+def test_an_imbalance_beyond_every_token_is_one_line(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("NGPU", "8")
+    monkeypatch.chdir(tmp_path)
+    code = launch_main(["--config", "qwen3_30b_a3b.toml", "--dry-run", "--target.routing_imbalance", "9"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "at most 8x the average tokens" in err

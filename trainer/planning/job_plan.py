@@ -149,7 +149,7 @@ def resolve_job(
     except ParallelismError as e:
         raise ConfigError(e.render(SETTING_KEYS)) from None
     check_layout_invariant(config, dims, settings)
-    check_experts(config, dims, n_experts)
+    check_experts(config, dims, n_experts, (figures or {}).get("routing_imbalance", 1.0))
     validation = config.validation
     if validation.enable and (dims.cp > 1 or dims.pp > 1) and validation.seq_len not in (-1, training.seq_len):
         which = (
@@ -204,10 +204,16 @@ def check_torch(concerns: tuple[str, ...]) -> None:
         raise ConfigError(str(e)) from None
 
 
-def check_experts(config: JobConfig, dims: ParallelDims, n_experts: int) -> None:
-    """What a Mixture-of-Experts run does not do yet, beyond the parallelisms' own refusals."""
+def check_experts(config: JobConfig, dims: ParallelDims, n_experts: int, imbalance: float = 1.0) -> None:
+    """What a Mixture-of-Experts run does not do yet, beyond the parallelisms' own refusals; and
+    a routing imbalance no rank can see: the busiest receives at most every rank's tokens."""
     if not n_experts:
         return
+    if imbalance > dims.ep > 1:
+        raise ConfigError(
+            f"--target.routing_imbalance {imbalance:g}: the busiest of `parallelism.expert_parallel_degree` = "
+            f"{dims.ep} ranks receives at most {dims.ep}x the average tokens; state at most {dims.ep}."
+        )
     if config.debug.layout_invariant:
         raise ConfigError('`debug.layout_invariant` is not implemented for `model.name` = "moe"; turn it off.')
 
