@@ -317,7 +317,6 @@ def memory_workload(
         pp_layers_per_stage=settings.pp_layers_per_stage,
         pp_first_less=settings.pp_first_stage_less_layers,
         pp_last_less=settings.pp_last_stage_less_layers,
-        routing_imbalance=imbalance,
         head_dim=args.head_dim,
         experts=routed_experts(args, dims.ep, imbalance),
     )

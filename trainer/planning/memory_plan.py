@@ -24,6 +24,9 @@ make it fit, instead of spending minutes initialising and then dying of an out-o
   ``allgather_kv`` attention also keeps the gathered keys and values of the whole sequence, and
   their repeats for grouped-query attention up to each local chunk's end; document masking
   keeps one additive attention mask (queries x keys, in the compute dtype) shared by all blocks;
+* **Mixture-of-Experts blocks**: the routed experts' state and gathered weights under EP, the
+  routed tokens' activations at the stated routing imbalance and the token exchange's buffers,
+  instead of the dense feed-forward's (``moe_memory.py``);
 * **logits and loss**: the logits of one micro-batch (vocabulary-sharded under loss parallel),
   their float32 copy, the log-softmax kept for backward and the gradient; with the chunked loss
   (``training.loss_chunk_tokens``) of one chunk of tokens, plus the final hidden states. Backward
@@ -110,9 +113,6 @@ class Workload:
     pp_layers_per_stage: int = -1
     pp_first_less: int = 1
     pp_last_less: int = 1
-    routing_imbalance: float = 1.0
-    """The tokens the busiest expert-parallel rank receives, over the average (``--target.routing_imbalance``)."""
-
     head_dim: int = 0
     """Width of an attention head; 0: ``dim / n_heads`` (Qwen3's heads are wider)."""
     experts: RoutedExperts | None = None
@@ -308,8 +308,7 @@ def _activations(w: Workload, share: _Share) -> tuple[float, float]:
     moe_ffn = tokens * ex.kept(d, b) if ex else 0.0
     exchange = tokens * ex.exchange(d, b) if ex and moe_share else 0.0
     average = full_block + dense_ffn + moe_share * (moe_ffn - dense_ffn)
-    largest = full_block + max(dense_ffn if moe_share < 1 else 0.0, moe_ffn + exchange if moe_share else 0.0)
-    full_block = largest
+    full_block += max(dense_ffn if moe_share < 1 else 0.0, moe_ffn + exchange if moe_share else 0.0)
     if w.ac_mode == "full":
         kept = blocks * block_input
     elif w.ac_mode == "selective" and w.ac_option == "op":

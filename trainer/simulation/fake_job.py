@@ -146,8 +146,9 @@ def run_rank(
         parts = build_step_parts(plan, samples, allocating)
         if parts.pipeline is not None:
             metadata.attach(parts.pipeline)
+        experts = plan.workload.experts
         for module in _modules(parts):
-            assume_routing(module, AssumedRouting(plan.workload.routing_imbalance))
+            assume_routing(module, AssumedRouting(experts.imbalance if experts else 1.0))
         recorder = CostRecorder(group_infos(mesh_groups(parts.meshes), gpus_per_node))
         tracker.observers.append(recorder)
         _label_state(tracker, parts)
