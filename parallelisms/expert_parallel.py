@@ -112,8 +112,8 @@ def expert_params(model: nn.Module) -> list[nn.Parameter]:
 
 def assume_routing(model: nn.Module, routing: AssumedRouting) -> None:
     """Plan ``model``'s MoE layers on fake tensors: every exchange follows ``routing``, and the
-    experts run the grouped kernel, which needs no counts' values (the loop splits by them)."""
+    experts split their rows by no counts' values (``GroupedExperts.assumed_split``)."""
     for moe in moe_layers(model):
-        moe.experts.grouped = True
+        moe.experts.assumed_split = True
         if isinstance(moe.dispatch, ExpertParallelDispatch):
             moe.dispatch.assumed = routing

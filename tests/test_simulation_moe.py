@@ -22,31 +22,37 @@ def test_debug_moe_exchanges_its_routed_tokens_as_the_routing_says(tmp_path):
     """ep 2 and 4 of 4 ranks: the all-to-alls carry the (ep - 1) / ep of the routed rows that
     leave the rank, so their bytes grow by 3/4 : 1/2; the busiest rank receiving 1.5x the
     average makes every token exchange 1.5x larger and the activations larger. The FLOPs are
-    the model's, grouped matmuls included (without them a third of the FLOPs would be missing)."""
+    the model's, grouped matmuls included (without them a third of the FLOPs would be missing),
+    and the same when float32 experts loop instead."""
     reports = {}
     for name, extra in {
         "ep2": ["--mesh", "dp_shard=4,ep=2"],
         "ep4": ["--mesh", "dp_shard=4,ep=4"],
         "ep2 imbalanced": ["--mesh", "dp_shard=4,ep=2", "--target.routing_imbalance", "1.5"],
+        "ep2 float32": ["--mesh", "dp_shard=4,ep=2", "--training.mixed_precision_param", "float32"],
     }.items():
         code, text, report = simulate_job(tmp_path / name.replace(" ", "_"), 4, *DEBUG_MOE, *extra)
         assert code == 0 and report["fits"], text
-        reports[name] = report["roles"][0]
-    assert reports["ep4"]["comm_bytes_per_step"]["ep"] == pytest.approx(
-        1.5 * reports["ep2"]["comm_bytes_per_step"]["ep"], rel=1e-3
+        reports[name] = report
+    roles = {name: report["roles"][0] for name, report in reports.items()}
+    assert roles["ep4"]["comm_bytes_per_step"]["ep"] == pytest.approx(
+        1.5 * roles["ep2"]["comm_bytes_per_step"]["ep"], rel=1e-3
     )
-    assert reports["ep2 imbalanced"]["comm_bytes_per_step"]["ep"] == pytest.approx(
-        1.5 * reports["ep2"]["comm_bytes_per_step"]["ep"], rel=1e-2
+    assert roles["ep2 imbalanced"]["comm_bytes_per_step"]["ep"] == pytest.approx(
+        1.5 * roles["ep2"]["comm_bytes_per_step"]["ep"], rel=1e-2
     )
-    assert reports["ep2 imbalanced"]["memory_largest"]["activations"] > reports["ep2"]["memory_largest"]["activations"]
-    assert report["target_gpu"]["routing_imbalance"] == 1.5
-    assert any("routing_imbalance" in a for a in report["assumptions"])
+    assert roles["ep2 imbalanced"]["memory_largest"]["activations"] > roles["ep2"]["memory_largest"]["activations"]
+    # float32 rows loop over the experts (the grouped kernel takes bfloat16): the same FLOPs.
+    assert roles["ep2 float32"]["flops_per_step"] == roles["ep2"]["flops_per_step"]
+    imbalanced = reports["ep2 imbalanced"]
+    assert imbalanced["target_gpu"]["routing_imbalance"] == 1.5
+    assert any("routing_imbalance" in a for a in imbalanced["assumptions"])
 
     plan = resolve_job(load_config(DEBUG_MOE[:2]), 4)
     tokens = plan.global_batch_size * plan.config.training.seq_len / 4
     prepass = 4 / 3  # the global balancing loss's forward-only counting pass: 2N of the 6N again
     model = model_flops_per_token(plan.model_args, plan.config.training.seq_len) * tokens * prepass
-    assert reports["ep2"]["flops_per_step"] == pytest.approx(model, rel=0.1)
+    assert roles["ep2"]["flops_per_step"] == pytest.approx(model, rel=0.1)
 
 
 @pytest.mark.slow

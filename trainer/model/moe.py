@@ -167,9 +167,18 @@ def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: 
     return kernels.grouped_mm(h, w2.transpose(-2, -1), offsets)
 
 
-def looped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor):
-    """The same, one expert at a time: exact wherever the grouped kernel is missing."""
-    outs = [(F.silu(chunk @ w1[e].T) * (chunk @ w3[e].T)) @ w2[e].T for e, chunk in enumerate(x.split(counts.tolist()))]
+def looped_swiglu(
+    x: torch.Tensor,
+    counts: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    splits: list[int] | None = None,
+):
+    """The same, one expert at a time: exact wherever the grouped kernel is missing. ``splits``:
+    the rows per expert where ``counts`` has no values (fake tensors)."""
+    rows = counts.tolist() if splits is None else splits
+    outs = [(F.silu(chunk @ w1[e].T) * (chunk @ w3[e].T)) @ w2[e].T for e, chunk in enumerate(x.split(rows))]
     return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[1])
 
 
@@ -192,9 +201,9 @@ class GroupedExperts(nn.Module):
     def __init__(self, n_experts: int, dim: int, hidden: int):
         super().__init__()
         self.n_experts, self.first_expert = n_experts, 0
-        self.grouped: bool | None = None
-        """Run the grouped kernel; None: where the device has it. ``--simulate`` sets it, tracing
-        on fake CPU tensors the kernel an sm90 GPU runs (the loop needs the counts' values)."""
+        self.assumed_split = False
+        """Set by ``--simulate``, whose fake CPU tensors hold no counts: bfloat16 rows run the
+        grouped kernel, as on an sm90 GPU, other dtypes the loop over rows split evenly."""
         self.checkpoint_mesh: DeviceMesh | None = None
         """Under expert parallelism, where a checkpoint places this rank's experts in the stack."""
         self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))
@@ -203,8 +212,11 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``x``: tokens sorted by local expert, ``counts[e]`` of them for expert ``e``."""
-        grouped = has_grouped_mm(x) if self.grouped is None else self.grouped
-        swiglu = grouped_swiglu if grouped else looped_swiglu
+        if self.assumed_split and x.dtype != torch.bfloat16:
+            n, experts = x.shape[0], self.w1.shape[0]
+            splits = [n // experts + (e < n % experts) for e in range(experts)]
+            return looped_swiglu(x, counts, self.w1, self.w2, self.w3, splits)
+        swiglu = grouped_swiglu if has_grouped_mm(x) or self.assumed_split else looped_swiglu
         return swiglu(x, counts, self.w1, self.w2, self.w3)
 
 
