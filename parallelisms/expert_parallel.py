@@ -1,25 +1,36 @@
 """Expert parallelism: the routed experts split over ``ep`` ranks, tokens exchanged all-to-all.
 
-The ``ep`` ranks are taken from the data-parallel shard ranks, as torchtitan does: each reads
-its own samples and routes its own tokens, then one all-to-all with uneven splits sends every
+The ``ep`` ranks are taken from the data-parallel shard and context-parallel ranks
+(``dp_shard x cp``), as torchtitan does: each routes its own tokens (its samples, its sequence
+shard), then one all-to-all with uneven splits sends every
 token to the rank holding its expert and a second one brings the outputs back (autograd routes
 the gradients the same way). Routing is dropless, so no token is lost to a capacity and the
 result does not depend on ``ep``. A rank holds experts ``first_expert ..`` of the stack, shaped
-``(n_experts / ep, ...)``; ``parallelisms/fsdp.py`` shards them again over the data-parallel
-ranks outside the EP group (their own FSDP unit), while the router and the shared experts stay
-in the block's unit like any dense layer.
+``(n_experts / ep, ...)``; ``parallelisms/fsdp.py`` shards them again over the ``dp_shard x cp``
+ranks outside the EP group and the TP ranks (their own FSDP unit), while the router and the
+shared experts stay in the block's unit like any dense layer (under TP a unit of their own that
+also spans ``tp``). Under tensor parallelism the experts are expert-parallel, not tensor-parallel:
+each TP rank routes its own sequence shard (``parallelisms/tensor_parallel.py``) and exchanges its
+tokens with the EP ranks of its own TP index.
 
 Gradients: an expert's gradient sums the contributions of every EP rank's tokens on the rank
-holding it, and FSDP sums over its own replicas: a pure sum, divided by nothing, like every other
+holding it, and FSDP sums over its own replicas (the other data-parallel, context-parallel and
+tensor-parallel ranks): a pure sum, divided by nothing, like every other
 gradient (``GradAccumulator`` divides once by the step's valid tokens). The gradient norm counts
 the expert shards of different EP ranks as different values, not copies (``expert_params``).
 
-Supported: ``ep`` dividing ``dp_shard``, with FSDP, HSDP, gradient accumulation, activation
-checkpointing, pipeline stages (each EP group lies inside one stage) and compile (the exchange
-runs eagerly inside a compiled block); TP and CP are refused by ``parallelize.check``.
+Planning (``--simulate``) runs this exchange on fake tensors, whose counts have no values: the
+simulator states the routing instead (:class:`AssumedRouting`, set on each layer's dispatch), and
+the exchange's splits follow it; everything else runs as in training.
+
+Supported: ``ep`` dividing ``dp_shard x cp``, with FSDP, HSDP, TP, CP (every backend), gradient
+accumulation, activation checkpointing, pipeline stages (each EP group lies inside one stage) and
+compile (the exchange runs eagerly inside a compiled block).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -27,7 +38,30 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from parallelisms.model_parts import moe_layers
+from parallelisms.moe_split import SPLIT
 from parallelisms.torch_private import dtensor
+
+
+@dataclass(frozen=True)
+class AssumedRouting:
+    """How many routed tokens this rank sends to and receives from each EP rank, where they
+    cannot be counted (fake tensors): every rank routes its tokens evenly, except that this
+    rank, the one planned for, receives ``imbalance`` times the average (1: balanced), from
+    every source alike, its own tokens included."""
+
+    imbalance: float = 1.0
+
+    def splits(self, rows: int, ep: int, rank: int) -> tuple[list[int], list[int]]:
+        """``(sent, received)`` rows per EP rank, for ``rows`` routed rows of this rank's tokens."""
+        if ep == 1:
+            return [rows], [rows]
+        received = _even(round(self.imbalance * rows), ep)
+        rest = _even(rows - received[rank], ep - 1)
+        return rest[:rank] + [received[rank]] + rest[rank:], received
+
+
+def _even(total: int, parts: int) -> list[int]:
+    return [total // parts + (i < total % parts) for i in range(parts)]
 
 
 class ExpertParallelDispatch:
@@ -37,26 +71,35 @@ class ExpertParallelDispatch:
         self.group, self.ep, self.local_experts = group, ep, local_experts
         self.bytes_sent = 0
         """Bytes this rank sent to other ranks in the token all-to-alls (for the benchmark)."""
+        self.assumed: AssumedRouting | None = None
+        """The routing ``--simulate`` states, used instead of the counts' values."""
 
     @torch.compiler.disable
     def __call__(self, routed: torch.Tensor, counts: torch.Tensor, experts: nn.Module) -> torch.Tensor:
         """Eager inside a compiled block: the exchange's sizes are the routing's counts."""
-        send = counts.view(self.ep, self.local_experts).contiguous()
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=self.group)
-        in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
-        received = dtensor.all_to_all_uneven(routed, out_splits, in_splits, self.group)
-        # Received in (source rank, expert) order; the experts want (expert, source rank).
-        expert = torch.arange(self.local_experts, device=recv.device).view(1, -1)
-        source = torch.arange(self.ep, device=recv.device).view(-1, 1)
-        key = (expert * self.ep + source).flatten().repeat_interleave(recv.flatten())
-        perm = key.argsort(stable=True)
-        out = experts(received[perm], recv.sum(0))
-        back = torch.zeros_like(out).index_copy(0, perm, out)
-        rank = dist.get_rank(self.group)
-        row = routed.element_size() * routed.shape[1]
-        self.bytes_sent += row * (sum(in_splits) - in_splits[rank] + sum(out_splits) - out_splits[rank])
-        return dtensor.all_to_all_uneven(back, in_splits, out_splits, self.group)
+        with SPLIT.part("dispatch"):
+            send = counts.view(self.ep, self.local_experts).contiguous()
+            recv = torch.empty_like(send)
+            dist.all_to_all_single(recv, send, group=self.group)
+            rank = dist.get_rank(self.group)
+            if self.assumed is None:
+                in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
+            else:
+                in_splits, out_splits = self.assumed.splits(routed.shape[0], self.ep, rank)
+            received = dtensor.all_to_all_uneven(routed, out_splits, in_splits, self.group)
+            # Received in (source rank, expert) order; the experts want (expert, source rank).
+            expert = torch.arange(self.local_experts, device=recv.device).view(1, -1)
+            source = torch.arange(self.ep, device=recv.device).view(-1, 1)
+            order = (expert * self.ep + source).flatten()
+            key = order.repeat_interleave(recv.flatten(), output_size=sum(out_splits))
+            perm = key.argsort(stable=True)
+            sorted_tokens = received[perm]
+        out = experts(sorted_tokens, recv.sum(0))
+        with SPLIT.part("combine"):
+            back = torch.zeros_like(out).index_copy(0, perm, out)
+            row = routed.element_size() * routed.shape[1]
+            self.bytes_sent += row * (sum(in_splits) - in_splits[rank] + sum(out_splits) - out_splits[rank])
+            return dtensor.all_to_all_uneven(back, in_splits, out_splits, self.group)
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, checkpoint_mesh: DeviceMesh | None) -> None:
@@ -77,3 +120,12 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, checkpoint_mesh
 def expert_params(model: nn.Module) -> list[nn.Parameter]:
     """The parameters that differ between EP ranks: every MoE layer's routed experts."""
     return [p for moe in moe_layers(model) for p in moe.experts.parameters()]
+
+
+def assume_routing(model: nn.Module, routing: AssumedRouting) -> None:
+    """Plan ``model``'s MoE layers on fake tensors: every exchange follows ``routing``, and the
+    experts split their rows by no counts' values (``GroupedExperts.assumed_split``)."""
+    for moe in moe_layers(model):
+        moe.experts.assumed_split = True
+        if isinstance(moe.dispatch, ExpertParallelDispatch):
+            moe.dispatch.assumed = routing

@@ -31,6 +31,7 @@ def apply_fsdp(
     reshard_after_forward: str,
     block_units: bool = True,
     expert_mesh: DeviceMesh | None = None,
+    replicated_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """Shard ``model`` in place over ``mesh`` (1-D: FSDP, 2-D: HSDP) and return it.
 
@@ -42,6 +43,11 @@ def apply_fsdp(
     ``expert_mesh``: under expert parallelism each MoE layer's routed experts are a unit of their
     own, sharded over the data-parallel ranks outside the EP group
     (``parallelisms/expert_parallel.py``).
+
+    ``replicated_mesh``: under tensor parallelism each MoE layer's router and shared experts
+    (and its routed experts without EP), replicated over TP ranks that feed them different
+    tokens, are a unit over ``mesh`` with ``tp`` folded in, so that their gradients are summed
+    over TP as well (``parallelisms/tensor_parallel.py``).
     """
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
 
@@ -56,6 +62,12 @@ def apply_fsdp(
     if expert_mesh is not None:
         for moe in moe_layers(model):
             fully_shard(moe.experts, mesh=expert_mesh, mp_policy=mp_policy, reshard_after_forward=not never)
+    if replicated_mesh is not None:
+        for moe in moe_layers(model):
+            # Without expert parallelism the routed experts are replicated over TP as well.
+            experts = None if expert_mesh is not None else moe.experts
+            replicated = [m for m in (moe.router, moe.shared_experts, experts) if m is not None]
+            fully_shard(replicated, mesh=replicated_mesh, mp_policy=mp_policy, reshard_after_forward=not never)
     for i, block in enumerate(units if block_units else []):
         # The last block's backward starts right after forward, so freeing it is wasted work.
         last = i == len(units) - 1

@@ -64,7 +64,12 @@ def model_settings(model: nn.Module) -> ModelSettings:
     return cast(ModelSettings, model)
 
 
+def is_moe(module: nn.Module) -> bool:
+    """A Mixture-of-Experts feed-forward: routed ``experts`` and a swappable token ``dispatch``
+    (``trainer/model/moe.py``'s ``MoE``)."""
+    return isinstance(getattr(module, "experts", None), nn.Module) and hasattr(module, "dispatch")
+
+
 def moe_layers(model: nn.Module) -> list[Any]:
-    """The Mixture-of-Experts feed-forwards: modules with routed ``experts`` and a swappable
-    token ``dispatch`` (``trainer/model/moe.py``'s ``MoE``)."""
-    return [m for m in model.modules() if isinstance(getattr(m, "experts", None), nn.Module) and hasattr(m, "dispatch")]
+    """The Mixture-of-Experts feed-forwards (:func:`is_moe`)."""
+    return [m for m in model.modules() if is_moe(m)]

@@ -14,12 +14,21 @@ hosts, while tensor parallelism (innermost) stays on the fastest links. The sub-
   pipeline stage computes a loss, so its sum and maximum travel over the stages too (the token
   count, which every stage knows, does not);
 - ``pp``, ``tp`` and ``cp``;
-- with expert parallelism, ``ep`` (``ep`` consecutive ``dp_shard`` ranks, which split the routed
-  experts) and ``expert_fsdp``: what shards the experts further, the ``dp_shard / ep`` ranks
-  outside the EP group (with ``dp_replicate`` in front under HSDP). They come from a second mesh
-  over the same ranks whose ``dp_shard`` dimension is cut in two, so the world mesh is unchanged;
-  ``expert_checkpoint`` orders those ranks as the experts are, ``ep`` outside (a checkpoint's
-  global view of the experts, ``trainer/checkpoint/expert_shards.py``).
+- ``routing``: ``loss x tp`` - every rank that routes different tokens through the experts
+  (a tensor-parallel rank routes its own sequence shard), where the MoE routing is counted;
+  the loss mesh itself without tensor parallelism;
+- ``replicated_fsdp``: ``fsdp`` with ``tp`` folded into its shard dimension, for parameters that
+  are replicated over TP ranks which feed them different tokens (an MoE layer's router and
+  shared experts): sharding them there sums their gradients over TP as well; ``fsdp`` itself
+  without tensor parallelism;
+- with expert parallelism, ``ep`` (``ep`` consecutive ranks of ``dp_shard x cp``, which split the
+  routed experts, as torchtitan takes them) and ``expert_fsdp``: what shards the experts further,
+  the other ``dp_shard x cp / ep`` ranks times ``tp`` (experts are not tensor-parallel; every TP
+  rank sends its own tokens, so their gradients sum over TP too), with ``dp_replicate`` in front
+  under HSDP. They come from a second mesh over the same ranks, ``(pp, dp_replicate, ep,
+  expert_shard)``, so the world mesh is unchanged; ``expert_checkpoint`` is its
+  ``(dp_replicate, ep, expert_shard)``: the experts split over ``ep`` first, then as FSDP splits
+  them (a checkpoint's global view, ``trainer/checkpoint/expert_shards.py``).
 
 This package knows nothing of the trainer's configuration. Its errors are
 :class:`ParallelismError` templates that name the *settings* (``{tp}``, ``{seq_len}``); the
@@ -39,6 +48,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from parallelisms.torch_private import dtensor
 
 MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+EXPERT_MESH_DIM_NAMES = ("pp", "dp_replicate", "ep", "expert_shard")
 
 
 class ParallelismError(ValueError):
@@ -77,7 +87,7 @@ class ParallelDims:
     world_size: int
     pp: int = 1
     ep: int = 1
-    """Expert-parallel degree, taken from the ``dp_shard`` ranks."""
+    """Expert-parallel degree, taken from the ``dp_shard x cp`` ranks."""
 
     def __post_init__(self) -> None:
         for name in ("pp", "dp_replicate", "cp", "tp", "ep"):
@@ -101,10 +111,11 @@ class ParallelDims:
                 f"tp={self.tp} = {product} does not match the world size {self.world_size}; set "
                 f"{{dp_shard}} to -1 to infer it, or launch {product} processes (NGPU={product})."
             )
-        if self.dp_shard % self.ep:
+        if (self.dp_shard * self.cp) % self.ep:
             raise ParallelismError(
-                f"{{ep}} = {self.ep} must divide {{dp_shard}} = {self.dp_shard}: expert parallelism takes its "
-                f"ranks from the data-parallel shard ranks; choose an ep that divides it."
+                f"{{ep}} = {self.ep} must divide {{dp_shard}} x {{cp}} = {self.dp_shard} x {self.cp}: expert "
+                f"parallelism takes its ranks from the data-parallel shard and context-parallel ranks; choose an "
+                f"ep that divides {self.dp_shard * self.cp}."
             )
 
     @property
@@ -127,21 +138,40 @@ class ParallelDims:
         loss = flatten_mesh(mesh, ("dp_replicate", "dp_shard", "cp"), "dp_cp")
         stats = flatten_mesh(mesh, ("pp", "dp_replicate", "dp_shard", "cp"), "pp_dp_cp")
         fsdp = mesh["dp_replicate", "dp_shard_cp"] if self.hsdp else shard
-        meshes = Meshes(batch=batch, fsdp=fsdp, loss=loss, tp=mesh["tp"], cp=mesh["cp"], pp=mesh["pp"], stats=stats)
+        routing, replicated_fsdp = loss, fsdp
+        if self.tp > 1:
+            routing = flatten_mesh(mesh, ("dp_replicate", "dp_shard", "cp", "tp"), "dp_cp_tp")
+            replicated = flatten_mesh(mesh, ("dp_shard", "cp", "tp"), "dp_shard_cp_tp")
+            replicated_fsdp = mesh["dp_replicate", "dp_shard_cp_tp"] if self.hsdp else replicated
+        meshes = Meshes(
+            batch=batch,
+            fsdp=fsdp,
+            loss=loss,
+            tp=mesh["tp"],
+            cp=mesh["cp"],
+            pp=mesh["pp"],
+            stats=stats,
+            routing=routing,
+            replicated_fsdp=replicated_fsdp,
+        )
         if self.ep > 1:
-            names = ("pp", "dp_replicate", "dp_shard_out_ep", "ep", "cp", "tp")
-            shape = (self.pp, self.dp_replicate, self.dp_shard // self.ep, self.ep, self.cp, self.tp)
-            expert_mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+            ranks, names = expert_rank_grid(mesh.mesh, self)
+            expert_mesh = DeviceMesh(device_type, ranks, mesh_dim_names=names)
             meshes.ep = expert_mesh["ep"]
             meshes.expert_fsdp = (
-                expert_mesh["dp_replicate", "dp_shard_out_ep"] if self.hsdp else expert_mesh["dp_shard_out_ep"]
+                expert_mesh["dp_replicate", "expert_shard"] if self.hsdp else expert_mesh["expert_shard"]
             )
-            # The same ranks with ``ep`` outside ``dp_shard_out_ep``: the order of the experts.
-            ranks = expert_mesh.mesh.transpose(2, 3)
-            names = ("pp", "dp_replicate", "ep", "dp_shard_out_ep", "cp", "tp")
-            global_order = DeviceMesh(device_type, ranks, mesh_dim_names=names)
-            meshes.expert_checkpoint = global_order["dp_replicate", "ep", "dp_shard_out_ep"]
+            meshes.expert_checkpoint = expert_mesh["dp_replicate", "ep", "expert_shard"]
         return meshes
+
+
+def expert_rank_grid(ranks: torch.Tensor, dims: ParallelDims) -> tuple[torch.Tensor, tuple[str, ...]]:
+    """The world mesh's ranks ``(pp, dp_replicate, dp_shard, cp, tp)`` regrouped for the experts as
+    ``(pp, dp_replicate, ep, expert_shard)``: ``dp_shard x cp`` is cut into the ranks outside the
+    EP group and ``ep`` consecutive ones, and ``expert_shard`` is those outside ranks times ``tp``."""
+    outside = dims.dp_shard * dims.cp // dims.ep
+    grid = ranks.reshape(dims.pp, dims.dp_replicate, outside, dims.ep, dims.tp).permute(0, 1, 3, 2, 4)
+    return grid.reshape(dims.pp, dims.dp_replicate, dims.ep, outside * dims.tp), EXPERT_MESH_DIM_NAMES
 
 
 @dataclass
@@ -155,6 +185,8 @@ class Meshes:
     cp: DeviceMesh
     pp: DeviceMesh
     stats: DeviceMesh
+    routing: DeviceMesh
+    replicated_fsdp: DeviceMesh
     ep: DeviceMesh | None = None
     expert_fsdp: DeviceMesh | None = None
     expert_checkpoint: DeviceMesh | None = None
@@ -163,7 +195,8 @@ class Meshes:
         """Every process group of these meshes (for settings that apply per group, like timeouts)."""
         found: dict[int, ProcessGroup] = {}
         optional = [m for m in (self.ep, self.expert_fsdp) if m is not None]
-        for mesh in (self.batch, self.fsdp, self.loss, self.tp, self.cp, self.pp, self.stats, *optional):
+        every = [self.batch, self.fsdp, self.loss, self.tp, self.cp, self.pp, self.stats, self.routing]
+        for mesh in (*every, self.replicated_fsdp, *optional):
             for dim in range(mesh.ndim):
                 group = mesh.get_group(dim)
                 found[id(group)] = group

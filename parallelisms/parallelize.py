@@ -5,12 +5,14 @@ Applied once, to the model on the meta device, before the training loop:
 0. pipeline parallelism (the rank keeps its stages' modules; each stage is a view of them,
    and every step below is applied to each stage);
 1. tensor parallelism (splits the parameters into TP DTensors);
-1b. expert parallelism (each rank keeps its routed experts; tokens travel all-to-all);
+1b. expert parallelism (each rank keeps its routed experts; tokens travel all-to-all; under TP
+    the MoE runs on each rank's sequence shard, ``parallelisms/tensor_parallel.py``);
 2. context parallelism's attention (each block's attention sees the whole sequence's K/V);
 3. activation checkpointing (per block);
 4. ``torch.compile`` (per block, in place, so parameter names stay the same);
 5. FSDP / HSDP (shards whatever the steps above left, last, so it wraps the final modules;
-   under EP the experts over the data-parallel ranks outside the EP group).
+   under EP the experts over the data-parallel and context-parallel ranks outside the EP group
+   and the TP ranks; under TP an MoE's router and shared experts over the TP ranks too).
 
 :func:`check` holds every constraint between the settings, the model's shape and the device,
 and is meant to run before any process group exists, so a setting that cannot work fails in
@@ -175,26 +177,14 @@ def _check_context_parallel(
 
 
 def _check_experts(dims: ParallelDims, settings: ParallelSettings, shape: ModelShape) -> None:
-    """Expert parallelism needs experts to split; MoE models compose with FSDP, HSDP, EP, PP,
-    accumulation, activation checkpointing and compile so far, not yet with TP or CP."""
+    """Expert parallelism needs experts to split; MoE models compose with FSDP, HSDP, EP, TP, CP,
+    PP, accumulation, activation checkpointing and compile."""
     if dims.ep > 1 and not shape.n_experts:
         raise ParallelismError(f'{{ep}} = {dims.ep} needs a Mixture-of-Experts model: set {{model_name}} = "moe".')
     if shape.n_experts % dims.ep:
         raise ParallelismError(
             f"{{ep}} = {dims.ep} does not divide the model's {shape.n_experts} experts; choose an ep that does."
         )
-    if not shape.n_experts:
-        return
-    refused = [
-        (dims.tp > 1, "{tp}"),
-        (dims.cp > 1, "{cp}"),
-    ]
-    for on, key in refused:
-        if on:
-            raise ParallelismError(
-                f"Mixture-of-Experts models do not compose with {key} yet (FSDP, HSDP, {{ep}}, {{pp}}, "
-                f"gradient accumulation, activation checkpointing and compile do); turn it off."
-            )
 
 
 def pipeline_split(dims: ParallelDims, settings: ParallelSettings, n_layers: int) -> PipelineSplit:
@@ -255,5 +245,6 @@ def parallelize(
             reshard_after_forward=settings.reshard_after_forward,
             block_units=dims.pp == 1 or settings.pp_schedule not in ZERO_BUBBLE_SCHEDULES,
             expert_mesh=meshes.expert_fsdp,
+            replicated_mesh=meshes.replicated_fsdp if dims.tp > 1 else None,
         )
     return Parallelized(context_parallel, parts if split else None, split)

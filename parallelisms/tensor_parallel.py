@@ -8,6 +8,16 @@ projection is column-wise too: each rank computes the logits of its slice of the
 and the cross-entropy runs on those slices inside ``loss_parallel()``, so the
 ``batch x seq x vocab`` logits are never gathered.
 
+A Mixture-of-Experts block (``trainer/model/moe.py``) runs its feed-forward *sequence-parallel*,
+as torchtitan does: the MoE gets this rank's sequence shard as a plain tensor and every TP rank
+routes its own tokens. Nothing in it is split by TP: the router and the shared experts are
+replicated and run on the local tokens, the routed experts are expert-parallel over
+``dp_shard x cp`` (``parallelisms/expert_parallel.py``) and every TP rank sends its own tokens
+to them (without EP they are replicated like the router). Its output is the sequence shard the
+residual stream holds, so no collective is added. The gradients of those replicated parameters
+differ between TP ranks (each saw other tokens) and are summed over TP by FSDP, which shards
+them over a mesh that includes ``tp`` (``Meshes.replicated_fsdp``, ``Meshes.expert_fsdp``).
+
 Applied before FSDP: FSDP then shards the tensor-parallel DTensors over its own mesh.
 """
 
@@ -29,6 +39,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from parallelisms.model_parts import blocks, is_moe
 from parallelisms.torch_private import dtensor, kernels
 
 
@@ -60,7 +71,8 @@ class OutputParallel(ColwiseParallel):
 
 
 def llama3_tp_plan(loss_parallel: bool) -> dict[str, ParallelStyle]:
-    """Module name pattern -> how its parameters and activations are split over TP ranks."""
+    """Module name pattern -> how its parameters and activations are split over TP ranks; each
+    block's feed-forward follows :func:`feed_forward_plan`."""
     return {
         "tok_embeddings": EmbeddingParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "layers.*.attention_norm": SequenceParallel(),
@@ -73,13 +85,6 @@ def llama3_tp_plan(loss_parallel: bool) -> dict[str, ParallelStyle]:
         "layers.*.attention.wv": ColwiseParallel(),
         "layers.*.attention.wo": RowwiseParallel(output_layouts=Shard(1)),
         "layers.*.ffn_norm": SequenceParallel(),
-        "layers.*.feed_forward": PrepareModuleInput(
-            input_layouts=(Shard(1),),
-            desired_input_layouts=(Replicate(),),
-        ),
-        "layers.*.feed_forward.w1": ColwiseParallel(),
-        "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-        "layers.*.feed_forward.w3": ColwiseParallel(),
         "norm": SequenceParallel(),
         "output": OutputParallel(
             input_layouts=Shard(1),
@@ -87,6 +92,26 @@ def llama3_tp_plan(loss_parallel: bool) -> dict[str, ParallelStyle]:
             output_layouts=Shard(-1) if loss_parallel else Replicate(),
             use_local_output=not loss_parallel,
         ),
+    }
+
+
+def feed_forward_plan(moe: bool) -> dict[str, ParallelStyle]:
+    """A block's feed-forward: the dense SwiGLU column- then row-wise, a mixture of experts on
+    its own sequence shard (see the module docstring)."""
+    if moe:
+        return {
+            "feed_forward": PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True
+            )
+        }
+    return {
+        "feed_forward": PrepareModuleInput(
+            input_layouts=(Shard(1),),
+            desired_input_layouts=(Replicate(),),
+        ),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        "feed_forward.w3": ColwiseParallel(),
     }
 
 
@@ -100,6 +125,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, asyn
     # A pipeline stage may lack the embedding or the norm and output (None): skip their entries.
     plan = {k: v for k, v in llama3_tp_plan(loss_parallel).items() if getattr(model, k.split(".")[0]) is not None}
     parallelize_module(model, tp_mesh, plan)
+    for block in blocks(model).values():
+        parallelize_module(block, tp_mesh, feed_forward_plan(is_moe(block.get_submodule("feed_forward"))))
     if async_tp:
         kernels.enable_async_tp(tp_mesh.get_group())
     return model

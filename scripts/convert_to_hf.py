@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
+
+import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))  # run as a plain script from anywhere
@@ -26,6 +29,8 @@ sys.path.insert(0, str(REPO_ROOT))  # run as a plain script from anywhere
 from trainer.checkpoint.folders import dcp_model_reader, read_model_args  # noqa: E402
 from trainer.checkpoint.hf_folders import DEFAULT_MAX_SHARD_BYTES, export_hf_folder  # noqa: E402
 from trainer.model.hf_llama3 import HF_DTYPES  # noqa: E402
+from trainer.model.llama3 import ModelArgs  # noqa: E402
+from trainer.model.moe import MoEArgs  # noqa: E402
 from trainer.runtime.errors import UserError, report  # noqa: E402
 
 DTYPES = {name: dtype for dtype, name in HF_DTYPES.items()}
@@ -55,9 +60,10 @@ def main(argv: list[str] | None = None) -> None:
     opts = parser.parse_args(argv)
     try:
         args = read_model_args(opts.checkpoint_dir)
+        read = dcp_model_reader(opts.checkpoint_dir)
         export_hf_folder(
             opts.output_dir,
-            dcp_model_reader(opts.checkpoint_dir),
+            read,
             args,
             DTYPES[opts.dtype],
             max_shard_bytes=opts.max_shard_bytes,
@@ -66,6 +72,26 @@ def main(argv: list[str] | None = None) -> None:
     except UserError as err:
         sys.exit(report(err, program="convert_to_hf"))
     print(f"wrote {opts.output_dir}: {args.n_layers}-layer {type(args).__name__} model in {opts.dtype}")
+    if routing_bias_dropped(read, args):
+        print(
+            f"warning: {opts.checkpoint_dir} routes with a learned expert bias (`moe.bias_update_rate`), which a "
+            "Qwen3MoeForCausalLM has no place for: the exported model chooses its experts without it.",
+            file=sys.stderr,
+        )
+
+
+def routing_bias_dropped(read: Callable[[str], torch.Tensor], args: ModelArgs) -> bool:
+    """Whether the checkpoint's MoE layers have a nonzero aux-loss-free routing bias, which only
+    moves the top-k choice and so changes which experts a token reaches."""
+    if not isinstance(args, MoEArgs):
+        return False
+    try:
+        return any(
+            bool(read(f"layers.{layer}.feed_forward.expert_bias").any())
+            for layer in range(args.n_dense_layers, args.n_layers)
+        )
+    except KeyError:
+        return False
 
 
 if __name__ == "__main__":

@@ -4,10 +4,14 @@ rank reports, and the comparison with the 1-process reference."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from harness import BASE_ARGV, trainer_for
 
+from parallelisms import parallel_dims, parallelize
+from parallelisms.parallel_dims import ParallelDims
 from parallelisms.torch_private import kernels, pipelining
 from trainer.model.moe import moe_layers
 from trainer.step import MicroBatch, StepParts, fetch_step, forward_backward, optimizer_step
@@ -37,6 +41,32 @@ def moe_argv(local_batch: int, extra: list[str]) -> list[str]:
     return [*MOE_ARGV, "--training.local_batch_size", str(local_batch), *extra]
 
 
+def experts_replicated_over(dim: str) -> Callable:
+    """A wrong expert mesh: ``ep`` from ``dp_shard`` alone and the experts' FSDP ranks missing
+    ``dim`` (``cp`` or ``tp``), so their gradients are not summed over it."""
+
+    def grid(ranks: torch.Tensor, dims: ParallelDims) -> tuple[torch.Tensor, tuple[str, ...]]:
+        outside = dims.dp_shard // dims.ep
+        grid = ranks.reshape(dims.pp, dims.dp_replicate, outside, dims.ep, dims.cp, dims.tp)
+        if dim == "cp":
+            grid = grid.permute(0, 1, 4, 3, 2, 5).reshape(dims.pp, dims.dp_replicate, dims.cp, dims.ep, -1)
+        else:
+            grid = grid.permute(0, 1, 5, 3, 2, 4).reshape(dims.pp, dims.dp_replicate, dims.tp, dims.ep, -1)
+        return grid, ("pp", "dp_replicate", dim, "ep", "expert_shard")
+
+    return grid
+
+
+def without_replicated_unit(apply_fsdp: Callable) -> Callable:
+    """FSDP that leaves the MoE router and shared experts in the block's unit, summed over
+    ``dp_shard x cp`` only, although every TP rank fed them other tokens."""
+
+    def apply(*args, **kwargs):
+        return apply_fsdp(*args, **{**kwargs, "replicated_mesh": None})
+
+    return apply
+
+
 def moe_steps(argv: list[str], bug: str = "", validate: bool = False) -> dict:
     """``STEPS`` optimizer steps through the trainer's own code; what every rank reports. With
     ``validate``, after each step (as the loop validates) the step's batch is evaluated forward
@@ -45,6 +75,10 @@ def moe_steps(argv: list[str], bug: str = "", validate: bool = False) -> dict:
         kernels.in_backward = lambda: False
     if bug == "pipeline's shape-learning pass counted":
         pipelining.in_metadata_inference = lambda: False
+    if bug.startswith("expert gradients not summed over "):
+        parallel_dims.expert_rank_grid = experts_replicated_over(bug.rsplit(" ", 1)[1])
+    if bug == "router and shared experts not summed over tp":
+        parallelize.apply_fsdp = without_replicated_unit(parallelize.apply_fsdp)
     p, parts = trainer_for(argv)
     layers = moe_layers(parts.model)
     for layer in layers:

@@ -15,8 +15,9 @@ from harness import ROOT, run_train
 from trainer.config import ConfigError, load_config
 from trainer.entry.launch import main as launch_main
 from trainer.planning.job_plan import check_memory, memory_limit, resolve_job, target_device
+from trainer.planning.memory_fixes import fixes
 from trainer.planning.memory_limits import TARGET_MEMORY_BYTES
-from trainer.planning.memory_plan import Workload, estimate, estimates, fixes
+from trainer.planning.memory_plan import Workload, estimate, estimates
 
 GIB = 1024**3
 EIGHT_B = Workload(
@@ -87,7 +88,14 @@ def test_suggested_changes_fit_and_the_error_names_them():
 SEVENTY_B = replace(
     EIGHT_B, dim=8192, n_layers=80, n_heads=64, ffn_dim=28672, tp=8, dp_shard=2, ac_mode="full", pp_microbatches=16
 )
-PRESETS = ("llama3_1b.toml", "llama3_8b.toml", "llama3_70b.toml", "llama3_405b.toml")
+PRESETS = (
+    "llama3_1b.toml",
+    "llama3_8b.toml",
+    "llama3_70b.toml",
+    "llama3_405b.toml",
+    "qwen3_30b_a3b.toml",
+    "qwen3_235b_a22b.toml",
+)
 
 
 def _documented_world_size(preset: str) -> int:
@@ -198,6 +206,14 @@ def test_a_job_that_does_not_fit_stops_before_launch():
 
 MEASURED = {
     "no checkpointing": [],
+    "debug MoE, no checkpointing": ["--config", "debug_moe.toml", "--validation.enable=false"],
+    "debug MoE, full checkpointing": [
+        "--config",
+        "debug_moe.toml",
+        "--validation.enable=false",
+        "--activation_checkpoint.mode",
+        "full",
+    ],
 }
 """More configurations (activation checkpointing, seq 2048) and meshes of several ranks:
 ``python benchmarks/memory.py``, whose figures are in docs/performance.md."""

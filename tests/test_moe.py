@@ -104,11 +104,25 @@ MOE = ["--model.name", "moe", "--model.flavor", "debugmoe", "--training.global_b
     [
         (4, ["--mesh", "dp_shard=4,ep=3"], "`parallelism.expert_parallel_degree` = 3 must divide"),
         (2, ["--model.name", "llama3", "--model.flavor", "debugmodel", "--mesh", "dp_shard=2,ep=2"], "`model.name`"),
-        (4, ["--mesh", "dp_shard=2,tp=2"], "`parallelism.tensor_parallel_degree`"),
+        (
+            4,
+            ["--mesh", "cp=2,tp=2,ep=4"],
+            "must divide `parallelism.data_parallel_shard_degree` x `parallelism.context",
+        ),
         (
             2,
             ["--moe.balance_loss_layers", "pooled", "--moe.balance_loss_scope", "sequence"],
             "`moe.balance_loss_layers` = 'pooled' counts",
+        ),
+        (
+            2,
+            ["--mesh", "cp=2", "--moe.balance_loss_weight", "0.1", "--moe.balance_loss_scope", "sequence"],
+            "`moe.balance_loss_scope`",
+        ),
+        (
+            2,
+            ["--mesh", "tp=2", "--moe.balance_loss_weight", "0.1", "--moe.balance_loss_scope", "sequence"],
+            "`parallelism.tensor_parallel_degree`",
         ),
         (2, ["--model.flavor", "8B"], "`model.flavor` = 8B is not of this `model.name`"),
     ],
@@ -118,3 +132,12 @@ def test_refused_before_any_process_group(world, extra, names):
         resolve_job(load_config(MOE + extra), world)
     message = str(caught.value)
     assert names in message and "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("world", "mesh", "ep"),
+    [(4, "dp_shard=2,tp=2,ep=2", 2), (2, "cp=2,ep=2", 2), (4, "dp_shard=2,cp=2,ep=4", 4), (2, "tp=2", 1)],
+)
+def test_tensor_and_context_parallel_moe_meshes_are_accepted(world, mesh, ep):
+    """``ep`` takes its ranks from ``dp_shard x cp``; TP ranks route their own sequence shards."""
+    assert resolve_job(load_config([*MOE, "--mesh", mesh]), world).dims.ep == ep

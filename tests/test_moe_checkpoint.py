@@ -1,7 +1,8 @@
-"""Expert-parallel checkpoints: a debug MoE run saved at ep = 2 resumes at ep = 1 and at ep = 4
-and continues the uninterrupted ep = 2 run's losses (which needs the experts' weights and
-optimizer state back as saved), with the same routing biases; its TensorBoard holds the
-balancing scalars."""
+"""Expert-parallel checkpoints: a debug MoE run saved at ep = 2 resumes at ep = 1, at ep = 4, at
+ep = 2 x tp = 2 and at ep = 2 x cp = 2 (ep from the CP ranks), and continues the uninterrupted
+ep = 2 run's losses (which needs the experts' weights and optimizer state back as saved), with the
+same routing biases; the resumed runs' own last checkpoints, saved on those meshes, hold the same
+global experts; its TensorBoard holds the balancing scalars."""
 
 from __future__ import annotations
 
@@ -71,14 +72,16 @@ def resumed_from(saved: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
-    """``ep2`` saves at step 2 and runs on to step 4; ``ep1``, ``ep4`` and ``pp2_ep2`` (the MoE
-    layers in two pipeline stages, the experts over ep = 2 in each) resume its step 2."""
+    """``ep2`` saves at step 2 and runs on to step 4; the others resume its step 2 (``pp2_ep2``:
+    the MoE layers in two pipeline stages, the experts over ep = 2 in each)."""
     root = tmp_path_factory.mktemp("moe_checkpoint")
     saved = root / "ep2" / "checkpoint" / f"step-{SAVED}"
     for world, name, local_batch, mesh, extra in (
         (2, "ep2", 4, "dp_shard=2,ep=2", []),
         (2, "ep1", 4, "dp_shard=2", resumed_from(saved)),
         (4, "ep4", 2, "dp_shard=4,ep=4", resumed_from(saved)),
+        (4, "ep2_tp2", 2, "dp_shard=2,tp=2,ep=2", resumed_from(saved)),
+        (4, "ep2_cp2", 2, "dp_shard=2,cp=2,ep=2", resumed_from(saved)),
         (4, "pp2_ep2", 1, "pp=2,dp_shard=2,ep=2", resumed_from(saved)),
     ):
         proc = run_train(world, argv(root / name, local_batch, mesh, *extra))
@@ -87,7 +90,7 @@ def runs(tmp_path_factory) -> Path:
 
 
 @pytest.mark.launcher
-@pytest.mark.parametrize("resumed", ["ep1", "ep4", "pp2_ep2"])
+@pytest.mark.parametrize("resumed", ["ep1", "ep4", "ep2_tp2", "ep2_cp2", "pp2_ep2"])
 def test_a_run_saved_at_ep2_continues_the_same_curve_on_another_ep_degree(runs, resumed):
     """The losses, and the balancing loss and expert loads of the whole model (under PP gathered
     over the stages), continue the straight run's."""

@@ -236,19 +236,30 @@ def build_balance(plan: JobPlan, model: Transformer, meshes: Meshes) -> ExpertBa
     moe, pipelined = plan.config.moe, plan.dims.pp > 1
     return ExpertBalance(
         model,
-        meshes.loss.get_group(),
+        meshes.routing.get_group(),
         bias_update_rate=moe.bias_update_rate,
         loss_weight=moe.balance_loss_weight,
         loss_scope=moe.balance_loss_scope,
         loss_layers=moe.balance_loss_layers,
         global_batch=plan.global_batch_size,
         seq_len=plan.config.training.seq_len,
-        global_microbatches=(plan.pipeline_microbatches if pipelined else plan.microbatches) * meshes.loss.size(),
+        global_microbatches=(plan.pipeline_microbatches if pipelined else plan.microbatches) * meshes.routing.size(),
         moe_layer_ids=range(args.n_dense_layers, args.n_layers),
         n_experts=args.n_experts,
-        stats_group=meshes.stats.get_group() if pipelined else None,
+        stats_group=routing_stats_group(plan, meshes) if pipelined else None,
         pp_group=meshes.pp.get_group() if pipelined else None,
     )
+
+
+def routing_stats_group(plan: JobPlan, meshes: Meshes) -> dist.ProcessGroup:
+    """The pipeline ranks times the routing mesh, where the MoE statistics of the whole model are
+    summed: the stats mesh, and with tensor parallelism (whose ranks route their own shards) every
+    rank, as the mesh's dimensions are pp, dp_replicate, dp_shard, cp and tp."""
+    if plan.dims.tp == 1:
+        return meshes.stats.get_group()
+    world = dist.group.WORLD
+    assert isinstance(world, dist.ProcessGroup)  # the process group is initialised
+    return world
 
 
 @dataclass

@@ -4,14 +4,15 @@ Two mechanisms, both defined on the step's *global* batch so that, like the loss
 depend on the mesh or the accumulation count:
 
 - **aux-loss-free bias** (DeepSeek-V3): after the optimizer step, the tokens every MoE layer
-  routed to each expert, summed over the step's micro-batches and the loss mesh (data-parallel
-  ranks and context-parallel shards), move each expert's routing bias by ``bias_update_rate``
+  routed to each expert, summed over the step's micro-batches and the routing mesh (data-parallel
+  ranks, context-parallel shards and tensor-parallel ranks, which route their own sequence
+  shards: ``Meshes.routing``), move each expert's routing bias by ``bias_update_rate``
   towards the mean load (``sign``, centred). Counts are integers summed exactly, and each token
   is counted once: the layers skip the recomputation of activation checkpointing.
 - **balancing loss** ``E x sum_i f_i P_i`` per layer, in one of three scopes. For
   ``global_batch`` the frequencies ``f`` must be those of the whole step before the first
   backward: a forward-only **counting pre-pass** runs the step's micro-batches through the
-  model without autograd and sums the routing over the loss mesh (one all-reduce of layers x
+  model without autograd and sums the routing over the routing mesh (one all-reduce of layers x
   experts counts). It costs one extra forward per micro-batch, about a third of a step's compute
   (measured in ``benchmarks/moe.py``); the alternative, holding every micro-batch's graph until
   the counts are known, would cost the accumulation's memory saving. The loss's gradient is
@@ -27,13 +28,13 @@ stages too.
 
 **Pipeline parallelism.** A rank holds only its stages' MoE layers. The pre-pass runs the
 step's micro-batches forward-only through the pipeline (``Pipeline.forward_only``) and each stage
-counts its own layers; per layer, those counts are summed over the loss mesh alone. The step's
+counts its own layers; per layer, those counts are summed over the routing mesh alone. The step's
 statistics, and the pooled loss's counts, are whole-model tables ``(MoE layers, experts)``, a
 rank filling the rows of its layers and leaving zeros elsewhere, so one sum over the pipeline
-ranks and the loss mesh gives every rank the whole model's.
+ranks and the routing mesh gives every rank the whole model's.
 
 The step's statistics (:class:`BalanceStats`): the balancing loss (mean over MoE layers, or the
-pooled loss, summed over the loss mesh) and each layer's max / mean expert load.
+pooled loss, summed over the routing mesh) and each layer's max / mean expert load.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ class ExpertBalance:
         pp_group: dist.ProcessGroup | None = None,
     ):
         """``moe_layer_ids``: the block index of every MoE layer of the whole model (default:
-        those ``model`` holds); under pipeline parallelism ``stats_group`` is the loss mesh times
+        those ``model`` holds); under pipeline parallelism ``stats_group`` is the routing mesh times
         the pipeline ranks and ``pp_group`` the pipeline ranks alone (a stage may hold no MoE
         layer; ``n_experts`` then sizes its rows)."""
         held = [(int(name), layer) for name, block in blocks(model).items() for layer in moe_layers(block)]
@@ -138,7 +139,7 @@ class ExpertBalance:
             for layer in self.layers:
                 layer.global_counts.copy_(counts.sum(0))
             return
-        if not self.layers:  # nor do the loss mesh's other ranks: they run the same stages
+        if not self.layers:  # nor do the routing mesh's other ranks: they run the same stages
             return
         counts = torch.stack([layer.global_counts for layer in self.layers])
         self._sum(counts, self.loss_group)
@@ -146,7 +147,7 @@ class ExpertBalance:
             layer.global_counts.copy_(row)
 
     def finish_step(self, skipped: bool) -> BalanceStats:
-        """Sum the step's counts and balancing loss over the loss mesh and the pipeline stages;
+        """Sum the step's counts and balancing loss over the routing mesh and the pipeline stages;
         move the biases unless the optimizer step was skipped."""
         counts = self._whole([layer.tokens_per_expert for layer in self.layers])
         losses = self._whole([layer.balance_sum.reshape(1) for layer in self.layers], 1)[:, 0]

@@ -17,7 +17,7 @@ from trainer.build import Run, build_run, build_step_parts
 from trainer.checkpoint.manager import create_seed_checkpoint
 from trainer.data.datasets import TokenDataset
 from trainer.data.loader import StoppedWaitingForData
-from trainer.metrics.reports import log_end
+from trainer.metrics.reports import MoETimeReport, log_end
 from trainer.planning.job_plan import JobPlan
 from trainer.profiling import profiling
 from trainer.runtime.distributed import CollectiveTimeouts
@@ -80,9 +80,12 @@ def loop(job_plan: JobPlan, run: Run, stop: StopRequests, timeouts: CollectiveTi
     stop.checkpointing = job_plan.config.checkpoint.enable
     first_step, stats = state.step + 1, None
     stopping = stop.stop_after_step()  # asked to stop while building: there is no step to save
+    moe = MoETimeReport(first_step, parts.device, dist.get_rank()) if parts.balance is not None else None
     with profiling(job_plan.config.profiling, job_plan.config.job.dump_folder, dist.get_rank()) as profiler:
         while state.step < training.steps and not stopping:
             state.step += 1
+            if moe is not None:
+                moe.before_step(state.step)
             try:
                 stats = train_step(parts, state, local_tokens_per_step(job_plan), stop.requested)
             except StoppedWaitingForData as waited:
@@ -91,6 +94,8 @@ def loop(job_plan: JobPlan, run: Run, stop: StopRequests, timeouts: CollectiveTi
                 stopping = True
                 break
             run.metrics.log(stats)
+            if moe is not None:
+                moe.after_step(state.step, stats)
             if run.validator is not None and run.validator.due(state.step, training.steps):
                 run.metrics.log_validation(state.step, run.validator.run(parts))
             check_skipped_steps(state, stats, training.max_consecutive_skipped_steps)
@@ -99,6 +104,8 @@ def loop(job_plan: JobPlan, run: Run, stop: StopRequests, timeouts: CollectiveTi
             profiler.step(state.step)
             if state.step == first_step:
                 timeouts.start_training([*parts.meshes.groups(), *filter(None, [stop.group])])
+    if moe is not None:
+        moe.close()
     if stopping:
         kept = (
             "rerun the same command to resume from the newest checkpoint"

@@ -14,6 +14,8 @@ NAMES = (
     "_grouped_mm",
     "_C",
     "_current_graph_task_id",
+    "_autograd",
+    "_profiler_enabled",
     "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_cudnn_attention",
@@ -57,6 +59,12 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch
     kernel for every expert's matmul (CUDA sm90+ in bfloat16; torch 2.13's CPU forward matches a
     loop, but its backward rejects broadcast gradients)."""
     return torch._grouped_mm(a, b, offs=offsets)
+
+
+def profiler_enabled() -> bool:
+    """Whether a torch.profiler is recording on this thread: a ``record_function`` range costs
+    microseconds even when none is, so ranges that only a trace reads open only then."""
+    return torch._C._autograd._profiler_enabled()
 
 
 def in_backward() -> bool:

@@ -1,10 +1,10 @@
 """Expert-parallel weights saved as global tensors, so that a checkpoint resumes on any EP degree.
 
 Under expert parallelism a rank's expert stack holds its ``n_experts / ep`` experts, FSDP-sharded
-over the data-parallel ranks outside the EP group: a DTensor whose global shape is the EP rank's
+over the ranks outside the EP group (and the TP ranks): a DTensor whose global shape is the EP rank's
 slice, so every EP rank would save a different tensor under one name. DCP reshards only what
 carries its global place, so the save views each shard on the mesh ``(dp_replicate, ep,
-dp_shard_out_ep)`` (``Meshes.expert_checkpoint``) as (Replicate, Shard(0), Shard(0)): the experts
+expert_shard)`` (``Meshes.expert_checkpoint``) as (Replicate, Shard(0), Shard(0)): the experts
 split over ``ep`` first, then each slice as FSDP splits it (``torch.chunk`` both), with the
 global shape ``(n_experts, ...)`` of the un-split stack an ep = 1 run saves. The views share the
 shards' storage, so a load writes into them and they go back to ``set_*_state_dict`` in FSDP's

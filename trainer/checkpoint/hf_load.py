@@ -3,8 +3,11 @@
 A Hugging Face folder has no sharding metadata for DCP to reshard from, so each rank works out
 the box of every global tensor it holds (FSDP shard x TP shard, its pipeline stages' parameters)
 from the parameter's placements and reads only that box from the safetensors files, the q/k RoPE
-permutation applied to the heads the box covers. A rank's host memory thus follows its shard,
-not the model; the values are those of converting the whole folder and slicing it, bit for bit.
+permutation applied to the heads the box covers. Under expert parallelism the box of an expert
+stack starts at the rank's ``first_expert`` (``stacked_box``), and the adapter reads each of
+those experts' own tensors, only its FSDP rows: no rank touches another EP rank's experts. A
+rank's host memory thus follows its shard, not the model; the values are those of converting the
+whole folder and slicing it, bit for bit.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from trainer.model.hf_architectures import adapter_for_config
 from trainer.model.hf_llama3 import InteropError
 from trainer.model.hf_qwen3_moe import MOE_FIELDS
 from trainer.model.llama3 import ModelArgs, Transformer
-from trainer.model.tiled_init import local_box
+from trainer.model.tiled_init import stacked_box
 
 logger = logging.getLogger("meshtrain")
 
@@ -64,7 +67,7 @@ def load_hf_weights(model: Transformer, model_args: ModelArgs, path: Path) -> No
     adapter.check_hf_shapes(folder.shapes, model_args, tie_word_embeddings=tied)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            offset, shape = local_box(param)
+            offset, shape, _ = stacked_box(model.get_submodule(name.rpartition(".")[0]), param)
             box = tuple(slice(o, o + n) for o, n in zip(offset, shape))
             local = param.to_local() if isinstance(param, DTensor) else param
             if local.numel() == 0:

@@ -32,7 +32,8 @@ class Parallelism:
     expert_parallel_degree: int = setting(
         1,
         "Expert-parallel degree (`moe` models): the routed experts are split over this many of the "
-        "`data_parallel_shard_degree` ranks, which exchange tokens all-to-all; must divide it.",
+        "`data_parallel_shard_degree` x `context_parallel_degree` ranks, which exchange tokens all-to-all; "
+        "must divide that product.",
     )
     context_parallel_backend: str = setting(
         "auto",

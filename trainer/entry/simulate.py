@@ -66,12 +66,13 @@ def simulate_roles(
     check_torch(("fake", "fsdp", "pipelining"))
     start_fork_server()
     args = [*argv, "--compile.enable=false", "--training.num_workers", "0"]
-    job_plan = prepare_plan(args, nproc * nnodes)
+    figures = {"routing_imbalance": target.routing_imbalance}
+    job_plan = prepare_plan(args, nproc * nnodes, figures=figures)
     real = schedule_count(job_plan)
     traced = traced_count(job_plan) if shorten else real
     # The traced plan differs from the job's only in settings.
     traced_args = [*args, *_as_on_target(job_plan.config, target), *shortened_args(job_plan, traced)]
-    traced_plan = resolve_job(load_config(traced_args), nproc * nnodes)
+    traced_plan = resolve_job(load_config(traced_args), nproc * nnodes, figures=figures)
     print(
         f"simulating {job_plan.dims.pp} role(s) of {job_plan.dims.world_size} ranks on fake tensors, "
         f"at most {traced} of the step's {real} micro-batches traced ...",

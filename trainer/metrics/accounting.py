@@ -13,6 +13,7 @@ import torch
 
 from trainer.hardware import GIB, PEAK_BF16_FLOPS
 from trainer.model.llama3 import ModelArgs, num_params, whole_model
+from trainer.model.moe import MoEArgs, active_params
 
 logger = logging.getLogger("meshtrain")
 
@@ -55,8 +56,14 @@ def flops_per_token(num_params_non_embedding: int, n_layers: int, dim: int, seq_
 
 
 def model_flops_per_token(args: ModelArgs, seq_len: int) -> int:
-    """:func:`flops_per_token` of the whole model ``args`` describes, whatever share of it a rank holds."""
-    return flops_per_token(num_params(whole_model(args), exclude_embedding=True), args.n_layers, args.dim, seq_len)
+    """:func:`flops_per_token` of the whole model ``args`` describes, whatever share of it a rank
+    holds. A Mixture-of-Experts token meets only its router, its shared experts and its top-k
+    routed experts (and the dense first blocks): those are the parameters it costs, not every
+    expert, or the MFU of a 128-expert model would be counted 10x too high."""
+    params = num_params(whole_model(args), exclude_embedding=True)
+    if isinstance(args, MoEArgs):
+        params = active_params(args, params)
+    return flops_per_token(params, args.n_layers, args.dim, seq_len)
 
 
 def tokens_per_second_per_device(tokens: int, seconds: float, devices_per_replica: int) -> float:

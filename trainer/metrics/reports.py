@@ -9,6 +9,7 @@ import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from parallelisms.moe_split import PARTS, SPLIT
 from parallelisms.parallelize import pipeline_split
 from trainer.checkpoint.folders import step_folders
 from trainer.config import changed_settings, to_toml
@@ -73,6 +74,49 @@ def log_start(plan: JobPlan, device: torch.device, metrics: MetricsLogger, data_
     logger.info(data_lines)
     if metrics.tb_dir:
         logger.info("TensorBoard: tensorboard --logdir %s", metrics.tb_dir)
+
+
+class MoETimeReport:
+    """The start report's MoE line: the time split of the MoE layers (``parallelisms/moe_split.py``)
+    measured on the run's steps 2 and 3 (the first warms up), against the step time; rank 0's
+    figures, which a single-rank run's are too. Measuring synchronises the device around each
+    part, so only those steps pay for it."""
+
+    STEPS = 2
+
+    def __init__(self, first_step: int, device: torch.device, rank: int):
+        self.first, self.device, self.rank = first_step + 1, device, rank
+        self.step_seconds = 0.0
+
+    def before_step(self, step: int) -> None:
+        if step == self.first:
+            SPLIT.start(self.device)
+
+    def after_step(self, step: int, stats: StepStats) -> None:
+        if not SPLIT.measuring:
+            return
+        self.step_seconds += stats.step_time_s
+        if step == self.first + self.STEPS - 1:
+            line = moe_split_line(SPLIT.stop(), self.step_seconds, self.first, step)
+            if self.rank == 0:
+                logger.info(line)
+
+    def close(self) -> None:
+        """A run that stopped while measuring leaves the layers untimed."""
+        SPLIT.stop()
+
+
+def moe_split_line(seconds: dict[str, float], step_seconds: float, first: int, last: int) -> str:
+    steps = last - first + 1
+    parts = ", ".join(
+        f"{name} {1e3 * seconds[name] / steps:.1f} ms ({100 * seconds[name] / step_seconds:.0f}%)" for name in PARTS
+    )
+    moe = sum(seconds.values())
+    return (
+        f"MoE time split, steps {first}-{last} (per step, wall clock, every layer's forwards and recomputations): "
+        f"{parts}; {1e3 * moe / steps:.1f} ms of the {1e3 * step_seconds / steps:.1f} ms step "
+        f"({100 * moe / step_seconds:.0f}%); the trace's moe/* ranges show them per layer"
+    )
 
 
 def log_end(

@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from trainer.loss import CrossEntropy, cross_entropy_sum, linear_cross_entropy_sum
-from trainer.model.tiled_init import fill_local_, local_box
+from trainer.model.tiled_init import fill_local_, stacked_box
 
 
 @dataclass(frozen=True)
@@ -418,12 +418,7 @@ class Transformer(nn.Module):
             if kind == "ones":
                 local.fill_(1.0)
             else:
-                offset, _ = local_box(param)
-                shape = tuple(param.shape)
-                owner = self.get_submodule(name.rpartition(".")[0])
-                first, stack = getattr(owner, "first_expert", None), getattr(owner, "n_experts", 0)
-                if first is not None:
-                    offset, shape = (offset[0] + first, *offset[1:]), (stack, *shape[1:])
+                offset, _, shape = stacked_box(self.get_submodule(name.rpartition(".")[0]), param)
                 fill_local_(local, shape, offset, kind, std, seed, name)
             if progress is not None:
                 progress(param.numel())

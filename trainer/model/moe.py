@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from parallelisms.moe_split import SPLIT
 from parallelisms.torch_private import kernels, pipelining
 from trainer.model.llama3 import FeedForward, ModelArgs, TransformerBlock
 
@@ -171,16 +172,32 @@ def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: 
 
 
 @torch.compiler.disable
-def looped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor):
-    """The same, one expert at a time: exact wherever the grouped kernel is missing. Eager inside
-    a compiled block: its split sizes are the routing's counts, which would make torch.compile
-    trace it again for every new routing."""
-    outs = [(F.silu(chunk @ w1[e].T) * (chunk @ w3[e].T)) @ w2[e].T for e, chunk in enumerate(x.split(counts.tolist()))]
+def looped_swiglu(
+    x: torch.Tensor,
+    counts: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    splits: list[int] | None = None,
+):
+    """The same, one expert at a time: exact wherever the grouped kernel is missing. ``splits``:
+    the rows per expert where ``counts`` has no values (fake tensors). Eager inside a compiled
+    block: its split sizes are the routing's counts, which would make torch.compile trace it
+    again for every new routing."""
+    rows = counts.tolist() if splits is None else splits
+    outs = [(F.silu(chunk @ w1[e].T) * (chunk @ w3[e].T)) @ w2[e].T for e, chunk in enumerate(x.split(rows))]
     return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[1])
 
 
 def has_grouped_mm(x: torch.Tensor) -> bool:
     return x.is_cuda and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+
+
+def expert_counts(chosen: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Tokens routed to each expert. A scatter, not ``bincount``, whose output size depends on
+    the values: ``--simulate`` traces this on fake tensors, which have none."""
+    flat = chosen.flatten()
+    return flat.new_zeros(n_experts).scatter_add_(0, flat, torch.ones_like(flat))
 
 
 class GroupedExperts(nn.Module):
@@ -191,6 +208,9 @@ class GroupedExperts(nn.Module):
     def __init__(self, n_experts: int, dim: int, hidden: int):
         super().__init__()
         self.n_experts, self.first_expert = n_experts, 0
+        self.assumed_split = False
+        """Set by ``--simulate``, whose fake CPU tensors hold no counts: bfloat16 rows run the
+        grouped kernel, as on an sm90 GPU, other dtypes the loop over rows split evenly."""
         self.checkpoint_mesh: DeviceMesh | None = None
         """Under expert parallelism, where a checkpoint places this rank's experts in the stack."""
         self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))
@@ -199,8 +219,14 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``x``: tokens sorted by local expert, ``counts[e]`` of them for expert ``e``."""
-        swiglu = grouped_swiglu if has_grouped_mm(x) else looped_swiglu
-        return swiglu(x, counts, self.w1, self.w2, self.w3)
+        if self.assumed_split and x.dtype != torch.bfloat16:
+            n, experts = x.shape[0], self.w1.shape[0]
+            splits = [n // experts + (e < n % experts) for e in range(experts)]
+            with SPLIT.part("experts"):
+                return looped_swiglu(x, counts, self.w1, self.w2, self.w3, splits)
+        swiglu = grouped_swiglu if has_grouped_mm(x) or self.assumed_split else looped_swiglu
+        with SPLIT.part("experts"):
+            return swiglu(x, counts, self.w1, self.w2, self.w3)
 
 
 class _AddBalanceLoss(torch.autograd.Function):
@@ -251,13 +277,17 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bsz, seq, dim = x.shape
         flat = x.reshape(-1, dim)
-        probs, chosen, weights = self.router(flat, self.expert_bias)
-        counts = torch.bincount(chosen.flatten(), minlength=self.n_experts)
-        counted = self._count(counts)
-        order = chosen.flatten().argsort(stable=True)
-        routed = self.dispatch(flat[order // self.top_k], counts, self.experts)
-        unsorted = torch.zeros_like(routed).index_copy(0, order, routed)
-        out = (unsorted.view(-1, self.top_k, dim) * weights.unsqueeze(-1).to(unsorted.dtype)).sum(1)
+        with SPLIT.part("router"):
+            probs, chosen, weights = self.router(flat, self.expert_bias)
+            counts = expert_counts(chosen, self.n_experts)
+            counted = self._count(counts)
+        with SPLIT.part("dispatch"):
+            order = chosen.flatten().argsort(stable=True)
+            sorted_tokens = flat[order // self.top_k]
+        routed = self.dispatch(sorted_tokens, counts, self.experts)
+        with SPLIT.part("combine"):
+            unsorted = torch.zeros_like(routed).index_copy(0, order, routed)
+            out = (unsorted.view(-1, self.top_k, dim) * weights.unsqueeze(-1).to(unsorted.dtype)).sum(1)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         return self._add_balance_loss(out, probs, chosen, counts, bsz, counted).view(bsz, seq, dim)

@@ -65,6 +65,23 @@ def local_box(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(offset), tuple(shape)
 
 
+def stacked_box(owner: object, param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """``(offset, shape, global shape)`` of the part of the whole model's tensor that this rank
+    holds of ``param``, a parameter of module ``owner``.
+
+    A module that holds some slices of a stacked parameter (expert parallelism's experts) says
+    which with ``first_expert`` and ``n_experts``: its parameter is then a DTensor (or a tensor)
+    of its own slices only, and the box moves to their place in the whole stack. Initialisation
+    and Hugging Face imports read by this box, so both are the same on every EP degree.
+    """
+    offset, shape = local_box(param)
+    whole = tuple(param.shape)
+    first = getattr(owner, "first_expert", None)
+    if first is not None:
+        offset, whole = (offset[0] + first, *offset[1:]), (owner.n_experts, *whole[1:])  # type: ignore[attr-defined]
+    return offset, shape, whole
+
+
 def local_slice(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """The part of ``full`` that this rank's shard of ``param`` holds."""
     offset, shape = local_box(param)

@@ -28,8 +28,10 @@ from trainer.hardware import GIB, gib
 from trainer.model.llama3 import FLAVORS, ModelArgs, model_args
 from trainer.model.moe import FLAVORS as MOE_FLAVORS
 from trainer.model.moe import MoEArgs
+from trainer.planning.memory_fixes import what_would_fit
 from trainer.planning.memory_limits import TARGET_MEMORY_BYTES, cpu_limit_per_rank, gpu_limit
-from trainer.planning.memory_plan import Estimate, Workload, estimate, what_would_fit
+from trainer.planning.memory_plan import Estimate, Workload, estimate
+from trainer.planning.moe_memory import RoutedExperts
 
 SETTING_KEYS = {
     "dp_replicate": "`parallelism.data_parallel_replicate_degree`",
@@ -147,7 +149,7 @@ def resolve_job(
     except ParallelismError as e:
         raise ConfigError(e.render(SETTING_KEYS)) from None
     check_layout_invariant(config, dims, settings)
-    check_experts(config, dims, n_experts)
+    check_experts(config, dims, n_experts, (figures or {}).get("routing_imbalance", 1.0))
     validation = config.validation
     if validation.enable and (dims.cp > 1 or dims.pp > 1) and validation.seq_len not in (-1, training.seq_len):
         which = (
@@ -202,12 +204,25 @@ def check_torch(concerns: tuple[str, ...]) -> None:
         raise ConfigError(str(e)) from None
 
 
-def check_experts(config: JobConfig, dims: ParallelDims, n_experts: int) -> None:
-    """What a Mixture-of-Experts run does not do yet, beyond the parallelisms' own refusals."""
+def check_experts(config: JobConfig, dims: ParallelDims, n_experts: int, imbalance: float = 1.0) -> None:
+    """What a Mixture-of-Experts run does not do yet, beyond the parallelisms' own refusals; and
+    a routing imbalance no rank can see: the busiest receives at most every rank's tokens."""
     if not n_experts:
         return
+    if imbalance > dims.ep > 1:
+        raise ConfigError(
+            f"--target.routing_imbalance {imbalance:g}: the busiest of `parallelism.expert_parallel_degree` = "
+            f"{dims.ep} ranks receives at most {dims.ep}x the average tokens; state at most {dims.ep}."
+        )
     if config.debug.layout_invariant:
         raise ConfigError('`debug.layout_invariant` is not implemented for `model.name` = "moe"; turn it off.')
+    moe = config.moe
+    if moe.balance_loss_weight > 0 and moe.balance_loss_scope == "sequence" and dims.cp * dims.tp > 1:
+        raise ConfigError(
+            '`moe.balance_loss_scope` = "sequence" needs whole sequences on a rank, but '
+            f"`parallelism.context_parallel_degree` x `parallelism.tensor_parallel_degree` = {dims.cp} x {dims.tp} "
+            'splits each one; use "global_batch" (exact on every mesh) or "micro_batch".'
+        )
 
 
 def check_layout_invariant(config: JobConfig, dims: ParallelDims, settings: ParallelSettings) -> None:
@@ -273,6 +288,7 @@ def memory_workload(
     ``training.local_batch_size`` (which only cuts the loader's batch)."""
     training = config.training
     pipelined = dims.pp > 1
+    imbalance = figures.get("routing_imbalance", 1.0) if figures else 1.0
     return Workload(
         dim=args.dim,
         n_layers=args.n_layers,
@@ -308,7 +324,16 @@ def memory_workload(
         pp_layers_per_stage=settings.pp_layers_per_stage,
         pp_first_less=settings.pp_first_stage_less_layers,
         pp_last_less=settings.pp_last_stage_less_layers,
+        head_dim=args.head_dim,
+        experts=routed_experts(args, dims.ep, imbalance),
     )
+
+
+def routed_experts(args: ModelArgs, ep: int, imbalance: float) -> RoutedExperts | None:
+    if not isinstance(args, MoEArgs):
+        return None
+    shared = args.n_shared_experts * args.moe_hidden_dim
+    return RoutedExperts(args.n_experts, args.top_k, args.moe_hidden_dim, shared, args.n_dense_layers, ep, imbalance)
 
 
 def describe(plan: JobPlan, limit: int | None, where: str) -> str:
@@ -321,12 +346,22 @@ def describe(plan: JobPlan, limit: int | None, where: str) -> str:
             f"model: {config.model.name} {config.model.flavor}, {w.params:,} parameters "
             f"({w.n_layers} layers, dim {w.dim}, vocabulary {w.vocab_size})",
             f"mesh: pp={dims.pp} dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} cp={dims.cp} tp={dims.tp} "
-            f"({dims.world_size} processes)",
+            + (f"ep={dims.ep} " if w.experts else "")
+            + f"({dims.world_size} processes)",
+            *([experts_line(w.experts)] if w.experts else []),
             f"batch: {plan.global_batch_size} x {training.seq_len} tokens per step = {plan.microbatches} "
             f"micro-batch(es) of {training.local_batch_size} per data-parallel rank; {training.steps} steps",
             f"memory: {plan.memory.line()}{fits}",
             f"output: {config.job.dump_folder}",
         ]
+    )
+
+
+def experts_line(experts: RoutedExperts) -> str:
+    return (
+        f"experts: {experts.n_experts} routed (top-{experts.top_k}), {experts.n_experts // experts.ep} per rank; "
+        f"the busiest rank assumed to receive {experts.imbalance:g}x the average routed tokens "
+        "(`--target.routing_imbalance`)"
     )
 
 

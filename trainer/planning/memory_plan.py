@@ -24,6 +24,9 @@ make it fit, instead of spending minutes initialising and then dying of an out-o
   ``allgather_kv`` attention also keeps the gathered keys and values of the whole sequence, and
   their repeats for grouped-query attention up to each local chunk's end; document masking
   keeps one additive attention mask (queries x keys, in the compute dtype) shared by all blocks;
+* **Mixture-of-Experts blocks**: the routed experts' state and gathered weights under EP, the
+  routed tokens' activations at the stated routing imbalance and the token exchange's buffers,
+  instead of the dense feed-forward's (``moe_memory.py``);
 * **logits and loss**: the logits of one micro-batch (vocabulary-sharded under loss parallel),
   their float32 copy, the log-softmax kept for backward and the gradient; with the chunked loss
   (``training.loss_chunk_tokens``) of one chunk of tokens, plus the final hidden states. Backward
@@ -58,11 +61,11 @@ measured peak on CPU (docs/performance.md gives the figures).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from parallelisms.parallel_dims import ParallelismError
 from parallelisms.pipeline_split import plan_split
 from trainer.hardware import ALLOCATOR_SLACK, RUNTIME_BYTES, gib
+from trainer.planning.moe_memory import RoutedExperts
 
 
 @dataclass(frozen=True)
@@ -110,12 +113,42 @@ class Workload:
     pp_layers_per_stage: int = -1
     pp_first_less: int = 1
     pp_last_less: int = 1
+    head_dim: int = 0
+    """Width of an attention head; 0: ``dim / n_heads`` (Qwen3's heads are wider)."""
+    experts: RoutedExperts | None = None
+    """A Mixture-of-Experts model's routed experts (``moe_memory.py``); None: dense."""
+
+    @property
+    def widths(self) -> tuple[int, int]:
+        """The queries' and the keys' widths."""
+        head_dim = self.head_dim or self.dim // self.n_heads
+        return self.n_heads * head_dim, self.kv_heads * head_dim
+
+    @property
+    def dense_block(self) -> int:
+        q, kv = self.widths
+        return 2 * self.dim * (q + kv) + 2 * self.dim + 3 * self.dim * self.ffn_dim
+
+    @property
+    def dense_layers(self) -> int:
+        return self.n_layers if self.experts is None else min(self.experts.dense_layers, self.n_layers)
 
     @property
     def block_params(self) -> int:
-        head_dim = self.dim // self.n_heads
-        attention = 2 * self.dim * self.n_heads * head_dim + 2 * self.dim * self.kv_heads * head_dim
-        return attention + 3 * self.dim * self.ffn_dim + 2 * self.dim
+        """Per block, on average (a Mixture-of-Experts model's dense first blocks are smaller)."""
+        moe = 0
+        if self.experts is not None:
+            ffn = self.experts.feed_forward_params(self.dim) - 3 * self.dim * self.ffn_dim
+            moe = (self.n_layers - self.dense_layers) * (self.dense_block + ffn)
+        return (self.dense_layers * self.dense_block + moe) // self.n_layers
+
+    @property
+    def gathered_block(self) -> int:
+        """The most parameters FSDP gathers for one block on one rank (under EP, its own experts)."""
+        if self.experts is None or self.dense_layers == self.n_layers:
+            return self.dense_block
+        moe = self.dense_block - 3 * self.dim * self.ffn_dim + self.experts.gathered_params(self.dim)
+        return max(moe, self.dense_block if self.dense_layers else 0)
 
     @property
     def params(self) -> int:
@@ -221,7 +254,7 @@ def _estimate(w: Workload, share: _Share) -> Estimate:
             # in flight and the stage's unsharded gradients are held (seen by --simulate).
             table = w.vocab_size * w.dim
             grads += table * (w.compute_bytes + w.reduce_bytes) - table * w.reduce_bytes / w.tp
-        fsdp_buffers = (params + w.block_params) * w.compute_bytes / w.tp
+        fsdp_buffers = (params + w.gathered_block) * w.compute_bytes / w.tp
     else:
         deferred = w.defer_gradient_reduction and w.accumulation > 1
         grads = w.reduce_bytes * params / w.tp if deferred else 4 * params / shards
@@ -230,8 +263,8 @@ def _estimate(w: Workload, share: _Share) -> Estimate:
             # kept from an earlier micro-batch, the peak holds the larger of the two.
             grads = max(0.0, grads - activations - logits)
         gathered_blocks = w.n_layers if w.reshard_after_forward == "never" else 2
-        gathered = (gathered_blocks * w.block_params + w.vocab_size * w.dim) * w.compute_bytes / w.tp
-        fsdp_buffers = gathered + w.block_params * (w.compute_bytes + 4) / w.tp
+        gathered = (gathered_blocks * w.gathered_block + w.vocab_size * w.dim) * w.compute_bytes / w.tp
+        fsdp_buffers = gathered + w.gathered_block * (w.compute_bytes + 4) / w.tp
     device = w.device if w.device in RUNTIME_BYTES else "cpu"
     return Estimate(
         model_state=int(sharded_state + grads),
@@ -249,11 +282,11 @@ def _activations(w: Workload, share: _Share) -> tuple[float, float]:
     """Bytes kept for backward by the micro-batches in flight through the rank's blocks, with
     activation checkpointing; and those of the one block being recomputed in backward."""
     tokens = w.local_batch_size * w.seq_len / w.cp
-    d, kv, f, t, b = w.dim, w.dim * w.kv_heads // w.n_heads, w.ffn_dim, w.tp, w.compute_bytes
+    (q, kv), d, f, t, b = w.widths, w.dim, w.ffn_dim, w.tp, w.compute_bytes
     # Per token: two all-gathered norm outputs (full width), then what tensor parallelism splits:
     # block and norm inputs, q, repeated k and v, attention output and its reshaped copy, and the
     # feed-forward's w1/w3 outputs, silu and product; plus RoPE's float32 copies of q and k.
-    full_block = tokens * ((2 * d + (7 * d + kv + 4 * f) / t) * b + (d + kv) / t * 4)
+    full_block = tokens * ((2 * d + (2 * d + 5 * q + kv) / t) * b + (q + kv) / t * 4)
     if w.cp > 1 and w.cp_allgather_kv:
         # Both query chunks of a rank attend to keys up to their ends: (2 cp + 1) / (2 cp) of
         # the sequence in all, repeated to every head, for k and v, instead of the local tokens.
@@ -268,16 +301,25 @@ def _activations(w: Workload, share: _Share) -> tuple[float, float]:
         full_block += tokens * (3 * d / t + 4 * replicated) * b
     block_input = tokens * d / t * b
     blocks = share.blocks
+    # Mixture-of-Experts blocks: their feed-forward's instead of the dense one's (moe_memory.py).
+    moe_share = 1 - w.dense_layers / w.n_layers
+    ex = w.experts
+    dense_ffn, op_ffn = tokens * 4 * f / t * b, tokens * 2 * f / t * b
+    moe_ffn = tokens * ex.kept(d, b) if ex else 0.0
+    exchange = tokens * ex.exchange(d, b) if ex and moe_share else 0.0
+    average = full_block + dense_ffn + moe_share * (moe_ffn - dense_ffn)
+    full_block += max(dense_ffn if moe_share < 1 else 0.0, moe_ffn + exchange if moe_share else 0.0)
     if w.ac_mode == "full":
         kept = blocks * block_input
     elif w.ac_mode == "selective" and w.ac_option == "op":
         # Kept: the projections' and attention's outputs (q, k, v, attention, wo, w1, w3, w2).
-        kept = blocks * tokens * (4 * d + 2 * kv + 2 * f) / t * b
+        moe_op = tokens * ex.kept_op(d, b) if ex else 0.0
+        kept = blocks * (tokens * (2 * q + 2 * d + 2 * kv) / t * b + op_ffn + moe_share * (moe_op - op_ffn))
     elif w.ac_mode == "selective":
         checkpointed = (blocks + int(w.ac_option) - 1) // int(w.ac_option)
-        kept = checkpointed * block_input + (blocks - checkpointed) * full_block
+        kept = checkpointed * block_input + (blocks - checkpointed) * average
     else:
-        kept, full_block = blocks * full_block, 0.0
+        kept, full_block = blocks * average, exchange
     stage_output = block_input if w.pp > 1 and not share.last else 0.0
     return share.microbatches * (kept + stage_output), full_block
 
@@ -304,104 +346,3 @@ def _logits(w: Workload) -> float:
     # one chunk of tokens at a time when the loss is chunked (recomputed in backward).
     live = min(tokens, w.loss_chunk_tokens) if w.loss_chunk_tokens > 0 else tokens
     return live * vocab * (w.compute_bytes + float_copy + 4 + 4) + tokens * w.dim * w.compute_bytes
-
-
-# ------------------------------------------------------------------------------- what fits
-
-
-def what_would_fit(w: Workload, limit: int, world_size: int, machines: str = "machines") -> str:
-    """What would fit ``limit``, as the one sentence the memory check and the simulator both print."""
-    how, changes = fixes(w, limit, world_size)
-    if not changes:
-        return f"nothing the mesh or the batch can change fits it: use larger {machines} or a smaller `model.flavor`"
-    if how == "any":
-        return "any one of these would fit: " + "; or ".join(changes)
-    return "these together would fit: " + ", ".join(changes)
-
-
-def fixes(w: Workload, limit: int, world_size: int) -> tuple[str, list[str]]:
-    """Changes that would bring the estimate under ``limit``, as the user would type them.
-
-    Returns ``("any", changes)`` when each change alone fits, else ``("all", changes)`` for one
-    combination that fits, else ``("all", [])``.
-    """
-    single = []
-    shards = _fitting_shards(w, limit)
-    if shards is not None:
-        single.append(_shard_text(w, shards, world_size // w.dp_shard * shards))
-    for tp in _tp_degrees(w):
-        if estimate(replace(w, tp=tp)).total <= limit:
-            single.append(f"`--parallelism.tensor_parallel_degree {tp}` (with {world_size // w.tp * tp} processes)")
-            break
-    if w.ac_mode != "full" and estimate(replace(w, ac_mode="full")).total <= limit:
-        single.append("`--activation_checkpoint.mode full`")
-    for batch in range(w.local_batch_size - 1, 0, -1):
-        if estimate(_with_microbatch(w, batch)).total <= limit:
-            single.append(_microbatch_text(w, batch))
-            break
-    for pp in _pp_degrees(w):
-        if estimate(replace(w, pp=pp)).total <= limit:
-            single.append(f"`--parallelism.pipeline_parallel_degree {pp}` (with {world_size // w.pp * pp} processes)")
-            break
-    if single:
-        return "any", single
-    smallest = replace(_with_microbatch(w, 1), ac_mode="full")
-    for tp in (w.tp, *_tp_degrees(w)):
-        shards = _fitting_shards(replace(smallest, tp=tp), limit)
-        if shards is not None:
-            processes = world_size // (w.dp_shard * w.tp) * shards * tp
-            return "all", [
-                "`--activation_checkpoint.mode full`",
-                _microbatch_text(w, 1).split(" (")[0],
-                *([f"`--parallelism.tensor_parallel_degree {tp}`"] if tp != w.tp else []),
-                _shard_text(w, shards, processes),
-            ]
-    return "all", []
-
-
-def _with_microbatch(w: Workload, batch: int) -> Workload:
-    """``w`` with micro-batches of ``batch`` sequences; under pipelining the step's batch stays,
-    so the pipeline's micro-batches are more."""
-    microbatches = w.pp_microbatches * w.local_batch_size // batch if w.pp > 1 else w.pp_microbatches
-    return replace(w, local_batch_size=batch, pp_microbatches=microbatches)
-
-
-def _microbatch_text(w: Workload, batch: int) -> str:
-    if w.pp > 1:
-        return f"`--parallelism.pipeline_parallel_microbatch_size {batch}`"
-    return (
-        f"`--training.local_batch_size {batch}` (with `training.global_batch_size` set, the global "
-        "batch stays and the micro-batches are more)"
-    )
-
-
-def _pp_degrees(w: Workload) -> list[int]:
-    """Under pipelining, larger degrees that the schedule can run with the step's micro-batches
-    and that the blocks can be split into."""
-    degrees = []
-    for pp in (2, 4, 8, 16):
-        if w.pp == 1 or pp <= w.pp or (w.pp_schedule != "GPipe" and w.pp_microbatches < pp):
-            continue
-        try:
-            plan_split(w.n_layers, pp, w.pp_schedule, w.pp_layers_per_stage, w.pp_first_less, w.pp_last_less)
-        except ParallelismError:
-            continue
-        degrees.append(pp)
-    return degrees
-
-
-def _tp_degrees(w: Workload) -> list[int]:
-    return [tp for tp in (2, 4, 8) if tp > w.tp and w.n_heads % tp == 0 and w.kv_heads % tp == 0]
-
-
-def _fitting_shards(w: Workload, limit: int) -> int | None:
-    for shards in (w.dp_shard, *(2**k for k in range(1, 14))):
-        if shards >= w.dp_shard and estimate(replace(w, dp_shard=shards)).total <= limit:
-            return shards
-    return None
-
-
-def _shard_text(w: Workload, shards: int, processes: int) -> str:
-    # A CPU machine's ranks share its memory: more shards fit only on more machines.
-    where = " on more machines" if w.device != "cuda" else ""
-    return f"dp_shard {shards} ({processes} processes in all{where}: NGPU x NNODES)"

@@ -35,6 +35,11 @@ ASSUMPTIONS = (
     "step's first all-gather and last reduce-scatter / all-reduce; what does not fit under the compute "
     "adds to the step",
     "tensor-parallel, context-parallel and loss/statistics collectives are exposed (no async TP)",
+    "Mixture-of-Experts: expert parallelism's token all-to-alls (dispatch and combine, and their "
+    "gradients) are exposed, NVLink when the EP group is inside a node, the network when it spans "
+    "nodes; their splits follow the stated routing (`routing_imbalance`: the simulated rank receives "
+    "that multiple of the average tokens, 1 = balanced); the experts run the grouped matmul, 2 x rows "
+    "x dim x hidden FLOPs per product",
     "pipeline send/recv overlaps compute; the schedule's bubble stretches the busy time: step = "
     "busy / (1 - bubble), bubble from parallelisms/pipeline_split.py (1F1B: (pp-1)/(m+pp-1))",
     "micro-batches: gradient accumulation traces 4 of them, 1F1B pipeline rank r max(3, pp - r + 1), "
@@ -42,11 +47,14 @@ ASSUMPTIONS = (
     "and collectives stand for each one not traced",
     "data: synthetic samples of `training.seq_len` tokens, every label valid (the job's data are not "
     "read, so their size and format are not checked: `--dry-run` on the machine that holds them does)",
-    "MFU counts the model's FLOPs (6N + 12 L d S per token, as the training log does); HFU the traced "
-    "ones, with activation-checkpointing recompute",
+    "MFU counts the model's FLOPs (6N + 12 L d S per token, as the training log does; N of a Mixture-of-"
+    "Experts model its active parameters: router, shared and top-k routed experts); HFU the traced ones, with "
+    "activation-checkpointing recompute",
 )
 
-FSDP_DIMS = ("dp_shard_cp", "dp_replicate")
+FSDP_DIMS = ("dp_shard_cp", "dp_replicate", "expert_shard", "dp_shard_cp_tp")
+"""FSDP's groups: the routed experts' (``expert_shard``, under expert parallelism) and, under
+tensor parallelism, the unit of MoE parameters replicated over TP (``dp_shard_cp_tp``) included."""
 KINDS = {
     "all_gather": ("allgather", "all_gather", "_allgather_base"),
     "reduce_scatter": ("reduce_scatter", "_reduce_scatter_base"),
@@ -65,6 +73,8 @@ ATTENTION_FORWARD = {
 ATTENTION_BACKWARD = {name + "_backward": 10 for name in ATTENTION_FORWARD}
 """FLOPs per (batch x head x query x key x head_dim): forward QK^T and PV; backward recomputes
 the scores and forms four more products."""
+GROUPED_MM = "_grouped_mm"
+"""The experts' grouped matmul, which torch's FLOP counter does not know."""
 
 
 @dataclass
@@ -149,12 +159,14 @@ class CostRecorder:
         flops = memory = 0
         if func.namespace in ("c10d", "_c10d_functional"):
             self._collective(name, args, out)
-        elif func.overloadpacket in flop_registry or name in ATTENTION_FORWARD or name in ATTENTION_BACKWARD:
+        elif func.overloadpacket in flop_registry or name in (*ATTENTION_FORWARD, *ATTENTION_BACKWARD, GROUPED_MM):
             # A DTensor op computes on the local shards: count with their shapes. (``to_local``
             # would dispatch an op of its own per tensor, through every mode.)
             args, kwargs, out = tree_map_only(DTensor, dtensor.local_tensor, (args, kwargs, out))
             if func.overloadpacket in flop_registry:
                 flops = int(flop_registry[func.overloadpacket](*args, **kwargs, out_val=out))
+            elif name == GROUPED_MM:
+                flops = _grouped_mm_flops(args[0], args[1])
             else:
                 flops = _attention_flops(name, args, kwargs)
         elif func.namespace == "aten" and not func.is_view and not name.startswith(("empty", "detach", "_local")):
@@ -181,10 +193,13 @@ class CostRecorder:
             bus = full
         else:
             bus = full * (n - 1) // n * (2 if kind == "all_reduce" else 1)
+        # FSDP exchanges nothing all-to-all: one on its group is expert parallelism's token
+        # exchange over the same ranks (ep = dp_shard), exposed, not hidden under compute.
+        dim = "ep" if kind == "all_to_all" and info.dim in FSDP_DIMS else info.dim
         if self.microbatch is not None:
             self.costs.first_collective.setdefault(self.microbatch, len(self.costs.total.collectives))
         for cost in self._costs():
-            cost.collectives.append(Collective(kind, info.dim, n, bus, info.crosses_nodes))
+            cost.collectives.append(Collective(kind, dim, n, bus, info.crosses_nodes))
 
     def _group(self, args: tuple) -> GroupInfo | None:
         """The group a collective runs on: a name (functional collectives) or a process group
@@ -194,6 +209,14 @@ class CostRecorder:
             if isinstance(name, str) and name in self.groups:
                 return self.groups[name]
         return None
+
+
+def _grouped_mm_flops(a: Any, b: Any) -> int:
+    """Every row of ``a`` meets one group's matrix: ``2 x a's elements x b's columns`` for the
+    experts' forward (``(tokens, dim) x (experts, dim, hidden)``) and their input gradient, and
+    for the weight gradient (``(dim, tokens) x (tokens, hidden)``, grouped along the tokens)."""
+    groups = a.shape[0] if a.dim() == 3 and b.dim() == 2 else 1
+    return 2 * a.numel() * b.shape[-1] // groups
 
 
 def _attention_flops(name: str, args: tuple, kwargs: dict) -> int:

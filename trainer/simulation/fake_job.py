@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch.nn.attention import bias as attention_bias
 from torch.utils.data import Dataset
 
+from parallelisms.expert_parallel import AssumedRouting, assume_routing
 from parallelisms.parallel_dims import Meshes
 from parallelisms.pipeline_parallel import Pipeline
 from parallelisms.torch_private import pipelining
@@ -145,6 +146,9 @@ def run_rank(
         parts = build_step_parts(plan, samples, allocating)
         if parts.pipeline is not None:
             metadata.attach(parts.pipeline)
+        experts = plan.workload.experts
+        for module in _modules(parts):
+            assume_routing(module, AssumedRouting(experts.imbalance if experts else 1.0))
         recorder = CostRecorder(group_infos(mesh_groups(parts.meshes), gpus_per_node))
         tracker.observers.append(recorder)
         _label_state(tracker, parts)
@@ -204,7 +208,9 @@ def mesh_groups(meshes: Meshes) -> dict[str, dist.ProcessGroup]:
     """Every process group of the job by the mesh dimension it spans; FSDP's first, so a group
     shared by several views (size-1 dimensions) is named as FSDP sees it."""
     groups: dict[str, dist.ProcessGroup] = {}
-    for mesh in (meshes.fsdp, meshes.tp, meshes.cp, meshes.pp, meshes.batch, meshes.loss, meshes.stats):
+    experts = [m for m in (meshes.ep, meshes.expert_fsdp) if m is not None]
+    views = (meshes.fsdp, meshes.tp, meshes.cp, meshes.pp, meshes.batch, meshes.loss, meshes.stats)
+    for mesh in (*views, meshes.routing, meshes.replicated_fsdp, *experts):
         for dim, name in enumerate(mesh.mesh_dim_names or ()):
             groups.setdefault(name, mesh.get_group(dim))
     world = dist.group.WORLD
@@ -315,5 +321,8 @@ def _phase_finalize(parts: StepParts, tracker: MemoryTracker, recorder: CostReco
 
 
 def _label_state(tracker: MemoryTracker, parts: StepParts) -> None:
-    modules = [parts.model] + ([s.submod for s in parts.pipeline.stages] if parts.pipeline else [])
-    label_training_state(tracker, modules, parts.optimizer)
+    label_training_state(tracker, _modules(parts), parts.optimizer)
+
+
+def _modules(parts: StepParts) -> list[torch.nn.Module]:
+    return [parts.model] + ([s.submod for s in parts.pipeline.stages] if parts.pipeline else [])

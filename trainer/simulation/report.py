@@ -19,7 +19,8 @@ from typing import Any
 from trainer.hardware import gib
 from trainer.metrics import model_flops_per_token
 from trainer.planning.job_plan import JobPlan
-from trainer.planning.memory_plan import estimates, what_would_fit
+from trainer.planning.memory_fixes import what_would_fit
+from trainer.planning.memory_plan import estimates
 from trainer.simulation.cost_model import ASSUMPTIONS, step_time
 from trainer.simulation.fake_job import RoleRun
 from trainer.simulation.memory_tracker import CATEGORIES
@@ -83,6 +84,7 @@ def build_report(plan: JobPlan, target: Target, runs: list[RoleRun]) -> dict[str
             "dp_shard": dims.dp_shard,
             "cp": dims.cp,
             "tp": dims.tp,
+            **({"ep": dims.ep} if dims.ep > 1 else {}),
         },
         "target_gpu": target.to_json(),
         "fits": all(r["fits"] for r in roles),
@@ -163,7 +165,7 @@ def render(report: dict[str, Any]) -> str:
     lines.append(
         f"assumptions (target figures overridable with --target.KEY; efficiency {target['efficiency']}, "
         f"HBM efficiency {target['hbm_efficiency']}, runtime {gib(target['runtime_bytes'])}, allocator slack "
-        f"{target['allocator_slack']:.0%} of the activations):"
+        f"{target['allocator_slack']:.0%} of the activations, routing imbalance {target['routing_imbalance']:g}):"
     )
     lines += [f"  - {a}" for a in report["assumptions"]]
     return "\n".join(lines)

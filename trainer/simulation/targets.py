@@ -41,6 +41,9 @@ class Target:
     """Held whatever the model: the CUDA context and NCCL's buffers (the CPU process's own memory)."""
     allocator_slack: float = ALLOCATOR_SLACK["cuda"]
     """Memory the allocator holds beyond the live tensors, as a fraction of the peak's activations."""
+    routing_imbalance: float = 1.0
+    """Mixture-of-Experts: the routed tokens the busiest expert-parallel rank receives, over the
+    average (a stated assumption: fake tensors route nothing); the simulated rank is that one."""
 
     def to_json(self) -> dict[str, object]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

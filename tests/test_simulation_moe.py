@@ -1,0 +1,91 @@
+"""``--simulate`` of Mixture-of-Experts jobs: the real token exchange on fake tensors, its
+all-to-alls timed, the grouped matmul's FLOPs counted, the stated routing imbalance sizing the
+simulated rank, and the estimate following the simulation."""
+
+from __future__ import annotations
+
+import pytest
+from simulation_helpers import CONFIGS, simulate_job
+
+from trainer.config import load_config
+from trainer.metrics import model_flops_per_token
+from trainer.planning.job_plan import resolve_job
+from trainer.planning.memory_plan import estimate
+from trainer.simulation.cost_model import Collective, TracedCost, step_time
+from trainer.simulation.targets import target_named
+
+DEBUG_MOE = ["--config", str(CONFIGS / "debug_moe.toml"), "--target-gpu", "h100"]
+
+
+@pytest.mark.slow
+def test_debug_moe_exchanges_its_routed_tokens_as_the_routing_says(tmp_path):
+    """ep 2 and 4 of 4 ranks: the all-to-alls carry the (ep - 1) / ep of the routed rows that
+    leave the rank, so their bytes grow by 3/4 : 1/2; the busiest rank receiving 1.5x the
+    average makes every token exchange 1.5x larger and the activations larger. The FLOPs are
+    the model's, grouped matmuls included (without them a third of the FLOPs would be missing),
+    and the same when float32 experts loop instead."""
+    reports = {}
+    for name, extra in {
+        "ep2": ["--mesh", "dp_shard=4,ep=2"],
+        "ep4": ["--mesh", "dp_shard=4,ep=4"],
+        "ep2 imbalanced": ["--mesh", "dp_shard=4,ep=2", "--target.routing_imbalance", "1.5"],
+        "ep2 float32": ["--mesh", "dp_shard=4,ep=2", "--training.mixed_precision_param", "float32"],
+    }.items():
+        code, text, report = simulate_job(tmp_path / name.replace(" ", "_"), 4, *DEBUG_MOE, *extra)
+        assert code == 0 and report["fits"], text
+        reports[name] = report
+    roles = {name: report["roles"][0] for name, report in reports.items()}
+    assert roles["ep4"]["comm_bytes_per_step"]["ep"] == pytest.approx(
+        1.5 * roles["ep2"]["comm_bytes_per_step"]["ep"], rel=1e-3
+    )
+    assert roles["ep2 imbalanced"]["comm_bytes_per_step"]["ep"] == pytest.approx(
+        1.5 * roles["ep2"]["comm_bytes_per_step"]["ep"], rel=1e-2
+    )
+    assert roles["ep2 imbalanced"]["memory_largest"]["activations"] > roles["ep2"]["memory_largest"]["activations"]
+    # float32 rows loop over the experts (the grouped kernel takes bfloat16): the same FLOPs.
+    assert roles["ep2 float32"]["flops_per_step"] == roles["ep2"]["flops_per_step"]
+    imbalanced = reports["ep2 imbalanced"]
+    assert imbalanced["target_gpu"]["routing_imbalance"] == 1.5
+    assert any("routing_imbalance" in a for a in imbalanced["assumptions"])
+
+    plan = resolve_job(load_config(DEBUG_MOE[:2]), 4)
+    tokens = plan.global_batch_size * plan.config.training.seq_len / 4
+    prepass = 4 / 3  # the global balancing loss's forward-only counting pass: 2N of the 6N again
+    model = model_flops_per_token(plan.model_args, plan.config.training.seq_len) * tokens * prepass
+    assert roles["ep2"]["flops_per_step"] == pytest.approx(model, rel=0.1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("imbalance", ["1", "1.5"])
+def test_the_estimate_follows_the_simulated_routed_activations(tmp_path, imbalance):
+    """Qwen3-30B-A3B's blocks at 4 layers without checkpointing, where the routed tokens'
+    activations are most of the memory: estimate and simulation within 15%, balanced or not."""
+    args = [
+        "--config",
+        str(CONFIGS / "qwen3_30b_a3b.toml"),
+        "--model.n_layers",
+        "4",
+        "--activation_checkpoint.mode",
+        "none",
+        "--training.global_batch_size",
+        "8",
+    ]
+    figures = ["--target-gpu", "h100", "--target.routing_imbalance", imbalance]
+    code, text, report = simulate_job(tmp_path, 8, *args, *figures)
+    assert code == 0, text
+    (role,) = report["roles"]
+    job = resolve_job(load_config(args), 8, device="cuda", figures={"routing_imbalance": float(imbalance)})
+    assert job.workload.experts is not None and job.workload.experts.imbalance == float(imbalance)
+    estimated = estimate(job.workload)
+    assert estimated.activations > estimated.model_state / 2  # the routed tokens' share matters here
+    assert estimated.total == pytest.approx(role["needed_bytes"], rel=0.15), (estimated.line(), role["memory"])
+
+
+def test_the_token_exchange_is_timed_over_nvlink_inside_a_node_and_the_network_across():
+    target = target_named("h100", {}, 8)
+    inside = Collective("all_to_all", "ep", 8, 2**30, crosses_nodes=False)
+    across = Collective("all_to_all", "ep", 8, 2**30, crosses_nodes=True)
+
+    times = [step_time(TracedCost(collectives=[c]), target, 1, "1F1B", 1, 1) for c in (inside, across)]
+    assert times[0].exposed_comm_s == pytest.approx(7 * target.nvlink_alpha_s + 2**30 / target.nvlink_bytes_per_s)
+    assert times[1].exposed_comm_s == pytest.approx(7 * target.network_alpha_s + 2**30 / target.network_bytes_per_s)

@@ -1,0 +1,73 @@
+"""The memory of a Mixture-of-Experts block, for the per-rank estimate (``memory_plan.py``).
+
+What differs from a dense block, per rank:
+
+* **parameters**: the router and the shared experts are dense layers in the block's FSDP unit;
+  the routed experts are split over ``ep`` ranks and sharded again over the ``dp_shard / ep``
+  ranks outside the EP group, so their float32 state is spread over ``dp_shard`` ranks like the
+  rest, but FSDP gathers only a rank's own ``n_experts / ep`` experts of a block: more ``ep``
+  shrinks the gathered weights and their unsharded gradients, not the optimizer state;
+* **activations**: the routed tokens are ``top_k`` rows per token, and the rank holding the
+  busiest experts receives more than its share, ``imbalance`` times it
+  (``--target.routing_imbalance``: dropless routing sends every token where the router says).
+  Kept for backward per MoE block: the router's float32 probabilities, the received rows sorted
+  by expert (input of two grouped matmuls), the four ``hidden``-wide SwiGLU intermediates of each
+  received row, the experts' output rows and the rows combined back (``index_copy`` keeps its
+  source), the combined rows before their weighting, the shared experts' intermediates, and the
+  routing's int64 orders. The token exchange's dispatch and combine buffers (the received
+  rows and their gradients) live while a block is computed or recomputed;
+* **selective ``op`` checkpointing** keeps the matmuls' outputs (router logits, shared experts)
+  and recomputes the grouped matmuls and the exchange.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RoutedExperts:
+    """A Mixture-of-Experts model's routed experts, as the estimate needs them."""
+
+    n_experts: int
+    top_k: int
+    hidden: int
+    """Hidden units of each routed expert."""
+    shared_hidden: int
+    """Hidden units of the shared experts together (0: none)."""
+    dense_layers: int
+    """The first blocks, which keep the dense feed-forward."""
+    ep: int = 1
+    imbalance: float = 1.0
+    """The routed tokens the busiest EP rank receives, over the average."""
+
+    def feed_forward_params(self, dim: int) -> int:
+        """A MoE block's router, shared experts and every routed expert."""
+        return dim * self.n_experts + 3 * dim * self.shared_hidden + 3 * dim * self.hidden * self.n_experts
+
+    def gathered_params(self, dim: int) -> int:
+        """What FSDP gathers of a MoE block's feed-forward on one rank: its own experts only."""
+        return dim * self.n_experts + 3 * dim * self.shared_hidden + 3 * dim * self.hidden * self.n_experts // self.ep
+
+    def received_rows(self) -> float:
+        """Routed rows per local token the busiest rank computes (its own ``top_k`` when alone)."""
+        return self.top_k * (self.imbalance if self.ep > 1 else 1.0)
+
+    def kept(self, dim: int, compute_bytes: int) -> float:
+        """Bytes per local token one MoE block's feed-forward keeps for backward (no checkpointing)."""
+        rows, b = self.received_rows(), compute_bytes
+        router = self.n_experts * 4 + self.top_k * (8 + 4 + b) + 4
+        orders = 8 * (2 * self.top_k + rows)
+        # index_copy keeps its source for backward: the experts' output rows (sent back under
+        # EP), and the rows combined back on this rank.
+        outputs = rows * dim if self.ep > 1 else 0
+        routed = rows * (dim + 4 * self.hidden) + outputs + 2 * self.top_k * dim
+        return router + orders + routed * b + 4 * self.shared_hidden * b
+
+    def exchange(self, dim: int, compute_bytes: int) -> float:
+        """Bytes per local token of the dispatch and combine buffers while a block runs."""
+        return 2 * (self.received_rows() + self.top_k) * dim * compute_bytes
+
+    def kept_op(self, dim: int, compute_bytes: int) -> float:
+        """Bytes per local token kept under selective ``op`` checkpointing: the matmuls' outputs."""
+        return (self.n_experts + (2 * self.shared_hidden + dim if self.shared_hidden else 0)) * compute_bytes
