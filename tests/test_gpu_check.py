@@ -62,7 +62,7 @@ def test_rehearsal_runs_every_kind_of_row_on_the_cpu(tmp_path: Path):
     assert measured["debug model bf16 vs fp32"]["figures"]["worst_relative"] == 0  # fp32 on both sides
     assert measured["throughput 30B-A3B x 2 layers"]["figures"]["tokens_per_s"] > 0
     assert "experts: per-expert loop" in measured["throughput 30B-A3B x 2 layers"]["setting"]  # fp32 on the CPU
-    assert measured["simulator 30B-A3B x 2 layers"]["figures"]["step_ratio"] > 0
+    assert measured["simulator 30B-A3B x 2 layers"]["figures"]["tokens_ratio"] > 0
     assert measured["experts kernel"]["figures"]["max_abs_diff"] < 1e-4  # grouped and looped agree
     assert measured["resume"]["result"] == "ok"
     assert "flash_attention_for_cpu" in measured["SDPA kernel"]["measured"]

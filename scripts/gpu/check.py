@@ -37,7 +37,7 @@ from pathlib import Path
 import measure
 import wheels
 from jobs import FIRST_JOBS, REHEARSAL, Job, Shape, throughput_jobs
-from probes import attention_kernels, expert_kernels
+from probes import attention_kernels, expert_kernels, release_memory
 from report import Deadline, Results, Row
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -110,7 +110,7 @@ class Check:
         self.loss_curve()
         for job in jobs[:FIRST_JOBS]:
             self.throughput(job)
-        self.attention()
+        self.kernel_probes()
         self.resume()
         for job in jobs[FIRST_JOBS:]:
             self.throughput(job)
@@ -137,7 +137,7 @@ class Check:
             Row(
                 f"simulator {job.name}",
                 f"{job.note}, {self.simulated(job)}",
-                f"predicted peak {predicted['predicted_peak_gib']:.2f} GiB, step {predicted['predicted_step_s']:.3f} s",
+                predicted_text(predicted),
                 "not measured",
                 "-",
                 predicted,
@@ -232,18 +232,19 @@ class Check:
             return
         peak = predicted["predicted_peak_gib"] / measured["peak_active_gib"]
         step = predicted["predicted_step_s"] / measured["step_s"]
+        tokens = predicted["predicted_tokens_per_s"] / measured["tokens_per_s"]
         self.results.add(
             Row(
                 name,
                 f"{job.note}, {self.simulated(job)}",
-                f"predicted peak {predicted['predicted_peak_gib']:.2f} GiB, step {predicted['predicted_step_s']:.3f} s",
-                f"predicted/measured: peak {peak:.2f}, step {step:.2f}",
+                predicted_text(predicted),
+                f"predicted/measured: tokens/s {tokens:.2f}, peak {peak:.2f}, step {step:.2f}",
                 "-",
-                {**predicted, "peak_ratio": peak, "step_ratio": step},
+                {**predicted, "peak_ratio": peak, "step_ratio": step, "tokens_ratio": tokens},
             )
         )
 
-    def attention(self) -> None:
+    def kernel_probes(self) -> None:
         try:
             for setting, op, kernel in attention_kernels(self.shape.cpu):
                 self.results.add(Row("SDPA kernel", setting, op, kernel, "-"))
@@ -254,6 +255,7 @@ class Check:
             self.results.add(Row("experts kernel", setting, kernel, times, "-", figures))
         except Exception as e:  # as above
             self.results.add(Row("experts kernel", "bf16", f"{type(e).__name__}: {e}"[:300], "", "error"))
+        release_memory(self.shape.cpu)
 
     def resume(self) -> None:
         """Six steps with a checkpoint at 3, then a new job started from that checkpoint: its
@@ -284,6 +286,13 @@ class Check:
                 {"uninterrupted": before, "resumed": after},
             )
         )
+
+
+def predicted_text(predicted: dict[str, float]) -> str:
+    return (
+        f"predicted {predicted['predicted_tokens_per_s']:,.0f} tokens/s, peak "
+        f"{predicted['predicted_peak_gib']:.2f} GiB, step {predicted['predicted_step_s']:.3f} s"
+    )
 
 
 def key(job: Job) -> str:
