@@ -15,6 +15,7 @@ from harness import ROOT
 CHECK = ROOT / "scripts" / "gpu" / "check.py"
 sys.path.insert(0, str(CHECK.parent))
 
+import jobs  # noqa: E402
 import measure  # noqa: E402
 import report  # noqa: E402
 import wheels  # noqa: E402
@@ -36,30 +37,46 @@ def test_without_cuda_the_cpu_half_runs_then_one_line_and_exit_2(tmp_path: Path)
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stdout.splitlines()[-2].startswith("gpu_check: the GPU half needs CUDA")
     measured = rows(tmp_path)
-    assert [r["check"] for r in measured] == ["environment", "simulator 1B"]
-    assert measured[1]["figures"]["predicted_peak_gib"] > 10  # the 1B preset's job, planned for an H100
+    assert [r["check"] for r in measured] == ["environment", "simulator 30B-A3B x 4 layers"]
+    assert measured[1]["figures"]["predicted_peak_gib"] > 10  # the MoE job, planned for an H100
+    assert "routing_imbalance 1.0" in measured[1]["setting"]
     assert (tmp_path / "table.md").read_text().count("\n| ") == 3
 
 
 @pytest.mark.slow
 def test_rehearsal_runs_every_kind_of_row_on_the_cpu(tmp_path: Path):
-    """One throughput job (with its simulation), the loss curve, the attention kernel and the resume."""
+    """One throughput job, the MoE one (with its simulation), the loss curve, the attention and
+    experts kernels and the resume."""
     done = run_check(tmp_path, "--rehearse", "--jobs", "1", timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     measured = {r["check"]: r for r in rows(tmp_path)}
     assert set(measured) == {
         "environment",
         "debug model bf16 vs fp32",
-        "throughput 1B",
-        "simulator 1B",
+        "throughput 30B-A3B x 2 layers",
+        "simulator 30B-A3B x 2 layers",
         "SDPA kernel",
+        "experts kernel",
         "resume",
     }
     assert measured["debug model bf16 vs fp32"]["figures"]["worst_relative"] == 0  # fp32 on both sides
-    assert measured["throughput 1B"]["figures"]["tokens_per_s"] > 0
-    assert measured["simulator 1B"]["figures"]["step_ratio"] > 0
+    assert measured["throughput 30B-A3B x 2 layers"]["figures"]["tokens_per_s"] > 0
+    assert "experts: per-expert loop" in measured["throughput 30B-A3B x 2 layers"]["setting"]  # fp32 on the CPU
+    assert measured["simulator 30B-A3B x 2 layers"]["figures"]["tokens_ratio"] > 0
+    assert measured["experts kernel"]["figures"]["max_abs_diff"] < 1e-4  # grouped and looped agree
     assert measured["resume"]["result"] == "ok"
     assert "flash_attention_for_cpu" in measured["SDPA kernel"]["measured"]
+
+
+def test_the_moe_rows_come_first_at_the_most_blocks_an_h100_holds():
+    """The MoE jobs lead the list (a budget cut spares them), eager then compiled, at the block
+    count the memory estimate fits in 90% of 80 GB, each simulated with its routing stated."""
+    listed = jobs.throughput_jobs(jobs.Shape(), 80 * 10**9)
+    first, second = listed[:2]
+    assert first.name == second.name == "30B-A3B x 4 layers"
+    assert "--compile.enable" not in first.args and "--compile.enable" in second.args
+    assert first.simulation == ["--target.routing_imbalance", "1.0"]
+    assert all("30B" not in job.name for job in listed[2:])
 
 
 def test_rows_are_written_as_they_come_and_a_failure_is_a_row(tmp_path: Path):

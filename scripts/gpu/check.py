@@ -10,13 +10,15 @@ of value, each row written as soon as it is measured (``results.jsonl`` and ``ta
 
 1. **bf16 against fp32**: the debug model's loss curve on the GPU in bf16 against the same job
    in fp32 on the CPU (run side by side), every step within :data:`LOSS_TOLERANCE`.
-2. **The 1B preset** at a few steps: tokens/s, MFU, the allocator's peak, eager (no activation
-   checkpointing) and compiled with selective AC; beside each, the simulator's prediction of the
-   same job and the ratio (simulations run on the CPU while the GPU trains).
-3. **The 8B shape at fewer layers** (8, or fewer if the memory estimate says 8 do not fit): the
-   same figures, and the chunked loss off.
+2. **The Qwen3-30B-A3B shape at fewer layers** (as many as the memory estimate fits), eager and
+   compiled: tokens/s, MFU, the allocator's peak, and which expert kernels ran (the grouped
+   matmul or the per-expert loop); beside each, the simulator's prediction of the same job and
+   the ratio (simulations run on the CPU while the GPU trains).
+3. **The 1B preset and the 8B shape at fewer layers**, eager: the same figures.
 4. **The attention kernel** SDPA runs in bf16, causal and document-masked.
 5. **A 3-step resume** from a checkpoint on the GPU, against the uninterrupted run.
+6. **The dense models compiled** with selective AC, and the 8B shape with the chunked loss off,
+   as far as the budget goes (``scripts/gpu/jobs.py`` orders the jobs).
 
 A failed run is a row with its one-line cause, and the check goes on. Exit 0 when every row
 passed, 1 when one failed, 2 without CUDA (after the CPU half: the environment, the wheels and
@@ -26,17 +28,16 @@ the simulator's prediction of the first GPU job).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import platform
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import measure
 import wheels
+from jobs import FIRST_JOBS, REHEARSAL, Job, Shape, throughput_jobs
+from probes import attention_kernels, expert_kernels, release_memory
 from report import Deadline, Results, Row
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -50,33 +51,6 @@ curve by far more."""
 RESUME_TOLERANCE = 1e-3
 SIMULATOR_TARGETS = {"H100": "h100", "H200": "h200", "A100": "a100", "B200": "b200"}
 """GPU name fragment -> ``--target-gpu`` name; a CPU-only machine plans for an H100."""
-EIGHT_B_LAYERS = (8, 6, 4, 2)
-"""The 8B shape keeps its width with the first of these block counts that the memory estimate fits."""
-FIT_FRACTION = 0.9
-
-
-@dataclass
-class Shape:
-    """What the check runs, at full size on a GPU or tiny when rehearsing on the CPU."""
-
-    loss_steps: int = 60
-    steps: int = 8
-    one_b: list[str] = field(default_factory=lambda: ["--config", "llama3_1b.toml"])
-    eight_b: list[str] = field(default_factory=lambda: ["--config", "llama3_8b.toml"])
-    precision: list[str] = field(default_factory=lambda: ["--training.mixed_precision_param", "bfloat16"])
-    seq_len: int = 8192
-    cpu: bool = False
-
-
-REHEARSAL = Shape(
-    loss_steps=4,
-    steps=5,
-    one_b=["--model.flavor", "debugmodel"],
-    eight_b=["--model.flavor", "debugmodel"],
-    precision=["--training.mixed_precision_param", "float32"],
-    seq_len=256,
-    cpu=True,
-)
 
 
 def main(argv: list[str]) -> int:
@@ -106,20 +80,13 @@ def main(argv: list[str]) -> int:
         memory = torch.cuda.get_device_properties(0).total_memory if cuda else 80 * 10**9
         check = Check(results, deadline, scratch, shape, target, memory, args.jobs)
         if not (cuda or args.rehearse):
-            check.simulations(check.throughput_jobs()[:1])
+            check.simulations(throughput_jobs(shape, memory)[:1])
             check.report_predictions_only()
             print("gpu_check: the GPU half needs CUDA, and no CUDA GPU is visible here; run it on the lent machine.")
             return 2
         check.run_all()
         print(f"gpu_check: {len(results.rows)} rows in {args.out / 'table.md'}")
         return 1 if results.failed() else 0
-
-
-@dataclass
-class Job:
-    name: str
-    args: list[str]
-    note: str = ""
 
 
 class Check:
@@ -138,57 +105,23 @@ class Check:
         self.pending: dict[str, tuple] = {}
 
     def run_all(self) -> None:
-        jobs = self.throughput_jobs()[: self.jobs]
+        jobs = throughput_jobs(self.shape, self.memory)[: self.jobs]
         self.simulations(jobs)
         self.loss_curve()
-        for job in jobs:
+        for job in jobs[:FIRST_JOBS]:
             self.throughput(job)
-        self.attention()
+        self.kernel_probes()
         self.resume()
+        for job in jobs[FIRST_JOBS:]:
+            self.throughput(job)
         for name in list(self.pending):
             self.predicted_only(name)
-
-    def common(self) -> list[str]:
-        return ["--training.seq_len", str(self.shape.seq_len), "--training.steps", str(self.shape.steps)]
-
-    def throughput_jobs(self) -> list[Job]:
-        eager, compiled = (
-            ["--activation_checkpoint.mode", "none"],
-            ["--compile.enable", "--activation_checkpoint.mode", "selective"],
-        )
-        one_b = [*self.shape.one_b, *self.shape.precision, *self.common()]
-        layers = self.eight_b_layers()
-        eight_b = [*self.shape.eight_b, "--model.n_layers", str(layers), *self.shape.precision, *self.common()]
-        return [
-            Job("1B", [*one_b, *eager], "eager, no AC"),
-            Job("1B", [*one_b, *compiled], "compiled + selective AC"),
-            Job(f"8B x {layers} layers", [*eight_b, *eager], "eager, no AC, chunked loss"),
-            Job(
-                f"8B x {layers} layers",
-                [*eight_b, *eager, "--training.loss_chunk_tokens", "0"],
-                "eager, no AC, unchunked loss",
-            ),
-            Job(f"8B x {layers} layers", [*eight_b, *compiled], "compiled + selective AC"),
-        ]
-
-    def eight_b_layers(self) -> int:
-        """The most blocks of :data:`EIGHT_B_LAYERS` whose unchunked, un-checkpointed job the
-        memory estimate fits in :data:`FIT_FRACTION` of this GPU."""
-        from trainer.config import load_config
-        from trainer.planning.job_plan import resolve_job
-
-        for layers in EIGHT_B_LAYERS:
-            argv = [*self.shape.eight_b, "--model.n_layers", str(layers), *self.common()]
-            argv += ["--activation_checkpoint.mode", "none", "--training.loss_chunk_tokens", "0"]
-            if resolve_job(load_config(argv), 1, "cuda").memory.total <= FIT_FRACTION * self.memory:
-                return layers
-        return EIGHT_B_LAYERS[-1]
 
     def simulations(self, jobs: list[Job]) -> None:
         """Start the simulator on each job, on the CPU, while the GPU trains."""
         for index, job in enumerate(jobs):
-            dump = self.scratch / f"simulation-{index}"
-            self.pending[key(job)] = (*measure.start_simulation(dump, job.args, self.target), dump, job)
+            dump, args = self.scratch / f"simulation-{index}", [*job.args, *job.simulation]
+            self.pending[key(job)] = (*measure.start_simulation(dump, args, self.target), dump, job)
 
     def prediction(self, name: str) -> dict[str, float] | str:
         proc, started, dump, _ = self.pending.pop(name)
@@ -203,13 +136,19 @@ class Check:
         self.results.add(
             Row(
                 f"simulator {job.name}",
-                f"{job.note}, target {self.target}",
-                f"predicted peak {predicted['predicted_peak_gib']:.2f} GiB, step {predicted['predicted_step_s']:.3f} s",
+                f"{job.note}, {self.simulated(job)}",
+                predicted_text(predicted),
                 "not measured",
                 "-",
                 predicted,
             )
         )
+
+    def simulated(self, job: Job) -> str:
+        """How the simulation saw the job: its target, the routing it stated, and without compile."""
+        stated = f", {' '.join(job.simulation)}" if job.simulation else ""
+        compiled = " (simulated without compile)" if "--compile.enable" in job.args else ""
+        return f"target {self.target}{stated}{compiled}"
 
     def report_predictions_only(self) -> None:
         for name in list(self.pending):
@@ -293,24 +232,30 @@ class Check:
             return
         peak = predicted["predicted_peak_gib"] / measured["peak_active_gib"]
         step = predicted["predicted_step_s"] / measured["step_s"]
-        simulated = " (simulated without compile)" if "--compile.enable" in job.args else ""
+        tokens = predicted["predicted_tokens_per_s"] / measured["tokens_per_s"]
         self.results.add(
             Row(
                 name,
-                f"{job.note}, target {self.target}{simulated}",
-                f"predicted peak {predicted['predicted_peak_gib']:.2f} GiB, step {predicted['predicted_step_s']:.3f} s",
-                f"predicted/measured: peak {peak:.2f}, step {step:.2f}",
+                f"{job.note}, {self.simulated(job)}",
+                predicted_text(predicted),
+                f"predicted/measured: tokens/s {tokens:.2f}, peak {peak:.2f}, step {step:.2f}",
                 "-",
-                {**predicted, "peak_ratio": peak, "step_ratio": step},
+                {**predicted, "peak_ratio": peak, "step_ratio": step, "tokens_ratio": tokens},
             )
         )
 
-    def attention(self) -> None:
+    def kernel_probes(self) -> None:
         try:
             for setting, op, kernel in attention_kernels(self.shape.cpu):
                 self.results.add(Row("SDPA kernel", setting, op, kernel, "-"))
         except Exception as e:  # a failed measurement is a row; the check goes on
             self.results.add(Row("SDPA kernel", "bf16", f"{type(e).__name__}: {e}"[:300], "", "error"))
+        try:
+            setting, kernel, times, figures = expert_kernels(self.shape.cpu)
+            self.results.add(Row("experts kernel", setting, kernel, times, "-", figures))
+        except Exception as e:  # as above
+            self.results.add(Row("experts kernel", "bf16", f"{type(e).__name__}: {e}"[:300], "", "error"))
+        release_memory(self.shape.cpu)
 
     def resume(self) -> None:
         """Six steps with a checkpoint at 3, then a new job started from that checkpoint: its
@@ -343,45 +288,15 @@ class Check:
         )
 
 
+def predicted_text(predicted: dict[str, float]) -> str:
+    return (
+        f"predicted {predicted['predicted_tokens_per_s']:,.0f} tokens/s, peak "
+        f"{predicted['predicted_peak_gib']:.2f} GiB, step {predicted['predicted_step_s']:.3f} s"
+    )
+
+
 def key(job: Job) -> str:
     return f"{job.name} / {job.note}"
-
-
-def attention_kernels(cpu: bool) -> Iterator[tuple[str, str, str]]:
-    """``(setting, ATen op, first kernel)`` for SDPA's causal and document-masked attention."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    from trainer.model.llama3 import causal_attention, document_causal_mask
-
-    device, seq, dtype = ("cpu", 256, torch.float32) if cpu else ("cuda", 8192, torch.bfloat16)
-    heads, kv_heads, head_dim = 32, 8, 64
-    q = torch.randn(1, heads, seq, head_dim, device=device, dtype=dtype, requires_grad=True)
-    k = torch.randn(1, kv_heads, seq, head_dim, device=device, dtype=dtype, requires_grad=True)
-    v = torch.randn_like(k, requires_grad=True)
-    documents = torch.arange(seq, device=device).div(seq // 3, rounding_mode="floor")[None]
-    activities = [ProfilerActivity.CPU] + ([] if cpu else [ProfilerActivity.CUDA])
-    for setting, mask in (("causal", None), ("document mask", document_causal_mask(documents, dtype))):
-        with profile(activities=activities) as prof, synchronized(cpu):
-            causal_attention(q, k, v, mask).sum().backward()
-        ops = [e.name for e in prof.events() if e.name.startswith("aten::_scaled_dot_product")]
-        kernels = [e.name for e in prof.events() if cpu or str(e.device_type).endswith("CUDA")]
-        words = ("flash", "fmha", "efficient", "cudnn", "attention", "softmax")
-        kernel = next((n for n in kernels if any(w in n.lower() for w in words)), "?")
-        yield (
-            f"{dtype}, {setting}, seq {seq}".replace("torch.", ""),
-            (ops[0] if ops else "?").removeprefix("aten::"),
-            kernel[:70],
-        )
-
-
-@contextlib.contextmanager
-def synchronized(cpu: bool) -> Iterator[None]:
-    yield
-    if not cpu:
-        import torch
-
-        torch.cuda.synchronize()
 
 
 if __name__ == "__main__":

@@ -166,8 +166,8 @@ def start_simulation(dump: Path, args: list[str], target: str) -> tuple[subproce
 
 
 def simulation(proc: subprocess.Popen[str], started: float, dump: Path, timeout: float) -> dict[str, float] | str:
-    """The simulator's predicted peak (GiB, with the runtime and allocator slack as planned, and
-    the tensors alone) and step time, or its one-line cause."""
+    """The simulator's predicted peak (GiB, its tensors alone), step time and tokens/s, or its
+    one-line cause."""
     try:
         output, _ = proc.communicate(timeout=max(1.0, timeout))
     except subprocess.TimeoutExpired:
@@ -180,6 +180,7 @@ def simulation(proc: subprocess.Popen[str], started: float, dump: Path, timeout:
     return {
         "predicted_peak_gib": role["peak_bytes"] / GIB,
         "predicted_step_s": role["step_time_s"],
+        "predicted_tokens_per_s": role["tokens_per_s_per_gpu"],
         "predicted_mfu": role.get("mfu", float("nan")),
         "simulation_s": time.monotonic() - started,
     }

@@ -1,0 +1,131 @@
+"""The device check's throughput jobs, in their order of value, and the shapes they run at: full
+size on a GPU, tiny when rehearsing on the CPU.
+
+The order is what a budget cut spares: this round measures the Mixture-of-Experts model first
+(the Qwen3-30B-A3B shape at the most blocks one GPU holds, eager then compiled), then the dense
+models eager; the dense compiled jobs and the unchunked loss come after the attention and resume
+rows, where a slow run can only cost themselves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+EIGHT_B_LAYERS = (8, 6, 4, 2)
+"""The 8B shape keeps its width with the first of these block counts that the memory estimate fits."""
+MOE_LAYERS = (8, 6, 5, 4, 3, 2, 1)
+"""The same for the Qwen3-30B-A3B shape, whose 128 experts make a block 0.6 B parameters (10 GB of
+float32 weights, gradients and AdamW moments): an 80 GB H100 holds 4."""
+FIT_FRACTION = 0.9
+FIRST_JOBS = 4
+"""Jobs measured before the attention and resume rows; the rest after them."""
+ROUTING_IMBALANCE = 1.0
+"""The routing the MoE simulations state (``--target.routing_imbalance``): on one GPU every
+routed row stays on the rank, so only the balanced figure is meaningful."""
+
+
+@dataclass
+class Shape:
+    """What the check runs, at full size on a GPU or tiny when rehearsing on the CPU."""
+
+    loss_steps: int = 60
+    steps: int = 8
+    one_b: list[str] = field(default_factory=lambda: ["--config", "llama3_1b.toml"])
+    eight_b: list[str] = field(default_factory=lambda: ["--config", "llama3_8b.toml"])
+    moe: list[str] = field(
+        default_factory=lambda: [
+            "--config",
+            "qwen3_30b_a3b.toml",
+            "--parallelism.expert_parallel_degree",
+            "1",
+            "--training.global_batch_size",
+            "-1",
+        ]
+    )
+    """The preset is sized for 8 GPUs (ep 8, 64 sequences a step); on one, every expert is local
+    and a step is one sequence, as for the dense presets."""
+    moe_layers: tuple[int, ...] = MOE_LAYERS
+    precision: list[str] = field(default_factory=lambda: ["--training.mixed_precision_param", "bfloat16"])
+    seq_len: int = 8192
+    cpu: bool = False
+
+
+REHEARSAL = Shape(
+    loss_steps=4,
+    steps=5,
+    one_b=["--model.flavor", "debugmodel"],
+    eight_b=["--model.flavor", "debugmodel"],
+    moe=["--model.name", "moe", "--model.flavor", "debugmoe", "--training.global_batch_size", "-1"],
+    moe_layers=(2,),
+    precision=["--training.mixed_precision_param", "float32"],
+    seq_len=256,
+    cpu=True,
+)
+
+
+@dataclass
+class Job:
+    name: str
+    args: list[str]
+    note: str = ""
+    simulation: list[str] = field(default_factory=list)
+    """Options only the simulation of the job takes."""
+
+
+def throughput_jobs(shape: Shape, memory: int) -> list[Job]:
+    """The jobs in their order of value, for a GPU of ``memory`` bytes."""
+    eager, compiled = (
+        ["--activation_checkpoint.mode", "none"],
+        ["--compile.enable", "--activation_checkpoint.mode", "selective"],
+    )
+    common = ["--training.seq_len", str(shape.seq_len), "--training.steps", str(shape.steps)]
+    one_b = [*shape.one_b, *shape.precision, *common]
+    layers = layers_that_fit([*shape.eight_b, *common], EIGHT_B_LAYERS, memory)
+    eight_b = [*shape.eight_b, "--model.n_layers", str(layers), *shape.precision, *common]
+    moe_layers = layers_that_fit([*shape.moe, *common], shape.moe_layers, memory)
+    moe = [*shape.moe, "--model.n_layers", str(moe_layers), *shape.precision, *common, *eager]
+    experts = f"experts: {expert_path(shape)}"
+    routing = ["--target.routing_imbalance", str(ROUTING_IMBALANCE)]
+    return [
+        Job(f"30B-A3B x {moe_layers} layers", moe, f"eager, no AC, {experts}", routing),
+        Job(f"30B-A3B x {moe_layers} layers", [*moe, "--compile.enable"], f"compiled, no AC, {experts}", routing),
+        Job("1B", [*one_b, *eager], "eager, no AC"),
+        Job(f"8B x {layers} layers", [*eight_b, *eager], "eager, no AC, chunked loss"),
+        Job("1B", [*one_b, *compiled], "compiled + selective AC"),
+        Job(f"8B x {layers} layers", [*eight_b, *compiled], "compiled + selective AC"),
+        Job(
+            f"8B x {layers} layers",
+            [*eight_b, *eager, "--training.loss_chunk_tokens", "0"],
+            "eager, no AC, unchunked loss",
+        ),
+    ]
+
+
+def layers_that_fit(argv: list[str], candidates: tuple[int, ...], memory: int) -> int:
+    """The most blocks of ``candidates`` whose unchunked, un-checkpointed one-GPU job the memory
+    estimate fits in :data:`FIT_FRACTION` of ``memory``: the largest shape the GPU measures
+    without checkpointing's recompute blurring the step time."""
+    from trainer.config import load_config
+    from trainer.planning.job_plan import resolve_job
+
+    for layers in candidates:
+        job = [*argv, "--model.n_layers", str(layers)]
+        job += ["--activation_checkpoint.mode", "none", "--training.loss_chunk_tokens", "0"]
+        if resolve_job(load_config(job), 1, "cuda").memory.total <= FIT_FRACTION * memory:
+            return layers
+    return candidates[-1]
+
+
+def expert_path(shape: Shape) -> str:
+    """Which expert kernels the MoE rows run: the model's own test (``has_grouped_mm``: CUDA,
+    bfloat16, sm90+) on a tensor of the job's device and precision, so that a slow row on an
+    older GPU reads as the per-expert loop, not as a slow grouped matmul."""
+    import torch
+
+    from trainer.model.moe import has_grouped_mm
+
+    if not (shape.cpu or torch.cuda.is_available()):
+        return "not known without a GPU"
+    dtype = getattr(torch, shape.precision[-1])
+    probe = torch.zeros(1, dtype=dtype, device="cpu" if shape.cpu else "cuda")
+    return "grouped matmul" if has_grouped_mm(probe) else "per-expert loop"

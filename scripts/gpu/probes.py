@@ -1,0 +1,118 @@
+"""The device check's kernel probes: which kernels the model's attention and experts run on this
+GPU, read from the profiler rather than inferred from the torch version, and the experts'
+grouped matmul timed against the per-expert loop it replaces."""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+
+def attention_kernels(cpu: bool) -> Iterator[tuple[str, str, str]]:
+    """``(setting, ATen op, first kernel)`` for SDPA's causal and document-masked attention."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from trainer.model.llama3 import causal_attention, document_causal_mask
+
+    device, seq, dtype = ("cpu", 256, torch.float32) if cpu else ("cuda", 8192, torch.bfloat16)
+    heads, kv_heads, head_dim = 32, 8, 64
+    q = torch.randn(1, heads, seq, head_dim, device=device, dtype=dtype, requires_grad=True)
+    k = torch.randn(1, kv_heads, seq, head_dim, device=device, dtype=dtype, requires_grad=True)
+    v = torch.randn_like(k, requires_grad=True)
+    documents = torch.arange(seq, device=device).div(seq // 3, rounding_mode="floor")[None]
+    activities = [ProfilerActivity.CPU] + ([] if cpu else [ProfilerActivity.CUDA])
+    for setting, mask in (("causal", None), ("document mask", document_causal_mask(documents, dtype))):
+        with profile(activities=activities) as prof, synchronized(cpu):
+            causal_attention(q, k, v, mask).sum().backward()
+        ops = [e.name for e in prof.events() if e.name.startswith("aten::_scaled_dot_product")]
+        kernels = [e.name for e in prof.events() if cpu or str(e.device_type).endswith("CUDA")]
+        words = ("flash", "fmha", "efficient", "cudnn", "attention", "softmax")
+        kernel = next((n for n in kernels if any(w in n.lower() for w in words)), "?")
+        yield (
+            f"{dtype}, {setting}, seq {seq}".replace("torch.", ""),
+            (ops[0] if ops else "?").removeprefix("aten::"),
+            kernel[:70],
+        )
+
+
+def expert_kernels(cpu: bool) -> tuple[str, str, str, dict[str, Any]]:
+    """``(setting, ATen op and first matmul kernel, forward times, figures)`` of the experts as
+    the model dispatches them (``GroupedExperts``: the grouped matmul on CUDA in bf16 at sm90+,
+    else the per-expert loop), forward and backward on the Qwen3-30B-A3B expert shapes and one
+    sequence's routed rows; then the forward alone, grouped against looped (medians of 5)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from trainer.model.moe import GroupedExperts, grouped_swiglu, looped_swiglu
+
+    device, dtype = ("cpu", torch.float32) if cpu else ("cuda", torch.bfloat16)
+    n_experts, dim, hidden, rows = (8, 256, 256, 1024) if cpu else (128, 2048, 768, 8192 * 8)
+    generator = torch.Generator().manual_seed(0)
+    experts = GroupedExperts(n_experts, dim, hidden)
+    for weight in experts.parameters():
+        torch.nn.init.normal_(weight, std=0.02, generator=generator)
+    experts.to(device=device, dtype=dtype)
+    skew = torch.rand(n_experts, generator=generator) ** 3 + 0.02  # uneven, as routing is
+    counts = (skew / skew.sum() * rows).floor().long()
+    counts[0] += rows - counts.sum()
+    counts = counts.to(device)
+    x = torch.randn(rows, dim, generator=generator).to(device=device, dtype=dtype).requires_grad_()
+    activities = [ProfilerActivity.CPU] + ([] if cpu else [ProfilerActivity.CUDA])
+    with profile(activities=activities) as prof, synchronized(cpu):
+        experts(x, counts).float().sum().backward()
+    events = [e.name for e in prof.events()]
+    grouped = any(name == "aten::_grouped_mm" for name in events)
+    kernels = [e.name for e in prof.events() if str(e.device_type).endswith("CUDA")]
+    words = ("gemm", "grouped", "cutlass", "sm90", "matmul")
+    kernel = next((n for n in kernels if any(w in n.lower() for w in words)), "-" if cpu else "?")
+    weights = (x.detach(), counts, experts.w1.detach(), experts.w2.detach(), experts.w3.detach())
+    with torch.no_grad():
+        times = {
+            name: forward_ms(fn, weights, cpu) for name, fn in (("grouped", grouped_swiglu), ("looped", looped_swiglu))
+        }
+        difference = (grouped_swiglu(*weights).float() - looped_swiglu(*weights).float()).abs().max().item()
+    ratio = times["grouped"] / times["looped"]
+    return (
+        f"{dtype}, {n_experts} experts {dim} -> {hidden}, {rows} rows, forward + backward".replace("torch.", ""),
+        f"{'_grouped_mm (grouped matmul)' if grouped else 'mm (per-expert loop)'}, {kernel[:60]}",
+        f"forward: grouped {times['grouped']:.2f} ms, loop {times['looped']:.2f} ms ({ratio:.2f}x)",
+        {
+            "grouped_mm": grouped,
+            "grouped_ms": times["grouped"],
+            "looped_ms": times["looped"],
+            "max_abs_diff": difference,
+        },
+    )
+
+
+def forward_ms(fn: Callable[..., Any], operands: tuple[Any, ...], cpu: bool) -> float:
+    """Median of 5 timed calls after one untimed (allocation, the kernel's first launch)."""
+    samples = []
+    for _ in range(6):
+        start = time.perf_counter()
+        with synchronized(cpu):
+            fn(*operands)
+        samples.append(1000 * (time.perf_counter() - start))
+    return statistics.median(samples[1:])
+
+
+def release_memory(cpu: bool) -> None:
+    """Hand the probes' blocks back to the driver: the caching allocator would keep them for this
+    process, and the jobs after the probes are sized to 90% of the GPU."""
+    if not cpu:
+        import torch
+
+        torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def synchronized(cpu: bool) -> Iterator[None]:
+    yield
+    if not cpu:
+        import torch
+
+        torch.cuda.synchronize()
