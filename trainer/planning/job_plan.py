@@ -311,6 +311,7 @@ def memory_workload(
         # and a unit's exchange buffers, counted as deferral's one unsharded gradient.
         defer_gradient_reduction=training.defer_gradient_reduction or config.debug.layout_invariant,
         accumulation=settings.pp_rank_batch // training.local_batch_size,
+        fixed_global_batch=training.global_batch_size != -1,
         reshard_after_forward=settings.reshard_after_forward,
         cp_allgather_kv=resolve_backend(settings.cp_backend, device, settings.document_mask) == "allgather_kv",
         cp_ulysses=resolve_backend(settings.cp_backend, device, settings.document_mask) == "ulysses",
