@@ -7,7 +7,10 @@ import re
 
 import pytest
 
+from trainer.config import load_config
 from trainer.entry.launch import main as launch_main
+from trainer.planning.job_plan import resolve_job
+from trainer.planning.memory_fixes import _microbatch_sizes, _tp_degrees
 
 QWEN = ["--config", "qwen3_30b_a3b.toml", "--dry-run", "--target-gpu", "h100"]
 
@@ -105,10 +108,6 @@ def _applied(args: list[str], extra: list[str]) -> list[str]:
 def test_tp_is_proposed_only_where_it_divides_what_it_splits():
     """Qwen3-30B-A3B's 4 key/value heads take TP up to 4, not 8; a 3-sequence micro-batch of
     a 24-sequence step on 8 ranks cuts into 1, not 2."""
-    from trainer.config import load_config
-    from trainer.planning.job_plan import resolve_job
-    from trainer.planning.memory_fixes import _microbatch_sizes, _tp_degrees
-
     plan = resolve_job(load_config(["--config", "qwen3_30b_a3b.toml", "--mesh", "dp_shard=4,tp=2,ep=4"]), 8, "cuda")
     assert _tp_degrees(plan.workload) == [4]
     three = ["--config", "qwen3_30b_a3b.toml", "--training.local_batch_size", "3", "--training.global_batch_size", "24"]
