@@ -26,7 +26,8 @@ make it fit, instead of spending minutes initialising and then dying of an out-o
   keeps one additive attention mask (queries x keys, in the compute dtype) shared by all blocks;
 * **Mixture-of-Experts blocks**: the routed experts' state and gathered weights under EP, the
   routed tokens' activations at the stated routing imbalance and the token exchange's buffers,
-  instead of the dense feed-forward's (``moe_memory.py``);
+  instead of the dense feed-forward's (``moe_memory.py``). Under TP the MoE's weights are
+  gathered whole (TP splits only the dense layers) and its tokens are the rank's sequence shard;
 * **logits and loss**: the logits of one micro-batch (vocabulary-sharded under loss parallel),
   their float32 copy, the log-softmax kept for backward and the gradient; with the chunked loss
   (``training.loss_chunk_tokens``) of one chunk of tokens, plus the final hidden states. Backward
