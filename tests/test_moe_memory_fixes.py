@@ -33,6 +33,10 @@ OVERSIZED = {
         ["--training.local_batch_size", "3", "--training.global_batch_size", "24", "--target.memory_gib", "60"],
     ),
     "nothing alone fits 30 GiB": (8, ["--target.memory_gib", "30", "--activation_checkpoint.mode", "none"]),
+    "a balancing loss over whole sequences": (
+        8,
+        ["--moe.balance_loss_scope", "sequence", "--activation_checkpoint.mode", "none"],
+    ),
 }
 
 CHANGES = {

@@ -115,8 +115,11 @@ def _pp_degrees(w: Workload) -> list[int]:
 
 
 def _tp_degrees(w: Workload) -> list[int]:
-    """Larger TP degrees that ``parallelize.py`` accepts: dividing the heads, the sequence (in
-    ``2 cp`` chunks under CP), the vocabulary, and with Ulysses CP the heads ``cp`` ways again."""
+    """Larger TP degrees that the job's checks accept: dividing the heads, the sequence (in
+    ``2 cp`` chunks under CP), the vocabulary, and with Ulysses CP the heads ``cp`` ways again;
+    none where a sequence-scoped balancing loss needs whole sequences."""
+    if w.experts is not None and w.experts.whole_sequences:
+        return []
     sequence = 2 * w.cp if w.cp > 1 else 1
     heads = w.cp if w.cp_ulysses else 1
     return [
