@@ -289,7 +289,7 @@ def memory_workload(
     training = config.training
     pipelined = dims.pp > 1
     imbalance = figures.get("routing_imbalance", 1.0) if figures else 1.0
-    whole = config.moe.balance_loss_weight > 0 and config.moe.balance_loss_scope == "sequence"
+    whole_sequences = config.moe.balance_loss_weight > 0 and config.moe.balance_loss_scope == "sequence"
     return Workload(
         dim=args.dim,
         n_layers=args.n_layers,
@@ -327,7 +327,7 @@ def memory_workload(
         pp_first_less=settings.pp_first_stage_less_layers,
         pp_last_less=settings.pp_last_stage_less_layers,
         head_dim=args.head_dim,
-        experts=routed_experts(args, dims.ep, imbalance, whole),
+        experts=routed_experts(args, dims.ep, imbalance, whole_sequences),
     )
 
 
