@@ -5,7 +5,7 @@ activations outweigh the runtime, and the peak has settled) and reads rank 0's p
 memory from its last log line; the estimate is what ``--dry-run`` prints for the same command.
 Prints one JSON line per configuration, with the ratio.
 
-    python benchmarks/memory.py
+    python benchmarks/memory.py            # or only some: python benchmarks/memory.py MoE
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ COMMON = [
     "--metrics.enable_tensorboard=false",
     "--metrics.disable_color_printing",
 ]
+MOE = ["--config", "debug_moe.toml", "--validation.enable=false"]
 CONFIGS = {
     "1 rank, seq 1024": (1, ["--training.seq_len", "1024"]),
     "1 rank, seq 1024, AC full": (1, ["--training.seq_len", "1024", "--activation_checkpoint.mode", "full"]),
@@ -44,6 +45,15 @@ CONFIGS = {
     "FSDP 2, seq 1024": (2, ["--training.seq_len", "1024", "--training.global_batch_size", "16"]),
     "TP 2, seq 1024": (2, ["--training.seq_len", "1024", "--mesh", "tp=2"]),
     "CP 2, seq 1024": (2, ["--training.seq_len", "1024", "--mesh", "cp=2"]),
+    "debug MoE, FSDP 2 x EP 2, seq 1024": (
+        2,
+        [*MOE, "--training.seq_len", "1024", "--training.global_batch_size", "16", "--mesh", "dp_shard=2,ep=2"],
+    ),
+    "debug MoE, CP 2 x EP 2, seq 1024": (2, [*MOE, "--training.seq_len", "1024", "--mesh", "cp=2,ep=2"]),
+    "debug MoE, FSDP 2 x TP 2 x EP 2, seq 1024": (
+        4,
+        [*MOE, "--training.seq_len", "1024", "--training.global_batch_size", "16", "--mesh", "dp_shard=2,tp=2,ep=2"],
+    ),
 }
 
 
@@ -61,7 +71,10 @@ def measure(ngpu: int, args: list[str]) -> float:
 
 
 def main() -> None:
+    """Every configuration, or those whose names contain one of the arguments."""
     for name, (ngpu, extra) in CONFIGS.items():
+        if sys.argv[1:] and not any(word in name for word in sys.argv[1:]):
+            continue
         args = COMMON + extra
         estimate = resolve_job(load_config(args), ngpu).memory
         measured = measure(ngpu, args)

@@ -289,6 +289,7 @@ def memory_workload(
     training = config.training
     pipelined = dims.pp > 1
     imbalance = figures.get("routing_imbalance", 1.0) if figures else 1.0
+    whole_sequences = config.moe.balance_loss_weight > 0 and config.moe.balance_loss_scope == "sequence"
     return Workload(
         dim=args.dim,
         n_layers=args.n_layers,
@@ -311,6 +312,7 @@ def memory_workload(
         # and a unit's exchange buffers, counted as deferral's one unsharded gradient.
         defer_gradient_reduction=training.defer_gradient_reduction or config.debug.layout_invariant,
         accumulation=settings.pp_rank_batch // training.local_batch_size,
+        fixed_global_batch=training.global_batch_size != -1,
         reshard_after_forward=settings.reshard_after_forward,
         cp_allgather_kv=resolve_backend(settings.cp_backend, device, settings.document_mask) == "allgather_kv",
         cp_ulysses=resolve_backend(settings.cp_backend, device, settings.document_mask) == "ulysses",
@@ -325,15 +327,16 @@ def memory_workload(
         pp_first_less=settings.pp_first_stage_less_layers,
         pp_last_less=settings.pp_last_stage_less_layers,
         head_dim=args.head_dim,
-        experts=routed_experts(args, dims.ep, imbalance),
+        experts=routed_experts(args, dims.ep, imbalance, whole_sequences),
     )
 
 
-def routed_experts(args: ModelArgs, ep: int, imbalance: float) -> RoutedExperts | None:
+def routed_experts(args: ModelArgs, ep: int, imbalance: float, whole: bool = False) -> RoutedExperts | None:
     if not isinstance(args, MoEArgs):
         return None
     shared = args.n_shared_experts * args.moe_hidden_dim
-    return RoutedExperts(args.n_experts, args.top_k, args.moe_hidden_dim, shared, args.n_dense_layers, ep, imbalance)
+    experts = args.n_experts, args.top_k, args.moe_hidden_dim, shared, args.n_dense_layers
+    return RoutedExperts(*experts, ep, imbalance, whole)
 
 
 def describe(plan: JobPlan, limit: int | None, where: str) -> str:

@@ -1,6 +1,13 @@
 """What would make a job fit: the changes the memory check, ``--dry-run`` and ``--simulate``
 propose when the per-rank estimate (``memory_plan.py``) exceeds the target's memory, each one
-checked against the same estimate, written as the user would type them."""
+checked against the same estimate, written as the user would type them, and only layouts the
+job's checks accept (degrees that divide what they split, a global batch that stays whole).
+
+For a Mixture-of-Experts model TP is proposed like for a dense one: it does not split the MoE's
+weights (its experts are split by EP), but it splits attention's and the activations, the MoE's
+routed tokens included (each TP rank routes its sequence shard). CP, which also shrinks the
+activations, is proposed for no model: its kernels and sequence constraints are the user's
+choice. PP is not proposed for MoE models (``parallelisms/parallelize.py`` refuses it)."""
 
 from __future__ import annotations
 
@@ -41,7 +48,7 @@ def fixes(w: Workload, limit: int, world_size: int) -> tuple[str, list[str]]:
             break
     if w.ac_mode != "full" and estimate(replace(w, ac_mode="full")).total <= limit:
         single.append("`--activation_checkpoint.mode full`")
-    for batch in range(w.local_batch_size - 1, 0, -1):
+    for batch in _microbatch_sizes(w):
         if estimate(_with_microbatch(w, batch)).total <= limit:
             single.append(_microbatch_text(w, batch))
             break
@@ -68,11 +75,19 @@ def fixes(w: Workload, limit: int, world_size: int) -> tuple[str, list[str]]:
     return "all", []
 
 
+def _microbatch_sizes(w: Workload) -> list[int]:
+    """Smaller micro-batches, largest first, that cut a rank's share of the step evenly (the
+    global batch must stay divisible by the micro-batch times the data-parallel degree)."""
+    share = w.local_batch_size * (w.pp_microbatches if w.pp > 1 else w.accumulation)
+    return [b for b in range(w.local_batch_size - 1, 0, -1) if share % b == 0]
+
+
 def _with_microbatch(w: Workload, batch: int) -> Workload:
-    """``w`` with micro-batches of ``batch`` sequences; under pipelining the step's batch stays,
-    so the pipeline's micro-batches are more."""
-    microbatches = w.pp_microbatches * w.local_batch_size // batch if w.pp > 1 else w.pp_microbatches
-    return replace(w, local_batch_size=batch, pp_microbatches=microbatches)
+    """``w`` with micro-batches of ``batch`` sequences; the step's batch stays, so the
+    micro-batches (accumulated, or the pipeline's) are more."""
+    if w.pp > 1:
+        return replace(w, local_batch_size=batch, pp_microbatches=w.pp_microbatches * w.local_batch_size // batch)
+    return replace(w, local_batch_size=batch, accumulation=w.accumulation * w.local_batch_size // batch)
 
 
 def _microbatch_text(w: Workload, batch: int) -> str:
@@ -100,17 +115,31 @@ def _pp_degrees(w: Workload) -> list[int]:
 
 
 def _tp_degrees(w: Workload) -> list[int]:
-    if w.experts is not None:
-        return []  # Mixture-of-Experts models shard by EP x FSDP (parallelize.py refuses TP, PP)
-    return [tp for tp in (2, 4, 8) if tp > w.tp and w.n_heads % tp == 0 and w.kv_heads % tp == 0]
+    """Larger TP degrees that the job's checks accept: dividing the heads, the sequence (in
+    ``2 cp`` chunks under CP), the vocabulary, and with Ulysses CP the heads ``cp`` ways again;
+    none where a sequence-scoped balancing loss needs whole sequences."""
+    if w.experts is not None and w.experts.whole_sequences:
+        return []
+    sequence = 2 * w.cp if w.cp > 1 else 1
+    heads = w.cp if w.cp_ulysses else 1
+    return [
+        tp
+        for tp in (2, 4, 8)
+        if tp > w.tp
+        and w.n_heads % (tp * heads) == 0
+        and w.kv_heads % tp == 0
+        and w.seq_len % (sequence * tp) == 0
+        and w.vocab_size % tp == 0
+    ]
 
 
 def _ep_degrees(w: Workload) -> list[int]:
-    """Larger expert-parallel degrees: dividing the experts and the shard ranks they come from."""
+    """Larger expert-parallel degrees: dividing the experts and the ranks they come from
+    (``dp_shard x cp``)."""
     if w.experts is None:
         return []
-    n, ep = w.experts.n_experts, w.experts.ep
-    return [d for d in range(ep + 1, w.dp_shard + 1) if n % d == 0 and w.dp_shard % d == 0]
+    n, ep, ranks = w.experts.n_experts, w.experts.ep, w.dp_shard * w.cp
+    return [d for d in range(ep + 1, ranks + 1) if n % d == 0 and ranks % d == 0]
 
 
 def _with_ep(w: Workload, ep: int) -> Workload:
@@ -118,8 +147,20 @@ def _with_ep(w: Workload, ep: int) -> Workload:
 
 
 def _fitting_shards(w: Workload, limit: int) -> int | None:
+    """The fewest shard ranks that fit; with a fixed global batch, ranks that divide it (each
+    takes a whole number of micro-batches: fewer to accumulate), and that EP's ranks divide."""
+    ep = w.experts.ep if w.experts else 1
     for shards in (w.dp_shard, *(2**k for k in range(1, 14))):
-        if shards >= w.dp_shard and estimate(replace(w, dp_shard=shards)).total <= limit:
+        if shards < w.dp_shard or (shards * w.cp) % ep:
+            continue
+        wider = replace(w, dp_shard=shards)
+        if w.fixed_global_batch:
+            microbatches = w.dp_shard * (w.pp_microbatches if w.pp > 1 else w.accumulation)
+            fewer = microbatches // shards
+            if microbatches % shards or (w.pp > 1 and w.pp_schedule != "GPipe" and fewer < w.pp):
+                continue
+            wider = replace(wider, pp_microbatches=fewer) if w.pp > 1 else replace(wider, accumulation=fewer)
+        if estimate(wider).total <= limit:
             return shards
     return None
 

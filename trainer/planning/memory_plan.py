@@ -26,7 +26,8 @@ make it fit, instead of spending minutes initialising and then dying of an out-o
   keeps one additive attention mask (queries x keys, in the compute dtype) shared by all blocks;
 * **Mixture-of-Experts blocks**: the routed experts' state and gathered weights under EP, the
   routed tokens' activations at the stated routing imbalance and the token exchange's buffers,
-  instead of the dense feed-forward's (``moe_memory.py``);
+  instead of the dense feed-forward's (``moe_memory.py``). Under TP the MoE's weights are
+  gathered whole (TP splits only the dense layers) and its tokens are the rank's sequence shard;
 * **logits and loss**: the logits of one micro-batch (vocabulary-sharded under loss parallel),
   their float32 copy, the log-softmax kept for backward and the gradient; with the chunked loss
   (``training.loss_chunk_tokens``) of one chunk of tokens, plus the final hidden states. Backward
@@ -97,6 +98,8 @@ class Workload:
     defer_gradient_reduction: bool = False
     accumulation: int = 1
     """Micro-batches per optimizer step on each data-parallel rank (gradient accumulation)."""
+    fixed_global_batch: bool = True
+    """``training.global_batch_size`` is set: more data-parallel ranks must divide it."""
     reshard_after_forward: str = "default"
     cp_allgather_kv: bool = True
     cp_ulysses: bool = False
@@ -143,12 +146,25 @@ class Workload:
         return (self.dense_layers * self.dense_block + moe) // self.n_layers
 
     @property
-    def gathered_block(self) -> int:
-        """The most parameters FSDP gathers for one block on one rank (under EP, its own experts)."""
+    def gathered_block(self) -> float:
+        """The most parameters FSDP gathers for one block on one rank: TP's shard of the dense
+        layers, but a MoE feed-forward whole (TP replicates its router and shared experts; its
+        experts are split by EP, not TP), and under EP only the rank's own experts."""
+        dense = self.dense_block / self.tp
         if self.experts is None or self.dense_layers == self.n_layers:
-            return self.dense_block
-        moe = self.dense_block - 3 * self.dim * self.ffn_dim + self.experts.gathered_params(self.dim)
-        return max(moe, self.dense_block if self.dense_layers else 0)
+            return dense
+        moe = dense - 3 * self.dim * self.ffn_dim / self.tp + self.experts.gathered_params(self.dim)
+        return max(moe, dense if self.dense_layers else 0)
+
+    def unsharded(self, blocks: int, first: bool, last: bool) -> float:
+        """Parameters of ``blocks`` average blocks, with the embedding and the output, as one
+        rank holds them unsharded (gathered, or their gradients before the reduction)."""
+        moe = 0.0
+        if self.experts is not None:
+            whole = self.experts.gathered_params(self.dim) - 3 * self.dim * self.ffn_dim / self.tp
+            moe = (self.n_layers - self.dense_layers) * whole
+        per_block = (self.n_layers * self.dense_block / self.tp + moe) / self.n_layers
+        return blocks * per_block + (self.vocab_size * self.dim * (first + last) + self.dim * last) / self.tp
 
     @property
     def params(self) -> int:
@@ -245,26 +261,27 @@ def _estimate(w: Workload, share: _Share) -> Estimate:
     # benchmarks/simulator_vs_measured.py, full checkpointing), so there both are counted.
     reuses = w.device == "cuda"
     activations = kept + (max(0.0, recomputed - logits) if reuses else recomputed) + _document_mask(w)
+    unsharded = w.unsharded(share.blocks, share.first, share.last)
     if w.pp > 1:
         # PipelineStage defers FSDP's reshard and reduce to the step's last backward.
-        grads = w.reduce_bytes * params / w.tp
+        grads = w.reduce_bytes * unsharded
         if share.first and w.tp > 1:
             # DTensor's backward of the vocabulary-sharded embedding makes the whole table's
             # gradient, then FSDP's copy in the reduce dtype, while the other micro-batches
             # in flight and the stage's unsharded gradients are held (seen by --simulate).
             table = w.vocab_size * w.dim
             grads += table * (w.compute_bytes + w.reduce_bytes) - table * w.reduce_bytes / w.tp
-        fsdp_buffers = (params + w.gathered_block) * w.compute_bytes / w.tp
+        fsdp_buffers = (unsharded + w.gathered_block) * w.compute_bytes
     else:
         deferred = w.defer_gradient_reduction and w.accumulation > 1
-        grads = w.reduce_bytes * params / w.tp if deferred else 4 * params / shards
+        grads = w.reduce_bytes * unsharded if deferred else 4 * params / shards
         if w.accumulation == 1 and reuses:
             # Backward frees a block's activations as it makes its gradients: with no gradients
             # kept from an earlier micro-batch, the peak holds the larger of the two.
             grads = max(0.0, grads - activations - logits)
         gathered_blocks = w.n_layers if w.reshard_after_forward == "never" else 2
-        gathered = (gathered_blocks * w.gathered_block + w.vocab_size * w.dim) * w.compute_bytes / w.tp
-        fsdp_buffers = gathered + w.gathered_block * (w.compute_bytes + 4) / w.tp
+        gathered = (gathered_blocks * w.gathered_block + w.vocab_size * w.dim / w.tp) * w.compute_bytes
+        fsdp_buffers = gathered + w.gathered_block * (w.compute_bytes + 4)
     device = w.device if w.device in RUNTIME_BYTES else "cpu"
     return Estimate(
         model_state=int(sharded_state + grads),
@@ -305,15 +322,18 @@ def _activations(w: Workload, share: _Share) -> tuple[float, float]:
     moe_share = 1 - w.dense_layers / w.n_layers
     ex = w.experts
     dense_ffn, op_ffn = tokens * 4 * f / t * b, tokens * 2 * f / t * b
-    moe_ffn = tokens * ex.kept(d, b) if ex else 0.0
-    exchange = tokens * ex.exchange(d, b) if ex and moe_share else 0.0
+    # Under TP a MoE block routes the rank's sequence shard, from the norm's shard: not the
+    # all-gathered norm output that full_block counts for the dense feed-forward.
+    routed_tokens, gathered_norm = tokens / t, tokens * (d - d / t) * b
+    moe_ffn = routed_tokens * ex.kept(d, b) - gathered_norm if ex else 0.0
+    exchange = routed_tokens * ex.exchange(d, b) if ex and moe_share else 0.0
     average = full_block + dense_ffn + moe_share * (moe_ffn - dense_ffn)
     full_block += max(dense_ffn if moe_share < 1 else 0.0, moe_ffn + exchange if moe_share else 0.0)
     if w.ac_mode == "full":
         kept = blocks * block_input
     elif w.ac_mode == "selective" and w.ac_option == "op":
         # Kept: the projections' and attention's outputs (q, k, v, attention, wo, w1, w3, w2).
-        moe_op = tokens * ex.kept_op(d, b) if ex else 0.0
+        moe_op = routed_tokens * ex.kept_op(d, b) if ex else 0.0
         kept = blocks * (tokens * (2 * q + 2 * d + 2 * kv) / t * b + op_ffn + moe_share * (moe_op - op_ffn))
     elif w.ac_mode == "selective":
         checkpointed = (blocks + int(w.ac_option) - 1) // int(w.ac_option)

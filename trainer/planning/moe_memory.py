@@ -3,11 +3,19 @@
 What differs from a dense block, per rank:
 
 * **parameters**: the router and the shared experts are dense layers in the block's FSDP unit;
-  the routed experts are split over ``ep`` ranks and sharded again over the ``dp_shard / ep``
-  ranks outside the EP group, so their float32 state is spread over ``dp_shard`` ranks like the
-  rest, but FSDP gathers only a rank's own ``n_experts / ep`` experts of a block: more ``ep``
-  shrinks the gathered weights and their unsharded gradients, not the optimizer state;
-* **activations**: the routed tokens are ``top_k`` rows per token, and the rank holding the
+  the routed experts are split over ``ep`` ranks (taken from ``dp_shard x cp``) and sharded
+  again over the ``dp_shard x cp / ep`` ranks outside the EP group, so their float32 state is
+  spread over ``dp_shard x cp`` ranks like the rest, but FSDP gathers only a rank's own
+  ``n_experts / ep`` experts of a block: more ``ep`` shrinks the gathered weights and their
+  unsharded gradients, not the optimizer state. Tensor parallelism does not split a MoE's
+  weights: the router and shared experts are replicated over TP and the experts split by EP, but
+  FSDP shards both over ``tp`` too (``replicated_fsdp``, ``expert_shard``), so their state per
+  rank is ``1 / (dp_shard x cp x tp)`` of it like a dense layer's, while what a rank gathers
+  of them is whole (``memory_plan.py`` divides only the dense layers' by ``tp``);
+* **activations**, per token the MoE routes: the rank's sequence shard (``tokens / tp`` under
+  sequence-parallel TP, of its ``tokens / cp`` under CP; ``memory_plan.py`` counts them so, and
+  under TP the norm's shard as the MoE's input instead of the dense feed-forward's all-gathered
+  one). The routed tokens are ``top_k`` rows per token, and the rank holding the
   busiest experts receives more than its share, ``imbalance`` times it
   (``--target.routing_imbalance``: dropless routing sends every token where the router says).
   Kept for backward per MoE block: the router's float32 probabilities, the received rows sorted
@@ -40,6 +48,9 @@ class RoutedExperts:
     ep: int = 1
     imbalance: float = 1.0
     """The routed tokens the busiest EP rank receives, over the average."""
+    whole_sequences: bool = False
+    """The balancing loss needs whole sequences on a rank (``moe.balance_loss_scope`` =
+    "sequence"): TP and CP, which split them, are refused (``job_plan.check_experts``)."""
 
     def feed_forward_params(self, dim: int) -> int:
         """A MoE block's router, shared experts and every routed expert."""
