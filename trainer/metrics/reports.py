@@ -56,7 +56,7 @@ def batch_line(plan: JobPlan) -> str:
 def log_start(plan: JobPlan, device: torch.device, metrics: MetricsLogger, data_lines: str) -> None:
     config, dims, training = plan.config, plan.dims, plan.config.training
     logger.info(
-        "%s %s: %s parameters | mesh pp=%d dp_replicate=%d dp_shard=%d cp=%d tp=%d on %s | "
+        "%s %s: %s parameters | mesh pp=%d dp_replicate=%d dp_shard=%d cp=%d tp=%d%s on %s | "
         "global batch %d x %d tokens = %s",
         config.model.name,
         config.model.flavor,
@@ -66,6 +66,7 @@ def log_start(plan: JobPlan, device: torch.device, metrics: MetricsLogger, data_
         dims.dp_shard,
         dims.cp,
         dims.tp,
+        f" ep={dims.ep}" if dims.ep > 1 else "",
         device.type,
         plan.global_batch_size,
         training.seq_len,
