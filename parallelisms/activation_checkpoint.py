@@ -23,7 +23,10 @@ the router (its matmul saved), the sorting of tokens by expert, the combine. The
 matched by their order alone (``kernels.saving_checkpoint_contexts``): what runs between them
 and differs between forward and recomputation (the routed experts' own FSDP unit prefetching
 in backward, the ``record_function`` ranges of FSDP, of a profiler and of the MoE time split,
-``parallelisms/moe_split.py``) is simply rerun.
+``parallelisms/moe_split.py``) is simply rerun. A block that ``full`` or every-k-th
+checkpointing recomputes sends its tokens again, with the forward's splits: every EP rank
+recomputes the same layer in the same backward order, and its router chooses from the same
+input what it chose in the forward.
 """
 
 from __future__ import annotations

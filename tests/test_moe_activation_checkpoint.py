@@ -56,6 +56,8 @@ PROFILED = {name for name in CASES if name.endswith("AC op")}
 BUGS = {
     "torch's selective-checkpointing contexts": CASES["dp_shard=2 x ep=2, AC op"],
     "all-to-alls recomputed": CASES["dp_shard=2 x ep=2, AC op"],
+    "tokens counted again in recompute, AC op": CASES["dp_shard=2 x ep=2, AC op"],
+    "tokens counted again in recompute, AC every 2nd block": CASES["dp_shard=2 x ep=2, AC every 2nd block"],
 }
 MICRO_BATCHES, MOE_LAYERS = 2, 3
 EXCHANGES = 3
@@ -87,7 +89,11 @@ def _torch_contexts():
 def checkpointed_steps(argv: list[str], profiled: bool, bug: str = "") -> dict:
     """``moe_steps`` with the MoE time split measuring, under a profiler if ``profiled``; what
     each rank reports, with the split, the all-to-alls sent in backward, or the error."""
-    contexts, saved = activation_checkpoint._op_contexts, activation_checkpoint.SAVED_OPS
+    contexts, saved, in_backward = (
+        activation_checkpoint._op_contexts,
+        activation_checkpoint.SAVED_OPS,
+        kernels.in_backward,
+    )
     if bug == "torch's selective-checkpointing contexts":
         activation_checkpoint._op_contexts = _torch_contexts
     if bug == "all-to-alls recomputed":
@@ -97,12 +103,13 @@ def checkpointed_steps(argv: list[str], profiled: bool, bug: str = "") -> dict:
     SPLIT.start(torch.device("cpu"))
     try:
         with profiler if profiled else contextlib.nullcontext(), counting:
-            out = moe_steps(argv)
+            out = moe_steps(argv, bug.split(",")[0])
     except RuntimeError as error:
         return {"error": str(error)}
     finally:
         split = SPLIT.stop()
         activation_checkpoint._op_contexts, activation_checkpoint.SAVED_OPS = contexts, saved
+        kernels.in_backward = in_backward
     return {**out, "split": split, "sent in backward": counting.count}
 
 
@@ -146,6 +153,13 @@ def test_torch_contexts_crash_on_the_experts_unit(launched):
 def test_recomputed_all_to_alls_are_caught(launched):
     sent = [r["sent in backward"] for r in launched["bug: all-to-alls recomputed"]]
     assert sent == [(2 + EXCHANGES) * MOE_LAYERS * MICRO_BATCHES * STEPS] * 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bug", [bug for bug in BUGS if bug.startswith("tokens counted again")])
+def test_tokens_counted_again_in_recompute_are_caught(bug, launched):
+    ref, result = launched["reference"][0], launched[f"bug: {bug}"][0]
+    assert differences(result, ref)["tokens"] > 10 * TOLERANCE, differences(result, ref)
 
 
 @pytest.mark.slow
