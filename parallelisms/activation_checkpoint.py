@@ -6,12 +6,27 @@ Modes (``[activation_checkpoint]``):
 - ``selective`` with ``selective_ac_option = "k"`` (an integer): full checkpointing of every
   k-th block only (blocks 0, k, 2k, ...), trading memory for less recomputation.
 - ``selective`` with ``selective_ac_option = "op"``: in every block, the outputs of the
-  expensive ops (matmuls, attention, tensor-parallel reduce-scatters) are kept and everything
-  cheap (norms, activations, RoPE, elementwise) is recomputed.
+  expensive ops (matmuls, attention, tensor-parallel reduce-scatters, the MoE experts' grouped
+  matmul and every all-to-all) are kept and everything cheap (norms, activations, RoPE,
+  elementwise, routing) is recomputed.
 
 Applied per block, inside the block's FSDP unit: during recomputation FSDP has already
 gathered the block's parameters for its backward. Recomputation reruns the same kernels on
 the same inputs, so the gradients equal those without checkpointing.
+
+Op level and communication: the recomputation takes the saved outputs of the all-to-alls
+(expert parallelism's exchange of counts and its two token exchanges, Ulysses' exchanges) and
+reduce-scatters instead of sending again, so it issues none of these collectives: none can hang
+or be matched with another rank's different one, and the token splits, read with ``.tolist()``
+from the recomputed and the saved counts, equal the forward's. What it still reruns is local:
+the router (its matmul saved), the sorting of tokens by expert, the combine. The saved ops are
+matched by their order alone (``kernels.saving_checkpoint_contexts``): what runs between them
+and differs between forward and recomputation (the routed experts' own FSDP unit prefetching
+in backward, the ``record_function`` ranges of FSDP, of a profiler and of the MoE time split,
+``parallelisms/moe_split.py``) is simply rerun. A block that ``full`` or every-k-th
+checkpointing recomputes sends its tokens again, with the forward's splits: every EP rank
+recomputes the same layer in the same backward order, and its router chooses from the same
+input what it chose in the forward.
 """
 
 from __future__ import annotations
@@ -20,28 +35,28 @@ import functools
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint
 
 from parallelisms.model_parts import block_settings, blocks
 from parallelisms.torch_private import kernels
 
 _aten = torch.ops.aten
 # Ops whose outputs "op" mode keeps: recomputing them costs real FLOPs or communication.
-SAVED_OPS = {
-    _aten.mm.default,
-    _aten.addmm.default,
-    _aten.bmm.default,
-    *kernels.ATTENTION_OPS,
-    kernels.REDUCE_SCATTER,
-}
-
-
-def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+SAVED_OPS = frozenset(
+    {
+        _aten.mm.default,
+        _aten.addmm.default,
+        _aten.bmm.default,
+        *kernels.ATTENTION_OPS,
+        kernels.GROUPED_MM,
+        kernels.REDUCE_SCATTER,
+        kernels.ALL_TO_ALL,
+    }
+)
 
 
 def _op_contexts():
-    return create_selective_checkpoint_contexts(_save_matmuls)
+    return kernels.saving_checkpoint_contexts(SAVED_OPS)
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str, selective_option: str) -> None:

@@ -78,9 +78,9 @@ class ExpertParallelDispatch:
     def __call__(self, routed: torch.Tensor, counts: torch.Tensor, experts: nn.Module) -> torch.Tensor:
         """Eager inside a compiled block: the exchange's sizes are the routing's counts."""
         with SPLIT.part("dispatch"):
-            send = counts.view(self.ep, self.local_experts).contiguous()
-            recv = torch.empty_like(send)
-            dist.all_to_all_single(recv, send, group=self.group)
+            send = counts.view(self.ep, self.local_experts)
+            # Functional, not in place: op-level checkpointing keeps its output (activation_checkpoint.py).
+            recv = dtensor.all_to_all(send, self.group)
             rank = dist.get_rank(self.group)
             if self.assumed is None:
                 in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()

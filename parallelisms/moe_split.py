@@ -7,7 +7,10 @@ The parts never nest, so their times add up. While ``SPLIT`` measures (the run's
 steps, for the start report), each part's wall-clock time is also summed, the device
 synchronised at its edges so that a kernel counts in the part that launched it; otherwise nothing
 is timed or synchronised, and without a profiler recording no range is opened (a range costs
-microseconds). One ``SPLIT`` per process: every MoE layer of the rank adds to it.
+microseconds). One ``SPLIT`` per process: every MoE layer of the rank adds to it, a
+checkpointed block's recomputation too. Opening ranges in the forward and not in the
+recomputation (or the other way round) is safe under every checkpointing mode: op-level
+checkpointing matches only the ops it keeps (``activation_checkpoint.py``).
 """
 
 from __future__ import annotations

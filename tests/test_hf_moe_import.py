@@ -1,9 +1,11 @@
 """Qwen3-MoE folders at size: each rank reads only the experts (and, of those, the FSDP rows) it
-holds and the dense boxes it holds, bit for bit what the whole folder gives; the export writes
+holds and the dense boxes it holds, bit for bit what the whole folder gives, with expert
+parallelism under FSDP, HSDP, TP and CP; the export writes
 one tensor at a time and transformers loads what it wrote, tokenizer and generation config too."""
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import weakref
@@ -106,8 +108,15 @@ MESHES = {
     "ep=2": (2, "dp_shard=2,ep=2"),
     "dp_shard=4 x ep=2": (4, "dp_shard=4,ep=2"),
     "HSDP x ep=2": (4, "dp_replicate=2,dp_shard=2,ep=2"),
+    "dp_shard=2 x ep=2 x tp=2": (4, "dp_shard=2,ep=2,tp=2"),
+    "cp=2 x ep=2": (2, "cp=2,ep=2"),
 }
-BUGS = {"first expert ignored": "ep=2", "reads whole tensors": "ep=2"}
+BUGS = {
+    "first expert ignored": ("first expert ignored", "ep=2"),
+    "reads whole tensors": ("reads whole tensors", "ep=2"),
+    "first expert ignored, tp=2": ("first expert ignored", "dp_shard=2 x ep=2 x tp=2"),
+    "first expert ignored, cp=2": ("first expert ignored", "cp=2 x ep=2"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -117,40 +126,45 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
     cases = {
         name: (world, (import_worker, ARGV + ["--mesh", mesh], str(folder))) for name, (world, mesh) in MESHES.items()
     }
-    for bug, mesh in BUGS.items():
+    for name, (bug, mesh) in BUGS.items():
         world, spec = MESHES[mesh]
-        cases[bug] = (world, (import_worker, ARGV + ["--mesh", spec], str(folder), bug))
+        cases[name] = (world, (import_worker, ARGV + ["--mesh", spec], str(folder), bug))
     return run_by_world(cases)
 
 
-def _problems(ranks: list[dict], dp_shard: int, n_experts: int) -> list[str]:
+def _problems(ranks: list[dict], replica_ranks: int, n_experts: int) -> list[str]:
     """What is wrong with an import: a shard unlike the whole folder's, a rank reading experts
-    it does not hold (each holds ``n_experts / dp_shard`` of them, EP x FSDP, and together the
-    ranks of a replica hold each once), or reading more than 1% beyond what it holds (the q/k
-    norms, one head wide, are read whole)."""
+    it does not hold (each of a replica's ``dp_shard x cp x tp`` ranks holds ``n_experts`` over
+    that many of them, EP x FSDP, the experts' FSDP spanning ``tp``, and together they hold each
+    once), or reading more than 1% beyond what it holds (the q/k norms, one head wide, are read
+    whole)."""
     out = [f"rank {r}: {ranks[r]['wrong'][0]} differs" for r in range(len(ranks)) if ranks[r]["wrong"]]
     for r, rank in enumerate(ranks):
-        if len(rank["experts"]) != n_experts // dp_shard:
+        if len(rank["experts"]) != n_experts // replica_ranks:
             out.append(f"rank {r} read experts {rank['experts']}")
         if rank["read"] > 1.01 * rank["held"]:
             out.append(f"rank {r} read {rank['read']} bytes, holds {rank['held']}")
-    replica = sorted(e for rank in ranks[:dp_shard] for e in rank["experts"])
+    replica = sorted(e for rank in ranks[:replica_ranks] for e in rank["experts"])
     if replica != list(range(n_experts)):
         out.append(f"the first replica's ranks read experts {replica}")
     return out
 
 
+def _replica_ranks(mesh: str) -> int:
+    degrees = dict(part.split("=") for part in MESHES[mesh][1].split(","))
+    return math.prod(int(degrees.get(dim, 1)) for dim in ("dp_shard", "cp", "tp"))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh", list(MESHES))
 def test_each_rank_reads_only_its_boxes_and_equals_the_whole_import(mesh: str, launched):
-    dp_shard = int(MESHES[mesh][1].split("dp_shard=")[1].split(",")[0])
-    assert _problems(launched[mesh], dp_shard, qwen3_args().n_experts) == []
+    assert _problems(launched[mesh], _replica_ranks(mesh), qwen3_args().n_experts) == []
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("bug", list(BUGS))
 def test_the_checks_catch_a_wrong_box_and_reading_everything(bug: str, launched):
-    problems = _problems(launched[bug], 2, qwen3_args().n_experts)
+    problems = _problems(launched[bug], _replica_ranks(BUGS[bug][1]), qwen3_args().n_experts)
     print(bug, problems)
     assert problems
 

@@ -1,9 +1,19 @@
 """Private ops and switches: multi-tensor kernels, the grouped matmul, attention ops, async TP, CUDA
-memory history, and whether autograd is running a backward (activation checkpointing recomputes)."""
+memory history, whether autograd is running a backward (activation checkpointing recomputes), and
+selective checkpointing's dispatch modes."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
+from typing import Any
+
 import torch
+from torch.utils.checkpoint import (
+    _CachedTorchDispatchMode,
+    _CachingTorchDispatchMode,
+    _is_compiling,
+    create_selective_checkpoint_contexts,
+)
 
 FEATURE = "the gradient finalize, the experts' grouped matmul, activation checkpointing and the profiler"
 CHECKED_ON = ("2.11.0", "2.13.0", "2.14.1")
@@ -27,6 +37,9 @@ NAMES = (
     "enable_symm_mem_for_group",
     "_record_memory_history",
     "_snapshot",
+    "_CachedTorchDispatchMode",
+    "_CachingTorchDispatchMode",
+    "_is_compiling",
 )
 
 _aten = torch.ops.aten
@@ -38,6 +51,9 @@ ATTENTION_OPS = (
 )
 """SDPA's kernels, one op each."""
 REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
+ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single.default
+"""The functional all-to-all, with or without autograd (expert parallelism's exchanges, Ulysses)."""
+GROUPED_MM = _aten._grouped_mm.default
 
 
 def foreach_norm(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -88,3 +104,40 @@ def record_cuda_memory_history() -> None:
 
 def cuda_memory_snapshot() -> object:
     return torch.cuda.memory._snapshot()
+
+
+class _SavedOnly:
+    """Selective checkpointing's dispatch mode, blind to every op it does not save."""
+
+    saved: Collection[Any] = ()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func not in self.saved and not _is_compiling(func, args, kwargs):
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)  # type: ignore[misc]
+
+
+class _SavingForward(_SavedOnly, _CachingTorchDispatchMode):
+    pass
+
+
+class _SavedRecompute(_SavedOnly, _CachedTorchDispatchMode):
+    pass
+
+
+def saving_checkpoint_contexts(saved: Collection[Any]) -> tuple[Any, Any]:
+    """The forward and recomputation contexts of selective checkpointing that keeps the outputs
+    of the ``saved`` ops and reruns every other op.
+
+    torch's own contexts number every op in the region and fail when the recomputation runs an
+    op more often than the forward did, although only the saved ops' numbers matter (the
+    recomputation takes the n-th saved output of an op for its n-th call). Ops outside the model
+    do differ between the two: a nested FSDP unit's hooks (its backward prefetch opens a
+    ``record_function`` range, and may all-gather, only during recomputation), a profiler's
+    ranges. Here only the saved ops are counted and matched. Under ``torch.compile`` torch's
+    modes see every op, as they tag the traced graph. Built by torch's own function, then given
+    this behaviour, so that the storage the two share stays torch's, whatever its shape."""
+    forward, recompute = create_selective_checkpoint_contexts(list(saved))
+    forward.__class__, recompute.__class__ = _SavingForward, _SavedRecompute
+    forward.saved = recompute.saved = frozenset(saved)
+    return forward, recompute

@@ -220,8 +220,9 @@ class ActivationCheckpoint:
     )
     selective_ac_option: str = setting(
         "op",
-        "With `selective`: `op` keeps matmul and attention outputs and recomputes the rest in "
-        "every block; an integer k fully checkpoints every k-th block.",
+        "With `selective`: `op` keeps the outputs of matmuls, attention and collectives (TP's "
+        "reduce-scatters, all-to-alls) and recomputes the rest in every block; an integer k fully "
+        "checkpoints every k-th block.",
     )
 
 

@@ -80,5 +80,11 @@ class RoutedExperts:
         return 2 * (self.received_rows() + self.top_k) * dim * compute_bytes
 
     def kept_op(self, dim: int, compute_bytes: int) -> float:
-        """Bytes per local token kept under selective ``op`` checkpointing: the matmuls' outputs."""
-        return (self.n_experts + (2 * self.shared_hidden + dim if self.shared_hidden else 0)) * compute_bytes
+        """Bytes per local token kept under selective ``op`` checkpointing: the matmuls' outputs
+        (the router's, the routed experts' three, the shared experts') and, under EP, the token
+        all-to-alls' (``parallelisms/activation_checkpoint.py``)."""
+        rows = self.received_rows()
+        routed = rows * (2 * self.hidden + dim)
+        exchanged = (rows + self.top_k) * dim if self.ep > 1 else 0
+        shared = 2 * self.shared_hidden + dim if self.shared_hidden else 0
+        return (self.n_experts + routed + exchanged + shared) * compute_bytes
