@@ -53,7 +53,9 @@ OVERSIZED = {
     ),
 }
 
-PROPOSED = {"Qwen3-235B-A22B in two stages on 32 GPUs": "`--parallelism.pipeline_parallel_degree 8` (with 128 processes)"}
+PROPOSED = {
+    "Qwen3-235B-A22B in two stages on 32 GPUs": "`--parallelism.pipeline_parallel_degree 8` (with 128 processes)"
+}
 """A change the advice must name (the others only have to be accepted and fit)."""
 
 CHANGES = {
