@@ -1,4 +1,4 @@
-"""What would fit an oversized Mixture-of-Experts job, now that TP and CP compose with MoE:
+"""What would fit an oversized Mixture-of-Experts job, now that TP, CP and PP compose with MoE:
 every change the dry run proposes is a layout the job's checks accept, and fits by the estimate."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from trainer.entry.launch import main as launch_main
 from trainer.planning.job_plan import resolve_job
 from trainer.planning.memory_fixes import _microbatch_sizes, _tp_degrees
 
-QWEN = ["--config", "qwen3_30b_a3b.toml", "--dry-run", "--target-gpu", "h100"]
+DRY_RUN = ["--dry-run", "--target-gpu", "h100"]
+QWEN_30B = ["--config", "qwen3_30b_a3b.toml"]
 
 OVERSIZED = {
     "ep 1 on a 66 GiB GPU": (8, ["--mesh", "ep=1", "--target.memory_gib", "66"]),
@@ -37,12 +38,32 @@ OVERSIZED = {
         8,
         ["--moe.balance_loss_scope", "sequence", "--activation_checkpoint.mode", "none"],
     ),
+    # Two stages on 32 GPUs hold each stage's experts gathered, with their float32 gradients
+    # unsharded for the step: only eight stages (on 128) fit, and the batch feeds them.
+    "Qwen3-235B-A22B in two stages on 32 GPUs": (
+        32,
+        [
+            "--config",
+            "qwen3_235b_a22b.toml",
+            "--mesh",
+            "pp=2,dp_shard=16,ep=8",
+            "--training.global_batch_size",
+            "128",
+        ],
+    ),
 }
+
+PROPOSED = {
+    "Qwen3-235B-A22B in two stages on 32 GPUs": "`--parallelism.pipeline_parallel_degree 8` (with 128 processes)"
+}
+"""A change the advice must name (the others only have to be accepted and fit)."""
 
 CHANGES = {
     r"dp_shard (\d+) \((\d+) processes": "--parallelism.data_parallel_shard_degree",
     r"`--parallelism.tensor_parallel_degree (\d+)`(?: \(with (\d+) processes\))?": "--parallelism.tensor_parallel_degree",
     r"`--parallelism.expert_parallel_degree (\d+)`": "--parallelism.expert_parallel_degree",
+    r"`--parallelism.pipeline_parallel_degree (\d+)` \(with (\d+) processes": "--parallelism.pipeline_parallel_degree",
+    r"`--parallelism.pipeline_parallel_microbatch_size (\d+)`": "--parallelism.pipeline_parallel_microbatch_size",
     r"`--training.local_batch_size (\d+)`": "--training.local_batch_size",
     r"`--activation_checkpoint.mode (full)`": "--activation_checkpoint.mode",
 }
@@ -61,7 +82,7 @@ def _as_arguments(change: str) -> tuple[list[str], int | None]:
 def _dry_run(monkeypatch, capsys, world: int, args: list[str]) -> tuple[int, str]:
     monkeypatch.setenv("NGPU", str(min(world, 8)))
     monkeypatch.setenv("NNODES", str(max(world // 8, 1)))
-    code = launch_main([*QWEN, *args])
+    code = launch_main([*DRY_RUN, *([] if "--config" in args else QWEN_30B), *args])
     return code, capsys.readouterr().err
 
 
@@ -73,6 +94,7 @@ def test_every_proposed_change_is_accepted_and_fits(monkeypatch, tmp_path, capsy
     assert code == 2 and "this job needs about" in err, err
     advice = re.search(r"(Any one of these|These together) would fit: (.*?)\. The estimate", err)
     assert advice, err
+    assert PROPOSED.get(case, "") in advice.group(2), err
     together = advice.group(1) == "These together"
     changes = advice.group(2).split(", " if together else "; or ")
     proposals = [changes] if together else [[change] for change in changes]
@@ -90,6 +112,7 @@ MESH_KEYS = {
     "--parallelism.data_parallel_shard_degree": "dp_shard",
     "--parallelism.tensor_parallel_degree": "tp",
     "--parallelism.expert_parallel_degree": "ep",
+    "--parallelism.pipeline_parallel_degree": "pp",
 }
 
 

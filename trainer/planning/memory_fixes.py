@@ -7,7 +7,11 @@ For a Mixture-of-Experts model TP is proposed like for a dense one: it does not 
 weights (its experts are split by EP), but it splits attention's and the activations, the MoE's
 routed tokens included (each TP rank routes its sequence shard). CP, which also shrinks the
 activations, is proposed for no model: its kernels and sequence constraints are the user's
-choice. PP is not proposed for MoE models (``parallelisms/parallelize.py`` refuses it)."""
+choice. More PP is proposed for a pipelined job, MoE or dense (an unpipelined one is left its
+layout): a stage holds its own blocks' experts gathered, with their gradients unsharded, for the
+whole step (PipelineStage defers FSDP's reshard and reduce), which more stages shrink and more
+``dp_shard`` does not (``tests/test_moe_memory_fixes.py``: Qwen3-235B-A22B in two stages on 32
+GPUs fits only in eight)."""
 
 from __future__ import annotations
 
@@ -52,7 +56,7 @@ def fixes(w: Workload, limit: int, world_size: int) -> tuple[str, list[str]]:
         if estimate(_with_microbatch(w, batch)).total <= limit:
             single.append(_microbatch_text(w, batch))
             break
-    for pp in _pp_degrees(w) if w.experts is None else []:
+    for pp in _pp_degrees(w):
         if estimate(replace(w, pp=pp)).total <= limit:
             single.append(f"`--parallelism.pipeline_parallel_degree {pp}` (with {world_size // w.pp * pp} processes)")
             break

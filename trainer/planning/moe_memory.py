@@ -25,7 +25,11 @@ What differs from a dense block, per rank:
   routing's int64 orders. The token exchange's dispatch and combine buffers (the received
   rows and their gradients) live while a block is computed or recomputed;
 * **selective ``op`` checkpointing** keeps the matmuls' outputs (router logits, shared experts)
-  and recomputes the grouped matmuls and the exchange.
+  and recomputes the grouped matmuls and the exchange;
+* **under pipeline parallelism** a stage holds its own MoE blocks only, but their gathered
+  experts and unsharded expert gradients stay for the whole step (``PipelineStage`` defers
+  FSDP's reshard and reduce: ``Workload.unsharded`` in ``memory_plan.py``), and the routed
+  tokens' activations are those of each micro-batch the schedule keeps in flight.
 """
 
 from __future__ import annotations
