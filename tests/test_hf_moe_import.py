@@ -110,12 +110,14 @@ MESHES = {
     "HSDP x ep=2": (4, "dp_replicate=2,dp_shard=2,ep=2"),
     "dp_shard=2 x ep=2 x tp=2": (4, "dp_shard=2,ep=2,tp=2"),
     "cp=2 x ep=2": (2, "cp=2,ep=2"),
+    "pp=2 x dp_shard=2 x ep=2": (4, "pp=2,dp_shard=2,ep=2"),
 }
 BUGS = {
     "first expert ignored": ("first expert ignored", "ep=2"),
     "reads whole tensors": ("reads whole tensors", "ep=2"),
     "first expert ignored, tp=2": ("first expert ignored", "dp_shard=2 x ep=2 x tp=2"),
     "first expert ignored, cp=2": ("first expert ignored", "cp=2 x ep=2"),
+    "first expert ignored, pp=2": ("first expert ignored", "pp=2 x dp_shard=2 x ep=2"),
 }
 
 
