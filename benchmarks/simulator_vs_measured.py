@@ -4,7 +4,7 @@ peak for ``--target-gpu cpu``.
 
 Each case trains two steps of two micro-batches of the debug model through ``./run_train.sh``
 (FSDP, TP, CP, PP, activation checkpointing; 1, 2 and 4 processes) and reads every logged rank's
-peak resident memory (``ru_maxrss``) from its last step line. What is compared is the growth
+peak resident memory (``VmHWM``) from its last step line. What is compared is the growth
 over a tiny baseline of the same process count (one step of 32 tokens): the process's own
 memory (torch, gloo, the loader) is then out of both sides, and what remains is the model
 state, the activations and the allocator's slack that the predictions claim to know. Prints one

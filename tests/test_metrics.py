@@ -8,8 +8,11 @@ import io
 import logging
 import math
 import os
+import subprocess
+import sys
 import threading
 from collections.abc import Iterable
+from pathlib import Path
 
 import pytest
 import torch
@@ -282,3 +285,20 @@ def test_a_refused_write_in_tensorboards_thread_is_the_one_error_not_a_thread_tr
     thread.start()
     thread.join()
     assert [type(args.exc_value) for args in reported] == [ValueError]
+
+
+def test_the_cpu_memory_figure_is_the_process_own_peak_not_its_launchers():
+    """``ru_maxrss`` survives ``exec``: a worker started by a large process (the test runner, a
+    notebook) would report its launcher's peak as its own."""
+    ballast = bytearray(768 * 2**20)
+    ballast[::4096] = b"x" * len(ballast[::4096])  # resident, not only reserved
+    code = "from trainer.metrics.accounting import peak_rss_bytes; print(peak_rss_bytes())"
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    assert int(out.stdout) < 512 * 2**20, int(out.stdout) / 2**20
+    del ballast

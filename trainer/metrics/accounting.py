@@ -8,6 +8,7 @@ import logging
 import resource
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -123,7 +124,19 @@ def device_memory(device: torch.device) -> MemoryStats:
             num_alloc_retries=stats.get("num_alloc_retries", 0),
             num_ooms=stats.get("num_ooms", 0),
         )
+    return MemoryStats(active_gib=peak_rss_bytes() / GIB)
+
+
+def peak_rss_bytes() -> int:
+    """This process's own peak resident memory. On Linux ``VmHWM``: ``ru_maxrss`` survives
+    ``exec``, so a worker started from a larger process (a test runner, a notebook) would report
+    its parent's peak. macOS has only ``ru_maxrss``, in bytes."""
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        status = ""
+    for line in status.splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
     max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    # Linux reports ru_maxrss in KiB, macOS in bytes.
-    rss_bytes = max_rss if sys.platform == "darwin" else max_rss * 1024
-    return MemoryStats(active_gib=rss_bytes / GIB)
+    return max_rss if sys.platform == "darwin" else max_rss * 1024
