@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from harness import BASE_ARGV, trainer_for
+from harness import BASE_ARGV, run_by_world, trainer_for
 
 from parallelisms import parallel_dims, parallelize
 from parallelisms.parallel_dims import ParallelDims
@@ -142,3 +142,14 @@ def differences(result: dict, ref: dict) -> dict[str, float]:
         key: max(rel(a, b) for a, b in zip(result[key], ref[key]))
         for key in ("loss", "norm", "balance", "bias", "tokens")
     }
+
+
+def launch_moe(meshes: dict[str, tuple[int, int, list[str]]], bugs: dict[str, tuple[int, int, list[str]]]) -> dict:
+    """The 1-process reference (``reference``), every mesh and every injected bug (``bug: NAME``)
+    through :func:`moe_steps`, one launch per world size; ``{name: (world, local batch, argv)}``."""
+    cases = {"reference": (1, (moe_steps, moe_argv(8, [])))}
+    for name, (world, local, extra) in meshes.items():
+        cases[name] = (world, (moe_steps, moe_argv(local, extra)))
+    for name, (world, local, extra) in bugs.items():
+        cases[f"bug: {name}"] = (world, (moe_steps, moe_argv(local, extra), name))
+    return run_by_world(cases)

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import run_by_world
-from moe_helpers import SKEW, TOLERANCE, differences, moe_argv, moe_steps
+from moe_helpers import SKEW, TOLERANCE, differences, launch_moe
 
 # name: (world size, local batch size, extra argv); global batch 8, so accumulation = 8 / (local x dp)
 MESHES = {
@@ -31,12 +30,7 @@ BUGS = {
 
 @pytest.fixture(scope="module")
 def launched() -> dict[str, list]:
-    cases = {"reference": (1, (moe_steps, moe_argv(8, [])))}
-    for name, (world, local, extra) in MESHES.items():
-        cases[name] = (world, (moe_steps, moe_argv(local, extra)))
-    for name, (world, local, extra) in BUGS.items():
-        cases[f"bug: {name}"] = (world, (moe_steps, moe_argv(local, extra), name))
-    return run_by_world(cases)
+    return launch_moe(MESHES, BUGS)
 
 
 @pytest.mark.slow

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import run_by_world
-from moe_helpers import SKEW, TOLERANCE, differences, moe_argv, moe_steps
+from moe_helpers import SKEW, TOLERANCE, differences, launch_moe
 
 from parallelisms.parallel_dims import ParallelDims, expert_rank_grid
 
@@ -46,12 +45,7 @@ BUGS = {
 
 @pytest.fixture(scope="module")
 def launched() -> dict[str, list]:
-    cases = {"reference": (1, (moe_steps, moe_argv(8, [])))}
-    for name, (world, local, extra) in MESHES.items():
-        cases[name] = (world, (moe_steps, moe_argv(local, extra)))
-    for name, (world, local, extra) in BUGS.items():
-        cases[f"bug: {name}"] = (world, (moe_steps, moe_argv(local, extra), name))
-    return run_by_world(cases)
+    return launch_moe(MESHES, BUGS)
 
 
 @pytest.mark.slow

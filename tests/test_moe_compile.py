@@ -8,8 +8,7 @@ count fails the comparison."""
 from __future__ import annotations
 
 import pytest
-from harness import run_by_world
-from moe_helpers import TOLERANCE, differences, moe_argv, moe_steps
+from moe_helpers import TOLERANCE, differences, launch_moe
 
 COMPILE = ["--compile.enable"]
 RECOMPUTE = ["--activation_checkpoint.mode", "full"]
@@ -28,12 +27,7 @@ BUGS = {"tokens counted again in recompute": MESHES["compiled, full recompute"]}
 
 @pytest.fixture(scope="module")
 def launched() -> dict[str, list]:
-    cases = {"reference": (1, (moe_steps, moe_argv(8, [])))}
-    for name, (world, local, extra) in MESHES.items():
-        cases[name] = (world, (moe_steps, moe_argv(local, extra)))
-    for name, (world, local, extra) in BUGS.items():
-        cases[f"bug: {name}"] = (world, (moe_steps, moe_argv(local, extra), name))
-    return run_by_world(cases)
+    return launch_moe(MESHES, BUGS)
 
 
 @pytest.mark.slow
