@@ -15,6 +15,18 @@ from trainer.simulation.cost_model import Collective, TracedCost, step_time
 from trainer.simulation.targets import target_named
 
 DEBUG_MOE = ["--config", str(CONFIGS / "debug_moe.toml"), "--target-gpu", "h100"]
+QWEN3_BLOCKS = [
+    "--config",
+    str(CONFIGS / "qwen3_30b_a3b.toml"),
+    "--model.n_layers",
+    "4",
+    "--activation_checkpoint.mode",
+    "none",
+    "--training.global_batch_size",
+    "8",
+]
+"""Qwen3-30B-A3B's blocks at 4 layers without checkpointing: the routed tokens' activations
+weigh most."""
 
 
 @pytest.mark.slow
@@ -60,16 +72,7 @@ def test_debug_moe_exchanges_its_routed_tokens_as_the_routing_says(tmp_path):
 def test_the_estimate_follows_the_simulated_routed_activations(tmp_path, imbalance):
     """Qwen3-30B-A3B's blocks at 4 layers without checkpointing, where the routed tokens'
     activations are most of the memory: estimate and simulation within 15%, balanced or not."""
-    args = [
-        "--config",
-        str(CONFIGS / "qwen3_30b_a3b.toml"),
-        "--model.n_layers",
-        "4",
-        "--activation_checkpoint.mode",
-        "none",
-        "--training.global_batch_size",
-        "8",
-    ]
+    args = QWEN3_BLOCKS
     figures = ["--target-gpu", "h100", "--target.routing_imbalance", imbalance]
     code, text, report = simulate_job(tmp_path, 8, *args, *figures)
     assert code == 0, text
@@ -130,14 +133,7 @@ def test_the_estimate_follows_the_simulation_under_tp_and_cp(tmp_path, mesh):
     CP backend is named: on a GPU target `auto` is the ring attention, which the simulator (fake
     CPU tensors) cannot run."""
     args = [
-        "--config",
-        str(CONFIGS / "qwen3_30b_a3b.toml"),
-        "--model.n_layers",
-        "4",
-        "--activation_checkpoint.mode",
-        "none",
-        "--training.global_batch_size",
-        "8",
+        *QWEN3_BLOCKS,
         "--parallelism.context_parallel_backend",
         "allgather_kv",
         "--mesh",
