@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import weakref
+from collections.abc import Callable
 from dataclasses import replace
 from functools import cache
 from pathlib import Path
@@ -67,3 +69,20 @@ def run_script(name: str, *args: str | Path) -> subprocess.CompletedProcess:
         timeout=120,
         cwd=ROOT,
     )
+
+
+def one_at_a_time(sd: dict[str, torch.Tensor]) -> tuple[Callable[[str], torch.Tensor], list[str]]:
+    """A reader of ``sd``'s tensors (a copy each) that fails if any tensor it gave is still alive
+    when the next is asked for, and the names in the order asked: an export that streams."""
+    alive: list[weakref.ref] = []
+    order: list[str] = []
+
+    def read(name: str) -> torch.Tensor:
+        held = [ref for ref in alive if ref() is not None]
+        assert not held, f"{len(held)} tensor(s) still held when {name} is read"
+        order.append(name)
+        tensor = sd[name].clone()
+        alive.append(weakref.ref(tensor))
+        return tensor
+
+    return read, order

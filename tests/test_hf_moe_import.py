@@ -8,14 +8,13 @@ from __future__ import annotations
 import math
 import os
 import sys
-import weakref
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from harness import BASE_ARGV, ROOT, run_by_world
-from hf_helpers import assert_same_tensors
+from hf_helpers import assert_same_tensors, one_at_a_time
 from hf_tokenizer import build
 
 from trainer.build import build_step_parts
@@ -178,17 +177,7 @@ def test_export_streams_one_tensor_at_a_time(tmp_path: Path):
     model = Transformer(args)
     model.init_weights(3)
     sd = _params(model)
-    alive: list[weakref.ref] = []
-    order: list[str] = []
-
-    def read(name: str) -> torch.Tensor:
-        held = [ref for ref in alive if ref() is not None]
-        assert not held, f"{len(held)} tensor(s) still held when {name} is read"
-        order.append(name)
-        tensor = sd[name].clone()
-        alive.append(weakref.ref(tensor))
-        return tensor
-
+    read, order = one_at_a_time(sd)
     export_hf_folder(tmp_path, read, args, torch.float32, max_shard_bytes=400_000)
     assert order == list(sd)
     whole, _ = load_hf_folder(tmp_path)

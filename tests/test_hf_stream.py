@@ -6,14 +6,13 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import weakref
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from harness import BASE_ARGV, ROOT, run_cases, trainer_for
-from hf_helpers import CONFIGS, assert_same_tensors, build_model, run_script
+from hf_helpers import CONFIGS, assert_same_tensors, build_model, one_at_a_time, run_script
 from hf_tokenizer import build
 from safetensors.torch import load_file, save_file
 from transformers import LlamaForCausalLM
@@ -116,17 +115,7 @@ def test_export_streams_one_tensor_at_a_time(tmp_path: Path):
     export never holds a shard, let alone the model."""
     model = build_model("gqa_rope_scaling")
     sd = model.state_dict()
-    alive: list[weakref.ref] = []
-    order: list[str] = []
-
-    def read(name: str) -> torch.Tensor:
-        held = [ref for ref in alive if ref() is not None]
-        assert not held, f"{len(held)} tensor(s) still held when {name} is read"
-        order.append(name)
-        tensor = sd[name].clone()
-        alive.append(weakref.ref(tensor))
-        return tensor
-
+    read, order = one_at_a_time(sd)
     export_hf_folder(tmp_path, read, model.args, torch.float32, max_shard_bytes=20_000)
     assert order == list(sd)
     whole, _ = load_hf_folder(tmp_path)
