@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import socket
 import statistics
 import sys
@@ -55,14 +54,15 @@ from parallelisms.expert_parallel import ExpertParallelDispatch
 from trainer.build import build_step_parts
 from trainer.config import load_config
 from trainer.data.datasets import load_dataset
+from trainer.metrics.accounting import peak_rss_bytes
 from trainer.model.moe import grouped_swiglu, looped_swiglu, moe_layers
 from trainer.planning.job_plan import resolve_job
 from trainer.step import fetch_step, forward_backward, optimizer_step
 
 
 def rss_mib() -> float:
-    """Peak resident set size of this process so far (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """Peak resident set size of this process so far (its own, not its launcher's)."""
+    return peak_rss_bytes() / 2**20
 
 
 def tally_exchanges(model: torch.nn.Module, tally: dict[str, int]) -> int:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import socket
 import statistics
 import sys
@@ -40,6 +39,7 @@ from parallelisms.pipeline_split import BUBBLE_FRACTION, SCHEDULES
 from trainer.build import build_step_parts
 from trainer.config import load_config
 from trainer.data.datasets import load_dataset
+from trainer.metrics.accounting import peak_rss_bytes
 from trainer.planning.job_plan import resolve_job
 from trainer.step import fetch_step, forward_backward, optimizer_step
 
@@ -47,8 +47,8 @@ COMPUTE_METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_o
 
 
 def rss_mib() -> float:
-    """Peak resident set size of this process so far (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """Peak resident set size of this process so far (its own, not its launcher's)."""
+    return peak_rss_bytes() / 2**20
 
 
 def instrument(stage, clock: dict[str, float]) -> None:
