@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from trainer.checkpoint.folders import checkpoint_problem, read_dcp_model, step_folders
 from trainer.config import load_config
 from trainer.model.llama3 import Transformer
+from trainer.model.moe import MoEArgs
 from trainer.planning.job_plan import resolve_job
 from trainer.runtime.errors import CheckpointError, UserError
 
@@ -309,3 +310,69 @@ def test_a_bug_while_loading_is_not_taken_for_a_user_error(
     with pytest.raises(ValueError, match="a bug deep inside torch") as error:
         tiny_manager(tmp_path).load()
     assert not isinstance(error.value, UserError)
+
+
+TINY_MOE = MoEArgs(**{f.name: getattr(TINY, f.name) for f in fields(TINY)}, n_experts=4, top_k=2, moe_hidden_dim=16)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_buffer_is_never_published(tmp_path: Path, one_rank: None, bad: float):
+    """The buffers a checkpoint holds beside the weights (an MoE layer's routing bias) are
+    checked as the weights are: a NaN or an infinity there writes nothing and names the buffer
+    and the key that moves it. A finite one saves."""
+    manager = tiny_manager(tmp_path, TINY_MOE, step=1)
+    manager.model.init_weights(seed=0)
+    held = dict(manager.model.named_buffers())
+    assert "layers.1.feed_forward.expert_bias" in held  # what the check must cover
+    manager.save(1)
+    held["layers.1.feed_forward.expert_bias"][2] = bad
+    with pytest.raises(UserError, match=r"step-2: the buffer layers\.1\.feed_forward\.expert_bias is not finite") as e:
+        manager.save(2)
+    assert "`moe.bias_update_rate`" in str(e.value) and "\n" not in str(e.value)
+    assert [step for step, _ in step_folders(tmp_path / "checkpoint")] == [1]
+
+
+@pytest.mark.slow
+def test_a_routing_bias_move_that_is_not_finite_skips_the_step(tmp_path):
+    """A bias update that would overflow float32 (a rate past the config's limit, forced here)
+    is refused like a non-finite gradient: the optimizer step is skipped, weights and biases stay
+    those of the last good step, the log says why, and every checkpoint stays finite."""
+    argv = [
+        *small_argv(tmp_path, "--checkpoint.interval", "1", "--training.max_consecutive_skipped_steps", "0"),
+        *["--model.name", "moe", "--model.flavor", "debugmoe", "--training.steps", "2"],
+    ]
+    logged = run_ranks(overflowing_bias_worker, 1, argv)[0]
+    assert any("non-finite routing bias" in line for line in logged), logged
+    folder = tmp_path / "checkpoint"
+    assert [step for step, _ in step_folders(folder)] == [1, 2]
+    saved = {name: dcp_tensor(folder / "step-2", f"model.{name}") for name in ("layers.1.feed_forward.expert_bias",)}
+    assert all(torch.equal(t, torch.zeros_like(t)) for t in saved.values()), saved
+    first, last = read_dcp_model(str(folder / "step-1")), read_dcp_model(str(folder / "step-2"))
+    assert all(torch.equal(first[name], last[name]) for name in first)  # no step moved a weight
+
+
+def overflowing_bias_worker(argv: list[str]) -> list[str]:
+    import logging
+
+    import trainer.expert_balance as balance
+
+    original = balance.ExpertBalance.__init__
+
+    def overflowing(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.bias_update_rate = 1e300  # float32's 3.4e38 is far below
+
+    balance.ExpertBalance.__init__ = overflowing
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("meshtrain").addHandler(handler)
+    train_as_a_worker(argv)
+    return records
+
+
+def dcp_tensor(folder: Path, key: str) -> torch.Tensor:
+    meta = FileSystemReader(str(folder)).read_metadata().state_dict_metadata[key]
+    state = {key: torch.empty(meta.size, dtype=meta.properties.dtype)}
+    dcp.load(state, checkpoint_id=str(folder), no_dist=True)
+    return state[key]

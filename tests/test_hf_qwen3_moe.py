@@ -11,6 +11,7 @@ norm weights are far from one, so a wrong expert order or q/k-norm permutation s
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -277,3 +278,33 @@ def test_unsupported_models_are_one_line_errors():
         hf_config(FLAVORS["debugmoe"], torch.float32)
     with pytest.raises(InteropError, match="mlp_only_layers"):
         model_args_from_hf_config({**HF_CONFIG.to_dict(), "mlp_only_layers": [0]})
+
+
+@pytest.mark.parametrize(
+    ("changes", "named"),
+    [
+        ({"num_experts": 0}, "`num_experts` = 0 must be >= 1"),  # was refused as "unexpected keys"
+        ({"num_experts": -2}, "`num_experts` = -2 must be >= 1"),
+        ({"num_experts_per_tok": 0}, "`num_experts_per_tok` = 0 must be in [1, `num_experts` = 8]"),
+        ({"num_experts_per_tok": 16}, "`num_experts_per_tok` = 16 must be in [1, `num_experts` = 8]"),
+        ({"moe_intermediate_size": 0}, "`moe_intermediate_size` = 0 must be >= 1"),
+        ({"num_hidden_layers": 0}, "`num_hidden_layers` = 0 must be >= 1"),
+        ({"hidden_size": 0}, "`hidden_size` = 0 must be >= 1"),
+        ({"num_attention_heads": 0}, "`num_attention_heads` = 0 must be >= 1"),
+        ({"num_key_value_heads": 3}, "`num_key_value_heads` = 3 must be a divisor of `num_attention_heads` = 4"),
+        ({"vocab_size": 0}, "`vocab_size` = 0 must be >= 1"),
+    ],
+)
+def test_a_config_no_model_can_be_built_of_is_one_line_naming_the_key(
+    hf_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], changes: dict, named: str
+):
+    """Through the import script: each MoE config key out of its range is named with its range."""
+    folder = tmp_path / "hf"
+    shutil.copytree(hf_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **changes}))
+    with pytest.raises(SystemExit) as exited:
+        convert_from_hf.main([str(folder), str(tmp_path / "ckpt")])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.count("\n") == 1 and named in err, err
+    assert not (tmp_path / "ckpt").exists()

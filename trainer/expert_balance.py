@@ -3,12 +3,14 @@
 Two mechanisms, both defined on the step's *global* batch so that, like the loss, they do not
 depend on the mesh or the accumulation count:
 
-- **aux-loss-free bias** (DeepSeek-V3): after the optimizer step, the tokens every MoE layer
+- **aux-loss-free bias** (DeepSeek-V3): after the step's backward, the tokens every MoE layer
   routed to each expert, summed over the step's micro-batches and the routing mesh (data-parallel
   ranks, context-parallel shards and tensor-parallel ranks, which route their own sequence
   shards: ``Meshes.routing``), move each expert's routing bias by ``bias_update_rate``
   towards the mean load (``sign``, centred). Counts are integers summed exactly, and each token
-  is counted once: the layers skip the recomputation of activation checkpointing.
+  is counted once: the layers skip the recomputation of activation checkpointing. A move that
+  would leave a bias non-finite is not made, and the optimizer step is skipped as for a
+  non-finite gradient.
 - **balancing loss** ``E x sum_i f_i P_i`` per layer, in one of three scopes. For
   ``global_batch`` the frequencies ``f`` must be those of the whole step before the first
   backward: a forward-only **counting pre-pass** runs the step's micro-batches through the
@@ -64,7 +66,8 @@ class BalanceStats:
 
 
 class ExpertBalance:
-    """Per step: ``begin_step`` before the first forward, ``finish_step`` after the optimizer step."""
+    """Per step: ``begin_step`` before the first forward, ``finish_step`` after the last backward,
+    before the optimizer step (which it may skip: ``bias_skipped``)."""
 
     def __init__(
         self,
@@ -99,6 +102,8 @@ class ExpertBalance:
         self.stats_group = stats_group or loss_group
         self.pp_group = pp_group
         self.bias_update_rate = bias_update_rate
+        self.bias_skipped = False
+        """Whether the last ``finish_step`` refused a bias move that was not finite."""
         self.pooled = loss_layers == "pooled"
         self.balancing = Balancing(
             weight=loss_weight,
@@ -148,24 +153,39 @@ class ExpertBalance:
 
     def finish_step(self, skipped: bool) -> BalanceStats:
         """Sum the step's counts and balancing loss over the routing mesh and the pipeline stages;
-        move the biases unless the optimizer step was skipped."""
+        move the biases unless the optimizer step is skipped, or the move would leave a bias
+        non-finite: then ``bias_skipped`` is set and the caller skips the optimizer step too, as
+        for a non-finite gradient (a NaN bias would route every later token by garbage)."""
         counts = self._whole([layer.tokens_per_expert for layer in self.layers])
         losses = self._whole([layer.balance_sum.reshape(1) for layer in self.layers], 1)[:, 0]
         summed = torch.cat([counts.flatten(), losses])
         self._sum(summed, self.stats_group)
         counts, losses = summed[: counts.numel()].view_as(counts), summed[counts.numel() :]
+        moved = [layer.expert_bias for layer in self.layers]
         if not skipped and self.bias_update_rate > 0:
-            for layer, row in zip(self.layers, self.rows):
-                load = counts[row]
-                step = self.bias_update_rate * torch.sign(load.mean() - load)
-                layer.expert_bias += step - step.mean()
-        biases = self._whole([layer.expert_bias for layer in self.layers])
+            moved = [layer.expert_bias + self._bias_step(counts[row]) for layer, row in zip(self.layers, self.rows)]
+        # Now and moved, whole-model, in one sum over the stages: every rank decides alike.
+        biases = torch.stack([self._whole([layer.expert_bias for layer in self.layers]), self._whole(moved)])
         self._sum(biases, self.pp_group)
+        self.bias_skipped = not bool(torch.isfinite(biases[1]).all())
+        if not self.bias_skipped:
+            for layer, bias in zip(self.layers, moved):
+                layer.expert_bias.copy_(bias)
         max_load = (counts.max(1).values / counts.mean(1).clamp(min=1e-9)).tolist()
         balance_loss = None
         if self.balancing.weight > 0:
             balance_loss = (losses.sum() if self.pooled else losses.mean()).item()
-        return BalanceStats(balance_loss=balance_loss, max_load=max_load, tokens_per_expert=counts, expert_bias=biases)
+        return BalanceStats(
+            balance_loss=balance_loss,
+            max_load=max_load,
+            tokens_per_expert=counts,
+            expert_bias=biases[int(not self.bias_skipped)],
+        )
+
+    def _bias_step(self, load: torch.Tensor) -> torch.Tensor:
+        """Each expert's bias move: ``bias_update_rate`` towards the mean load, centred."""
+        step = self.bias_update_rate * torch.sign(load.mean() - load)
+        return step - step.mean()
 
     def _whole(self, rows: list[torch.Tensor], width: int | None = None) -> torch.Tensor:
         """The whole model's ``(MoE layers, width)`` table (width: experts by default) with this

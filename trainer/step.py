@@ -12,6 +12,8 @@ the loop around the steps is ``trainer/train.py``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -30,6 +32,8 @@ from trainer.grad_accumulator import GradAccumulator, StepResult
 from trainer.loss import ModelLoss
 from trainer.model.llama3 import Transformer
 from trainer.train_state import TrainState
+
+logger = logging.getLogger("meshtrain")
 
 
 class MicroBatch(NamedTuple):
@@ -125,8 +129,10 @@ def train_step(
     microbatches = fetch_step(parts, stop_requested)
     data_time = time.perf_counter() - step_start
     result = forward_backward(parts, microbatches)
-    lr = optimizer_step(parts, result)
     balance = parts.balance.finish_step(result.skipped) if parts.balance else None
+    if parts.balance is not None and parts.balance.bias_skipped:
+        result = skip_for_routing_bias(result, parts.balance.bias_update_rate)
+    lr = optimizer_step(parts, result)
     state.record_step(result.skipped)
     return StepStats(
         step=state.step,
@@ -138,6 +144,14 @@ def train_step(
         step_time_s=time.perf_counter() - step_start,
         balance=balance,
     )
+
+
+def skip_for_routing_bias(result: StepResult, rate: float) -> StepResult:
+    """The step whose routing-bias move would not be finite: skipped like a non-finite gradient,
+    so the weights and the biases both stay those of the last good step."""
+    reason = f"non-finite routing bias after its move by `moe.bias_update_rate` = {rate:g}"
+    logger.warning("skipping the optimizer step: %s", reason)
+    return dataclasses.replace(result, skipped=True, skip_reason=reason)
 
 
 def fetch_step(parts: StepParts, stop_requested: Callable[[], bool] = lambda: False) -> list[MicroBatch]:

@@ -14,8 +14,9 @@ a flipped byte is skipped instead of silently loading garbage. CRC-32 detects ac
 corruption (bad disk, torn copy), which is the threat here, at about twice SHA-256's speed.
 
 **Finite state.** :func:`first_non_finite` finds a NaN or an infinity among tensors: the
-checkpoint manager refuses to publish such a state, so a diverged run never replaces good
-checkpoints with garbage.
+checkpoint manager refuses to publish such a state (weights, optimizer state, and the buffers a
+checkpoint holds: :func:`published_buffers`), so a diverged run never replaces good checkpoints
+with garbage.
 """
 
 from __future__ import annotations
@@ -185,3 +186,14 @@ def first_non_finite(named: Iterable[tuple[str, torch.Tensor]]) -> str | None:
         if not bool(finite.all()):
             return members[int((~finite).nonzero()[0])][0]
     return None
+
+
+def published_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The buffers a checkpoint holds beside the weights (the persistent ones, such as an MoE
+    layer's routing bias ``expert_bias``): a NaN there poisons a resumed run as surely as in a weight."""
+    return [
+        (f"{module_name}.{name}" if module_name else name, buffer)
+        for module_name, module in model.named_modules()
+        for name, buffer in module.named_buffers(recurse=False)
+        if name not in module._non_persistent_buffers_set
+    ]

@@ -67,6 +67,7 @@ from trainer.checkpoint.integrity import (
     ChecksummingWriter,
     checksum_problem,
     first_non_finite,
+    published_buffers,
     read_manifest,
     written_layout_invariant,
 )
@@ -347,6 +348,7 @@ class CheckpointManager:
         """Refuse, on every rank alike, to write a state holding a NaN or an infinity."""
         names = {id(p): name for name, p in self.model.named_parameters()}
         named = [(f"weight {name}", _local(p)) for name, p in self.model.named_parameters()]
+        named += [(f"buffer {name}", _local(b)) for name, b in published_buffers(self.model)]
         if include_optimizer:
             for param, slots in self.optimizer.state.items():
                 for slot, value in slots.items():
@@ -357,10 +359,15 @@ class CheckpointManager:
         bad = next(((rank, what) for rank, what in enumerate(found) if what is not None), None)
         if bad is not None:
             kept = ", ".join(p.name for _, p in step_folders(self.folder)) or "none"
+            lower = (
+                "`moe.bias_update_rate`"
+                if bad[1].endswith(".expert_bias")
+                else "`optimizer.lr` (or `training.max_norm`)"
+            )
             raise JobError(
                 f"not saving checkpoint step-{step}: the {bad[1]} is not finite on rank {bad[0]}: the "
                 f"run has diverged. Nothing was written; the older checkpoints are kept ({kept}). Lower "
-                "`optimizer.lr` (or `training.max_norm`), check the data, and rerun: it resumes from "
+                f"{lower}, check the data, and rerun: it resumes from "
                 "the newest checkpoint (`checkpoint.load_step` picks an older one)."
             )
 

@@ -37,7 +37,7 @@ from trainer.config.schema import (
     Training,
     Validation,
 )
-from trainer.config.validate import validate
+from trainer.config.validate import cautions, validate
 from trainer.runtime.errors import ConfigError
 
 __all__ = [
@@ -65,6 +65,7 @@ __all__ = [
     "StrList",
     "Training",
     "Validation",
+    "cautions",
     "changed_settings",
     "help_text",
     "load_config",

@@ -13,6 +13,12 @@ MAX_WEIGHT_DECAY = 10.0  # each step scales matrices by 1 - lr x weight_decay: l
 MAX_SEQ_LEN = 1_048_576  # 2**20: longer fits no device; a typo would otherwise fail deep inside the model
 MAX_TIMEOUT_SECONDS = 7 * 24 * 3600  # a collective waiting a week is a hang; far more overflows timedelta
 MAX_SEED = 2**63 - 1  # TOML's largest integer, so the saved config.toml reads back
+# A float32 routing bias this large is spaced 2 apart: adding a router score in [0, 1] to it
+# changes nothing, so no step could route by the router any more (1e300 overflows to NaN).
+MAX_BIAS_UPDATE_RATE = float(2**24)
+# The balancing loss's gradient is scaled by weight x the step's tokens in float32 (at most
+# 3.4e38): 1e9 leaves room for 1e20 tokens a step, and is 1e11 times the usual 0.01.
+MAX_BALANCE_LOSS_WEIGHT = 1e9
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from trainer.config.choices import BALANCE_LAYERS, BALANCE_SCOPES
 from trainer.config.fields import setting
+from trainer.config.limits import MAX_BALANCE_LOSS_WEIGHT, MAX_BIAS_UPDATE_RATE
 
 
 @dataclass
@@ -13,11 +14,17 @@ class MoE:
     bias_update_rate: float = setting(
         0.001,
         "Aux-loss-free balancing (DeepSeek-V3): after each optimizer step every expert's routing bias moves by "
-        "this much towards the mean load, from the step's global tokens per expert; 0 turns it off.",
+        "this much towards the mean load, from the step's global tokens per expert; 0 turns it off. The router's "
+        "scores lie in [0, 1]: above 0.1 the biases, not the router, choose the experts (warned).",
         ge=0.0,
+        le=MAX_BIAS_UPDATE_RATE,
     )
     balance_loss_weight: float = setting(
-        0.0, "Weight of the load-balancing loss `E x sum_i f_i P_i` per MoE layer; 0 turns it off.", ge=0.0
+        0.0,
+        "Weight of the load-balancing loss `E x sum_i f_i P_i` per MoE layer; 0 turns it off. The loss is 1 per "
+        "layer when balanced, the language model's about 2 to 10: above 1 balance outweighs language (warned).",
+        ge=0.0,
+        le=MAX_BALANCE_LOSS_WEIGHT,
     )
     balance_loss_scope: str = setting(
         "global_batch",

@@ -16,6 +16,7 @@ from typing import Any
 import tomli_w
 
 from trainer.config.fields import FloatList, StrList, type_name
+from trainer.config.foreign_keys import instead_of
 from trainer.config.schema import FIELDS, JobConfig
 from trainer.config.validate import validate
 from trainer.runtime.errors import ConfigError
@@ -50,8 +51,25 @@ def resolve_path(path: str) -> str:
     return str(REPO_ROOT / candidate)
 
 
+HINT_CUTOFF = 0.8
+"""How alike (difflib's ratio) a key must be to be offered for an unknown one: typos score 0.84
+and more (`training.batch_size` for `training.local_batch_size`); below, unrelated keys of a
+shared section do (`moe.aux_loss_coeff` and `moe.balance_loss_scope`: 0.7)."""
+
+
 def _unknown_key(key: str) -> ConfigError:
-    close = difflib.get_close_matches(key, FIELDS, n=1, cutoff=0.5)
+    """What we do instead, for another trainer's key; else the same name in another section
+    (`training.lr`), a `--mesh` dimension's key, or a close spelling; else the pointer to --help."""
+    instead = instead_of(key)
+    if instead is not None:
+        return ConfigError(f"unknown config key `{key}`: {instead}.")
+    name = key.rsplit(".", 1)[-1].replace("-", "_")
+    if name in MESH_DIMS:
+        return ConfigError(
+            f"unknown config key `{key}`. Did you mean `parallelism.{MESH_DIMS[name]}` (or `--mesh {name}=N`)?"
+        )
+    elsewhere = [field for field in FIELDS if field.split(".")[1] == name]
+    close = elsewhere or difflib.get_close_matches(key, FIELDS, n=1, cutoff=HINT_CUTOFF)
     hint = f" Did you mean `{close[0]}`?" if close else " Run with --help for the list of keys."
     return ConfigError(f"unknown config key `{key}`.{hint}")
 

@@ -29,6 +29,29 @@ def validate(config: JobConfig) -> None:
     _moe(config)
 
 
+BIAS_UPDATE_RATE_CAUTION = 0.1
+BALANCE_LOSS_WEIGHT_CAUTION = 1.0
+
+
+def cautions(config: JobConfig) -> list[str]:
+    """Values inside their range that no run would want, each with the reason: the job runs (a
+    study may mean them), and its start report and ``--dry-run`` say what they do."""
+    moe, found = config.moe, []
+    if config.model.name == "moe" and moe.bias_update_rate > BIAS_UPDATE_RATE_CAUTION:
+        found.append(
+            f"`moe.bias_update_rate` = {moe.bias_update_rate:g} moves a routing bias by up to twice that each step, "
+            "against router scores in [0, 1]: within a few steps the biases, not the router, choose every "
+            "token's experts (DeepSeek-V3 uses 0.001)."
+        )
+    if config.model.name == "moe" and moe.balance_loss_weight > BALANCE_LOSS_WEIGHT_CAUTION:
+        found.append(
+            f"`moe.balance_loss_weight` = {moe.balance_loss_weight:g} weighs a balancing loss of about 1 per layer "
+            "against the language model's 2 to 10: the gradient serves balance more than language "
+            "(usual weights are 0.0001 to 0.01)."
+        )
+    return found
+
+
 def _check_value(key: str, typ: type, limits: Limits | None, value: Any) -> None:
     """The schema's declared limits, and finiteness for every float: an infinite or NaN value
     (``--optimizer.lr inf``) would train and checkpoint garbage."""

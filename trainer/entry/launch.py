@@ -23,7 +23,8 @@
 Environment (all optional): ``NGPU`` (processes on this node; the GPUs present, or 4 without
 one), ``NNODES``, ``RDZV_ENDPOINT`` and ``RDZV_ID`` (multi-node), ``LOG_RANK`` (local ranks whose
 output is shown), ``MAX_RESTARTS`` (torchrun restarts after a failure), ``CONFIG_FILE`` (like
-``--config``, as torchtitan's launcher takes it).
+``--config``, as torchtitan's launcher takes it), ``OMP_NUM_THREADS`` (CPU threads per process;
+unset, each process gets an equal share of the idle cores: ``trainer/runtime/cpu_threads.py``).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from trainer.config import help_text, load_config
 from trainer.entry.job import Request, describe_job, parse_request, prepare
 from trainer.entry.simulate import simulate
 from trainer.metrics import CONSOLE_TTY_ENV
+from trainer.runtime.cpu_threads import thread_env
 from trainer.runtime.dump_folder import TOKEN_ENV, DumpFolderLock, busy_message, is_stale, read_lock
 from trainer.runtime.errors import BusyFolderError, ConfigError, UserError, report
 from trainer.runtime.stop_requests import STOP_FILE_ENV, die_with_parent
@@ -208,6 +210,7 @@ def run(argv: list[str]) -> int:
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         command = torchrun_command(request.argv, nproc, nnodes, private / "logs", shown)
+        threads = thread_env(os.environ, nproc)  # before checking: the check's own work is no load
         # Everything the workers would check, once, here (raises a UserError).
         job = prepare(request.argv, nproc * nnodes, local_ranks=nproc)
         checkpointing = job.plan.config.checkpoint.enable
@@ -218,6 +221,7 @@ def run(argv: list[str]) -> int:
             # Workers write into torchrun's --tee files; their lines reach this process's stderr.
             CONSOLE_TTY_ENV: "1" if sys.stderr.isatty() else "0",
             STOP_FILE_ENV: str(stop_file),
+            **threads,
             **({TOKEN_ENV: str(lock.token)} if lock is not None else {}),
         }
         launching = True

@@ -9,17 +9,17 @@ import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
+
 from parallelisms.moe_split import PARTS, SPLIT
 from parallelisms.parallelize import pipeline_split
 from trainer.checkpoint.folders import step_folders
-from trainer.config import changed_settings, to_toml
+from trainer.config import cautions, changed_settings, to_toml
 from trainer.metrics.logger import MetricsLogger, format_duration
 from trainer.model.llama3 import num_params, whole_model
 from trainer.step import StepStats
 
 if TYPE_CHECKING:
-    import torch
-
     from trainer.planning.job_plan import JobPlan
 
 logger = logging.getLogger("meshtrain")
@@ -56,8 +56,8 @@ def batch_line(plan: JobPlan) -> str:
 def log_start(plan: JobPlan, device: torch.device, metrics: MetricsLogger, data_lines: str) -> None:
     config, dims, training = plan.config, plan.dims, plan.config.training
     logger.info(
-        "%s %s: %s parameters | mesh pp=%d dp_replicate=%d dp_shard=%d cp=%d tp=%d%s on %s | "
-        "global batch %d x %d tokens = %s",
+        "%s %s: %s parameters | mesh pp=%d dp_replicate=%d dp_shard=%d cp=%d tp=%d%s on %s, %d CPU thread(s) "
+        "per process | global batch %d x %d tokens = %s",
         config.model.name,
         config.model.flavor,
         f"{num_params(whole_model(plan.model_args)):,}",
@@ -68,11 +68,14 @@ def log_start(plan: JobPlan, device: torch.device, metrics: MetricsLogger, data_
         dims.tp,
         f" ep={dims.ep}" if dims.ep > 1 else "",
         device.type,
+        torch.get_num_threads(),
         plan.global_batch_size,
         training.seq_len,
         batch_line(plan),
     )
     logger.info(data_lines)
+    for caution in cautions(config):
+        logger.warning(caution)
     if metrics.tb_dir:
         logger.info("TensorBoard: tensorboard --logdir %s", metrics.tb_dir)
 

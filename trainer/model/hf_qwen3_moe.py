@@ -35,7 +35,7 @@ from trainer.model.hf_llama3 import (
     preview_names,
 )
 from trainer.model.llama3 import ModelArgs, Transformer
-from trainer.model.moe import MoEArgs
+from trainer.model.moe import MoEArgs, out_of_range
 
 ARCHITECTURE = "Qwen3MoeForCausalLM"
 MODEL_TYPE = "qwen3_moe"
@@ -276,8 +276,8 @@ def model_args_from_hf_config(cfg: dict[str, Any]) -> MoEArgs:
     if n_experts is None:
         raise InteropError(f"{CONFIG_FILE} has no `num_experts`; a {ARCHITECTURE} config needs it.")
     dim, n_heads = _require(cfg, "hidden_size"), _require(cfg, "num_attention_heads")
-    head_dim = cfg.get("head_dim") or dim // n_heads
-    return MoEArgs(
+    head_dim = cfg.get("head_dim") or dim // max(n_heads, 1)
+    args = MoEArgs(
         dim=dim,
         n_layers=_require(cfg, "num_hidden_layers"),
         n_heads=n_heads,
@@ -293,6 +293,23 @@ def model_args_from_hf_config(cfg: dict[str, Any]) -> MoEArgs:
         route_norm=bool(cfg.get("norm_topk_prob", False)),
         **rope,
     )
+    problem = out_of_range(args, lambda name: f"`{_CONFIG_KEYS.get(name, name)}`")
+    if problem:
+        raise InteropError(f"{CONFIG_FILE}: {problem}; no {ARCHITECTURE} can be built of it.")
+    return args
+
+
+_CONFIG_KEYS = {
+    "n_layers": "num_hidden_layers",
+    "dim": "hidden_size",
+    "n_heads": "num_attention_heads",
+    "n_kv_heads": "num_key_value_heads",
+    "vocab_size": "vocab_size",
+    "n_experts": "num_experts",
+    "top_k": "num_experts_per_tok",
+    "moe_hidden_dim": "moe_intermediate_size",
+}
+"""Our ``MoEArgs`` field -> the ``config.json`` key it is read from."""
 
 
 MOE_FIELDS = tuple(f.name for f in fields(MoEArgs) if f.name not in {f.name for f in fields(ModelArgs)})

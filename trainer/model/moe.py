@@ -108,6 +108,28 @@ FLAVORS: dict[str, MoEArgs] = {
 }
 
 
+def out_of_range(args: MoEArgs, key: Callable[[str], str] = lambda name: f"`{name}`") -> str | None:
+    """Why no model can be built of ``args`` (the first field out of its range, named by
+    ``key``: a Hugging Face adapter names its config keys), or None."""
+    heads, kv = args.n_heads, args.kv_heads
+    rules = (
+        ("n_layers", args.n_layers >= 1, ">= 1"),
+        ("dim", args.dim >= 1, ">= 1"),
+        ("n_heads", heads >= 1, ">= 1"),
+        ("n_kv_heads", 1 <= kv <= heads and heads % kv == 0, f"a divisor of {key('n_heads')} = {heads}"),
+        ("vocab_size", args.vocab_size >= 1, ">= 1"),
+        ("n_experts", args.n_experts >= 1, ">= 1"),
+        ("top_k", 1 <= args.top_k <= args.n_experts, f"in [1, {key('n_experts')} = {args.n_experts}]"),
+        ("moe_hidden_dim", args.moe_hidden_dim >= 1, ">= 1"),
+        ("n_shared_experts", args.n_shared_experts >= 0, ">= 0"),
+        ("n_dense_layers", 0 <= args.n_dense_layers < args.n_layers, f"in [0, {key('n_layers')} = {args.n_layers})"),
+    )
+    for name, holds, wanted in rules:
+        if not holds:
+            return f"{key(name)} = {getattr(args, name)} must be {wanted}"
+    return None
+
+
 def active_params(args: MoEArgs, total: int) -> int:
     """Parameters a token passes through: ``total`` less the experts it is not routed to."""
     per_expert = 3 * args.dim * args.moe_hidden_dim

@@ -21,13 +21,14 @@ from parallelisms.parallelize import ModelShape, ParallelSettings, check
 from parallelisms.torch_private import UnsupportedTorch
 from parallelisms.torch_private import check as check_torch_internals
 from trainer.checkpoint.folders import check_initial_load
-from trainer.config import ConfigError, JobConfig, resolve_path
+from trainer.config import ConfigError, JobConfig, cautions, resolve_path
 from trainer.data.datasets import validates, validation_seq_len
 from trainer.data.tokenizer import Tokenizer, load_tokenizer
 from trainer.hardware import GIB, gib
 from trainer.model.llama3 import FLAVORS, ModelArgs, model_args
 from trainer.model.moe import FLAVORS as MOE_FLAVORS
 from trainer.model.moe import MoEArgs
+from trainer.planning.expert_checks import check_experts
 from trainer.planning.memory_fixes import what_would_fit
 from trainer.planning.memory_limits import TARGET_MEMORY_BYTES, cpu_limit_per_rank, gpu_limit
 from trainer.planning.memory_plan import Estimate, Workload, estimate
@@ -149,7 +150,7 @@ def resolve_job(
     except ParallelismError as e:
         raise ConfigError(e.render(SETTING_KEYS)) from None
     check_layout_invariant(config, dims, settings)
-    check_experts(config, dims, n_experts, (figures or {}).get("routing_imbalance", 1.0))
+    check_experts(config, dims, args, (figures or {}).get("routing_imbalance", 1.0))
     validation = config.validation
     if validation.enable and (dims.cp > 1 or dims.pp > 1) and validation.seq_len not in (-1, training.seq_len):
         which = (
@@ -202,27 +203,6 @@ def check_torch(concerns: tuple[str, ...]) -> None:
         check_torch_internals(concerns)
     except UnsupportedTorch as e:
         raise ConfigError(str(e)) from None
-
-
-def check_experts(config: JobConfig, dims: ParallelDims, n_experts: int, imbalance: float = 1.0) -> None:
-    """What a Mixture-of-Experts run does not do yet, beyond the parallelisms' own refusals; and
-    a routing imbalance no rank can see: the busiest receives at most every rank's tokens."""
-    if not n_experts:
-        return
-    if imbalance > dims.ep > 1:
-        raise ConfigError(
-            f"--target.routing_imbalance {imbalance:g}: the busiest of `parallelism.expert_parallel_degree` = "
-            f"{dims.ep} ranks receives at most {dims.ep}x the average tokens; state at most {dims.ep}."
-        )
-    if config.debug.layout_invariant:
-        raise ConfigError('`debug.layout_invariant` is not implemented for `model.name` = "moe"; turn it off.')
-    moe = config.moe
-    if moe.balance_loss_weight > 0 and moe.balance_loss_scope == "sequence" and dims.cp * dims.tp > 1:
-        raise ConfigError(
-            '`moe.balance_loss_scope` = "sequence" needs whole sequences on a rank, but '
-            f"`parallelism.context_parallel_degree` x `parallelism.tensor_parallel_degree` = {dims.cp} x {dims.tp} "
-            'splits each one; use "global_batch" (exact on every mesh) or "micro_batch".'
-        )
 
 
 def check_layout_invariant(config: JobConfig, dims: ParallelDims, settings: ParallelSettings) -> None:
@@ -356,6 +336,7 @@ def describe(plan: JobPlan, limit: int | None, where: str) -> str:
             f"micro-batch(es) of {training.local_batch_size} per data-parallel rank; {training.steps} steps",
             f"memory: {plan.memory.line()}{fits}",
             f"output: {config.job.dump_folder}",
+            *(f"warning: {caution}" for caution in cautions(config)),
         ]
     )
 
