@@ -12,6 +12,7 @@ import torch
 from parallelisms.torch_private import kernels
 from trainer.config import ConfigError, load_config
 from trainer.config.choices import BALANCE_SCOPES, MODEL_FLAVORS
+from trainer.expert_balance import ExpertBalance
 from trainer.model.llama3 import Transformer, num_params, whole_model
 from trainer.model.moe import FLAVORS, Balancing, active_params, balance_part, grouped_swiglu, looped_swiglu, moe_layers
 from trainer.planning.job_plan import resolve_job
@@ -141,3 +142,35 @@ def test_refused_before_any_process_group(world, extra, names):
 def test_tensor_and_context_parallel_moe_meshes_are_accepted(world, mesh, ep):
     """``ep`` takes its ranks from ``dp_shard x cp``; TP ranks route their own sequence shards."""
     assert resolve_job(load_config([*MOE, "--mesh", mesh]), world).dims.ep == ep
+
+
+@pytest.mark.parametrize(
+    ("rate", "start", "moves"),
+    [
+        (0.01, 0.0, True),
+        (1e30, 0.0, True),  # large, but a float32 move
+        (1e300, 0.0, False),  # the rate itself overflows float32: the centred move is NaN
+        (1e38, 3e38, False),  # finite moves that carry a bias past float32's largest
+        (0.0, float("nan"), True),  # no move attempted: nothing to refuse (the save refuses the NaN)
+    ],
+)
+def test_a_routing_bias_move_that_is_not_finite_is_refused(rate, start, moves):
+    """``finish_step`` moves every bias or none: a move leaving any bias non-finite is refused
+    and reported, so the step can be skipped as for a non-finite gradient."""
+    model = Transformer(replace(FLAVORS["debugmoe"], vocab_size=64, max_seq_len=8))
+    balance = ExpertBalance(
+        model, None, bias_update_rate=rate, loss_weight=0.0, loss_scope="global_batch", global_batch=1,
+        seq_len=8, global_microbatches=1,
+    )  # fmt: skip
+    layers = moe_layers(model)
+    for i, layer in enumerate(layers):
+        layer.expert_bias.fill_(start)
+        layer.tokens_per_expert.copy_(torch.arange(layer.n_experts, dtype=torch.float32) + i)
+    before = torch.stack([layer.expert_bias.clone() for layer in layers])
+    stats = balance.finish_step(skipped=False)
+    after = torch.stack([layer.expert_bias for layer in layers])
+    assert balance.bias_skipped == (not moves)
+    if not moves:
+        assert torch.equal(after, before) and torch.equal(stats.expert_bias, before)
+    elif rate > 0:
+        assert torch.isfinite(after).all() and not torch.equal(after, before)

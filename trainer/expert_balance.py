@@ -161,14 +161,15 @@ class ExpertBalance:
         summed = torch.cat([counts.flatten(), losses])
         self._sum(summed, self.stats_group)
         counts, losses = summed[: counts.numel()].view_as(counts), summed[counts.numel() :]
+        moving = not skipped and self.bias_update_rate > 0
         moved = [layer.expert_bias for layer in self.layers]
-        if not skipped and self.bias_update_rate > 0:
+        if moving:
             moved = [layer.expert_bias + self._bias_step(counts[row]) for layer, row in zip(self.layers, self.rows)]
         # Now and moved, whole-model, in one sum over the stages: every rank decides alike.
         biases = torch.stack([self._whole([layer.expert_bias for layer in self.layers]), self._whole(moved)])
         self._sum(biases, self.pp_group)
-        self.bias_skipped = not bool(torch.isfinite(biases[1]).all())
-        if not self.bias_skipped:
+        self.bias_skipped = moving and not bool(torch.isfinite(biases[1]).all())
+        if moving and not self.bias_skipped:
             for layer, bias in zip(self.layers, moved):
                 layer.expert_bias.copy_(bias)
         max_load = (counts.max(1).values / counts.mean(1).clamp(min=1e-9)).tolist()

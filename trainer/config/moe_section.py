@@ -13,7 +13,7 @@ from trainer.config.limits import MAX_BALANCE_LOSS_WEIGHT, MAX_BIAS_UPDATE_RATE
 class MoE:
     bias_update_rate: float = setting(
         0.001,
-        "Aux-loss-free balancing (DeepSeek-V3): after each optimizer step every expert's routing bias moves by "
+        "Aux-loss-free balancing (DeepSeek-V3): at each step every expert's routing bias moves by "
         "this much towards the mean load, from the step's global tokens per expert; 0 turns it off. The router's "
         "scores lie in [0, 1]: above 0.1 the biases, not the router, choose the experts (warned).",
         ge=0.0,
