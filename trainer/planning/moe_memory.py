@@ -54,7 +54,7 @@ class RoutedExperts:
     """The routed tokens the busiest EP rank receives, over the average."""
     whole_sequences: bool = False
     """The balancing loss needs whole sequences on a rank (``moe.balance_loss_scope`` =
-    "sequence"): TP and CP, which split them, are refused (``job_plan.check_experts``)."""
+    "sequence"): TP and CP, which split them, are refused (``expert_checks.check_experts``)."""
 
     def feed_forward_params(self, dim: int) -> int:
         """A MoE block's router, shared experts and every routed expert."""
