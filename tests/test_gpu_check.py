@@ -47,7 +47,7 @@ def test_without_cuda_the_cpu_half_runs_then_one_line_and_exit_2(tmp_path: Path)
 def test_rehearsal_runs_every_kind_of_row_on_the_cpu(tmp_path: Path):
     """The calibration probes, one throughput job, the MoE one (with its simulation, which reads
     the probes' calibration), the loss curves, the attention and experts kernels and the resume."""
-    done = run_check(tmp_path, "--rehearse", "--jobs", "1", "--budget", "600", timeout=900)
+    done = run_check(tmp_path, "--rehearse", "--jobs", "1", "--budget", "720", timeout=1000)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     measured = {r["check"]: r for r in rows(tmp_path)}
     assert set(measured) == {
