@@ -45,14 +45,19 @@ def test_without_cuda_the_cpu_half_runs_then_one_line_and_exit_2(tmp_path: Path)
 
 @pytest.mark.slow
 def test_rehearsal_runs_every_kind_of_row_on_the_cpu(tmp_path: Path):
-    """One throughput job, the MoE one (with its simulation), the loss curve, the attention and
-    experts kernels and the resume."""
-    done = run_check(tmp_path, "--rehearse", "--jobs", "1", timeout=600)
+    """The calibration probes, one throughput job, the MoE one (with its simulation, which reads
+    the probes' calibration), the loss curves, the attention and experts kernels and the resume."""
+    done = run_check(tmp_path, "--rehearse", "--jobs", "1", "--budget", "720", timeout=1000)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     measured = {r["check"]: r for r in rows(tmp_path)}
     assert set(measured) == {
         "environment",
+        *(f"probe matmul {c}" for c in ("large", "medium", "small")),
+        "probe attention",
+        "probe grouped matmul",
+        "probe copy",
         "debug model bf16 vs fp32",
+        "debug model GPU vs CPU",
         "throughput 30B-A3B x 2 layers",
         "simulator 30B-A3B x 2 layers",
         "SDPA kernel",
@@ -60,6 +65,14 @@ def test_rehearsal_runs_every_kind_of_row_on_the_cpu(tmp_path: Path):
         "resume",
     }
     assert measured["debug model bf16 vs fp32"]["figures"]["worst_relative"] == 0  # fp32 on both sides
+    assert measured["debug model GPU vs CPU"]["figures"]["step1_relative"] == 0  # the CPU on both sides
+    assert measured["debug model GPU vs CPU"]["result"] == "ok"
+    calibration = json.loads((tmp_path / "calibration" / "h100.json").read_text())
+    assert all(calibration["gemm_flops"][c] > 0 for c in ("large", "medium", "small"))
+    assert calibration["attention_flops"] > 0 and calibration["hbm_bytes_per_s"] > 0
+    simulated = measured["simulator 30B-A3B x 2 layers"]
+    assert "this check's probes" in simulated["setting"]
+    assert str(tmp_path / "calibration" / "h100.json") in simulated["figures"]["calibration"]
     assert measured["throughput 30B-A3B x 2 layers"]["figures"]["tokens_per_s"] > 0
     assert "experts: per-expert loop" in measured["throughput 30B-A3B x 2 layers"]["setting"]  # fp32 on the CPU
     assert measured["simulator 30B-A3B x 2 layers"]["figures"]["tokens_ratio"] > 0

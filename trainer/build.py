@@ -72,7 +72,7 @@ def build_model(
     with torch.device("meta"):
         model = Transformer(plan.model_args)
     if model.output is not None:  # the whole model: no pipeline split yet
-        model.output.chunk_tokens = plan.config.training.loss_chunk_tokens
+        model.output.chunk_tokens = plan.loss_chunking.tokens
         model.output.cross_entropy = cross_entropy
     total = num_params(model)
     if rank0:

@@ -78,6 +78,7 @@ def throughput_jobs(shape: Shape, memory: int) -> list[Job]:
         ["--activation_checkpoint.mode", "none"],
         ["--compile.enable", "--activation_checkpoint.mode", "selective"],
     )
+    chunked = ["--training.loss_chunk_tokens", "1024"]  # auto would not chunk where the GPU holds the logits
     common = ["--training.seq_len", str(shape.seq_len), "--training.steps", str(shape.steps)]
     one_b = [*shape.one_b, *shape.precision, *common]
     layers = layers_that_fit([*shape.eight_b, *common], EIGHT_B_LAYERS, memory)
@@ -90,7 +91,7 @@ def throughput_jobs(shape: Shape, memory: int) -> list[Job]:
         Job(f"30B-A3B x {moe_layers} layers", moe, f"eager, no AC, {experts}", routing),
         Job(f"30B-A3B x {moe_layers} layers", [*moe, "--compile.enable"], f"compiled, no AC, {experts}", routing),
         Job("1B", [*one_b, *eager], "eager, no AC"),
-        Job(f"8B x {layers} layers", [*eight_b, *eager], "eager, no AC, chunked loss"),
+        Job(f"8B x {layers} layers", [*eight_b, *eager, *chunked], "eager, no AC, chunked loss"),
         Job("1B", [*one_b, *compiled], "compiled + selective AC"),
         Job(f"8B x {layers} layers", [*eight_b, *compiled], "compiled + selective AC"),
         Job(

@@ -16,12 +16,15 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 WARMUP_STEPS = 3
 """Steps left out of the throughput figures (allocation, autotuning, compilation)."""
 LOSS = "loss_metrics/global_avg_loss"
 GIB = 2**30
+CALIBRATION_ENV = "MESHTRAIN_CALIBRATION"
+"""``trainer/simulation/calibration.py``'s: a calibration file that stands for the stored one."""
 
 
 @dataclass
@@ -62,12 +65,12 @@ def start(dump: Path, args: list[str], cpu: bool) -> tuple[subprocess.Popen[str]
     return launched(command, cpu)
 
 
-def launched(command: list[str], cpu: bool) -> tuple[subprocess.Popen[str], float]:
+def launched(command: list[str], cpu: bool, env: dict[str, str] | None = None) -> tuple[subprocess.Popen[str], float]:
     """``command`` started in a process group of its own (so that a timeout ends all of it), its
     output collected; the process and when it started."""
     proc = subprocess.Popen(
         command,
-        env=environment(cpu),
+        env={**environment(cpu), **(env or {})},
         cwd=REPO_ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -158,14 +161,17 @@ def throughput(run: Run) -> dict[str, float]:
     return figures
 
 
-def start_simulation(dump: Path, args: list[str], target: str) -> tuple[subprocess.Popen[str], float]:
-    """``--simulate`` the same one-GPU job for ``target``, on the CPU, beside the GPU runs."""
+def start_simulation(
+    dump: Path, args: list[str], target: str, calibration: Path | None = None
+) -> tuple[subprocess.Popen[str], float]:
+    """``--simulate`` the same one-GPU job for ``target``, on the CPU, beside the GPU runs; with
+    the ``calibration`` file the probes wrote, when given, instead of the stored one."""
     command = [str(REPO_ROOT / "run_train.sh"), *args, "--job.dump_folder", str(dump), "--simulate"]
     command += ["--target-gpu", target]
-    return launched(command, cpu=True)
+    return launched(command, cpu=True, env={CALIBRATION_ENV: str(calibration)} if calibration else {})
 
 
-def simulation(proc: subprocess.Popen[str], started: float, dump: Path, timeout: float) -> dict[str, float] | str:
+def simulation(proc: subprocess.Popen[str], started: float, dump: Path, timeout: float) -> dict[str, Any] | str:
     """The simulator's predicted peak (GiB, its tensors alone), step time and tokens/s, or its
     one-line cause."""
     try:
@@ -176,8 +182,10 @@ def simulation(proc: subprocess.Popen[str], started: float, dump: Path, timeout:
     report = dump / "simulation.json"
     if not report.exists():
         return f"the simulation failed (exit {proc.returncode}): {cause(output)}"
-    role = json.loads(report.read_text())["roles"][0]
+    whole = json.loads(report.read_text())
+    role = whole["roles"][0]
     return {
+        "calibration": whole.get("calibration", ""),
         "predicted_peak_gib": role["peak_bytes"] / GIB,
         "predicted_step_s": role["step_time_s"],
         "predicted_tokens_per_s": role["tokens_per_s_per_gpu"],

@@ -134,7 +134,12 @@ class Training:
         "document's BOS from the previous document is ignored (see README, Document masking).",
     )
     loss_chunk_tokens: int = setting(
-        1024, "Output projection + loss in chunks of this many tokens; 0: unchunked.", ge=0
+        -1,
+        "Output projection + loss in chunks of this many tokens (each chunk's logits recomputed in "
+        "backward); 0: unchunked; -1 (auto): unchunked where the job with the whole logits fits in 90% of "
+        "the memory limit, else chunks of 1024. The start report and `--dry-run` say which and why.",
+        ge=0,
+        allowed=(-1,),
     )
     max_norm: float = setting(1.0, "Gradient clipping threshold on the true global grad norm; <= 0 disables clipping.")
     steps: int = setting(10000, "Optimizer steps to train.", ge=1)

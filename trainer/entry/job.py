@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 from trainer.config import load_config
 from trainer.data.datasets import TokenDataset, data_lines, load_dataset, load_validation_dataset
-from trainer.planning.job_plan import JobPlan, check_memory, describe, memory_limit, resolve_job, target_device
+from trainer.planning.job_plan import JobPlan, check_memory, describe, resolve_job
+from trainer.planning.memory_limits import memory_limit, target_device
 from trainer.planning.target_figures import parse_overrides
 from trainer.runtime.dump_folder import check_dump_folder
 from trainer.runtime.errors import ConfigError
@@ -116,8 +117,8 @@ def prepare(
     ``--dry-run``, before the memory check can refuse it. ``memory=False`` skips the check (a tool
     that only reads the data).
     """
-    job_plan = prepare_plan(argv, world_size, target, figures)
     limit, where = memory_limit(local_ranks, device_index, started=started, target=target, figures=figures)
+    job_plan = prepare_plan(argv, world_size, target, figures, limit)
     if describe_to is not None:
         describe_to.append(describe(job_plan, limit, where))
     elif memory:
@@ -135,12 +136,18 @@ def prepare(
 
 
 def prepare_plan(
-    argv: list[str], world_size: int, target: str | None = None, figures: dict[str, float] | None = None
+    argv: list[str],
+    world_size: int,
+    target: str | None = None,
+    figures: dict[str, float] | None = None,
+    limit: int | None = None,
 ) -> JobPlan:
     """What :func:`prepare` checks before it opens the data: the config, its plan for
-    ``world_size`` (on one GPU of kind ``target`` with its ``figures``, when given), the dump folder.
-    ``--simulate`` stops here: it feeds synthetic batches, and the data may be on another machine."""
-    job_plan = resolve_job(load_config(argv), world_size, target_device(target) if target else None, figures)
+    ``world_size`` (on one GPU of kind ``target`` with its ``figures``, when given, and ``limit``
+    bytes per rank), the dump folder. ``--simulate`` stops here: it feeds synthetic batches, and
+    the data may be on another machine."""
+    device = target_device(target) if target else None
+    job_plan = resolve_job(load_config(argv), world_size, device, figures, limit)
     check_dump_folder(job_plan.config.job.dump_folder)
     return job_plan
 

@@ -4,8 +4,9 @@
 the job for that world size, then runs one rank of every pipeline stage (the ranks of a stage
 differ only in which data and which shard they hold) through the trainer's real build and two
 real steps on fake tensors (``fake_job.py``), and reports each role's measured memory and
-estimated step time (``report.py``). Compile is off (it changes no memory the tracker can see
-and would trace for minutes); the data are synthetic samples of the training shape (the job's data are not read: they may be
+estimated step time (``report.py``). Compile is off in the trace (it changes no memory the tracker
+can see and would trace for minutes); a compiled job's step is timed with the bytes its fusion
+leaves (``cost_model.py``); the data are synthetic samples of the training shape (the job's data are not read: they may be
 on the cluster; ``--dry-run`` where they are checks them); context
 parallelism runs its ``allgather_kv`` attention, the one with a CPU path. The last line printed
 is the path of ``simulation.json``. Exit 0 when every role fits the target, 2 when one does not.
@@ -43,7 +44,8 @@ def simulate(argv: list[str] | Request, nproc: int, nnodes: int) -> int:
     try:
         with stopped_by_signals():
             job_plan, runs = simulate_roles(request.argv, nproc, nnodes, target)
-            report = build_report(job_plan, target, runs)
+            compiled = load_config(request.argv).compile
+            report = build_report(job_plan, target, runs, compiled.enable and "model" in compiled.components)
             print(render(report))
             if not report["fits"]:
                 print(fit_advice(job_plan, target, report))
@@ -67,12 +69,15 @@ def simulate_roles(
     start_fork_server()
     args = [*argv, "--compile.enable=false", "--training.num_workers", "0"]
     figures = {"routing_imbalance": target.routing_imbalance}
-    job_plan = prepare_plan(args, nproc * nnodes, figures=figures)
+    # ``auto`` settings resolve as on the target: bf16, the fused AdamW, and the loss chunked
+    # only where the whole logits would not fit the target's memory.
+    job_plan = prepare_plan(args, nproc * nnodes, figures=figures, limit=target.memory_bytes)
     real = schedule_count(job_plan)
     traced = traced_count(job_plan) if shorten else real
     # The traced plan differs from the job's only in settings.
-    traced_args = [*args, *_as_on_target(job_plan.config, target), *shortened_args(job_plan, traced)]
-    traced_plan = resolve_job(load_config(traced_args), nproc * nnodes, figures=figures)
+    chunking = ["--training.loss_chunk_tokens", str(job_plan.loss_chunking.tokens)]
+    traced_args = [*args, *_as_on_target(job_plan.config, target), *shortened_args(job_plan, traced), *chunking]
+    traced_plan = resolve_job(load_config(traced_args), nproc * nnodes, figures=figures, limit=target.memory_bytes)
     print(
         f"simulating {job_plan.dims.pp} role(s) of {job_plan.dims.world_size} ranks on fake tensors, "
         f"at most {traced} of the step's {real} micro-batches traced ...",

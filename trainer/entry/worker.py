@@ -72,6 +72,7 @@ def _main(argv: list[str], stop: StopRequests) -> int:
     rank0 = int(os.environ.get("RANK", 0)) == 0
     if rank0:
         logger.info("memory estimate: %s", job.plan.memory.line())
+        logger.info("loss: %s", job.plan.loss_chunking.line())
     lock = DumpFolderLock(job.plan.config.job.dump_folder, os.environ.get(TOKEN_ENV)) if rank0 else None
     if lock is not None:
         lock.acquire()

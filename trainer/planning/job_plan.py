@@ -11,7 +11,7 @@ preparing, in ``trainer/entry/job.py``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -29,8 +29,8 @@ from trainer.model.llama3 import FLAVORS, ModelArgs, model_args
 from trainer.model.moe import FLAVORS as MOE_FLAVORS
 from trainer.model.moe import MoEArgs
 from trainer.planning.expert_checks import check_experts
+from trainer.planning.loss_chunking import LossChunking, resolve_loss_chunking
 from trainer.planning.memory_fixes import what_would_fit
-from trainer.planning.memory_limits import TARGET_MEMORY_BYTES, cpu_limit_per_rank, gpu_limit
 from trainer.planning.memory_plan import Estimate, Workload, estimate
 from trainer.planning.moe_memory import RoutedExperts
 
@@ -76,6 +76,8 @@ class JobPlan:
     tokenizer: Tokenizer
     workload: Workload
     """What the per-rank memory estimate is made of."""
+    loss_chunking: LossChunking
+    """``training.loss_chunk_tokens`` resolved (``auto``: by ``limit``), and why."""
 
     @property
     def pipeline_microbatches(self) -> int:
@@ -103,14 +105,19 @@ class JobPlan:
 
 
 def resolve_job(
-    config: JobConfig, world_size: int, device: str | None = None, figures: dict[str, float] | None = None
+    config: JobConfig,
+    world_size: int,
+    device: str | None = None,
+    figures: dict[str, float] | None = None,
+    limit: int | None = None,
 ) -> JobPlan:
     """Validate ``config`` against ``world_size``; raise :class:`ConfigError` naming the key.
 
     ``device``: the device type the job will run on ("cuda", "cpu"), when it is not this
     machine's (``--dry-run --target-gpu``); ``figures``: the target's ``--target.*`` figures
     (``trainer/planning/target_figures.py``), of which the estimate reads the runtime and the
-    allocator slack.
+    allocator slack; ``limit``: the bytes a rank may use, when known, by which the ``auto`` loss
+    chunking decides (``trainer/planning/loss_chunking.py``).
     """
     device = device or device_type()
     parallelism, training = config.parallelism, config.training
@@ -170,7 +177,10 @@ def resolve_job(
             f"`checkpoint.create_seed_checkpoint` runs on one process, not {world_size}: launch it with NGPU=1."
         )
     workload = memory_workload(config, dims, settings, args, device, figures or {})
-    return JobPlan(config, dims, settings, global_batch // per_microbatch, global_batch, args, tokenizer, workload)
+    chunking = resolve_loss_chunking(training.loss_chunk_tokens, workload, loss_in_model(dims, settings), limit)
+    workload = replace(workload, loss_chunk_tokens=chunking.tokens)
+    batches = global_batch // per_microbatch
+    return JobPlan(config, dims, settings, batches, global_batch, args, tokenizer, workload, chunking)
 
 
 def sized_for(config: JobConfig, world_size: int) -> str:
@@ -287,7 +297,6 @@ def memory_workload(
         ac_mode=settings.ac_mode,
         ac_option=settings.ac_option,
         loss_parallel=settings.loss_parallel,
-        loss_chunk_tokens=training.loss_chunk_tokens if loss_in_model(dims, settings) else 0,
         # Approximately: the layout-invariant mode holds up to log2(micro-batches) + 1 gradient shards
         # and a unit's exchange buffers, counted as deferral's one unsharded gradient.
         defer_gradient_reduction=training.defer_gradient_reduction or config.debug.layout_invariant,
@@ -335,6 +344,7 @@ def describe(plan: JobPlan, limit: int | None, where: str) -> str:
             f"batch: {plan.global_batch_size} x {training.seq_len} tokens per step = {plan.microbatches} "
             f"micro-batch(es) of {training.local_batch_size} per data-parallel rank; {training.steps} steps",
             f"memory: {plan.memory.line()}{fits}",
+            f"loss: {plan.loss_chunking.line()}",
             f"output: {config.job.dump_folder}",
             *(f"warning: {caution}" for caution in cautions(config)),
         ]
@@ -347,35 +357,6 @@ def experts_line(experts: RoutedExperts) -> str:
         f"the busiest rank assumed to receive {experts.imbalance:g}x the average routed tokens "
         "(`--target.routing_imbalance`)"
     )
-
-
-def memory_limit(
-    local_ranks: int,
-    device_index: int | None,
-    started: bool,
-    target: str | None = None,
-    figures: dict[str, float] | None = None,
-) -> tuple[int | None, str]:
-    """The memory one rank may use, and what it is: on this machine (see
-    ``trainer/planning/memory_plan.py``), or on one GPU of kind ``target`` (``--target-gpu``), as
-    ``--target.memory_gib`` states it when given."""
-    if target is not None and figures and "memory_gib" in figures:
-        stated = figures["memory_gib"]
-        return int(stated * GIB), f"one {target.upper()} with `--target.memory_gib {stated:g}`"
-    if target in TARGET_MEMORY_BYTES:
-        return TARGET_MEMORY_BYTES[target], f"one {target.upper()}'s memory (`--target-gpu {target}`)"
-    if device_type() == "cuda" and target is None:
-        return gpu_limit(device_index), "the GPU's memory"
-    return cpu_limit_per_rank(local_ranks, started), f"this machine's available memory shared by {local_ranks} rank(s)"
-
-
-def target_device(target: str) -> str:
-    """The device type a ``--target-gpu`` name plans for; :class:`ConfigError` for an unknown name."""
-    if target == "cpu":
-        return "cpu"
-    if target in TARGET_MEMORY_BYTES:
-        return "cuda"
-    raise ConfigError(f"--target-gpu {target}: unknown; use one of {', '.join([*TARGET_MEMORY_BYTES, 'cpu'])}.")
 
 
 def check_memory(plan: JobPlan, limit: int | None, where: str) -> None:

@@ -10,7 +10,9 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from trainer.hardware import GPUS
+from parallelisms.parallel_dims import device_type
+from trainer.hardware import GIB, GPUS
+from trainer.runtime.errors import ConfigError
 
 TARGET_MEMORY_BYTES = {name: gpu.memory_bytes for name, gpu in GPUS.items()}
 """``--target-gpu``: one GPU's memory as ``torch.cuda.get_device_properties().total_memory``
@@ -62,3 +64,32 @@ def gpu_limit(device_index: int | None) -> int | None:
     )
     sizes = [int(line) for line in query.stdout.split() if line.strip().isdigit()]
     return min(sizes) * 1024**2 if query.returncode == 0 and sizes else None
+
+
+def memory_limit(
+    local_ranks: int,
+    device_index: int | None,
+    started: bool,
+    target: str | None = None,
+    figures: dict[str, float] | None = None,
+) -> tuple[int | None, str]:
+    """The memory one rank may use, and what it is: on this machine (see
+    ``trainer/planning/memory_plan.py``), or on one GPU of kind ``target`` (``--target-gpu``), as
+    ``--target.memory_gib`` states it when given."""
+    if target is not None and figures and "memory_gib" in figures:
+        stated = figures["memory_gib"]
+        return int(stated * GIB), f"one {target.upper()} with `--target.memory_gib {stated:g}`"
+    if target in TARGET_MEMORY_BYTES:
+        return TARGET_MEMORY_BYTES[target], f"one {target.upper()}'s memory (`--target-gpu {target}`)"
+    if device_type() == "cuda" and target is None:
+        return gpu_limit(device_index), "the GPU's memory"
+    return cpu_limit_per_rank(local_ranks, started), f"this machine's available memory shared by {local_ranks} rank(s)"
+
+
+def target_device(target: str) -> str:
+    """The device type a ``--target-gpu`` name plans for; :class:`ConfigError` for an unknown name."""
+    if target == "cpu":
+        return "cpu"
+    if target in TARGET_MEMORY_BYTES:
+        return "cuda"
+    raise ConfigError(f"--target-gpu {target}: unknown; use one of {', '.join([*TARGET_MEMORY_BYTES, 'cpu'])}.")

@@ -13,21 +13,28 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils.flop_counter import flop_registry
+from torch.utils.weak import WeakIdKeyDictionary
 
 from parallelisms.pipeline_split import BUBBLE_FRACTION
 from parallelisms.torch_private import dtensor
 from parallelisms.torch_private.fake import process_group_name, tree_map_only
+from trainer.simulation.calibration import gemm_class
 from trainer.simulation.memory_tracker import tensors_in
 from trainer.simulation.targets import Target
 
 ASSUMPTIONS = (
-    "compute: traced matmul and attention FLOPs at the target's dense bf16 peak x `efficiency`; causal "
-    "attention counts half its score and value matmuls (flash kernels skip the masked blocks)",
-    "memory-bound ops: bytes every other op reads and writes (eager, no fusion: compile is off in the "
-    "simulation) at the HBM bandwidth x `hbm_efficiency`, not overlapped with the matmuls",
+    "compute: traced matmul and attention FLOPs at the rates the target's calibration measured on that GPU "
+    "(trainer/simulation/calibrations/: dense matmuls by shape class, attention, the grouped matmul), a kind "
+    "it has not measured at the dense bf16 peak x `efficiency`; causal attention counts half its score and "
+    "value matmuls (flash kernels skip the masked blocks)",
+    "memory-bound ops: bytes every other op reads and writes at the calibration's measured copy bandwidth "
+    "(else the HBM bandwidth x `hbm_efficiency`), not overlapped with the matmuls; a compiled job's "
+    "elementwise ops, casts and reductions read nothing an elementwise op wrote (fused: the trace is eager, "
+    "the bytes are counted as fused); per-kernel launch costs are not modelled",
     "collectives: ring alpha-beta, alpha x (n - 1) + bus bytes / bandwidth; bus bytes per rank are "
     "(n-1)/n of the buffer for all-gather and reduce-scatter, twice that for all-reduce, the message "
     "for send; NVLink inside a node of NGPU ranks, the per-GPU network between nodes",
@@ -75,6 +82,18 @@ ATTENTION_BACKWARD = {name + "_backward": 10 for name in ATTENTION_FORWARD}
 the scores and forms four more products."""
 GROUPED_MM = "_grouped_mm"
 """The experts' grouped matmul, which torch's FLOP counter does not know."""
+FUSABLE = (
+    "_to_copy",
+    "sum",
+    "mean",
+    "amax",
+    "_softmax",
+    "_log_softmax",
+    "_softmax_backward_data",
+    "_log_softmax_backward_data",
+)
+"""Besides the elementwise ops (``torch.Tag.pointwise``): casts and reductions, which inductor
+fuses with the elementwise ops that feed them."""
 
 
 @dataclass
@@ -101,6 +120,10 @@ class TracedCost:
     flops: int = 0
     memory_bytes: int = 0
     collectives: list[Collective] = field(default_factory=list)
+    flops_by_kind: dict[str, int] = field(default_factory=dict)
+    """The FLOPs by kernel kind (``calibration.KINDS``), each timed at its own measured rate."""
+    fused_memory_bytes: int = 0
+    """``memory_bytes`` as compile would move them (see :data:`FUSABLE`)."""
 
     def comm_bytes(self) -> dict[str, int]:
         by_dim: dict[str, int] = {}
@@ -147,6 +170,8 @@ class CostRecorder:
         self.enabled = False
         self.microbatch: int | None = None
         self.costs = MicrobatchCosts()
+        self.fusable_outputs: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        """Tensors an elementwise op wrote: compile keeps them in registers for the next one."""
 
     @property
     def cost(self) -> TracedCost:
@@ -156,7 +181,8 @@ class CostRecorder:
         if not self.enabled:
             return
         name = func.__name__.split(".")[0]
-        flops = memory = 0
+        flops = memory = fused = 0
+        kind = ""
         if func.namespace in ("c10d", "_c10d_functional"):
             self._collective(name, args, out)
         elif func.overloadpacket in flop_registry or name in (*ATTENTION_FORWARD, *ATTENTION_BACKWARD, GROUPED_MM):
@@ -169,11 +195,29 @@ class CostRecorder:
                 flops = _grouped_mm_flops(args[0], args[1])
             else:
                 flops = _attention_flops(name, args, kwargs)
+            attention = name in (*ATTENTION_FORWARD, *ATTENTION_BACKWARD)
+            kind = "attention" if attention else "grouped_gemm" if name == GROUPED_MM else _gemm_kind(flops, out)
         elif func.namespace == "aten" and not func.is_view and not name.startswith(("empty", "detach", "_local")):
             memory = _nbytes(args) + _nbytes(out)
+            fused = self._fused_bytes(func, name, args, out, memory)
         for cost in self._costs():
             cost.flops += flops
             cost.memory_bytes += memory
+            cost.fused_memory_bytes += fused
+            if kind:
+                cost.flops_by_kind[kind] = cost.flops_by_kind.get(kind, 0) + flops
+
+    def _fused_bytes(self, func: Any, name: str, args: tuple, out: Any, memory: int) -> int:
+        """What the op moves once compile has fused it with the elementwise ops that made its
+        inputs: a fusable op reads nothing an elementwise op wrote (the value stays in
+        registers), and still writes its output (backward or a matmul may read it)."""
+        if not (torch.Tag.pointwise in func.tags or name in FUSABLE):
+            return memory
+        read = sum(_nbytes(t) for t in tensors_in(args) if t not in self.fusable_outputs)
+        if torch.Tag.pointwise in func.tags or name == "_to_copy":
+            for t in tensors_in(out):
+                self.fusable_outputs[t] = True
+        return read + _nbytes(out)
 
     def _costs(self) -> list[TracedCost]:
         if self.microbatch is None:
@@ -219,6 +263,18 @@ def _grouped_mm_flops(a: Any, b: Any) -> int:
     return 2 * a.numel() * b.shape[-1] // groups
 
 
+def _gemm_kind(flops: int, out: Any) -> str:
+    """A dense matmul's shape class from its FLOPs and its output ``(..., M, N)``: ``K`` is what
+    the FLOPs leave, and batched products count their batch in ``M``."""
+    results = [dtensor.local_tensor(t) if isinstance(t, DTensor) else t for t in tensors_in(out)]
+    result = results[0] if results else None
+    if result is None or result.dim() < 2 or not result.numel():
+        return "gemm_large"
+    n = result.shape[-1]
+    m = result.numel() // n
+    return f"gemm_{gemm_class(m, n, max(1, flops // (2 * m * n)))}"
+
+
 def _attention_flops(name: str, args: tuple, kwargs: dict) -> int:
     """Attention FLOPs from the query and key shapes; causal counts half the score matrix."""
     backward = name.endswith("_backward")
@@ -249,12 +305,39 @@ def _collective_s(c: Collective, target: Target) -> float:
     return (alpha * steps + c.bus_bytes / bandwidth) * c.times
 
 
+def compute_s(cost: TracedCost, target: Target) -> dict[str, float]:
+    """Seconds of the traced FLOPs by kernel kind: at the rate the target's calibration measured
+    for the kind, else at its peak x ``efficiency``."""
+    default = target.bf16_flops * target.efficiency
+    if target.calibration is None:
+        return {"all": cost.flops / default}
+    seconds = {
+        kind: flops / (target.calibration.flops(kind)[0] or default) for kind, flops in cost.flops_by_kind.items()
+    }
+    rest = cost.flops - sum(cost.flops_by_kind.values())
+    return {**seconds, **({"other": rest / default} if rest else {})}
+
+
+def memory_bandwidth(target: Target) -> float:
+    """What memory-bound ops reach: the calibration's measured copy, else the data sheet's
+    bandwidth x ``hbm_efficiency``."""
+    measured = target.calibration.hbm_bytes_per_s if target.calibration else None
+    return measured or target.hbm_bytes_per_s * target.hbm_efficiency
+
+
 def step_time(
-    cost: TracedCost, target: Target, pp: int, schedule: str, stages_per_rank: int, pipeline_microbatches: int
+    cost: TracedCost,
+    target: Target,
+    pp: int,
+    schedule: str,
+    stages_per_rank: int,
+    pipeline_microbatches: int,
+    compiled: bool = False,
 ) -> StepTime:
-    """Seconds of one step on ``target`` under the model in :data:`ASSUMPTIONS`."""
-    compute = cost.flops / (target.bf16_flops * target.efficiency)
-    memory = cost.memory_bytes / (target.hbm_bytes_per_s * target.hbm_efficiency)
+    """Seconds of one step on ``target`` under the model in :data:`ASSUMPTIONS`; ``compiled``:
+    the memory-bound ops move the bytes compile's fusion leaves (``fused_memory_bytes``)."""
+    compute = sum(compute_s(cost, target).values())
+    memory = (cost.fused_memory_bytes if compiled else cost.memory_bytes) / memory_bandwidth(target)
     comm: dict[str, float] = {}
     overlappable = exposed = 0.0
     fsdp = [c for c in cost.collectives if c.dim in FSDP_DIMS]

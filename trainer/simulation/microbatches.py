@@ -97,10 +97,16 @@ def extend(costs: MicrobatchCosts, traced: int, real: int, steady: range, reduce
     at = costs.first_collective.get(steady.start, len(costs.total.collectives))
     collectives: list[Collective] = list(costs.total.collectives)
     collectives[at:at] = repeated
+    kinds = {k for m in (costs.total, *windows) for k in m.flops_by_kind}
     return TracedCost(
         flops=costs.total.flops + round(weight * sum(m.flops for m in windows)),
         memory_bytes=costs.total.memory_bytes + round(weight * sum(m.memory_bytes for m in windows)),
         collectives=collectives,
+        flops_by_kind={
+            k: costs.total.flops_by_kind.get(k, 0) + round(weight * sum(m.flops_by_kind.get(k, 0) for m in windows))
+            for k in sorted(kinds)
+        },
+        fused_memory_bytes=costs.total.fused_memory_bytes + round(weight * sum(m.fused_memory_bytes for m in windows)),
     )
 
 

@@ -19,16 +19,18 @@ from typing import Any
 from trainer.hardware import gib
 from trainer.metrics import model_flops_per_token
 from trainer.planning.job_plan import JobPlan
+from trainer.planning.loss_chunking import LossChunking
 from trainer.planning.memory_fixes import what_would_fit
 from trainer.planning.memory_plan import estimates
-from trainer.simulation.cost_model import ASSUMPTIONS, step_time
+from trainer.simulation.cost_model import ASSUMPTIONS, compute_s, step_time
 from trainer.simulation.fake_job import RoleRun
 from trainer.simulation.memory_tracker import CATEGORIES
 from trainer.simulation.targets import Target
 
 
-def build_report(plan: JobPlan, target: Target, runs: list[RoleRun]) -> dict[str, Any]:
-    """The JSON document (see the module docstring)."""
+def build_report(plan: JobPlan, target: Target, runs: list[RoleRun], compiled: bool = False) -> dict[str, Any]:
+    """The JSON document (see the module docstring); ``compiled``: the job compiles its model
+    (the simulation traced it eager)."""
     dims, training = plan.dims, plan.config.training
     tokens = plan.global_batch_size * training.seq_len
     per_token = model_flops_per_token(plan.model_args, training.seq_len)
@@ -41,6 +43,7 @@ def build_report(plan: JobPlan, target: Target, runs: list[RoleRun]) -> dict[str
             plan.parallel.pp_schedule,
             len(run.stages),
             plan.pipeline_microbatches if dims.pp > 1 else 1,
+            compiled=compiled,
         )
         at_peak = run.memory.at_peak
         needed = int(run.memory.peak_bytes + target.allocator_slack * at_peak["activations"] + target.runtime_bytes)
@@ -64,6 +67,9 @@ def build_report(plan: JobPlan, target: Target, runs: list[RoleRun]) -> dict[str
                 "comm_bytes_per_step": run.cost.comm_bytes(),
                 "comm_s": time.comm_s,
                 "compute_s": time.compute_s,
+                "compute_s_by_kind": compute_s(run.cost, target),
+                "flops_by_kind": run.cost.flops_by_kind,
+                "memory_traffic_bytes_compiled": run.cost.fused_memory_bytes,
                 "memory_bound_s": time.memory_s,
                 "exposed_comm_s": time.exposed_comm_s,
                 "bubble": time.bubble,
@@ -87,6 +93,8 @@ def build_report(plan: JobPlan, target: Target, runs: list[RoleRun]) -> dict[str
             **({"ep": dims.ep} if dims.ep > 1 else {}),
         },
         "target_gpu": target.to_json(),
+        "calibration": target.calibration_line(),
+        "compile": "modelled: fused elementwise bytes" if compiled else "off",
         "fits": all(r["fits"] for r in roles),
         "model": {"flavor": plan.config.model.flavor, "params": plan.workload.params},
         "batch": {
@@ -97,6 +105,7 @@ def build_report(plan: JobPlan, target: Target, runs: list[RoleRun]) -> dict[str
             "pipeline_microbatches": plan.pipeline_microbatches if dims.pp > 1 else None,
             "param_dtype": str(plan.parallel.param_dtype).removeprefix("torch."),
         },
+        "loss_chunking": {"tokens": plan.loss_chunking.tokens, "why": plan.loss_chunking.why},
         "step_time_s": step_s,
         "tokens_per_s_per_gpu": tokens / step_s / dims.world_size,
         "mfu": per_token * tokens / dims.world_size / step_s / target.bf16_flops,
@@ -136,6 +145,10 @@ def render(report: dict[str, Any]) -> str:
         + f"; target {target['name']} ({gib(target['memory_bytes'])}, "
         f"{target['bf16_flops'] / 1e12:.3g} TFLOP/s bf16, {target['hbm_bytes_per_s'] / 1e12:.3g} TB/s)",
     ]
+    lines.append(report["calibration"])
+    if report["compile"] != "off":
+        lines.append(f"compile: {report['compile']} (the trace itself runs eager)")
+    lines.append(f"loss: {LossChunking(**report['loss_chunking']).line()}")
     for role in report["roles"]:
         memory = role["memory"]
         parts = " + ".join(f"{gib(memory[c])} {c}" for c in CATEGORIES if memory.get(c))

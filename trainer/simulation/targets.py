@@ -19,6 +19,8 @@ from trainer import hardware
 from trainer.hardware import ALLOCATOR_SLACK, RUNTIME_BYTES
 from trainer.planning.target_figures import OVERRIDES, parse_overrides
 from trainer.runtime.errors import ConfigError
+from trainer.simulation.calibration import KINDS, Calibration
+from trainer.simulation.calibration import load as calibration_of
 
 
 @dataclass(frozen=True)
@@ -44,9 +46,33 @@ class Target:
     routing_imbalance: float = 1.0
     """Mixture-of-Experts: the routed tokens the busiest expert-parallel rank receives, over the
     average (a stated assumption: fake tensors route nothing); the simulated rank is that one."""
+    calibration: Calibration | None = None
+    """The rates measured on this GPU (``calibration.py``); None: the peaks x the efficiencies."""
+    calibration_file: str = ""
 
     def to_json(self) -> dict[str, object]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        figures = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {**figures, "calibration": self.calibration.to_json() if self.calibration else None}
+
+    def calibration_line(self) -> str:
+        """Which figures time the step: the calibration's, each with its source, or the constants."""
+        constants = f"efficiency {self.efficiency} of the {self.bf16_flops / 1e12:.0f} TFLOP/s peak"
+        constants += f", HBM efficiency {self.hbm_efficiency} of {self.hbm_bytes_per_s / 1e12:.3g} TB/s"
+        c = self.calibration
+        if c is None:
+            why = "stated with --target.*" if self.calibration_file == STATED_BY_USER else "none stored"
+            return f"calibration: {why}; {constants}"
+        rates = []
+        for kind in KINDS:
+            rate, source = c.flops(kind)
+            shown = f"{rate / 1e12:.0f} TFLOP/s" if rate else f"{self.bf16_flops * self.efficiency / 1e12:.0f} TFLOP/s"
+            rates.append(f"{kind} {shown} ({source})")
+        bandwidth = f"{c.hbm_bytes_per_s / 1e12:.3g} TB/s (measured)" if c.hbm_bytes_per_s else "HBM x efficiency"
+        return (
+            f"calibration: {self.calibration_file} ({c.gpu}, torch {c.torch}; {c.measured}): "
+            + ", ".join(rates)
+            + f", memory-bound {bandwidth}"
+        )
 
 
 GPUS: dict[str, Target] = {
@@ -56,6 +82,9 @@ GPUS: dict[str, Target] = {
     for name, gpu in hardware.GPUS.items()
 }
 NAMES = (*GPUS, "cpu")
+RATES = {"bf16_tflops", "efficiency", "hbm_tb_per_s", "hbm_efficiency"}
+"""``--target.*`` figures that replace the calibration's measured rates."""
+STATED_BY_USER = "-"
 
 
 HELP = (
@@ -108,7 +137,15 @@ def target_named(name: str | None, overrides: dict[str, str], ranks_per_node: in
 
 
 def resolve_target(name: str, overrides: dict[str, float], ranks_per_node: int) -> Target:
+    """A GPU's figures with its stored calibration, unless the user states a rate or an
+    efficiency (``--target.bf16_tflops`` and the like), which then rules."""
     target = cpu_target(ranks_per_node) if name == "cpu" else GPUS[name]
+    if name != "cpu":
+        if RATES & overrides.keys():
+            target = replace(target, calibration_file=STATED_BY_USER)
+        else:
+            calibration, path = calibration_of(name)
+            target = replace(target, calibration=calibration, calibration_file=path)
     changes: dict[str, Any] = {}
     for key, value in overrides.items():
         field, unit = OVERRIDES[key]

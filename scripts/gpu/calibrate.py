@@ -1,0 +1,155 @@
+"""The kernel probes that calibrate the simulator on this GPU (``trainer/simulation/calibration.py``).
+
+Each probe times one kernel the cost model charges, at the shapes the check's jobs run:
+dense bf16 matmuls of each shape class, causal attention forward and backward, the experts'
+grouped matmul, and a device-to-device copy for the memory-bound ops. Nothing here runs a
+training job: the whole-job rows of the check stay the test of what these figures predict.
+The result is one JSON file per GPU, which the check's simulations read at once and which a
+developer commits to ``trainer/simulation/calibrations/<target>.json``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ATTENTION = (32, 8, 128, 8192)
+"""Query heads, key/value heads, head width and sequence: the 8B's and the 30B-A3B's attention."""
+EXPERTS = (128, 2048, 768, 65_536)
+"""Experts, model width, expert width, routed rows: the 30B-A3B's experts for one sequence."""
+COPY_BYTES = 2 * 1024**3
+
+
+def timed_ms(fn: Callable[..., Any], cpu: bool, repeats: int = 10) -> float:
+    """Median milliseconds of ``repeats`` calls after three untimed ones (allocation, autotuning);
+    on the CPU (the rehearsal) of three after one."""
+    import torch
+
+    warm, repeats = (1, 3) if cpu else (3, repeats)  # the rehearsal shows that each probe runs
+    for _ in range(warm):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        if cpu:
+            start = time.perf_counter()
+            fn()
+            samples.append(1000 * (time.perf_counter() - start))
+        else:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(begin.elapsed_time(end))
+    return statistics.median(samples)
+
+
+def gemm(cpu: bool) -> dict[str, dict[str, float]]:
+    """FLOP/s of each shape class's dense matmul on random data."""
+    import torch
+
+    from trainer.simulation.calibration import GEMM_PROBES
+
+    device, dtype, scale = ("cpu", torch.float32, 16) if cpu else ("cuda", torch.bfloat16, 1)
+    results = {}
+    for cls, (m, n, k) in GEMM_PROBES.items():
+        m, n, k = m // scale, n // scale, k // scale
+        a, b = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
+        ms = timed_ms(lambda a=a, b=b: a @ b, cpu)
+        results[cls] = {"m": m, "n": n, "k": k, "ms": ms, "flops": 2 * m * n * k / ms * 1e3}
+    return results
+
+
+def attention(cpu: bool) -> dict[str, float]:
+    """FLOP/s of the model's causal attention, forward and backward, counted as the cost model
+    counts it (half the score and value products of the full square)."""
+    import torch
+
+    from trainer.model.llama3 import causal_attention
+
+    heads, kv_heads, head_dim, seq = ATTENTION
+    device, dtype = ("cpu", torch.float32) if cpu else ("cuda", torch.bfloat16)
+    seq = 256 if cpu else seq
+    q = torch.randn(1, heads, seq, head_dim, device=device, dtype=dtype, requires_grad=True)
+    k = torch.randn(1, kv_heads, seq, head_dim, device=device, dtype=dtype, requires_grad=True)
+    v = torch.randn_like(k, requires_grad=True)
+    grad = torch.randn_like(q)
+
+    def step() -> None:
+        causal_attention(q, k, v, None).backward(grad)
+
+    ms = timed_ms(step, cpu)
+    flops = (4 + 10) * heads * seq * seq * head_dim // 2
+    return {"seq": seq, "ms": ms, "flops": flops / ms * 1e3}
+
+
+def grouped_gemm(cpu: bool) -> dict[str, float]:
+    """FLOP/s of the experts' SwiGLU forward through the grouped matmul (its three products;
+    the elementwise product between them is in the time)."""
+    import torch
+
+    from trainer.model.moe import grouped_swiglu
+
+    n_experts, dim, hidden, rows = (8, 256, 256, 1024) if cpu else EXPERTS
+    device, dtype = ("cpu", torch.float32) if cpu else ("cuda", torch.bfloat16)
+    generator = torch.Generator().manual_seed(0)
+    skew = torch.rand(n_experts, generator=generator) ** 3 + 0.02  # uneven, as routing is
+    counts = (skew / skew.sum() * rows).floor().long()
+    counts[0] += rows - counts.sum()
+    x = torch.randn(rows, dim, generator=generator).to(device=device, dtype=dtype)
+    w1 = (0.02 * torch.randn(n_experts, hidden, dim, generator=generator)).to(device=device, dtype=dtype)
+    w3 = (0.02 * torch.randn(n_experts, hidden, dim, generator=generator)).to(device=device, dtype=dtype)
+    w2 = (0.02 * torch.randn(n_experts, dim, hidden, generator=generator)).to(device=device, dtype=dtype)
+    counts = counts.to(device)
+    with torch.no_grad():
+        ms = timed_ms(lambda: grouped_swiglu(x, counts, w1, w2, w3), cpu)
+    flops = 3 * 2 * rows * dim * hidden
+    return {"experts": n_experts, "dim": dim, "hidden": hidden, "rows": rows, "ms": ms, "flops": flops / ms * 1e3}
+
+
+def copy(cpu: bool) -> dict[str, float]:
+    """Bytes read and written per second by a device-to-device copy."""
+    import torch
+
+    size = COPY_BYTES // (64 if cpu else 1)
+    source = torch.empty(size, dtype=torch.uint8, device="cpu" if cpu else "cuda")
+    target = torch.empty_like(source)
+    ms = timed_ms(lambda: target.copy_(source), cpu)
+    return {"bytes": size, "ms": ms, "bytes_per_s": 2 * size / ms * 1e3}
+
+
+def calibrate(cpu: bool, gpu: str, target: str) -> dict[str, Any]:
+    """Every probe, as the calibration file's fields (``Calibration`` and its ``target``)."""
+    import torch
+
+    probes: dict[str, Any] = {
+        "gemm": gemm(cpu),
+        "attention": attention(cpu),
+        "grouped_gemm": grouped_gemm(cpu),
+        "copy": copy(cpu),
+    }
+    if not cpu:
+        torch.cuda.empty_cache()
+    return {
+        "target": target,
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "measured": f"{datetime.date.today()}, the device check's probes (scripts/gpu/calibrate.py)",
+        "gemm_flops": {cls: p["flops"] for cls, p in probes["gemm"].items()},
+        "attention_flops": probes["attention"]["flops"],
+        "grouped_gemm_flops": probes["grouped_gemm"]["flops"],
+        "hbm_bytes_per_s": probes["copy"]["bytes_per_s"],
+        "probes": probes,
+    }
+
+
+def write(calibration: dict[str, Any], folder: Path) -> Path:
+    path = folder / f"{calibration['target']}.json"
+    folder.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(calibration, indent=2) + "\n")
+    return path

@@ -1,0 +1,66 @@
+"""``training.loss_chunk_tokens``: ``auto`` chunks the loss only where the whole logits would not
+fit, a number the user sets is kept, and the plan (``--dry-run``, the start report) says which
+and why. That chunking changes the loss only by round-off is ``test_loss.py``'s."""
+
+from __future__ import annotations
+
+import pytest
+from harness import run_train
+
+from trainer.config import load_config
+from trainer.planning.job_plan import resolve_job
+from trainer.planning.loss_chunking import AUTO_CHUNK_TOKENS, FIT_FRACTION
+from trainer.planning.memory_limits import TARGET_MEMORY_BYTES
+
+H100 = TARGET_MEMORY_BYTES["h100"]
+EIGHT_B = ["--config", "llama3_8b.toml"]
+
+
+def _plan(argv: list[str], world: int, limit: int | None):
+    return resolve_job(load_config(argv), world, "cuda", limit=limit)
+
+
+def _whole(argv: list[str], world: int) -> int:
+    return _plan([*argv, "--training.loss_chunk_tokens", "0"], world, None).memory.total
+
+
+@pytest.mark.parametrize("world", [1, 8])
+def test_auto_chunks_exactly_when_the_whole_logits_would_not_fit(world):
+    """The 8B preset: on one H100 the whole logits do not fit, on eight they do; at a
+    limit just above and just below 1/0.9 of the whole-logits job the decision flips."""
+    whole = _whole(EIGHT_B, world)
+    plan = _plan(EIGHT_B, world, H100)
+    expected = 0 if whole <= FIT_FRACTION * H100 else AUTO_CHUNK_TOKENS
+    assert plan.loss_chunking.tokens == expected == plan.workload.loss_chunk_tokens
+    assert (world == 8) == (expected == 0)
+    edge = whole / FIT_FRACTION
+    assert _plan(EIGHT_B, world, int(edge) + 1).loss_chunking.tokens == 0
+    chunked = _plan(EIGHT_B, world, int(edge) - 1)
+    assert chunked.loss_chunking.tokens == AUTO_CHUNK_TOKENS
+    assert chunked.memory.total < whole  # the estimate counts one chunk's logits
+    assert "auto" in chunked.loss_chunking.why and "would need" in chunked.loss_chunking.why
+
+
+@pytest.mark.parametrize("setting", [0, 512])
+def test_a_number_the_user_sets_is_kept_whatever_the_memory(setting):
+    argv = [*EIGHT_B, "--training.loss_chunk_tokens", str(setting)]
+    for limit in (None, 10**9, 10**13):
+        chunking = _plan(argv, 1, limit).loss_chunking
+        assert chunking.tokens == setting and "as set" in chunking.why
+
+
+def test_without_a_known_limit_auto_chunks_and_without_the_loss_in_the_model_nothing_does():
+    assert _plan(EIGHT_B, 8, None).loss_chunking.tokens == AUTO_CHUNK_TOKENS
+    gathered = _plan([*EIGHT_B, "--mesh", "dp_shard=4,tp=2", "--parallelism.disable_loss_parallel"], 8, H100)
+    assert gathered.loss_chunking.tokens == 0 and "tensor parallelism" in gathered.loss_chunking.why
+
+
+@pytest.mark.launcher
+def test_dry_run_and_the_start_report_say_whether_the_loss_is_chunked(tmp_path):
+    """The 8B preset's ``--dry-run`` on its 8 H100s, and a run's start report (rank 0's log)."""
+    dry = run_train(8, ["--config", "llama3_8b.toml", "--dry-run", "--target-gpu", "h100"])
+    assert "loss: unchunked (whole logits): auto: with the whole logits the job needs" in dry.stdout, dry.stdout
+    args = ["--training.steps", "1", "--validation.enable=false", "--job.dump_folder", str(tmp_path)]
+    run = run_train(1, [*args, "--training.loss_chunk_tokens", "48"])
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "loss: chunked, 48 tokens a chunk: `training.loss_chunk_tokens` = 48 as set" in run.stdout + run.stderr

@@ -1,0 +1,54 @@
+"""Whether the output projection and loss run in chunks of tokens, and why.
+
+Chunking (``trainer/loss.py``) keeps one chunk's logits alive instead of the micro-batch's, at
+the price of recomputing each chunk's projection in backward and of smaller matmuls: on an H200
+the 8B shape's step took 9% longer chunked (26,795 against 29,419 tokens/s, docs/performance.md),
+while on the CPU it costs nothing measurable. So ``training.loss_chunk_tokens = -1`` (``auto``,
+the default) chunks only where the memory needs it: when the job, estimated with the whole
+logits, would not fit in 90% of the memory limit the job is checked against (the estimate is
+close, not exact: the rest is its margin, as for the presets, sized with 10% headroom). A number the user sets is
+kept as set (0: whole logits, N: chunks of N tokens). Chunking changes the loss and gradients
+only by float32 round-off (``tests/test_loss.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from trainer.hardware import gib
+from trainer.planning.memory_plan import Workload, estimate
+
+AUTO = -1
+"""``training.loss_chunk_tokens``: chunk only where the whole logits would not fit."""
+AUTO_CHUNK_TOKENS = 1024
+"""The chunk ``auto`` picks: a chunk's logits are small beside a block's activations at any
+vocabulary we train (128,256 x 1024 x 14 bytes = 1.8 GB), and its matmuls still fill a GPU."""
+FIT_FRACTION = 0.9
+"""Of the memory limit, what the job with the whole logits may take for ``auto`` not to chunk."""
+
+
+@dataclass(frozen=True)
+class LossChunking:
+    tokens: int
+    """Tokens per chunk; 0: the whole micro-batch's logits at once."""
+    why: str
+
+    def line(self) -> str:
+        how = f"chunked, {self.tokens} tokens a chunk" if self.tokens else "unchunked (whole logits)"
+        return f"{how}: {self.why}"
+
+
+def resolve_loss_chunking(setting: int, workload: Workload, in_model: bool, limit: int | None) -> LossChunking:
+    """The chunking of ``training.loss_chunk_tokens`` = ``setting`` for a job of ``workload``
+    checked against ``limit`` bytes per rank (None: not known here, so chunked, the safe choice)."""
+    if not in_model:
+        return LossChunking(0, "tensor parallelism without loss parallel gathers the whole logits for the loss")
+    if setting != AUTO:
+        return LossChunking(setting, f"`training.loss_chunk_tokens` = {setting} as set")
+    whole = estimate(replace(workload, loss_chunk_tokens=0)).total
+    if limit is None:
+        return LossChunking(AUTO_CHUNK_TOKENS, "auto, and the memory limit is not known here")
+    room = f"90% of the {gib(limit)} limit"
+    if whole <= FIT_FRACTION * limit:
+        return LossChunking(0, f"auto: with the whole logits the job needs {gib(whole)}, within {room}")
+    return LossChunking(AUTO_CHUNK_TOKENS, f"auto: with the whole logits the job would need {gib(whole)}, over {room}")
