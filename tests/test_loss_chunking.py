@@ -64,3 +64,11 @@ def test_dry_run_and_the_start_report_say_whether_the_loss_is_chunked(tmp_path):
     run = run_train(1, [*args, "--training.loss_chunk_tokens", "48"])
     assert run.returncode == 0, run.stderr[-2000:]
     assert "loss: chunked, 48 tokens a chunk: `training.loss_chunk_tokens` = 48 as set" in run.stdout + run.stderr
+
+
+@pytest.mark.parametrize("limit", [None, 10**9, 10**13])
+def test_on_the_cpu_auto_chunks_whatever_memory_is_free(limit):
+    """The CPU's limit is the memory free when a rank starts: a decision by it could differ
+    between ranks, or between a run and its resume, and round the same job differently."""
+    chunking = resolve_job(load_config([]), 1, "cpu", limit=limit).loss_chunking
+    assert chunking.tokens == AUTO_CHUNK_TOKENS and "CPU" in chunking.why

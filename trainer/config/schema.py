@@ -136,8 +136,9 @@ class Training:
     loss_chunk_tokens: int = setting(
         -1,
         "Output projection + loss in chunks of this many tokens (each chunk's logits recomputed in "
-        "backward); 0: unchunked; -1 (auto): unchunked where the job with the whole logits fits in 90% of "
-        "the memory limit, else chunks of 1024. The start report and `--dry-run` say which and why.",
+        "backward); 0: unchunked; -1 (auto): on a GPU unchunked where the job with the whole logits fits in "
+        "90% of the memory limit, else chunks of 1024; on the CPU always chunks of 1024. The start report "
+        "and `--dry-run` say which and why.",
         ge=0,
         allowed=(-1,),
     )

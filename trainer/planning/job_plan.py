@@ -177,7 +177,7 @@ def resolve_job(
             f"`checkpoint.create_seed_checkpoint` runs on one process, not {world_size}: launch it with NGPU=1."
         )
     workload = memory_workload(config, dims, settings, args, device, figures or {})
-    chunking = resolve_loss_chunking(training.loss_chunk_tokens, workload, loss_in_model(dims, settings), limit)
+    chunking = resolve_loss_chunking(training.loss_chunk_tokens, workload, loss_in_model(dims, settings), limit, device)
     workload = replace(workload, loss_chunk_tokens=chunking.tokens)
     batches = global_batch // per_microbatch
     return JobPlan(config, dims, settings, batches, global_batch, args, tokenizer, workload, chunking)

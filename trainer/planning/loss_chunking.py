@@ -4,10 +4,13 @@ Chunking (``trainer/loss.py``) keeps one chunk's logits alive instead of the mic
 the price of recomputing each chunk's projection in backward and of smaller matmuls: on an H200
 the 8B shape's step took 9% longer chunked (26,795 against 29,419 tokens/s, docs/performance.md),
 while on the CPU it costs nothing measurable. So ``training.loss_chunk_tokens = -1`` (``auto``,
-the default) chunks only where the memory needs it: when the job, estimated with the whole
-logits, would not fit in 90% of the memory limit the job is checked against (the estimate is
-close, not exact: the rest is its margin, as for the presets, sized with 10% headroom). A number the user sets is
-kept as set (0: whole logits, N: chunks of N tokens). Chunking changes the loss and gradients
+the default) chunks on a GPU only where the memory needs it: when the job, estimated with the
+whole logits, would not fit in 90% of the memory limit the job is checked against (the estimate is
+close, not exact: the rest is its margin, as for the presets, sized with 10% headroom). On the
+CPU it always chunks: it costs nothing there, and the CPU's limit is the memory free when a rank
+starts, which differs between ranks and between a run and its resume, so deciding by it would
+let the same job round differently. A number the user sets is kept as set (0: whole logits, N:
+chunks of N tokens). Chunking changes the loss and gradients
 only by float32 round-off (``tests/test_loss.py``).
 """
 
@@ -38,13 +41,18 @@ class LossChunking:
         return f"{how}: {self.why}"
 
 
-def resolve_loss_chunking(setting: int, workload: Workload, in_model: bool, limit: int | None) -> LossChunking:
-    """The chunking of ``training.loss_chunk_tokens`` = ``setting`` for a job of ``workload``
-    checked against ``limit`` bytes per rank (None: not known here, so chunked, the safe choice)."""
+def resolve_loss_chunking(
+    setting: int, workload: Workload, in_model: bool, limit: int | None, device: str
+) -> LossChunking:
+    """The chunking of ``training.loss_chunk_tokens`` = ``setting`` for a job of ``workload`` on
+    ``device`` checked against ``limit`` bytes per rank (None: not known here, so chunked, the
+    safe choice)."""
     if not in_model:
         return LossChunking(0, "tensor parallelism without loss parallel gathers the whole logits for the loss")
     if setting != AUTO:
         return LossChunking(setting, f"`training.loss_chunk_tokens` = {setting} as set")
+    if device == "cpu":
+        return LossChunking(AUTO_CHUNK_TOKENS, "auto, on the CPU (chunking costs nothing measurable there)")
     whole = estimate(replace(workload, loss_chunk_tokens=0)).total
     if limit is None:
         return LossChunking(AUTO_CHUNK_TOKENS, "auto, and the memory limit is not known here")
