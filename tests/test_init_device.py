@@ -79,7 +79,8 @@ def test_a_device_receives_copies_of_the_cpu_draws(monkeypatch: pytest.MonkeyPat
 
 
 def test_threads_draw_the_same_bits(monkeypatch: pytest.MonkeyPatch):
-    """Tiles shared among threads give the single thread's bits, and more than one thread draws."""
+    """Tiles shared among threads give the single thread's bits, and more than one thread draws,
+    into a parameter that requires grad as the model's do (grad mode is per thread)."""
     drawers, original = set(), torch.Tensor.uniform_
 
     def recorded(self, *args, **kwargs):
@@ -90,8 +91,9 @@ def test_threads_draw_the_same_bits(monkeypatch: pytest.MonkeyPatch):
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        values = torch.empty(SHAPE[0] * 4, SHAPE[1])
-        fill_local_(values, values.shape, (0, 0), "trunc_normal", 0.02, MODEL_SEED, "w")
+        values = nn.Parameter(torch.empty(SHAPE[0] * 4, SHAPE[1]))
+        with torch.no_grad():
+            fill_local_(values, values.shape, (0, 0), "trunc_normal", 0.02, MODEL_SEED, "w")
     finally:
         torch.set_num_threads(threads)
     assert len(drawers) == 2

@@ -172,6 +172,7 @@ def draw_box_(
     grid = [range(o // t, (o + s - 1) // t + 1) for o, s, t in zip(offset, values.shape, tile)]
     indices = list(itertools.product(*grid))
 
+    @torch.no_grad()  # grad mode is per thread: the caller's no_grad does not reach the pool's
     def draw(share: list[tuple[int, ...]]) -> None:
         gen = torch.Generator()
         for index in share:
