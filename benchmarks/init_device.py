@@ -16,7 +16,9 @@ summed over the model's parameters. Targets:
 - ``cuda``: a float32 parameter on the GPU, receiving the CPU's draws in bands (only with CUDA);
 - ``cuda_drawn_on_gpu``: the replaced algorithm, drawn on the GPU (only with CUDA).
 
-Each at ``--threads`` (``torch.set_num_threads``: the tiles are shared among that many threads).
+Each at ``--threads`` (the tiles are shared among that many threads; a rank of the trainer uses
+its share of the host's cores, ``tiled_init.draw_threads``). ``_cpu`` figures are the process's
+CPU time, which other processes on a shared machine do not inflate as they do the wall time.
 Prints one JSON line per flavor, world size and thread count, seconds per target.
 
     python benchmarks/init_device.py [--flavor 8B] [--layers 0] [--worlds 1 8] [--threads 1 2]
@@ -80,7 +82,9 @@ def parameter_groups(args: ModelArgs) -> Counter[tuple[str, tuple[int, ...], str
     return groups
 
 
-def timed(target: str, name: str, shape: tuple[int, ...], rows: int, kind: str, std: float) -> tuple[float, float]:
+def timed(
+    target: str, name: str, shape: tuple[int, ...], rows: int, kind: str, std: float, threads: int
+) -> tuple[float, float]:
     """Wall and process CPU seconds to fill a ``rows``-row box at offset 0 of a ``shape``
     parameter on ``target``."""
     device = "cuda" if target.startswith("cuda") else "cpu"
@@ -92,13 +96,13 @@ def timed(target: str, name: str, shape: tuple[int, ...], rows: int, kind: str, 
     if target == "cuda_drawn_on_gpu":
         fill_on_device_(local, shape, kind, std, name)
     else:
-        fill_local_(local, shape, (0,) * len(shape), kind, std, 0, name)
+        fill_local_(local, shape, (0,) * len(shape), kind, std, 0, name, threads)
     if device == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter() - start, time.process_time() - start_cpu
 
 
-def measure(args: ModelArgs, world: int, sample: int, targets: list[str]) -> dict[str, float]:
+def measure(args: ModelArgs, world: int, sample: int, targets: list[str], threads: int) -> dict[str, float]:
     """Rank 0's initialisation seconds per target (wall, and ``_cpu``: the process's CPU time,
     which other processes on a shared machine do not inflate), and the values it draws."""
     seconds = {key: 0.0 for target in targets for key in (target, target + "_cpu")}
@@ -110,7 +114,7 @@ def measure(args: ModelArgs, world: int, sample: int, targets: list[str]) -> dic
         measured = min(rows, max(step, sample // per_row // step * step))
         values += count * rows * per_row
         for target in targets:
-            wall, cpu = timed(target, name, shape, measured, kind, std)
+            wall, cpu = timed(target, name, shape, measured, kind, std, threads)
             seconds[target] += count * wall * rows / measured
             seconds[target + "_cpu"] += count * cpu * rows / measured
     return {"values_per_rank": values, **{f"{t}_s": round(s, 2) for t, s in seconds.items()}}
@@ -121,7 +125,7 @@ def main() -> None:
     parser.add_argument("--flavor", default="8B", help="a Llama 3 or MoE flavor")
     parser.add_argument("--layers", type=int, default=0, help="blocks (0: the flavor's)")
     parser.add_argument("--worlds", nargs="*", type=int, default=[1, 8], help="FSDP ranks sharing the model")
-    parser.add_argument("--threads", nargs="*", type=int, default=[1, 2], help="torch threads")
+    parser.add_argument("--threads", nargs="*", type=int, default=[1, 2], help="threads drawing the tiles")
     parser.add_argument("--sample", type=int, default=1 << 26, help="most values timed per parameter")
     options = parser.parse_args()
     flavors = {**FLAVORS, **moe.FLAVORS}
@@ -129,11 +133,10 @@ def main() -> None:
     if options.layers:
         args = replace(args, n_layers=options.layers)
     targets = ["cpu", "cpu_bf16"] + (["cuda", "cuda_drawn_on_gpu"] if torch.cuda.is_available() else [])
-    timed("cpu", "warm-up", TILE, TILE[0], "trunc_normal", 0.02)
+    timed("cpu", "warm-up", TILE, TILE[0], "trunc_normal", 0.02, 1)
     for world, threads in itertools.product(options.worlds, options.threads):
-        torch.set_num_threads(threads)
         row = {"flavor": options.flavor, "layers": args.n_layers, "world": world, "threads": threads}
-        print(json.dumps(row | measure(args, world, options.sample, targets)), flush=True)
+        print(json.dumps(row | measure(args, world, options.sample, targets, threads)), flush=True)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ records every operation run on it: it must receive copies only, never a draw."""
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import replace
 
@@ -51,6 +52,16 @@ class Elsewhere(torch.Tensor):
         return tree_map(lambda x: Elsewhere(x, ops) if isinstance(x, torch.Tensor) else x, out)
 
 
+def test_each_rank_draws_with_its_share_of_the_host(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert tiled_init.draw_threads() == 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")
+    assert tiled_init.draw_threads() == 1
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert tiled_init.draw_threads() == 16
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", ["normal", "trunc_normal"])
 def test_a_device_receives_copies_of_the_cpu_draws(monkeypatch: pytest.MonkeyPatch, kind: str, dtype: torch.dtype):
@@ -88,14 +99,9 @@ def test_threads_draw_the_same_bits(monkeypatch: pytest.MonkeyPatch):
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(torch.Tensor, "uniform_", recorded)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        values = nn.Parameter(torch.empty(SHAPE[0] * 4, SHAPE[1]))
-        with torch.no_grad():
-            fill_local_(values, values.shape, (0, 0), "trunc_normal", 0.02, MODEL_SEED, "w")
-    finally:
-        torch.set_num_threads(threads)
+    values = nn.Parameter(torch.empty(SHAPE[0] * 4, SHAPE[1]))
+    with torch.no_grad():
+        fill_local_(values, values.shape, (0, 0), "trunc_normal", 0.02, MODEL_SEED, "w", threads=2)
     assert len(drawers) == 2
     assert torch.equal(values, reference_draw(tuple(values.shape), "trunc_normal", 0.02, MODEL_SEED, "w"))
 

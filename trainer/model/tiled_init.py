@@ -34,7 +34,7 @@ Every value is drawn on the CPU, whatever device holds the parameter, so that a 
 on every device: a CUDA generator's stream is not the CPU's (the debug model started at loss
 8.1750 on a GPU against 8.0976 on the CPU), and ``erfinv`` on a GPU need not round as the
 CPU's does. A parameter elsewhere receives its box in bands copied from CPU memory; the tiles
-are shared among ``torch.get_num_threads()`` threads. The bits are those of torch's CPU kernels
+are shared among threads, as many as the rank's share of the host's cores. The bits are those of torch's CPU kernels
 (mt19937, its ``normal_`` and ``erfinv``), the same on the CPU of the GPU's host as on the
 machine that rehearsed the run, provided both run the same CPU kernels; drawing every value on
 the CPU costs a GPU job start-up time (``benchmarks/init_device.py``, docs/performance.md).
@@ -48,6 +48,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -123,6 +124,7 @@ def fill_local_(
     std: float,
     seed: int,
     name: str,
+    threads: int | None = None,
 ) -> None:
     """Fill ``local``, the box of ``global_shape`` starting at ``offset``, with the values the
     tiles of parameter ``name`` give it: ``normal(0, std)`` or ``trunc_normal(0, std)`` cut at
@@ -130,18 +132,27 @@ def fill_local_(
 
     The values are drawn on the CPU whatever ``local``'s device, so that a seed means the same
     weights on every device; a tensor elsewhere receives them band by band (at most
-    ``BAND_VALUES`` at a time, cut on tile rows so that no tile is drawn twice)."""
+    ``BAND_VALUES`` at a time, cut on tile rows so that no tile is drawn twice). ``threads``
+    draw the tiles (default :func:`draw_threads`); no value depends on how many."""
     if kind not in KINDS:
         raise ValueError(f"unknown initialisation {kind!r}; expected one of {KINDS}")
     if local.numel() == 0:
         return
+    threads = draw_threads() if threads is None else threads
     if local.device.type == "cpu" and local.dtype == torch.float32:
-        draw_box_(local, global_shape, offset, kind, std, seed, name)
+        draw_box_(local, global_shape, offset, kind, std, seed, name, threads)
         return
     for first, stop in bands(global_shape, offset, tuple(local.shape)):
         values = torch.empty((stop - first, *local.shape[1:]), dtype=torch.float32)
-        draw_box_(values, global_shape, (first, *offset[1:]), kind, std, seed, name)
+        draw_box_(values, global_shape, (first, *offset[1:]), kind, std, seed, name, threads)
         local[first - offset[0] : stop - offset[0]].copy_(values)
+
+
+def draw_threads() -> int:
+    """This process's share of the host's cores: those it may run on over the ranks that share
+    the host (``LOCAL_WORLD_SIZE``). Not ``torch.get_num_threads()``, which launchers set to 1
+    per rank for the training's kernels while the cores would idle through initialisation."""
+    return max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 def bands(global_shape: tuple[int, ...], offset: tuple[int, ...], shape: tuple[int, ...]) -> list[tuple[int, int]]:
@@ -163,10 +174,11 @@ def draw_box_(
     std: float,
     seed: int,
     name: str,
+    threads: int,
 ) -> None:
     """Draw the box into ``values``, a float32 CPU tensor of its shape: tile by tile, each from a
-    CPU generator of its own; the tiles are shared among ``torch.get_num_threads()`` threads
-    (the draws release the GIL), which changes no value."""
+    CPU generator of its own; the tiles are shared among up to ``threads`` threads (the draws
+    release the GIL), which changes no value."""
     tile = tile_shape(len(global_shape))
     edge = math.erf(TRUNCATE_AT_STD / math.sqrt(2.0))
     grid = [range(o // t, (o + s - 1) // t + 1) for o, s, t in zip(offset, values.shape, tile)]
@@ -190,7 +202,7 @@ def draw_box_(
                 tuple(slice(low - a, high - a) for low, high, a in zip(lo, hi, start))
             ]
 
-    threads = min(torch.get_num_threads(), len(indices) // MIN_TILES_PER_THREAD)
+    threads = min(threads, len(indices) // MIN_TILES_PER_THREAD)
     if threads <= 1:
         draw(indices)
     else:
