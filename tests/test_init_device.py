@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import pytest
@@ -90,19 +91,28 @@ def test_a_device_receives_copies_of_the_cpu_draws(monkeypatch: pytest.MonkeyPat
 
 
 def test_threads_draw_the_same_bits(monkeypatch: pytest.MonkeyPatch):
-    """Tiles shared among threads give the single thread's bits, and more than one thread draws,
-    into a parameter that requires grad as the model's do (grad mode is per thread)."""
-    drawers, original = set(), torch.Tensor.uniform_
+    """Tiles shared between two threads give the single thread's bits, drawn by the pool's
+    threads, not the caller's, into a parameter that requires grad as the model's do (grad mode
+    is per thread)."""
+    drawers, pools, original = set(), [], torch.Tensor.uniform_
 
     def recorded(self, *args, **kwargs):
         drawers.add(threading.get_ident())
         return original(self, *args, **kwargs)
 
+    class Pool(ThreadPoolExecutor):
+        def map(self, fn, *iterables, **kwargs):
+            shares = list(iterables[0])
+            pools.append((self._max_workers, len(shares)))
+            return super().map(fn, shares, **kwargs)
+
     monkeypatch.setattr(torch.Tensor, "uniform_", recorded)
+    monkeypatch.setattr(tiled_init, "ThreadPoolExecutor", Pool)
     values = nn.Parameter(torch.empty(SHAPE[0] * 4, SHAPE[1]))
     with torch.no_grad():
         fill_local_(values, values.shape, (0, 0), "trunc_normal", 0.02, MODEL_SEED, "w", threads=2)
-    assert len(drawers) == 2
+    assert pools == [(2, 2)]
+    assert drawers and threading.get_ident() not in drawers
     assert torch.equal(values, reference_draw(tuple(values.shape), "trunc_normal", 0.02, MODEL_SEED, "w"))
 
 
