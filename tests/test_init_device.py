@@ -61,6 +61,9 @@ def test_each_rank_draws_with_its_share_of_the_host(monkeypatch: pytest.MonkeyPa
     assert tiled_init.draw_threads() == 1
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     assert tiled_init.draw_threads() == 16
+    monkeypatch.delattr(os, "sched_getaffinity")  # macOS
+    monkeypatch.setattr(os, "cpu_count", lambda: 10)
+    assert tiled_init.draw_threads() == 10
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -34,10 +34,11 @@ Every value is drawn on the CPU, whatever device holds the parameter, so that a 
 on every device: a CUDA generator's stream is not the CPU's (the debug model started at loss
 8.1750 on a GPU against 8.0976 on the CPU), and ``erfinv`` on a GPU need not round as the
 CPU's does. A parameter elsewhere receives its box in bands copied from CPU memory; the tiles
-are shared among threads, as many as the rank's share of the host's cores. The bits are those of torch's CPU kernels
-(mt19937, its ``normal_`` and ``erfinv``), the same on the CPU of the GPU's host as on the
-machine that rehearsed the run, provided both run the same CPU kernels; drawing every value on
-the CPU costs a GPU job start-up time (``benchmarks/init_device.py``, docs/performance.md).
+are shared among threads, as many as the rank's share of the host's cores. The bits are those
+of torch's CPU kernels (mt19937, its ``normal_`` and ``erfinv``), the same on the CPU of the
+GPU's host as on the machine that rehearsed the run, provided both run the same CPU kernels;
+drawing every value on the CPU costs a GPU job start-up time (``benchmarks/init_device.py``,
+docs/performance.md).
 
 The CPU generator (mt19937) keeps the low 32 bits of a seed, so among millions of tiles two may
 share a stream.
@@ -152,7 +153,9 @@ def draw_threads() -> int:
     """This process's share of the host's cores: those it may run on over the ranks that share
     the host (``LOCAL_WORLD_SIZE``). Not ``torch.get_num_threads()``, which launchers set to 1
     per rank for the training's kernels while the cores would idle through initialisation."""
-    return max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    affinity = getattr(os, "sched_getaffinity", None)  # Linux; elsewhere every core counts
+    cores = len(affinity(0)) if affinity is not None else os.cpu_count() or 1
+    return max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 def bands(global_shape: tuple[int, ...], offset: tuple[int, ...], shape: tuple[int, ...]) -> list[tuple[int, int]]:
