@@ -46,7 +46,8 @@ def test_without_cuda_the_cpu_half_runs_then_one_line_and_exit_2(tmp_path: Path)
 @pytest.mark.slow
 def test_rehearsal_runs_every_kind_of_row_on_the_cpu(tmp_path: Path):
     """The calibration probes, one throughput job, the MoE one (with its simulation, which reads
-    the probes' calibration), the loss curves, the attention and experts kernels and the resume."""
+    the probes' calibration), the loss curves, the initial weights, the attention and experts
+    kernels and the resume."""
     done = run_check(tmp_path, "--rehearse", "--jobs", "1", "--budget", "720", timeout=1000)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     measured = {r["check"]: r for r in rows(tmp_path)}
@@ -60,6 +61,7 @@ def test_rehearsal_runs_every_kind_of_row_on_the_cpu(tmp_path: Path):
         "debug model GPU vs CPU",
         "throughput 30B-A3B x 2 layers",
         "simulator 30B-A3B x 2 layers",
+        "initial weights",
         "SDPA kernel",
         "experts kernel",
         "resume",
@@ -78,6 +80,7 @@ def test_rehearsal_runs_every_kind_of_row_on_the_cpu(tmp_path: Path):
     assert measured["simulator 30B-A3B x 2 layers"]["figures"]["tokens_ratio"] > 0
     assert measured["experts kernel"]["figures"]["max_abs_diff"] < 1e-4  # grouped and looped agree
     assert measured["resume"]["result"] == "ok"
+    assert measured["initial weights"]["result"] == "ok"
     assert "flash_attention_for_cpu" in measured["SDPA kernel"]["measured"]
 
 

@@ -3,8 +3,9 @@ into the full draw, and progress lines for large models.
 
 The important promise: ``init_weights(seed)`` gives bit-identical full weights whatever mesh the
 parameters are sharded over (FSDP on 3 or 4 ranks, HSDP 2 x 2, TP 2, FSDP 2 x TP 2), compared
-with one process initialising an unsharded model, while each rank draws only the tiles its
-shards overlap, not the full tensors.
+with the draw rule written out plainly for whole tensors (``init_reference``), while each rank
+draws only the tiles its shards overlap, not the full tensors. Other devices, threads and
+expert parallelism are in ``test_init_device.py``.
 """
 
 from __future__ import annotations
@@ -13,12 +14,14 @@ import contextlib
 import logging
 import math
 import random
+import threading
 from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
 import torch
 from harness import MODEL_SEED, MODEL_SEQ_LEN, run_by_world
+from init_reference import reference_state
 
 from trainer.build import PROGRESS_MIN_PARAMS, InitProgress
 from trainer.model.llama3 import FLAVORS, ModelArgs, Transformer, model_args, num_params
@@ -183,13 +186,15 @@ TP_ARGS = ModelArgs(
 @contextlib.contextmanager
 def counting_draws() -> Iterator[list[int]]:
     """Count the values that ``Tensor.normal_`` and ``Tensor.uniform_`` fill: every random draw
-    of the initialisation, whichever algorithm makes it (``nn.init`` fills through them too)."""
-    drawn = [0]
+    of the initialisation, whichever algorithm makes it (``nn.init`` fills through them too), and
+    from whichever thread."""
+    drawn, lock = [0], threading.Lock()
     originals = {name: getattr(torch.Tensor, name) for name in ("normal_", "uniform_")}
 
     def counted(method):
         def draw(self, *args, **kwargs):
-            drawn[0] += self.numel()
+            with lock:
+                drawn[0] += self.numel()
             return method(self, *args, **kwargs)
 
         return draw
@@ -266,14 +271,21 @@ def sharded_init_worker(dp_replicate: int, dp_shard: int, tp: int, args: ModelAr
 
 
 def reference_init(args: ModelArgs) -> dict[str, torch.Tensor]:
-    model = Transformer(args)
-    model.init_weights(MODEL_SEED)
-    return {"state": full_state(model), "freqs": model.freqs_cis.clone()}
+    return reference_state(args, MODEL_SEED)
 
 
 @pytest.fixture(scope="module")
 def single_process_reference(debug_args: ModelArgs) -> dict[str, torch.Tensor]:
     return reference_init(debug_args)
+
+
+@pytest.mark.parametrize("shape", ["debug", "tp"])
+def test_one_process_is_the_reference(shape: str, debug_args: ModelArgs):
+    """The unsharded model, which the meshes below are compared with through the reference."""
+    args = debug_args if shape == "debug" else TP_ARGS
+    model = Transformer(args)
+    model.init_weights(MODEL_SEED)
+    assert_matches_reference({"state": full_state(model), "freqs": model.freqs_cis}, reference_init(args))
 
 
 def assert_matches_reference(got: dict, reference: dict) -> None:

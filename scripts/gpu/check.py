@@ -44,7 +44,7 @@ import calibrate
 import measure
 import wheels
 from jobs import FIRST_JOBS, REHEARSAL, Job, Shape, throughput_jobs
-from probes import attention_kernels, expert_kernels, release_memory
+from probes import attention_kernels, expert_kernels, initial_weights, release_memory
 from report import Deadline, Results, Row
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -334,6 +334,10 @@ class Check:
         )
 
     def kernel_probes(self) -> None:
+        try:
+            self.results.add(Row("initial weights", *initial_weights(self.shape.cpu)))
+        except Exception as e:  # a failed measurement is a row; the check goes on
+            self.results.add(Row("initial weights", "", f"{type(e).__name__}: {e}"[:300], "", "error"))
         try:
             for setting, op, kernel in attention_kernels(self.shape.cpu):
                 self.results.add(Row("SDPA kernel", setting, op, kernel, "-"))

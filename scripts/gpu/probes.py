@@ -1,6 +1,7 @@
-"""The device check's kernel probes: which kernels the model's attention and experts run on this
-GPU, read from the profiler rather than inferred from the torch version, and the experts'
-grouped matmul timed against the per-expert loop it replaces."""
+"""The device check's probes: whether a seed gives the GPU the CPU's initial weights; which
+kernels the model's attention and experts run on this GPU, read from the profiler rather than
+inferred from the torch version; and the experts' grouped matmul timed against the per-expert
+loop it replaces."""
 
 from __future__ import annotations
 
@@ -9,6 +10,48 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
+
+
+def initial_weights(cpu: bool) -> tuple[str, str, str, str, dict[str, Any]]:
+    """``(setting, measured, reference, result, figures)``: the debug model and the debug MoE
+    initialised from one seed in CPU memory and on the GPU (float32, built on the meta device
+    as the trainer builds them), compared bit for bit. The rehearsal compares two CPU copies."""
+    from dataclasses import replace
+
+    import torch
+
+    from trainer.model.llama3 import FLAVORS, Transformer
+    from trainer.model.moe import FLAVORS as MOE_FLAVORS
+
+    device = "cpu" if cpu else "cuda"
+    differing: list[str] = []
+    total, worst, seconds = 0, 0.0, 0.0
+    for args in (FLAVORS["debugmodel"], MOE_FLAVORS["debugmoe"]):
+        args = replace(args, max_seq_len=256)
+        reference = Transformer(args)
+        reference.init_weights(0)
+        with torch.device("meta"):
+            model = Transformer(args)
+        model.to_empty(device=device)
+        start = time.perf_counter()
+        with synchronized(cpu):
+            model.init_weights(0)
+        seconds += time.perf_counter() - start
+        for (name, expected), got in zip(reference.named_parameters(), model.parameters()):
+            total += 1
+            if not torch.equal(expected, got.cpu()):
+                differing.append(name)
+                worst = max(worst, (expected - got.cpu()).abs().max().item())
+    measured = f"{total - len(differing)} of {total} parameters bit-identical"
+    if differing:
+        measured += f"; worst difference {worst:.3g} ({differing[0]}, ...)"
+    return (
+        f"debug model and debug MoE, seed 0, {'CPU' if cpu else 'GPU'} vs CPU",
+        measured,
+        "all bit-identical",
+        "FAIL" if differing else "ok",
+        {"parameters": total, "differing": differing, "worst": worst, "init_s": seconds},
+    )
 
 
 def attention_kernels(cpu: bool) -> Iterator[tuple[str, str, str]]:

@@ -3,7 +3,8 @@
 Parameter names are torchtitan's, so checkpoints and parallelism plans map one to one. The
 model is built on the meta device and materialised after sharding; ``init_weights`` then fills
 each rank's shards from tile-seeded generators (``tiled_init``), so the initial weights are the
-same whatever mesh the parameters are sharded over, and a rank draws only what it holds.
+same whatever mesh the parameters are sharded over and whatever device holds them, and a rank
+draws only what it holds.
 """
 
 from __future__ import annotations
@@ -402,8 +403,8 @@ class Transformer(nn.Module):
         """Fill every parameter (plain or DTensor) and recompute the RoPE table.
 
         Each value comes from the generator of the tile it lies in, seeded from ``seed``, the
-        parameter's name and the tile's place (see ``tiled_init``), on the parameter's device;
-        a rank draws only the tiles its shards overlap. The result is independent of the mesh,
+        parameter's name and the tile's place (see ``tiled_init``), drawn on the CPU whatever the
+        parameter's device; a rank draws only the tiles its shards overlap. The result is independent of the mesh,
         the sharding and the order of initialisation. ``progress`` is told each parameter's
         global size once it is filled.
 
