@@ -29,16 +29,10 @@ def apply_fsdp(
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
     reshard_after_forward: str,
-    block_units: bool = True,
     expert_mesh: DeviceMesh | None = None,
     replicated_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """Shard ``model`` in place over ``mesh`` (1-D: FSDP, 2-D: HSDP) and return it.
-
-    ``block_units=False`` leaves the blocks to the root unit: the zero-bubble pipeline
-    schedules' split backward (input gradients, later weight gradients) gives wrong weight
-    gradients for a block that is its own FSDP unit behind another one in the same stage
-    (measured with torch 2.13), and exact ones with one unit for all of a stage's blocks.
 
     ``expert_mesh``: under expert parallelism each MoE layer's routed experts are a unit of their
     own, sharded over the data-parallel ranks outside the EP group
@@ -68,7 +62,7 @@ def apply_fsdp(
             experts = None if expert_mesh is not None else moe.experts
             replicated = [m for m in (moe.router, moe.shared_experts, experts) if m is not None]
             fully_shard(replicated, mesh=replicated_mesh, mp_policy=mp_policy, reshard_after_forward=not never)
-    for i, block in enumerate(units if block_units else []):
+    for i, block in enumerate(units):
         # The last block's backward starts right after forward, so freeing it is wasted work.
         last = i == len(units) - 1
         shard(block, reshard_after_forward == "always" or (not never and not last))

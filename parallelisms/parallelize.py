@@ -37,13 +37,7 @@ from parallelisms.expert_parallel import apply_expert_parallel
 from parallelisms.fsdp import apply_fsdp
 from parallelisms.model_parts import blocks
 from parallelisms.parallel_dims import Meshes, ParallelDims, ParallelismError
-from parallelisms.pipeline_split import (
-    ZERO_BUBBLE_SCHEDULES,
-    PipelineSplit,
-    check_pipeline,
-    plan_split,
-    split_model,
-)
+from parallelisms.pipeline_split import PipelineSplit, check_pipeline, plan_split, split_model
 from parallelisms.tensor_parallel import apply_tp
 
 
@@ -243,7 +237,6 @@ def parallelize(
             param_dtype=settings.param_dtype,
             reduce_dtype=settings.reduce_dtype,
             reshard_after_forward=settings.reshard_after_forward,
-            block_units=dims.pp == 1 or settings.pp_schedule not in ZERO_BUBBLE_SCHEDULES,
             expert_mesh=meshes.expert_fsdp,
             replicated_mesh=meshes.replicated_fsdp if dims.tp > 1 else None,
         )

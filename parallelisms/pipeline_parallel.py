@@ -80,6 +80,7 @@ class Pipeline:
             for module, index in zip(stage_modules, stage_ids)
         ]
         pipelining.no_warmup_with_itself(self.stages)
+        pipelining.split_backward_on_unsharded(self.stages)
         pipelining.mark_metadata_inference(self.stages)
         schedule_class = get_schedule_class(split.schedule)
         first = self.stages[0] if issubclass(schedule_class, PipelineScheduleSingle) else self.stages

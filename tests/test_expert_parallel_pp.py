@@ -14,6 +14,8 @@ from moe_helpers import SKEW, TOLERANCE, differences, moe_argv, moe_steps
 POOLED = ["--moe.balance_loss_layers", "pooled"]
 GPIPE = ["--parallelism.pipeline_parallel_schedule", "GPipe"]
 INTERLEAVED = ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]
+ZBV = ["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]
+INTERLEAVED_ZB = ["--parallelism.pipeline_parallel_schedule", "InterleavedZeroBubble"]
 # name: (world size, local batch size, extra argv, reference); global batch 8, so each rank's
 # pipeline runs 8 / dp samples as 8 / dp micro-batches of one sample.
 MESHES = {
@@ -35,6 +37,40 @@ MESHES = {
     "pp=2 x tp=2": (4, 8, ["--mesh", "pp=2,tp=2"], "reference"),
     "pp=2 x cp=2 x ep=2": (4, 8, ["--mesh", "pp=2,cp=2,ep=2"], "reference"),
     "pp=2 x dp_shard=2 x ep=2, pooled over layers": (4, 1, ["--mesh", "pp=2,dp_shard=2,ep=2", *POOLED], "pooled"),
+    # The zero-bubble schedules' split backward on every kind of EP mesh, where the routed
+    # experts are an FSDP unit of their own inside each block; and on a mesh where every unit
+    # is resharded after forward.
+    "pp=2 x dp_shard=2 x ep=2 InterleavedZeroBubble": (
+        4,
+        1,
+        ["--mesh", "pp=2,dp_shard=2,ep=2", *INTERLEAVED_ZB],
+        "reference",
+    ),
+    "pp=2 x dp_shard=2 x ep=2 ZBVZeroBubble, a rank without MoE layers": (
+        4,
+        1,
+        ["--mesh", "pp=2,dp_shard=2,ep=2", *ZBV],
+        "reference",
+    ),
+    "pp=2 x cp=2 x ep=2 ZBVZeroBubble, a rank without MoE layers": (
+        4,
+        8,
+        ["--mesh", "pp=2,cp=2,ep=2", *ZBV],
+        "reference",
+    ),
+    "pp=2 x cp=2 x ep=2 InterleavedZeroBubble": (4, 8, ["--mesh", "pp=2,cp=2,ep=2", *INTERLEAVED_ZB], "reference"),
+    "pp=2 x dp_replicate=2 x dp_shard=2 x ep=2 ZBVZeroBubble, a rank without MoE layers": (
+        8,
+        1,
+        ["--mesh", "pp=2,dp_replicate=2,dp_shard=2,ep=2", *ZBV],
+        "reference",
+    ),
+    "pp=2 x dp_shard=2 InterleavedZeroBubble, every unit resharded after forward": (
+        4,
+        1,
+        ["--mesh", "pp=2,dp_shard=2", *INTERLEAVED_ZB, "--parallelism.fsdp_reshard_after_forward", "always"],
+        "reference",
+    ),
 }
 VALIDATED = ("pp=2 Interleaved1F1B", "pp=2 x dp_shard=2 x ep=2 GPipe, 4 micro-batches")
 """Meshes that also evaluate each step's batch after the step, as validation does: the same loss

@@ -1,9 +1,11 @@
 """``torch.distributed.pipelining`` internals, and the ``nn.Module`` bookkeeping a stage split needs.
 
 The trainer replicates RoPE positions to every micro-batch (the splitter's private ``_Replicate``
-chunk spec). The simulator, which runs one pipeline rank alone over a fake process group, answers
-the stages' shape exchange itself and runs fewer micro-batches than the schedule was built for,
-through the schedule's and the stages' private members.
+chunk spec) and makes the zero-bubble schedules' split backward see the stage's unsharded FSDP
+parameters (:func:`split_backward_on_unsharded`, through each stage's
+``backward_maybe_with_nosync``). The simulator, which runs one pipeline rank alone over a fake
+process group, answers the stages' shape exchange itself and runs fewer micro-batches than the
+schedule was built for, through the schedule's and the stages' private members.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import _utils as pipelining_utils
 from torch.distributed.pipelining import stage as stage_module
 from torch.distributed.pipelining.microbatch import _Replicate
@@ -127,6 +130,40 @@ def no_warmup_with_itself(stages: list[Any]) -> None:
 
 def _to_others(warmup: Callable[[], list[Any]], own_rank: int) -> list[Any]:
     return [op for op in warmup() if op.group_peer != own_rank]
+
+
+def split_backward_on_unsharded(stages: list[Any]) -> None:
+    """Unshard every FSDP unit of a stage before each half of its split backward.
+
+    The zero-bubble schedules run a stage's backward in two halves: the input gradients
+    (``stage_backward_input``: ``autograd.grad`` to the stage inputs, keeping the graph), then the
+    weight gradients (``stage_backward_weight``: ``autograd.grad`` from the saved intermediates
+    to the weights). Both take the weights from ``submod.parameters()`` *before* they run, and
+    match them to the micro-batch's graph by their gradient accumulators. FSDP2 registers a
+    unit's sharded parameters on its modules while it is resharded and its unsharded ones while
+    it is unsharded, and the graph holds the unsharded ones. A unit resharded since the
+    micro-batch's forward (every unit but the root under ``reshard_after_forward``, such as the
+    routed experts' own unit inside each MoE block; under ``"always"`` the root too) lists
+    parameters that are not in the graph: the input half puts them in no weight group, and the
+    weight half computes nothing for them, so that micro-batch's gradient for the unit's
+    parameters is silently dropped (measured on torch 2.13: the routed experts of
+    ``pp=2,dp_shard=2,ep=2`` kept 1 or 2 of 4 micro-batches' gradients). Unsharding first, as the
+    unit's own pre-backward hook would a moment later, makes the listed parameters the graph's.
+    The full backward (``autograd.backward``) accumulates every leaf of the graph and needs none
+    of this.
+    """
+    for stage in stages:
+        stage.backward_maybe_with_nosync = functools.partial(
+            _unsharded_first, stage.backward_maybe_with_nosync, stage.submod
+        )
+
+
+def _unsharded_first(backward: Callable[..., Any], submod: nn.Module, backward_type: str, *args: Any, **kwargs: Any):
+    if backward_type in ("input", "weight"):
+        for module in submod.modules():
+            if isinstance(module, FSDPModule):
+                module.unshard()
+    return backward(backward_type, *args, **kwargs)
 
 
 def is_forward_metadata(meta: object) -> bool:
