@@ -20,14 +20,16 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from trainer.checkpoint.folders import PARAMETER_FIELDS, model_differences
+from trainer.checkpoint.folders import PARAMETER_FIELDS, check_initial_load_kind, model_differences
 from trainer.checkpoint.hf_folders import HFFolder
+from trainer.config import Checkpoint
 from trainer.model import hf_llama3
 from trainer.model.hf_architectures import adapter_for_config
 from trainer.model.hf_llama3 import InteropError
 from trainer.model.hf_qwen3_moe import MOE_FIELDS
 from trainer.model.llama3 import ModelArgs, Transformer
 from trainer.model.tiled_init import stacked_box
+from trainer.runtime.errors import ConfigError, UserError
 
 logger = logging.getLogger("meshtrain")
 
@@ -74,3 +76,20 @@ def load_hf_weights(model: Transformer, model_args: ModelArgs, path: Path) -> No
                 continue
             values = adapter.read_box(name, model_args, box, folder.read, tie_word_embeddings=tied)
             local.copy_(values.to(local.device, local.dtype))
+
+
+def check_initial_load(config: Checkpoint, model_args: ModelArgs) -> None:
+    """Refuse, before launch, a ``checkpoint.initial_load_path`` that is not what
+    ``checkpoint.initial_load_in_hf`` says (``check_initial_load_kind``), or a Hugging Face
+    folder whose config or tensor shapes (its headers: no weight is read) are not the model of
+    ``model_args``. The weights' finiteness is checked as each rank reads its shard."""
+    check_initial_load_kind(config)
+    if not config.initial_load_in_hf:
+        return
+    try:
+        folder = HFFolder(config.initial_load_path)
+        adapter = check_folder_config(folder.config, model_args, folder.path)
+        tied = bool(folder.config.get("tie_word_embeddings"))
+        adapter.check_hf_shapes(folder.shapes, model_args, tie_word_embeddings=tied)
+    except UserError as err:
+        raise ConfigError(f"`checkpoint.initial_load_path`: {err}") from None
