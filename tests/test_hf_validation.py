@@ -20,7 +20,8 @@ from typing import Any
 
 import pytest
 import torch
-from harness import ROOT
+import torch.distributed as dist
+from harness import ROOT, run_ranks
 from hf_helpers import run_script
 from safetensors.torch import load_file, save_file
 
@@ -197,6 +198,26 @@ def test_a_non_finite_weight_is_not_imported_nor_loaded(folders, tmp_path, capsy
     model = Transformer(MOE)
     with pytest.raises(InteropError, match=f"`{name}` holds NaN or infinite values"):
         load_hf_weights(model, MOE, folder)
+
+
+def load_on_this_rank(folders: list[Path]) -> str | None:
+    """Rank r loads ``folders[r]``; the error it raises, if any."""
+    dist.init_process_group("gloo")
+    try:
+        load_hf_weights(Transformer(MOE), MOE, folders[dist.get_rank()])
+    except InteropError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.slow
+def test_a_non_finite_weight_one_rank_reads_fails_every_rank_with_its_line(folders, tmp_path):
+    """As a NaN in one rank's shard: without agreeing, the other ranks would go on to their
+    first collective and die there with a gloo traceback instead of the line."""
+    name = "model.layers.1.mlp.experts.3.up_proj.weight"
+    damaged = edited_folder(folders["moe_hf"], tmp_path / "hf", tensor=(name, (0, 0), math.nan))
+    errors = run_ranks(load_on_this_rank, 2, [folders["moe_hf"], damaged])
+    assert errors[0] == errors[1] and f"`{name}` holds NaN or infinite values" in str(errors[1])
 
 
 # model_args.json edits of the MoE checkpoint -> what the one line must say (our field named).

@@ -18,6 +18,7 @@ from types import ModuleType
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from trainer.checkpoint.folders import PARAMETER_FIELDS, check_initial_load_kind, model_differences
@@ -67,15 +68,31 @@ def load_hf_weights(model: Transformer, model_args: ModelArgs, path: Path) -> No
     adapter = check_folder_config(folder.config, model_args, path)
     tied = bool(folder.config.get("tie_word_embeddings"))
     adapter.check_hf_shapes(folder.shapes, model_args, tie_word_embeddings=tied)
+    problem = None
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            offset, shape, _ = stacked_box(model.get_submodule(name.rpartition(".")[0]), param)
-            box = tuple(slice(o, o + n) for o, n in zip(offset, shape))
-            local = param.to_local() if isinstance(param, DTensor) else param
-            if local.numel() == 0:
-                continue
-            values = adapter.read_box(name, model_args, box, folder.read, tie_word_embeddings=tied)
-            local.copy_(values.to(local.device, local.dtype))
+        try:
+            for name, param in model.named_parameters():
+                offset, shape, _ = stacked_box(model.get_submodule(name.rpartition(".")[0]), param)
+                box = tuple(slice(o, o + n) for o, n in zip(offset, shape))
+                local = param.to_local() if isinstance(param, DTensor) else param
+                if local.numel() == 0:
+                    continue
+                values = adapter.read_box(name, model_args, box, folder.read, tie_word_embeddings=tied)
+                local.copy_(values.to(local.device, local.dtype))
+        except InteropError as err:
+            problem = str(err)
+    _raise_on_every_rank(problem)
+
+
+def _raise_on_every_rank(problem: str | None) -> None:
+    """A weight only one rank reads (a NaN in its shard) fails every rank with the same line:
+    the others would otherwise go on to their first collective and die there with a traceback."""
+    if dist.is_available() and dist.is_initialized():
+        found: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(found, problem)
+        problem = next((p for p in found if p), None)
+    if problem:
+        raise InteropError(problem)
 
 
 def check_initial_load(config: Checkpoint, model_args: ModelArgs) -> None:
