@@ -26,9 +26,15 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))  # run as a plain script from anywhere
 
-from trainer.checkpoint.folders import dcp_model_reader, read_model_args  # noqa: E402
+from trainer.checkpoint.folders import (  # noqa: E402
+    MODEL_ARGS_FILE,
+    check_model_entries,
+    dcp_model_reader,
+    read_model_args,
+)
 from trainer.checkpoint.hf_folders import DEFAULT_MAX_SHARD_BYTES, export_hf_folder  # noqa: E402
-from trainer.model.hf_llama3 import HF_DTYPES  # noqa: E402
+from trainer.model.hf_architectures import adapter_for_args  # noqa: E402
+from trainer.model.hf_llama3 import HF_DTYPES, InteropError  # noqa: E402
 from trainer.model.llama3 import ModelArgs  # noqa: E402
 from trainer.model.moe import MoEArgs  # noqa: E402
 from trainer.runtime.errors import UserError, report  # noqa: E402
@@ -60,6 +66,11 @@ def main(argv: list[str] | None = None) -> None:
     opts = parser.parse_args(argv)
     try:
         args = read_model_args(opts.checkpoint_dir)
+        try:
+            adapter_for_args(args).hf_config(args, DTYPES[opts.dtype])  # a model the format cannot hold
+        except InteropError as err:
+            raise InteropError(f"{opts.checkpoint_dir / MODEL_ARGS_FILE}: {err}") from None
+        check_model_entries(opts.checkpoint_dir, args)
         read = dcp_model_reader(opts.checkpoint_dir)
         export_hf_folder(
             opts.output_dir,

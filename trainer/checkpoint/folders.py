@@ -40,7 +40,7 @@ from trainer.checkpoint.integrity import (
 from trainer.config import Checkpoint
 from trainer.model.hf_architectures import adapter_for_args
 from trainer.model.hf_llama3 import CONFIG_FILE, InteropError, preview_names
-from trainer.model.llama3 import ModelArgs
+from trainer.model.llama3 import ModelArgs, Transformer
 from trainer.model.moe import MoEArgs
 from trainer.runtime.errors import ConfigError
 
@@ -225,7 +225,7 @@ def steps_inside(folder: Path) -> list[str]:
     return sorted(str(p.relative_to(folder)) for p in found if p.is_dir() and STEP_FOLDER.match(p.name))
 
 
-def check_initial_load(config: Checkpoint) -> None:
+def check_initial_load_kind(config: Checkpoint) -> None:
     """Refuse, before launch, a ``checkpoint.initial_load_path`` that cannot be what
     ``checkpoint.initial_load_in_hf`` says it is; the job would start and fail at its load."""
     if not config.initial_load_path:
@@ -309,6 +309,22 @@ def dcp_model_reader(checkpoint_dir: str | Path) -> Callable[[str], torch.Tensor
         return tensor
 
     return read
+
+
+def check_model_entries(checkpoint_dir: str | Path, args: ModelArgs) -> None:
+    """Refuse, from the metadata alone, a checkpoint whose parameters are not those of ``args``
+    (its ``model_args.json`` edited, or copied beside another model's files): an export would
+    fail inside DCP's load with a traceback, or write weights its config.json does not describe."""
+    folder = Path(checkpoint_dir)
+    entries = _model_entries(folder)
+    with torch.device("meta"):
+        model = Transformer(args)
+    buffers = set(model.state_dict()) - {name for name, _ in model.named_parameters()}
+    params = {name: torch.empty(e.size, device="meta") for name, e in entries.items() if name not in buffers}
+    try:
+        adapter_for_args(args).check_state_dict(params, args)
+    except InteropError as err:
+        raise InteropError(f"{folder}: its tensors do not match its {MODEL_ARGS_FILE}: {err}") from None
 
 
 def verify(folder: Path) -> None:

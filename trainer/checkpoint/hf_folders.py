@@ -21,9 +21,10 @@ import torch
 
 from trainer.checkpoint.disk import staged_output
 from trainer.checkpoint.folders import folder_kind
+from trainer.checkpoint.integrity import first_non_finite
 from trainer.data.tokenizer import Tokenizer, load_tokenizer
 from trainer.model.hf_architectures import adapter_for_args
-from trainer.model.hf_llama3 import CONFIG_FILE, InteropError, preview_names
+from trainer.model.hf_llama3 import CONFIG_FILE, HF_DTYPES, InteropError, preview_names
 from trainer.model.llama3 import ModelArgs
 from trainer.runtime.errors import ConfigError
 
@@ -131,8 +132,10 @@ def export_hf_folder(
                     name = pieces[n][0]
                     if held is None or held[0] != name:
                         held = (name, read(name).detach())
-                    tensor = adapter.to_hf_piece(n, held[1], args, pieces)
-                    file.write(tensor.to(device="cpu", dtype=dtype).contiguous().view(torch.uint8).numpy().data)
+                    piece = adapter.to_hf_piece(n, held[1], args, pieces)
+                    tensor = piece.to(device="cpu", dtype=dtype)
+                    _check_finite(n, name, piece, tensor)
+                    file.write(tensor.contiguous().view(torch.uint8).numpy().data)
         if len(shards) > 1:
             index = {
                 "metadata": {"total_size": sum(sizes.values())},
@@ -145,6 +148,23 @@ def export_hf_folder(
         _write_json(staging / GENERATION_CONFIG_FILE, generation)
         for written in staging.iterdir():
             os.chmod(written, 0o644)
+
+
+def _check_finite(hf_name: str, name: str, ours: torch.Tensor, written: torch.Tensor) -> None:
+    """Refuse to write a NaN or an infinity: transformers would load it and compute NaN logits.
+    A value finite in the checkpoint but beyond the export dtype's range is the dtype's fault."""
+    if first_non_finite([(hf_name, written)]) is None:
+        return
+    if first_non_finite([(name, ours)]) is None:
+        largest = torch.finfo(written.dtype).max
+        raise InteropError(
+            f"`{name}` ({hf_name}) holds values beyond {largest:.4g}, the largest {HF_DTYPES[written.dtype]} number; "
+            "export with `--dtype bfloat16` or `--dtype float32`."
+        )
+    raise InteropError(
+        f"`{name}` ({hf_name}) holds NaN or infinite values, which the checkpoint should never have published; "
+        "export an earlier `step-N`."
+    )
 
 
 def _read_tokenizer(tokenizer: Path) -> Tokenizer:
@@ -231,9 +251,19 @@ class HFFolder:
                 )
 
     def read(self, name: str, box: tuple[slice, ...]) -> torch.Tensor:
-        """``tensor[box]`` of tensor ``name`` in its stored dtype; the file is mapped only while reading."""
+        """``tensor[box]`` of tensor ``name`` in its stored dtype; the file is mapped only while reading.
+
+        A NaN or an infinity is refused: trained from, it makes every loss NaN from the first step;
+        converted, it would sit in a checkpoint the trainer's own saves never publish. Each box is
+        checked as it is read, so the check costs one pass over what is read anyway."""
         with _open(self.where[name]) as handle:
-            return handle.get_slice(name)[box]
+            values = handle.get_slice(name)[box]
+        if first_non_finite([(name, values)]) is not None:
+            raise InteropError(
+                f"{self.where[name]}: `{name}` holds NaN or infinite values; the folder's weights are damaged or "
+                "were saved from a diverged model: download or save them again."
+            )
+        return values
 
 
 def _not_hugging_face(folder: Path) -> str:

@@ -18,16 +18,19 @@ from types import ModuleType
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from trainer.checkpoint.folders import PARAMETER_FIELDS, model_differences
+from trainer.checkpoint.folders import PARAMETER_FIELDS, check_initial_load_kind, model_differences
 from trainer.checkpoint.hf_folders import HFFolder
+from trainer.config import Checkpoint
 from trainer.model import hf_llama3
 from trainer.model.hf_architectures import adapter_for_config
 from trainer.model.hf_llama3 import InteropError
 from trainer.model.hf_qwen3_moe import MOE_FIELDS
 from trainer.model.llama3 import ModelArgs, Transformer
 from trainer.model.tiled_init import stacked_box
+from trainer.runtime.errors import ConfigError, UserError
 
 logger = logging.getLogger("meshtrain")
 
@@ -65,12 +68,45 @@ def load_hf_weights(model: Transformer, model_args: ModelArgs, path: Path) -> No
     adapter = check_folder_config(folder.config, model_args, path)
     tied = bool(folder.config.get("tie_word_embeddings"))
     adapter.check_hf_shapes(folder.shapes, model_args, tie_word_embeddings=tied)
+    problem = None
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            offset, shape, _ = stacked_box(model.get_submodule(name.rpartition(".")[0]), param)
-            box = tuple(slice(o, o + n) for o, n in zip(offset, shape))
-            local = param.to_local() if isinstance(param, DTensor) else param
-            if local.numel() == 0:
-                continue
-            values = adapter.read_box(name, model_args, box, folder.read, tie_word_embeddings=tied)
-            local.copy_(values.to(local.device, local.dtype))
+        try:
+            for name, param in model.named_parameters():
+                offset, shape, _ = stacked_box(model.get_submodule(name.rpartition(".")[0]), param)
+                box = tuple(slice(o, o + n) for o, n in zip(offset, shape))
+                local = param.to_local() if isinstance(param, DTensor) else param
+                if local.numel() == 0:
+                    continue
+                values = adapter.read_box(name, model_args, box, folder.read, tie_word_embeddings=tied)
+                local.copy_(values.to(local.device, local.dtype))
+        except InteropError as err:
+            problem = str(err)
+    _raise_on_every_rank(problem)
+
+
+def _raise_on_every_rank(problem: str | None) -> None:
+    """A weight only one rank reads (a NaN in its shard) fails every rank with the same line:
+    the others would otherwise go on to their first collective and die there with a traceback."""
+    if dist.is_available() and dist.is_initialized():
+        found: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(found, problem)
+        problem = next((p for p in found if p), None)
+    if problem:
+        raise InteropError(problem)
+
+
+def check_initial_load(config: Checkpoint, model_args: ModelArgs) -> None:
+    """Refuse, before launch, a ``checkpoint.initial_load_path`` that is not what
+    ``checkpoint.initial_load_in_hf`` says (``check_initial_load_kind``), or a Hugging Face
+    folder whose config or tensor shapes (its headers: no weight is read) are not the model of
+    ``model_args``. The weights' finiteness is checked as each rank reads its shard."""
+    check_initial_load_kind(config)
+    if not config.initial_load_in_hf:
+        return
+    try:
+        folder = HFFolder(config.initial_load_path)
+        adapter = check_folder_config(folder.config, model_args, folder.path)
+        tied = bool(folder.config.get("tie_word_embeddings"))
+        adapter.check_hf_shapes(folder.shapes, model_args, tie_word_embeddings=tied)
+    except UserError as err:
+        raise ConfigError(f"`checkpoint.initial_load_path`: {err}") from None

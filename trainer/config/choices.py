@@ -23,7 +23,7 @@ TARGET_GPUS = ("h100", "h200", "a100", "b200")
 
 MODEL_FLAVORS = {
     "llama3": ("debugmodel", "1B", "3B", "8B", "70B", "405B"),
-    "moe": ("debugmoe", "qwen3_30b_a3b", "qwen3_235b_a22b"),
+    "moe": ("debugmoe", "qwen3_moe_debug", "qwen3_30b_a3b", "qwen3_235b_a22b"),
 }
 """Each ``model.name``'s ``model.flavor`` presets (``trainer/model/llama3.py``, ``trainer/model/moe.py``)."""
 

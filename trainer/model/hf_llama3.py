@@ -14,12 +14,14 @@ folders is ``trainer/checkpoint/hf_folders.py``'s job (safetensors) and
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
+from trainer.model.hf_config_checks import config_problem, our_field
 from trainer.model.llama3 import (
     FLAVORS,
     LLAMA3_HIGH_FREQ_FACTOR,
@@ -91,6 +93,22 @@ def preview_names(names: list[str]) -> str:
     return f"[{shown}{f', ... ({len(names)} in all)' if len(names) > _PREVIEW else ''}]"
 
 
+def family_hint(missing: list[str], unexpected: list[str]) -> str:
+    """What the tensors are when they are the other family's, dense for MoE or MoE for dense: the
+    config (``config.json``, ``model_args.json``) or the chosen flavor names the wrong model."""
+    if any(".experts." in k for k in unexpected) and not any(".experts." in k for k in missing):
+        return (
+            " The tensors are a Mixture-of-Experts model's (`experts`) but the config describes a dense one: "
+            "the folder's config and weights disagree, or a dense flavor was chosen for an MoE model."
+        )
+    if any(".experts." in k for k in missing) and not any(".experts." in k for k in unexpected):
+        return (
+            " The tensors are a dense model's (no `experts`) but the config describes a Mixture-of-Experts: "
+            "the config and weights disagree, or an MoE flavor was chosen for a dense model."
+        )
+    return ""
+
+
 def _check_state_dict(sd: dict[str, torch.Tensor], expected: dict[str, torch.Size], what: str, args: ModelArgs) -> None:
     """Raise ``InteropError`` naming every missing or unexpected key, or the first wrong shape."""
     missing = [k for k in expected if k not in sd]
@@ -100,6 +118,7 @@ def _check_state_dict(sd: dict[str, torch.Tensor], expected: dict[str, torch.Siz
             f"{what} does not match a {args.n_layers}-layer Llama 3: missing keys {preview_names(missing)}, "
             f"unexpected keys {preview_names(unexpected)}. Convert only the model's weights, with the exact "
             f"parameter names (no wrapper prefixes such as `_orig_mod.`), and the ModelArgs they were made with."
+            + family_hint(missing, unexpected)
         )
     for key, shape in expected.items():
         tensor = sd[key]
@@ -254,6 +273,15 @@ def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict[str, Any]:
     """
     if dtype not in HF_DTYPES:
         raise InteropError(f"cannot export in {dtype}; choose one of {', '.join(HF_DTYPES.values())}.")
+    check_divisors(args)
+    differ = [f"`qk_norm` = {args.qk_norm}" for _ in range(args.qk_norm)] + [
+        f"`head_size` = {args.head_size}" for _ in range(args.head_dim * args.n_heads != args.dim)
+    ]
+    if differ:
+        raise InteropError(
+            f"the model args cannot be exported: {', '.join(differ)}, but a LlamaForCausalLM has no q/k norms "
+            "and heads of `dim` / `n_heads` channels; of our models only the MoE has them (Qwen3MoeForCausalLM)."
+        )
     rope_scaling = None
     if args.rope_scaling:
         rope_scaling = {
@@ -263,7 +291,7 @@ def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict[str, Any]:
             "high_freq_factor": LLAMA3_HIGH_FREQ_FACTOR,
             "original_max_position_embeddings": LLAMA3_ORIGINAL_CONTEXT,
         }
-    return {
+    cfg = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_act": "silu",
@@ -284,6 +312,33 @@ def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict[str, Any]:
         "tie_word_embeddings": False,
         "torch_dtype": HF_DTYPES[dtype],
     }
+    check_exportable(cfg, moe=False)
+    return cfg
+
+
+def check_divisors(args: ModelArgs) -> None:
+    """Refuse the fields the ``config.json`` sizes are divided by before any size is computed
+    from them (a ``ZeroDivisionError`` names nothing)."""
+    check_exportable({"num_attention_heads": args.n_heads}, moe=False)
+    if not isinstance(args.multiple_of, int) or isinstance(args.multiple_of, bool) or args.multiple_of < 1:
+        raise InteropError(
+            f"the model args cannot be exported: `multiple_of` = {args.multiple_of!r}: it must be a whole number "
+            "of at least 1."
+        )
+
+
+def check_exportable(cfg: dict[str, Any], *, moe: bool) -> None:
+    """Refuse to write a ``config.json`` that describes no possible model, naming our field."""
+    problem = config_problem(cfg, moe=moe, name=our_field)
+    if problem:
+        raise InteropError(f"the model args cannot be exported: {problem}.")
+
+
+def check_importable(cfg: dict[str, Any], *, moe: bool) -> None:
+    """Refuse a ``config.json`` that describes no possible model, naming its key."""
+    problem = config_problem(cfg, moe=moe)
+    if problem:
+        raise InteropError(f"{CONFIG_FILE}: {problem}.")
 
 
 def _require(cfg: dict[str, Any], key: str) -> Any:
@@ -307,6 +362,8 @@ def _rope_args(cfg: dict[str, Any]) -> dict[str, Any]:
     else:
         theta = _require(cfg, "rope_theta")
         scaling = cfg.get("rope_scaling")
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta) or theta <= 0:
+        raise InteropError(f"{CONFIG_FILE}: `rope_theta` = {theta!r}: it must be a finite number above 0.")
     out: dict[str, Any] = {"rope_theta": float(theta), "rope_scaling": scaling is not None}
     if scaling is None:
         return out
@@ -321,7 +378,12 @@ def _rope_args(cfg: dict[str, Any]) -> dict[str, Any]:
             f"{CONFIG_FILE}: RoPE scaling {scaling} is not supported; trainer/model/llama3.py implements only "
             f"rope_type `llama3` with a `factor` and {constants}."
         )
-    out["rope_scaling_factor"] = float(scaling["factor"])
+    factor = scaling["factor"]
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor <= 0:
+        raise InteropError(
+            f"{CONFIG_FILE}: the RoPE scaling `factor` = {factor!r}: it must be a finite number above 0."
+        )
+    out["rope_scaling_factor"] = float(factor)
     return out
 
 
@@ -366,6 +428,7 @@ def model_args_from_hf_config(cfg: dict[str, Any]) -> ModelArgs:
         raise InteropError(
             f"{CONFIG_FILE}: {unsupported} is not supported; trainer/model/llama3.py has SiLU and no biases."
         )
+    check_importable(cfg, moe=False)
     dim = _require(cfg, "hidden_size")
     n_heads = _require(cfg, "num_attention_heads")
     head_dim = cfg.get("head_dim") or dim // n_heads

@@ -32,6 +32,10 @@ from trainer.model.hf_llama3 import (
     _interleaved_to_half,
     _require,
     _rope_args,
+    check_divisors,
+    check_exportable,
+    check_importable,
+    family_hint,
     preview_names,
 )
 from trainer.model.llama3 import ModelArgs, Transformer
@@ -80,7 +84,10 @@ def _check_supported(args: MoEArgs) -> None:
     }
     differ = {k: getattr(args, k) for k, v in wanted.items() if getattr(args, k) != v}
     if differ:
-        raise InteropError(f"{differ} cannot be a {ARCHITECTURE}, which needs {wanted}.")
+        raise InteropError(
+            f"{differ} cannot be a {ARCHITECTURE}, which needs {wanted}; to export, train a flavor it can hold "
+            "(`qwen3_moe_debug`, as train_configs/tiny_qwen3_moe.toml, or the `qwen3_*` ones)."
+        )
 
 
 def hf_pieces(args: MoEArgs) -> dict[str, Piece]:
@@ -148,6 +155,7 @@ def _check(sd: dict[str, Any], expected: dict[str, torch.Size], what: str, args:
         raise InteropError(
             f"{what} does not match a {args.n_layers}-layer {ARCHITECTURE} of {args.n_experts} experts: missing "
             f"keys {preview_names(missing)}, unexpected keys {preview_names(unexpected)}."
+            + family_hint(missing, unexpected)
         )
     wrong = [k for k, shape in expected.items() if tuple(sd[k].shape) != tuple(shape)]
     if wrong:
@@ -218,7 +226,8 @@ def hf_config(args: MoEArgs, dtype: torch.dtype) -> dict[str, Any]:
     _check_supported(args)
     if dtype not in HF_DTYPES:
         raise InteropError(f"cannot export in {dtype}; choose one of {', '.join(HF_DTYPES.values())}.")
-    return {
+    check_divisors(args)
+    cfg = {
         "architectures": [ARCHITECTURE],
         "model_type": MODEL_TYPE,
         "hidden_act": "silu",
@@ -245,14 +254,18 @@ def hf_config(args: MoEArgs, dtype: torch.dtype) -> dict[str, Any]:
         "tie_word_embeddings": False,
         "torch_dtype": HF_DTYPES[dtype],
     }
+    check_exportable(cfg, moe=True)
+    return cfg
 
 
 def model_args_from_hf_config(cfg: dict[str, Any]) -> MoEArgs:
     """The ``MoEArgs`` of a ``Qwen3MoeForCausalLM`` ``config.json``; the inverse of ``hf_config``.
 
     What our MoE cannot express (dense layers between MoE ones, a sliding window, biases, RoPE
-    scaling) is an error rather than a silently different model.
+    scaling) is an error rather than a silently different model; a config that describes no
+    possible model (``check_importable``) is refused before that, naming the key.
     """
+    check_importable(cfg, moe=True)
     unsupported = {
         k: cfg[k]
         for k, ours in (

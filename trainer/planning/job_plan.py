@@ -20,7 +20,7 @@ from parallelisms.parallel_dims import ParallelDims, ParallelismError, device_ty
 from parallelisms.parallelize import ModelShape, ParallelSettings, check
 from parallelisms.torch_private import UnsupportedTorch
 from parallelisms.torch_private import check as check_torch_internals
-from trainer.checkpoint.folders import check_initial_load
+from trainer.checkpoint.hf_load import check_initial_load
 from trainer.config import ConfigError, JobConfig, cautions, resolve_path
 from trainer.data.datasets import validates, validation_seq_len
 from trainer.data.tokenizer import Tokenizer, load_tokenizer
@@ -171,7 +171,7 @@ def resolve_job(
         )
     if config.profiling.enable_memory_snapshot and device != "cuda":
         raise ConfigError("`profiling.enable_memory_snapshot` records the CUDA allocator: it needs a GPU.")
-    check_initial_load(config.checkpoint)
+    check_initial_load(config.checkpoint, args)
     if config.checkpoint.create_seed_checkpoint and world_size != 1:
         raise ConfigError(
             f"`checkpoint.create_seed_checkpoint` runs on one process, not {world_size}: launch it with NGPU=1."
