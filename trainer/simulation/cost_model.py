@@ -10,9 +10,11 @@ what the real code asked for.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils.flop_counter import flop_registry
@@ -26,8 +28,11 @@ from trainer.simulation.targets import Target
 ASSUMPTIONS = (
     "compute: traced matmul and attention FLOPs at the target's dense bf16 peak x `efficiency`; causal "
     "attention counts half its score and value matmuls (flash kernels skip the masked blocks)",
-    "memory-bound ops: bytes every other op reads and writes (eager, no fusion: compile is off in the "
-    "simulation) at the HBM bandwidth x `hbm_efficiency`, not overlapped with the matmuls",
+    "memory-bound ops: bytes every other op reads and writes at the HBM bandwidth x `hbm_efficiency`, not "
+    "overlapped with the matmuls; with `compile.enable` (the blocks and the loss compiled), chains of elementwise "
+    "ops and the reductions they feed (softmax, the loss) inside a block or the loss count as one fused kernel "
+    "(each chain's intermediates neither written nor read again), the rest as eager; fusion into matmul "
+    "epilogues is not modelled",
     "collectives: ring alpha-beta, alpha x (n - 1) + bus bytes / bandwidth; bus bytes per rank are "
     "(n-1)/n of the buffer for all-gather and reduce-scatter, twice that for all-reduce, the message "
     "for send; NVLink inside a node of NGPU ranks, the per-GPU network between nodes",
@@ -97,10 +102,45 @@ class Collective:
 
 
 @dataclass
+class Cost:
+    """One row of a step's breakdown: FLOPs and memory traffic, eager and as compile fuses it."""
+
+    flops: float = 0.0
+    memory_bytes: float = 0.0
+    fused_bytes: float = 0.0
+
+    def add(self, other: Cost, weight: float = 1.0) -> None:
+        self.flops += weight * other.flops
+        self.memory_bytes += weight * other.memory_bytes
+        self.fused_bytes += weight * other.fused_bytes
+
+
+@dataclass
 class TracedCost:
     flops: int = 0
     memory_bytes: int = 0
     collectives: list[Collective] = field(default_factory=list)
+    fused_bytes: int = 0
+    """``memory_bytes`` as compile would move them (:class:`Fusion`)."""
+    by_op: dict[str, Cost] = field(default_factory=dict)
+    by_module: dict[str, Cost] = field(default_factory=dict)
+    """Where the cost arose: ``phase module[/moe part]`` (``CostRecorder.where``)."""
+
+    def record(self, op: str, where: str, cost: Cost, weight: float = 1.0) -> None:
+        self.flops += round(weight * cost.flops)
+        self.memory_bytes += round(weight * cost.memory_bytes)
+        self.fused_bytes += round(weight * cost.fused_bytes)
+        self.by_op.setdefault(op, Cost()).add(cost, weight)
+        self.by_module.setdefault(where, Cost()).add(cost, weight)
+
+    def add_scaled(self, other: TracedCost, weight: float) -> None:
+        """Add ``weight`` x ``other``'s FLOPs and bytes (not its collectives)."""
+        self.flops += round(weight * other.flops)
+        self.memory_bytes += round(weight * other.memory_bytes)
+        self.fused_bytes += round(weight * other.fused_bytes)
+        for mine, theirs in ((self.by_op, other.by_op), (self.by_module, other.by_module)):
+            for key, cost in theirs.items():
+                mine.setdefault(key, Cost()).add(cost, weight)
 
     def comm_bytes(self) -> dict[str, int]:
         by_dim: dict[str, int] = {}
@@ -138,6 +178,54 @@ def _nbytes(value: Any) -> int:
     )
 
 
+FUSED_POINTWISE = ("_to_copy", "index_select", "index", "gather")
+"""Not tagged pointwise, fused like one: dtype casts, and gathers (an indirect load per element)."""
+FUSED_REDUCTIONS = (
+    "_softmax",
+    "_log_softmax",
+    "_softmax_backward_data",
+    "_log_softmax_backward_data",
+    "nll_loss_forward",
+    "nll_loss_backward",
+)
+"""Not tagged reductions, fused like them: the (log-)softmax and the loss over a row."""
+
+
+class Fusion:
+    """The bytes an op would move inside a compiled region, where Inductor fuses chains of
+    elementwise ops (and the reductions they feed) into one kernel: an op of a chain reads what
+    the chain made before it for free, and that intermediate is never written (the chain's
+    ops run back to back in dispatch order; any other op, a matmul or a copy, ends the chain).
+    Not modelled: fusion across a matmul's epilogue, or a fused intermediate that a later op outside
+    the chain reads again (counted as not written: an underestimate where it happens)."""
+
+    def __init__(self) -> None:
+        self._chain: dict[int, int] = {}
+        """Storages the running chain made -> the bytes written to them (refunded when read)."""
+
+    def bytes(self, func: Any, args: tuple, out: Any, eager: int, compiled: bool) -> int:
+        name = func.__name__.split(".")[0]
+        pointwise = torch.Tag.pointwise in func.tags or name in FUSED_POINTWISE
+        if not compiled or not (pointwise or torch.Tag.reduction in func.tags or name in FUSED_REDUCTIONS):
+            self._chain.clear()
+            return eager
+        moved = 0
+        for t in tensors_in(args):
+            key = id(_storage(t))
+            moved += -self._chain.pop(key) if key in self._chain else _nbytes(t)
+        if not pointwise:
+            self._chain.clear()
+        for t in tensors_in(out):
+            written = _nbytes(t)
+            moved += written
+            self._chain[id(_storage(t))] = written
+        return max(moved, 0)
+
+
+def _storage(t: torch.Tensor) -> torch.UntypedStorage:
+    return (dtensor.local_tensor(t) if isinstance(t, DTensor) else t).untyped_storage()
+
+
 class CostRecorder:
     """Adds up one step's FLOPs, memory traffic and collectives while ``enabled``, in all and
     for the micro-batch running (``microbatch``; see ``microbatches.py``)."""
@@ -147,6 +235,9 @@ class CostRecorder:
         self.enabled = False
         self.microbatch: int | None = None
         self.costs = MicrobatchCosts()
+        self.where: Callable[[], tuple[str, bool]] = lambda: ("", False)
+        """Where the running op is (a row of the breakdown) and whether compile would trace it."""
+        self.fusion = Fusion()
 
     @property
     def cost(self) -> TracedCost:
@@ -171,9 +262,13 @@ class CostRecorder:
                 flops = _attention_flops(name, args, kwargs)
         elif func.namespace == "aten" and not func.is_view and not name.startswith(("empty", "detach", "_local")):
             memory = _nbytes(args) + _nbytes(out)
-        for cost in self._costs():
-            cost.flops += flops
-            cost.memory_bytes += memory
+        if not (flops or memory):
+            return
+        where, compiled = self.where()
+        fused = self.fusion.bytes(func, args, out, memory, compiled and not flops)
+        cost = Cost(flops, memory, fused)
+        for traced in self._costs():
+            traced.record(name, where, cost)
 
     def _costs(self) -> list[TracedCost]:
         if self.microbatch is None:
@@ -250,11 +345,18 @@ def _collective_s(c: Collective, target: Target) -> float:
 
 
 def step_time(
-    cost: TracedCost, target: Target, pp: int, schedule: str, stages_per_rank: int, pipeline_microbatches: int
+    cost: TracedCost,
+    target: Target,
+    pp: int,
+    schedule: str,
+    stages_per_rank: int,
+    pipeline_microbatches: int,
+    compiled: bool = False,
 ) -> StepTime:
-    """Seconds of one step on ``target`` under the model in :data:`ASSUMPTIONS`."""
+    """Seconds of one step on ``target`` under the model in :data:`ASSUMPTIONS`; ``compiled``:
+    the memory-bound ops move the bytes compile's fusion leaves (:class:`Fusion`)."""
     compute = cost.flops / (target.bf16_flops * target.efficiency)
-    memory = cost.memory_bytes / (target.hbm_bytes_per_s * target.hbm_efficiency)
+    memory = (cost.fused_bytes if compiled else cost.memory_bytes) / (target.hbm_bytes_per_s * target.hbm_efficiency)
     comm: dict[str, float] = {}
     overlappable = exposed = 0.0
     fsdp = [c for c in cost.collectives if c.dim in FSDP_DIMS]
