@@ -27,14 +27,21 @@ bf16 at compute capability 9.0+ (``has_grouped_mm`` in ``trainer/model/moe.py``)
 everywhere else, this CPU included (torch 2.13's CPU ``_grouped_mm`` has a forward, but its
 backward rejects the broadcast gradients).
 
+Simulated bytes: first, ``--simulate`` of the device check's Qwen3-30B-A3B job at the preset's
+per-GPU work on an H200 (:data:`PRESET_SHAPED`), eager and compiled: the memory traffic per token
+the cost model counts, the predicted step and MFU, the costliest rows of its breakdown
+(``--bytes-only`` stops there; about a minute).
+
 Prints a table and one JSON line. Extra trainer options after ``--``:
 
-    python benchmarks/moe.py [--eps 1,2,4] [--steps 5] [--warmup 2] [-- --training.seq_len 256]
+    python benchmarks/moe.py [--eps 1,2,4] [--steps 5] [--warmup 2] [--bytes-only] [-- --training.seq_len 256]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import socket
@@ -54,6 +61,7 @@ from parallelisms.expert_parallel import ExpertParallelDispatch
 from trainer.build import build_step_parts
 from trainer.config import load_config
 from trainer.data.datasets import load_dataset
+from trainer.entry.simulate import simulate
 from trainer.metrics.accounting import peak_rss_bytes
 from trainer.model.moe import grouped_swiglu, looped_swiglu, moe_layers
 from trainer.planning.job_plan import resolve_job
@@ -230,6 +238,45 @@ def matmul_rows(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+PRESET_SHAPED = [
+    "--config",
+    "qwen3_30b_a3b.toml",
+    "--parallelism.expert_parallel_degree",
+    "1",
+    "--training.global_batch_size",
+    "8",
+    "--model.n_layers",
+    "8",
+    "--training.mixed_precision_param",
+    "bfloat16",
+    "--target-gpu",
+    "h200",
+]
+"""The device check's Qwen3-30B-A3B job at the preset's per-GPU work: 8 blocks, 8 micro-batches of
+one 8192-token sequence, full AC, ep 1, the preset's ``global_batch`` scope."""
+
+
+def simulated_bytes_rows() -> list[dict]:
+    """``--simulate`` of :data:`PRESET_SHAPED` on one rank, eager and compiled: the memory
+    traffic per token the cost model counts, the step and the predicted MFU on an H200."""
+    rows = []
+    for compiled in (False, True):
+        with tempfile.TemporaryDirectory() as folder, contextlib.redirect_stdout(io.StringIO()) as out:
+            simulate([*PRESET_SHAPED, f"--compile.enable={str(compiled).lower()}", "--job.dump_folder", folder], 1, 1)
+            report = json.loads(Path(out.getvalue().strip().splitlines()[-1]).read_text())
+        (role,) = report["roles"]
+        rows.append(
+            {
+                "compiled": compiled,
+                "mb_per_token": role["memory_traffic_bytes_per_token"] / 1e6,
+                "step_s": role["step_time_s"],
+                "mfu": role["mfu"],
+                "top_modules": [r["name"] for r in role["by_module"][:3]],
+            }
+        )
+    return rows
+
+
 def main() -> None:
     argv = sys.argv[1:]
     split = argv.index("--") if "--" in argv else len(argv)
@@ -243,7 +290,22 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--mm-repeats", type=int, default=30)
     parser.add_argument("--mm-threads", type=int, default=1, help="threads for the grouped matmul timing")
+    parser.add_argument(
+        "--bytes-only", action="store_true", help="only the simulator's bytes per token of the preset-shaped job"
+    )
     args = parser.parse_args(own)
+
+    simulated = simulated_bytes_rows()
+    for r in simulated:
+        print(
+            f"simulated Qwen3-30B-A3B x 8 blocks, 8 x 8192 tokens, full AC, ep 1 on an H200, "
+            f"{'compiled' if r['compiled'] else 'eager'}: {r['mb_per_token']:.1f} MB of memory traffic per token, "
+            f"step {r['step_s']:.2f} s, MFU {r['mfu']:.1%}; most time: {', '.join(r['top_modules'])}",
+            flush=True,
+        )
+    if args.bytes_only:
+        print(json.dumps({"torch": torch.__version__, "simulated": simulated}), flush=True)
+        return
 
     matmul = matmul_rows(args)
     train = train_rows(args, trainer_args)
@@ -284,6 +346,7 @@ def main() -> None:
                 "warmup": args.warmup,
                 "train": train,
                 "grouped_mm": matmul,
+                "simulated": simulated,
             }
         ),
         flush=True,

@@ -25,7 +25,7 @@ the exchange's splits follow it; everything else runs as in training.
 
 Supported: ``ep`` dividing ``dp_shard x cp``, with FSDP, HSDP, TP, CP (every backend), gradient
 accumulation, activation checkpointing, pipeline stages (each EP group lies inside one stage) and
-compile (the exchange runs eagerly inside a compiled block).
+compile (the two exchanges run eagerly inside a compiled block, the experts between them compiled).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from parallelisms.model_parts import moe_layers
 from parallelisms.moe_split import SPLIT
+from parallelisms.token_permutation import inverse_permutation, permute_rows
 from parallelisms.torch_private import dtensor
 
 
@@ -73,33 +74,51 @@ class ExpertParallelDispatch:
         """Bytes this rank sent to other ranks in the token all-to-alls (for the benchmark)."""
         self.assumed: AssumedRouting | None = None
         """The routing ``--simulate`` states, used instead of the counts' values."""
+        self._splits: tuple[list[int], list[int]] = ([], [])
+        """The running exchange's ``(sent, received)`` rows per EP rank."""
 
-    @torch.compiler.disable
     def __call__(self, routed: torch.Tensor, counts: torch.Tensor, experts: nn.Module) -> torch.Tensor:
-        """Eager inside a compiled block: the exchange's sizes are the routing's counts."""
+        """The two exchanges run eagerly inside a compiled block (their sizes are the routing's
+        counts); the sort by local expert, the experts and the unsort between them compile with
+        the block."""
         with SPLIT.part("dispatch"):
-            send = counts.view(self.ep, self.local_experts)
-            # Functional, not in place: op-level checkpointing keeps its output (activation_checkpoint.py).
-            recv = dtensor.all_to_all(send, self.group)
-            rank = dist.get_rank(self.group)
-            if self.assumed is None:
-                in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
-            else:
-                in_splits, out_splits = self.assumed.splits(routed.shape[0], self.ep, rank)
-            received = dtensor.all_to_all_uneven(routed, out_splits, in_splits, self.group)
-            # Received in (source rank, expert) order; the experts want (expert, source rank).
-            expert = torch.arange(self.local_experts, device=recv.device).view(1, -1)
-            source = torch.arange(self.ep, device=recv.device).view(-1, 1)
-            order = (expert * self.ep + source).flatten()
-            key = order.repeat_interleave(recv.flatten(), output_size=sum(out_splits))
-            perm = key.argsort(stable=True)
-            sorted_tokens = received[perm]
+            received, recv, perm = self._send(routed, counts)
+            inverse = inverse_permutation(perm)
+            sorted_tokens = permute_rows(received, perm, inverse)
         out = experts(sorted_tokens, recv.sum(0))
         with SPLIT.part("combine"):
-            back = torch.zeros_like(out).index_copy(0, perm, out)
-            row = routed.element_size() * routed.shape[1]
-            self.bytes_sent += row * (sum(in_splits) - in_splits[rank] + sum(out_splits) - out_splits[rank])
-            return dtensor.all_to_all_uneven(back, in_splits, out_splits, self.group)
+            return self._send_back(permute_rows(out, inverse, perm))
+
+    @torch.compiler.disable
+    def _send(self, routed: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every routed row to the rank of its expert: ``(received rows, received counts per
+        (source rank, local expert), the order that sorts the rows by local expert)``. The
+        splits wait for :meth:`_send_back` here, not in the compiled frame, which would
+        specialise on their values."""
+        send = counts.view(self.ep, self.local_experts)
+        # Functional, not in place: op-level checkpointing keeps its output (activation_checkpoint.py).
+        recv = dtensor.all_to_all(send, self.group)
+        if self.assumed is None:
+            in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
+        else:
+            in_splits, out_splits = self.assumed.splits(routed.shape[0], self.ep, dist.get_rank(self.group))
+        received = dtensor.all_to_all_uneven(routed, out_splits, in_splits, self.group)
+        # Received in (source rank, expert) order; the experts want (expert, source rank).
+        expert = torch.arange(self.local_experts, device=recv.device).view(1, -1)
+        source = torch.arange(self.ep, device=recv.device).view(-1, 1)
+        order = (expert * self.ep + source).flatten()
+        key = order.repeat_interleave(recv.flatten(), output_size=sum(out_splits))
+        self._splits = (in_splits, out_splits)
+        return received, recv, key.argsort(stable=True)
+
+    @torch.compiler.disable
+    def _send_back(self, back: torch.Tensor) -> torch.Tensor:
+        """The experts' rows back to the ranks that routed them, in the order they were sent."""
+        in_splits, out_splits = self._splits
+        rank = dist.get_rank(self.group)
+        row = back.element_size() * back.shape[1]
+        self.bytes_sent += row * (sum(in_splits) - in_splits[rank] + sum(out_splits) - out_splits[rank])
+        return dtensor.all_to_all_uneven(back, in_splits, out_splits, self.group)
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, checkpoint_mesh: DeviceMesh | None) -> None:

@@ -71,9 +71,13 @@ def apply_fsdp(
         assert norm is not None  # a stage holds norm and output together
         shard([norm, output], reshard_after_forward == "always")
     shard(model, reshard_after_forward == "always")
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            make_reduction_a_sum(module)
+    # Over one rank FSDP's reduction is a copy, already a sum; a divide factor, even 1, would
+    # make it a division by that factor too.
+    meshes = [m for m in (mesh, expert_mesh, replicated_mesh) if m is not None]
+    if any(m.size() > 1 for m in meshes):
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                make_reduction_a_sum(module)
     return model
 
 

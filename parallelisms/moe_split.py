@@ -32,6 +32,10 @@ class MoESplit:
     def __init__(self) -> None:
         self.seconds = dict.fromkeys(PARTS, 0.0)
         self.measuring = False
+        self.naming = False
+        """Set by ``--simulate``: :attr:`current` names the part running, so that its bytes are
+        attributed to it (no range, no timing)."""
+        self.current: str | None = None
         self._sync: Callable[[], None] = lambda: None
 
     def start(self, device: torch.device) -> None:
@@ -47,7 +51,17 @@ class MoESplit:
         """The part's range while a profiler records, timed while measuring; otherwise nothing."""
         if self.measuring or kernels.profiler_enabled():
             return self._ranged(name)
+        if self.naming:
+            return self._named(name)
         return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _named(self, name: str) -> Iterator[None]:
+        outer, self.current = self.current, name
+        try:
+            yield
+        finally:
+            self.current = outer
 
     @contextlib.contextmanager
     def _ranged(self, name: str) -> Iterator[None]:

@@ -127,6 +127,13 @@ class ParallelDims:
     def hsdp(self) -> bool:
         return self.dp_replicate > 1
 
+    @property
+    def fsdp_one_rank(self) -> bool:
+        """FSDP over one rank, outside pipeline stages: its gathers and reductions are only
+        copies and casts, so the trainer keeps the parameters gathered and the gradients
+        unsharded through the step, casting and reducing once a step, not per micro-batch."""
+        return self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp == 1
+
     def build_mesh(self, device_type: str) -> Meshes:
         mesh = init_device_mesh(
             device_type,

@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from parallelisms.token_permutation import expand_tokens, inverse_permutation, permute_rows
 from parallelisms.torch_private import kernels
 from trainer.config import ConfigError, load_config
 from trainer.config.choices import BALANCE_SCOPES, MODEL_FLAVORS
@@ -43,6 +44,32 @@ def test_grouped_matmul_equals_the_loop():
     w1, w3 = torch.randn(5, 12, 16), torch.randn(5, 12, 16)
     w2 = torch.randn(5, 16, 12)
     torch.testing.assert_close(grouped_swiglu(x, counts, w1, w2, w3), looped_swiglu(x, counts, w1, w2, w3))
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_the_permutations_are_the_index_ops_they_replace(k):
+    """Dispatch and combine as gathers both ways (``token_permutation.py``): the same rows and
+    the same gradients as autograd's index and scatter, for uneven routings with repeated
+    experts; a wrong inverse or a token mapped to the wrong rows fails."""
+    torch.manual_seed(k)
+    tokens = torch.randn(11, 6, dtype=torch.float64, requires_grad=True)
+    chosen = torch.randint(0, 4, (11, k))
+    order = chosen.flatten().argsort(stable=True)
+    inverse = inverse_permutation(order)
+    assert torch.equal(order[inverse], torch.arange(11 * k))
+    rows = torch.randn(11 * k, 6, dtype=torch.float64, requires_grad=True)
+    grad_rows, grad_tokens = torch.randn(11 * k, 6, dtype=torch.float64), torch.randn(11, 6, dtype=torch.float64)
+
+    def both(expand, unsort):
+        tokens.grad = rows.grad = None
+        (expand(tokens) * grad_rows).sum().backward()
+        (unsort(rows).view(11, k, 6).sum(1) * grad_tokens).sum().backward()
+        return expand(tokens), unsort(rows), tokens.grad, rows.grad
+
+    ours = both(lambda t: expand_tokens(t, order, inverse, k), lambda r: permute_rows(r, inverse, order))
+    autograd = both(lambda t: t[order // k], lambda r: torch.zeros_like(r).index_copy(0, order, r))
+    for mine, reference in zip(ours, autograd):
+        torch.testing.assert_close(mine, reference)
 
 
 def debug_moe(**changes) -> Transformer:

@@ -172,3 +172,29 @@ def test_the_estimate_follows_the_simulation_of_each_pipeline_stage(tmp_path):
     assert estimated[0].activations > 2 * estimated[1].activations
     for role, stage in zip(report["roles"], estimated, strict=True):
         assert stage.total == pytest.approx(role["needed_bytes"], rel=0.15), (stage.line(), role["memory"])
+
+
+@pytest.mark.slow
+def test_the_breakdown_adds_up_and_one_fsdp_rank_copies_once_a_step(tmp_path):
+    """The debug MoE on one rank, 8 micro-batches, compiled: the rows by module and by op add up
+    to the step's bytes, eager and fused; the MoE parts have rows of their own; compile's fusion
+    moves fewer bytes than eager. FSDP over one rank keeps the parameters gathered and the
+    gradients unsharded through the step (``fsdp_reshard_after_forward = default``): fewer bytes
+    than resharding, which gathers (casts and copies) and reduces each micro-batch again."""
+    one_rank = [*DEBUG_MOE, "--training.global_batch_size", "32", "--compile.enable"]
+    roles = {}
+    for name, extra in {"kept": [], "resharded": ["--parallelism.fsdp_reshard_after_forward", "always"]}.items():
+        code, text, report = simulate_job(tmp_path / name, 1, *one_rank, *extra)
+        assert code == 0, text
+        (roles[name],) = report["roles"]
+        assert report["compiled"] and report["batch"]["microbatches"] == 8
+    role = roles["kept"]
+    for key in ("by_module", "by_op"):
+        assert sum(r["memory_bytes"] for r in role[key]) == pytest.approx(role["eager_memory_traffic_bytes_per_step"])
+        assert sum(r["fused_bytes"] for r in role[key]) == pytest.approx(role["memory_traffic_bytes_per_step"])
+    names = [r["name"] for r in role["by_module"]]
+    for part in ("router", "dispatch", "experts", "combine"):
+        assert any(n.startswith("forward layers.*.feed_forward") and n.endswith(f"/{part}") for n in names), part
+    assert role["memory_traffic_bytes_per_step"] < 0.9 * role["eager_memory_traffic_bytes_per_step"]
+    kept, resharded = (roles[n]["eager_memory_traffic_bytes_per_step"] for n in ("kept", "resharded"))
+    assert kept < 0.9 * resharded

@@ -186,6 +186,7 @@ def _assemble(
         max_norm=training.max_norm,
         hsdp=plan.dims.hsdp,
         defer_gradient_reduction=training.defer_gradient_reduction,
+        keep_gathered=plan.dims.fsdp_one_rank and plan.parallel.reshard_after_forward == "never",
         stats_group=meshes.stats.get_group() if plan.dims.pp > 1 else None,
         pp_degree=plan.dims.pp,
         layout_invariant=(

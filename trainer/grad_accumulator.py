@@ -92,6 +92,7 @@ class GradAccumulator:
         max_norm: float,
         hsdp: bool,
         defer_gradient_reduction: bool = False,
+        keep_gathered: bool = False,
         stats_group: dist.ProcessGroup | None = None,
         pp_degree: int = 1,
         layout_invariant: LayoutInvariantReduction | None = None,
@@ -106,7 +107,11 @@ class GradAccumulator:
         self.num_microbatches = num_microbatches
         self.max_norm = max_norm
         self.hsdp = hsdp
-        self.defer_gradient_reduction = defer_gradient_reduction
+        self.keep_gathered = keep_gathered
+        """FSDP over one rank (``ParallelDims.fsdp_one_rank``): the parameters stay gathered
+        and the gradients unsharded until the last backward, whose reduction is then the step's
+        only copy; nothing is exchanged, so nothing is deferred but copies."""
+        self.defer_gradient_reduction = defer_gradient_reduction or keep_gathered
         self._distributed = loss_group is not None
         self.stats_group = stats_group or loss_group
         self.pp_degree = pp_degree
@@ -152,6 +157,8 @@ class GradAccumulator:
             self.fsdp.set_requires_all_reduce(is_last)
         if self.defer_gradient_reduction:
             self.fsdp.set_requires_gradient_sync(is_last)
+        if self.keep_gathered:
+            self.fsdp.set_reshard_after_backward(is_last)
 
     def record_loss(self, loss_sum: torch.Tensor) -> None:
         """Add a micro-batch's summed loss (after its backward) to the step's total; with

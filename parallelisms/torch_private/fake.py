@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.distributed._tools.mod_tracker import ModTracker
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_map_only
@@ -14,6 +15,8 @@ FEATURE = "the simulator (--simulate)"
 CHECKED_ON = ("2.11.0", "2.13.0", "2.14.1")
 NAMES = (
     "_subclasses",
+    "_tools",
+    "ModTracker",
     "FakeTensor",
     "FakeTensorMode",
     "_internal",
@@ -35,6 +38,7 @@ __all__ = [
     "FakeStore",
     "FakeTensor",
     "FakeTensorMode",
+    "ModTracker",
     "TorchDispatchMode",
     "disable_current_modes",
     "in_backward",

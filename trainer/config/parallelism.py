@@ -84,7 +84,9 @@ class Parallelism:
     fsdp_reshard_after_forward: str = setting(
         "default",
         "Free gathered parameters after forward: `always`, `never` (faster backward, more "
-        "memory), or `default` (every block but the last one, whose backward runs at once).",
+        "memory), or `default` (every block but the last one, whose backward runs at once; with one "
+        "data-parallel rank and no TP, CP or PP, keep every block gathered and the gradients "
+        "unsharded for the whole step, cast and reduced once a step instead of per micro-batch).",
         ("default", "always", "never"),
     )
     disable_loss_parallel: bool = setting(

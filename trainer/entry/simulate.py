@@ -37,15 +37,16 @@ def simulate(argv: list[str] | Request, nproc: int, nnodes: int) -> int:
     """
     request = argv if isinstance(argv, Request) else parse_request(["--simulate", *argv])
     target = target_named(request.target_gpu, request.target_overrides, nproc)
-    folder = load_config(request.argv).job.dump_folder
+    config = load_config(request.argv)
+    folder = config.job.dump_folder
     check_dump_folder(folder)
     lock = DumpFolderLock(folder)
     lock.acquire()
     try:
         with stopped_by_signals():
             job_plan, runs = simulate_roles(request.argv, nproc, nnodes, target)
-            compiled = load_config(request.argv).compile
-            report = build_report(job_plan, target, runs, compiled.enable and "model" in compiled.components)
+            compiled = config.compile.enable and "model" in config.compile.components
+            report = build_report(job_plan, target, runs, compiled)
             print(render(report))
             if not report["fits"]:
                 print(fit_advice(job_plan, target, report))

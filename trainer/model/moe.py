@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from parallelisms.moe_split import SPLIT
+from parallelisms.token_permutation import expand_tokens, inverse_permutation, permute_rows
 from parallelisms.torch_private import kernels, pipelining
 from trainer.model.llama3 import FeedForward, ModelArgs, TransformerBlock
 
@@ -319,11 +320,14 @@ class MoE(nn.Module):
             counts = expert_counts(chosen, self.n_experts)
             counted = self._count(counts)
         with SPLIT.part("dispatch"):
+            # One sort by expert and its inverse serve the dispatch, the combine and both backwards.
             order = chosen.flatten().argsort(stable=True)
-            sorted_tokens = flat[order // self.top_k]
+            inverse = inverse_permutation(order)
+            sorted_tokens = expand_tokens(flat, order, inverse, self.top_k)
         routed = self.dispatch(sorted_tokens, counts, self.experts)
         with SPLIT.part("combine"):
-            unsorted = torch.zeros_like(routed).index_copy(0, order, routed)
+            # A gather, the weights and the sum over each token's k rows: one kernel when compiled.
+            unsorted = permute_rows(routed, inverse, order)
             out = (unsorted.view(-1, self.top_k, dim) * weights.unsqueeze(-1).to(unsorted.dtype)).sum(1)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)

@@ -381,6 +381,7 @@ def parallel_settings(
     """``rank_batch``: sequences one data-parallel rank trains on per step; ``device``: the
     device type to resolve ``auto`` settings for (this machine's by default)."""
     parallelism, compile_config = config.parallelism, config.compile
+    reshard = parallelism.fsdp_reshard_after_forward  # over one FSDP rank, freeing only means casting again
     return ParallelSettings(
         seq_len=config.training.seq_len,
         loss_parallel=dims.tp > 1 and not parallelism.disable_loss_parallel,
@@ -394,7 +395,7 @@ def parallel_settings(
         compile_loss=compile_config.enable and "loss" in compile_config.components,
         param_dtype=param_dtype(config.training.mixed_precision_param, device or device_type()),
         reduce_dtype=getattr(torch, config.training.mixed_precision_reduce),
-        reshard_after_forward=parallelism.fsdp_reshard_after_forward,
+        reshard_after_forward="never" if dims.fsdp_one_rank and reshard == "default" else reshard,
         pp_schedule=parallelism.pipeline_parallel_schedule,
         pp_microbatch_size=parallelism.pipeline_parallel_microbatch_size,
         pp_layers_per_stage=parallelism.pipeline_parallel_layers_per_stage,

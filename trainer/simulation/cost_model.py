@@ -10,6 +10,7 @@ what the real code asked for.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +18,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils.flop_counter import flop_registry
-from torch.utils.weak import WeakIdKeyDictionary
 
 from parallelisms.pipeline_split import BUBBLE_FRACTION
 from parallelisms.torch_private import dtensor
@@ -32,9 +32,11 @@ ASSUMPTIONS = (
     "it has not measured at the dense bf16 peak x `efficiency`; causal attention counts half its score and "
     "value matmuls (flash kernels skip the masked blocks)",
     "memory-bound ops: bytes every other op reads and writes at the calibration's measured copy bandwidth "
-    "(else the HBM bandwidth x `hbm_efficiency`), not overlapped with the matmuls; a compiled job's "
-    "elementwise ops, casts and reductions read nothing an elementwise op wrote (fused: the trace is eager, "
-    "the bytes are counted as fused); per-kernel launch costs are not modelled",
+    "(else the HBM bandwidth x `hbm_efficiency`), not overlapped with the matmuls; per-kernel launch costs "
+    "are not modelled; with `compile.enable` (the blocks and the loss compiled), chains of elementwise "
+    "ops and the reductions they feed (softmax, the loss) inside a block or the loss count as one fused kernel "
+    "(each chain's intermediates neither written nor read again), the rest as eager; fusion into matmul "
+    "epilogues is not modelled",
     "collectives: ring alpha-beta, alpha x (n - 1) + bus bytes / bandwidth; bus bytes per rank are "
     "(n-1)/n of the buffer for all-gather and reduce-scatter, twice that for all-reduce, the message "
     "for send; NVLink inside a node of NGPU ranks, the per-GPU network between nodes",
@@ -82,18 +84,6 @@ ATTENTION_BACKWARD = {name + "_backward": 10 for name in ATTENTION_FORWARD}
 the scores and forms four more products."""
 GROUPED_MM = "_grouped_mm"
 """The experts' grouped matmul, which torch's FLOP counter does not know."""
-FUSABLE = (
-    "_to_copy",
-    "sum",
-    "mean",
-    "amax",
-    "_softmax",
-    "_log_softmax",
-    "_softmax_backward_data",
-    "_log_softmax_backward_data",
-)
-"""Besides the elementwise ops (``torch.Tag.pointwise``): casts and reductions, which inductor
-fuses with the elementwise ops that feed them."""
 
 
 @dataclass
@@ -116,14 +106,51 @@ class Collective:
 
 
 @dataclass
+class Cost:
+    """One row of a step's breakdown: FLOPs and memory traffic, eager and as compile fuses it."""
+
+    flops: float = 0.0
+    memory_bytes: float = 0.0
+    fused_bytes: float = 0.0
+
+    def add(self, other: Cost, weight: float = 1.0) -> None:
+        self.flops += weight * other.flops
+        self.memory_bytes += weight * other.memory_bytes
+        self.fused_bytes += weight * other.fused_bytes
+
+
+@dataclass
 class TracedCost:
     flops: int = 0
     memory_bytes: int = 0
     collectives: list[Collective] = field(default_factory=list)
+    fused_bytes: int = 0
+    """``memory_bytes`` as compile would move them (:class:`Fusion`)."""
     flops_by_kind: dict[str, int] = field(default_factory=dict)
     """The FLOPs by kernel kind (``calibration.KINDS``), each timed at its own measured rate."""
-    fused_memory_bytes: int = 0
-    """``memory_bytes`` as compile would move them (see :data:`FUSABLE`)."""
+    by_op: dict[str, Cost] = field(default_factory=dict)
+    by_module: dict[str, Cost] = field(default_factory=dict)
+    """Where the cost arose: ``phase module[/moe part]`` (``CostRecorder.where``)."""
+
+    def record(self, op: str, where: str, cost: Cost, kind: str = "", weight: float = 1.0) -> None:
+        if kind:
+            self.flops_by_kind[kind] = self.flops_by_kind.get(kind, 0) + round(weight * cost.flops)
+        self.flops += round(weight * cost.flops)
+        self.memory_bytes += round(weight * cost.memory_bytes)
+        self.fused_bytes += round(weight * cost.fused_bytes)
+        self.by_op.setdefault(op, Cost()).add(cost, weight)
+        self.by_module.setdefault(where, Cost()).add(cost, weight)
+
+    def add_scaled(self, other: TracedCost, weight: float) -> None:
+        """Add ``weight`` x ``other``'s FLOPs and bytes (not its collectives)."""
+        self.flops += round(weight * other.flops)
+        self.memory_bytes += round(weight * other.memory_bytes)
+        self.fused_bytes += round(weight * other.fused_bytes)
+        for kind, flops in other.flops_by_kind.items():
+            self.flops_by_kind[kind] = self.flops_by_kind.get(kind, 0) + round(weight * flops)
+        for mine, theirs in ((self.by_op, other.by_op), (self.by_module, other.by_module)):
+            for key, cost in theirs.items():
+                mine.setdefault(key, Cost()).add(cost, weight)
 
     def comm_bytes(self) -> dict[str, int]:
         by_dim: dict[str, int] = {}
@@ -161,6 +188,66 @@ def _nbytes(value: Any) -> int:
     )
 
 
+FUSED_POINTWISE = ("_to_copy", "index_select", "index", "gather")
+"""Not tagged pointwise, fused like one: dtype casts, and gathers (an indirect load per element)."""
+FUSED_REDUCTIONS = (
+    "_softmax",
+    "_log_softmax",
+    "_softmax_backward_data",
+    "_log_softmax_backward_data",
+    "nll_loss_forward",
+    "nll_loss_backward",
+)
+"""Not tagged reductions, fused like them: the (log-)softmax and the loss over a row."""
+
+
+class Fusion:
+    """The bytes an op would move inside a compiled region, where Inductor fuses chains of
+    elementwise ops (and the reductions they feed) into one kernel: an op of a chain reads what
+    the chain made before it for free, and that intermediate is never written (the chain's
+    ops run back to back in dispatch order; any other op, a matmul or a copy, ends the chain).
+    Not modelled: fusion across a matmul's epilogue, or a fused intermediate that a later op outside
+    the chain reads again (counted as not written: an underestimate where it happens)."""
+
+    def __init__(self) -> None:
+        self._chain: dict[int, int] = {}
+        """Storages the running chain made -> the bytes written to them (refunded when read)."""
+
+    def bytes(self, func: Any, args: tuple, out: Any, eager: int, compiled: bool) -> int:
+        name = func.__name__.split(".")[0]
+        pointwise = torch.Tag.pointwise in func.tags or name in FUSED_POINTWISE
+        if not compiled or not (pointwise or torch.Tag.reduction in func.tags or name in FUSED_REDUCTIONS):
+            self._chain.clear()
+            return eager
+        moved = 0
+        for t in tensors_in(args):
+            key = id(_storage(t))
+            moved += -self._chain.pop(key) if key in self._chain else _nbytes(t)
+        if not pointwise:
+            self._chain.clear()
+        for t in tensors_in(out):
+            written = _nbytes(t)
+            moved += written
+            self._chain[id(_storage(t))] = written
+        return max(moved, 0)
+
+
+def _gemm_kind(flops: int, out: Any) -> str:
+    """A dense matmul's shape class from its FLOPs and its output ``(..., M, N)``: ``K`` is what
+    the FLOPs leave, and batched products count their batch in ``M``."""
+    results = [dtensor.local_tensor(t) if isinstance(t, DTensor) else t for t in tensors_in(out)]
+    result = results[0] if results else None
+    if result is None or result.dim() < 2 or not result.numel():
+        return "gemm_large"
+    n = result.shape[-1]
+    m = result.numel() // n
+    return f"gemm_{gemm_class(m, n, max(1, flops // (2 * m * n)))}"
+
+
+def _storage(t: torch.Tensor) -> torch.UntypedStorage:
+    return (dtensor.local_tensor(t) if isinstance(t, DTensor) else t).untyped_storage()
+
+
 class CostRecorder:
     """Adds up one step's FLOPs, memory traffic and collectives while ``enabled``, in all and
     for the micro-batch running (``microbatch``; see ``microbatches.py``)."""
@@ -170,8 +257,9 @@ class CostRecorder:
         self.enabled = False
         self.microbatch: int | None = None
         self.costs = MicrobatchCosts()
-        self.fusable_outputs: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        """Tensors an elementwise op wrote: compile keeps them in registers for the next one."""
+        self.where: Callable[[], tuple[str, bool]] = lambda: ("", False)
+        """Where the running op is (a row of the breakdown) and whether compile would trace it."""
+        self.fusion = Fusion()
 
     @property
     def cost(self) -> TracedCost:
@@ -181,7 +269,7 @@ class CostRecorder:
         if not self.enabled:
             return
         name = func.__name__.split(".")[0]
-        flops = memory = fused = 0
+        flops = memory = 0
         kind = ""
         if func.namespace in ("c10d", "_c10d_functional"):
             self._collective(name, args, out)
@@ -199,25 +287,13 @@ class CostRecorder:
             kind = "attention" if attention else "grouped_gemm" if name == GROUPED_MM else _gemm_kind(flops, out)
         elif func.namespace == "aten" and not func.is_view and not name.startswith(("empty", "detach", "_local")):
             memory = _nbytes(args) + _nbytes(out)
-            fused = self._fused_bytes(func, name, args, out, memory)
-        for cost in self._costs():
-            cost.flops += flops
-            cost.memory_bytes += memory
-            cost.fused_memory_bytes += fused
-            if kind:
-                cost.flops_by_kind[kind] = cost.flops_by_kind.get(kind, 0) + flops
-
-    def _fused_bytes(self, func: Any, name: str, args: tuple, out: Any, memory: int) -> int:
-        """What the op moves once compile has fused it with the elementwise ops that made its
-        inputs: a fusable op reads nothing an elementwise op wrote (the value stays in
-        registers), and still writes its output (backward or a matmul may read it)."""
-        if not (torch.Tag.pointwise in func.tags or name in FUSABLE):
-            return memory
-        read = sum(_nbytes(t) for t in tensors_in(args) if t not in self.fusable_outputs)
-        if torch.Tag.pointwise in func.tags or name == "_to_copy":
-            for t in tensors_in(out):
-                self.fusable_outputs[t] = True
-        return read + _nbytes(out)
+        if not (flops or memory):
+            return
+        where, compiled = self.where()
+        fused = self.fusion.bytes(func, args, out, memory, compiled and not flops)
+        cost = Cost(flops, memory, fused)
+        for traced in self._costs():
+            traced.record(name, where, cost, kind)
 
     def _costs(self) -> list[TracedCost]:
         if self.microbatch is None:
@@ -261,18 +337,6 @@ def _grouped_mm_flops(a: Any, b: Any) -> int:
     for the weight gradient (``(dim, tokens) x (tokens, hidden)``, grouped along the tokens)."""
     groups = a.shape[0] if a.dim() == 3 and b.dim() == 2 else 1
     return 2 * a.numel() * b.shape[-1] // groups
-
-
-def _gemm_kind(flops: int, out: Any) -> str:
-    """A dense matmul's shape class from its FLOPs and its output ``(..., M, N)``: ``K`` is what
-    the FLOPs leave, and batched products count their batch in ``M``."""
-    results = [dtensor.local_tensor(t) if isinstance(t, DTensor) else t for t in tensors_in(out)]
-    result = results[0] if results else None
-    if result is None or result.dim() < 2 or not result.numel():
-        return "gemm_large"
-    n = result.shape[-1]
-    m = result.numel() // n
-    return f"gemm_{gemm_class(m, n, max(1, flops // (2 * m * n)))}"
 
 
 def _attention_flops(name: str, args: tuple, kwargs: dict) -> int:
@@ -335,9 +399,9 @@ def step_time(
     compiled: bool = False,
 ) -> StepTime:
     """Seconds of one step on ``target`` under the model in :data:`ASSUMPTIONS`; ``compiled``:
-    the memory-bound ops move the bytes compile's fusion leaves (``fused_memory_bytes``)."""
+    the memory-bound ops move the bytes compile's fusion leaves (:class:`Fusion`)."""
     compute = sum(compute_s(cost, target).values())
-    memory = (cost.fused_memory_bytes if compiled else cost.memory_bytes) / memory_bandwidth(target)
+    memory = (cost.fused_bytes if compiled else cost.memory_bytes) / memory_bandwidth(target)
     comm: dict[str, float] = {}
     overlappable = exposed = 0.0
     fsdp = [c for c in cost.collectives if c.dim in FSDP_DIMS]

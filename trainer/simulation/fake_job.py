@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -32,10 +33,11 @@ from torch.nn.attention import bias as attention_bias
 from torch.utils.data import Dataset
 
 from parallelisms.expert_parallel import AssumedRouting, assume_routing
+from parallelisms.moe_split import SPLIT
 from parallelisms.parallel_dims import Meshes
 from parallelisms.pipeline_parallel import Pipeline
 from parallelisms.torch_private import pipelining
-from parallelisms.torch_private.fake import FakeStore, FakeTensorMode, disable_current_modes
+from parallelisms.torch_private.fake import FakeStore, FakeTensorMode, ModTracker, disable_current_modes
 from trainer.build import build_step_parts
 from trainer.grad_accumulator import StepResult
 from trainer.planning.job_plan import JobPlan
@@ -163,7 +165,10 @@ def run_rank(
             fewer_pipeline_microbatches(parts.pipeline, traced, real_microbatches)
         microbatches = fetch_step(parts)
         recorder.enabled = True
-        with allocating, _attention_biases_outside_the_fake_mode():
+        modules = ModTracker()
+        recorder.where = functools.partial(_where, tracker, modules)
+        SPLIT.naming = True
+        with modules, allocating, _attention_biases_outside_the_fake_mode():
             tracker.set_phase("forward", 1)
             tracker.stepping = True
             result: StepResult = forward_backward(parts, microbatches)
@@ -178,6 +183,17 @@ def run_rank(
     steady = steady_microbatches(plan, traced)
     cost = extend(recorder.costs, traced, real_microbatches, steady, reduces_last=plan.dims.pp > 1)
     return RoleRun(rank, pp_rank, stages, profile, cost, traced, time.monotonic() - start)
+
+
+def _where(tracker: MemoryTracker, modules: ModTracker) -> tuple[str, bool]:
+    """The breakdown row of the op running: its phase, its innermost module (the blocks'
+    indices as ``*``) and its MoE part; and whether compile traces it (inside a block or the loss)."""
+    name = max(modules.parents, key=len).split(".", 1)[-1] if len(modules.parents) > 1 else ""
+    name = re.sub(r"\.\d+(?=\.|$)", ".*", name)
+    part = SPLIT.current
+    # Expert parallelism's all-to-alls run eagerly inside a block: collectives and integer sorts.
+    compiled = name.startswith("layers.") or name == "output"  # the output projection's chunked loss
+    return f"{tracker.phase} {name or '-'}" + (f"/{part}" if part else ""), compiled
 
 
 @contextlib.contextmanager
@@ -273,14 +289,17 @@ def create_adamw_state(optimizer: torch.optim.Optimizer) -> None:
 
 def _attribute_microbatches(parts: StepParts, recorder: CostRecorder, tracker: MemoryTracker) -> None:
     """Tell ``recorder`` which micro-batch runs: the accumulator starts each one; under PP the
-    schedule runs each stage's chunks (and the transfers after them) by micro-batch index. After
-    each pipeline backward, ``tracker`` learns what the gradients FSDP holds unsharded are: the
-    last one reduces and frees them before the step ends."""
+    schedule runs each stage's chunks (and the transfers after them) by micro-batch index. Before
+    each backward (after each pipeline backward), ``tracker`` learns what the gradients FSDP holds
+    unsharded are: the last one reduces and frees them before the step ends."""
     if parts.pipeline is None:
         prepare: Callable[[int], None] = parts.accumulator.prepare_backward
 
         def starting(microbatch: int) -> None:
             recorder.microbatch = microbatch
+            # The gradients FSDP accumulates unsharded (deferred reduction) exist from the first
+            # backward on and are freed by the last one's reduction, before the step labels them.
+            _label_state(tracker, parts)
             prepare(microbatch)
 
         parts.accumulator.prepare_backward = starting  # type: ignore[method-assign]

@@ -97,22 +97,20 @@ def extend(costs: MicrobatchCosts, traced: int, real: int, steady: range, reduce
     at = costs.first_collective.get(steady.start, len(costs.total.collectives))
     collectives: list[Collective] = list(costs.total.collectives)
     collectives[at:at] = repeated
-    kinds = {k for m in (costs.total, *windows) for k in m.flops_by_kind}
-    return TracedCost(
-        flops=costs.total.flops + round(weight * sum(m.flops for m in windows)),
-        memory_bytes=costs.total.memory_bytes + round(weight * sum(m.memory_bytes for m in windows)),
-        collectives=collectives,
-        flops_by_kind={
-            k: costs.total.flops_by_kind.get(k, 0) + round(weight * sum(m.flops_by_kind.get(k, 0) for m in windows))
-            for k in sorted(kinds)
-        },
-        fused_memory_bytes=costs.total.fused_memory_bytes + round(weight * sum(m.fused_memory_bytes for m in windows)),
-    )
+    extended = TracedCost(collectives=collectives)
+    extended.add_scaled(costs.total, 1.0)
+    for window in windows:
+        extended.add_scaled(window, weight)
+    return extended
 
 
 def steady_microbatches(plan: JobPlan, traced: int) -> range:
     """The traced micro-batches that stand for the ones not traced. Under gradient accumulation,
-    from the third on: the first gathers what the step gathers once, and FSDP finishes its
-    reduction in the second. Under 1F1B, all but the first: a rank traces warm-up micro-batches
-    and as many cool-down ones (the last among them), which average to steady ones."""
-    return range(2, traced) if plan.dims.pp == 1 else range(1, traced)
+    the third up to the last, not it: the first gathers what the step gathers once, FSDP finishes
+    its reduction in the second, and the last reduces what a deferred reduction (one FSDP rank:
+    ``ParallelDims.fsdp_one_rank``) held back all step. Under 1F1B, all but the first: a rank
+    traces warm-up micro-batches and as many cool-down ones (the last among them), which average
+    to steady ones."""
+    if plan.dims.pp > 1:
+        return range(1, traced)
+    return range(2, traced - 1) if traced > ACCUMULATION_TRACED - 1 else range(2, traced)

@@ -22,15 +22,45 @@ from trainer.planning.job_plan import JobPlan
 from trainer.planning.loss_chunking import LossChunking
 from trainer.planning.memory_fixes import what_would_fit
 from trainer.planning.memory_plan import estimates
-from trainer.simulation.cost_model import ASSUMPTIONS, compute_s, step_time
+from trainer.simulation.cost_model import ASSUMPTIONS, Cost, TracedCost, compute_s, memory_bandwidth, step_time
 from trainer.simulation.fake_job import RoleRun
 from trainer.simulation.memory_tracker import CATEGORIES
 from trainer.simulation.targets import Target
 
+TOP_ROWS = 8
+"""Rows of each breakdown printed (``simulation.json`` holds them all)."""
+
+
+def breakdown(
+    costs: dict[str, Cost], whole: TracedCost, target: Target, compiled: bool, tokens: float
+) -> list[dict[str, Any]]:
+    """Rows by time on ``target``, largest first: FLOPs at the step's compute rate (``whole``'s
+    FLOPs over its seconds at the calibrated rate of each kernel kind; a row's own kinds are not
+    kept), bytes (eager and fused by compile) at the memory rate, the bytes also per token of the
+    rank."""
+    compute = sum(compute_s(whole, target).values())
+    rate = whole.flops / compute if compute else target.bf16_flops * target.efficiency
+    bandwidth = memory_bandwidth(target)
+    rows = []
+    for name, cost in costs.items():
+        moved = cost.fused_bytes if compiled else cost.memory_bytes
+        seconds = cost.flops / rate + moved / bandwidth
+        rows.append(
+            {
+                "name": name,
+                "time_s": seconds,
+                "flops": cost.flops,
+                "memory_bytes": cost.memory_bytes,
+                "fused_bytes": cost.fused_bytes,
+                "bytes_per_token": moved / tokens,
+            }
+        )
+    return sorted(rows, key=lambda r: -r["time_s"])
+
 
 def build_report(plan: JobPlan, target: Target, runs: list[RoleRun], compiled: bool = False) -> dict[str, Any]:
-    """The JSON document (see the module docstring); ``compiled``: the job compiles its model
-    (the simulation traced it eager)."""
+    """The JSON document (see the module docstring); ``compiled``: the job compiles its blocks,
+    whose elementwise chains move fewer bytes (``cost_model.Fusion``)."""
     dims, training = plan.dims, plan.config.training
     tokens = plan.global_batch_size * training.seq_len
     per_token = model_flops_per_token(plan.model_args, training.seq_len)
@@ -45,6 +75,8 @@ def build_report(plan: JobPlan, target: Target, runs: list[RoleRun], compiled: b
             plan.pipeline_microbatches if dims.pp > 1 else 1,
             compiled=compiled,
         )
+        rank_tokens = tokens / (dims.world_size // dims.pp)
+        moved = run.cost.fused_bytes if compiled else run.cost.memory_bytes
         at_peak = run.memory.at_peak
         needed = int(run.memory.peak_bytes + target.allocator_slack * at_peak["activations"] + target.runtime_bytes)
         seconds = time.step_s
@@ -63,13 +95,16 @@ def build_report(plan: JobPlan, target: Target, runs: list[RoleRun], compiled: b
                 "memory_largest": dict(run.memory.largest),
                 "phases": [asdict(p) for p in run.memory.phases],
                 "flops_per_step": run.cost.flops,
-                "memory_traffic_bytes_per_step": run.cost.memory_bytes,
+                "memory_traffic_bytes_per_step": moved,
+                "memory_traffic_bytes_per_token": moved / rank_tokens,
+                "eager_memory_traffic_bytes_per_step": run.cost.memory_bytes,
+                "by_module": breakdown(run.cost.by_module, run.cost, target, compiled, rank_tokens),
+                "by_op": breakdown(run.cost.by_op, run.cost, target, compiled, rank_tokens),
                 "comm_bytes_per_step": run.cost.comm_bytes(),
                 "comm_s": time.comm_s,
                 "compute_s": time.compute_s,
                 "compute_s_by_kind": compute_s(run.cost, target),
                 "flops_by_kind": run.cost.flops_by_kind,
-                "memory_traffic_bytes_compiled": run.cost.fused_memory_bytes,
                 "memory_bound_s": time.memory_s,
                 "exposed_comm_s": time.exposed_comm_s,
                 "bubble": time.bubble,
@@ -106,6 +141,7 @@ def build_report(plan: JobPlan, target: Target, runs: list[RoleRun], compiled: b
             "param_dtype": str(plan.parallel.param_dtype).removeprefix("torch."),
         },
         "loss_chunking": {"tokens": plan.loss_chunking.tokens, "why": plan.loss_chunking.why},
+        "compiled": compiled,
         "step_time_s": step_s,
         "tokens_per_s_per_gpu": tokens / step_s / dims.world_size,
         "mfu": per_token * tokens / dims.world_size / step_s / target.bf16_flops,
@@ -165,12 +201,22 @@ def render(report: dict[str, Any]) -> str:
                 f"{c} {gib(role['memory_largest'][c])}" for c in ("params", "grads", "optimizer", "activations")
             ),
             f"  per step: {role['flops_per_step']:.3g} FLOPs, {gib(role['memory_traffic_bytes_per_step'])} "
-            f"memory traffic; communication {comm}",
+            f"memory traffic ({role['memory_traffic_bytes_per_token'] / 1e6:.1f} MB per token"
+            + (", compile's fusion modelled" if report["compiled"] else ", eager")
+            + f"); communication {comm}",
             f"  time: compute {role['compute_s']:.3f} s + memory-bound {role['memory_bound_s']:.3f} s + exposed "
             f"communication {role['exposed_comm_s']:.3f} s, bubble {role['bubble']:.0%} -> step "
             f"{role['step_time_s']:.3f} s, {role['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, MFU "
             f"{role['mfu']:.0%} (HFU {role['hfu']:.0%})",
         ]
+        for key, title in (("by_module", "phase module/MoE part"), ("by_op", "op")):
+            lines.append(f"  top {TOP_ROWS} by {title}: time s, TFLOP, GB moved, MB per token")
+            lines += [
+                f"    {r['name']:<48} {r['time_s']:7.3f} {r['flops'] / 1e12:8.1f} "
+                f"{(r['fused_bytes'] if report['compiled'] else r['memory_bytes']) / 1e9:8.1f} "
+                f"{r['bytes_per_token'] / 1e6:7.2f}"
+                for r in role[key][:TOP_ROWS]
+            ]
     lines.append(
         f"job: step {report['step_time_s']:.3f} s, {report['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, "
         f"MFU {report['mfu']:.0%}; " + ("every role fits" if report["fits"] else "a role does not fit")
