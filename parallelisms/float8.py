@@ -64,9 +64,7 @@ def torchao_version() -> str | None:
     return importlib.metadata.version("torchao")
 
 
-def check_float8(
-    settings: Float8Settings, *, dp_shard: int, tp: int, n_experts: int, device_type: str, fsdp_dtype: torch.dtype
-) -> None:
+def check_float8(settings: Float8Settings, *, n_experts: int, device_type: str) -> None:
     """Raise :class:`ParallelismError` for a float8 setting that cannot work; before any process group."""
     if torchao_version() is None:
         raise ParallelismError('{float8}: float8 training needs torchao; install it with `pip install -e ".[float8]"`.')
@@ -77,20 +75,12 @@ def check_float8(
             f"{{float8_all_gather}} casts each weight with one scale before the all-gather: it needs "
             f'{{float8_recipe}} = "tensorwise", not {settings.recipe!r}.'
         )
-    if settings.fsdp_float8_all_gather and device_type != "cuda" and dp_shard > 1:
-        raise ParallelismError(
-            "{float8_all_gather} all-gathers float8 tensors, which gloo cannot move; it needs CUDA (NCCL). "
-            "Turn it off on this machine."
-        )
     if settings.precompute_scales and not settings.fsdp_float8_all_gather:
         raise ParallelismError(
             "{float8_precompute} precomputes the scales of the float8 all-gather: also turn on {float8_all_gather}."
         )
-    if settings.fsdp_float8_all_gather and fsdp_dtype != torch.float32 and device_type != "cuda":
-        raise ParallelismError("{float8_all_gather} on CPU needs float32 parameters.")
     if settings.experts:
         _check_experts(n_experts, device_type)
-    del tp  # torchao's float8 tensor-parallel styles take tensorwise; rowwise runs under TP's plain styles
 
 
 def _check_experts(n_experts: int, device_type: str) -> None:
@@ -104,6 +94,17 @@ def _check_experts(n_experts: int, device_type: str) -> None:
             f"{{float8_experts}}: torchao {torchao_version()}'s float8 grouped matmul needs an NVIDIA GPU of compute "
             f"capability 9.0 or newer (H100/H200) with torch {torch.__version__}; this machine runs {device_type}. "
             "Turn it off here."
+        )
+
+
+def check_backend(settings: Float8Settings | None, dp_shard: int, backend: str) -> None:
+    """Refuse, before the process group starts, a float8 all-gather over a backend that cannot
+    move float8 tensors (gloo). Not in :func:`check_float8`: a job planned or simulated on a CPU
+    for a GPU (``--simulate``) gathers over NCCL or a fake group."""
+    if settings is not None and settings.fsdp_float8_all_gather and dp_shard > 1 and backend == "gloo":
+        raise ParallelismError(
+            "{float8_all_gather} all-gathers float8 tensors, which gloo cannot move; it needs CUDA (NCCL). "
+            "Turn it off on this machine."
         )
 
 

@@ -69,10 +69,12 @@ def test_unsupported_combinations_are_refused_in_one_line_naming_the_key(extra, 
     assert f"`{key}`" in message and "\n" not in message
 
 
-def test_the_float8_all_gather_is_refused_where_gloo_would_carry_it():
+def test_the_float8_all_gather_is_refused_before_a_gloo_group_starts():
+    plan = resolve_job(load_config([*FLOAT8, "--float8.enable_fsdp_float8_all_gather"]), world_size=2)
     with pytest.raises(ConfigError, match="gloo") as error:
-        resolve_job(load_config([*FLOAT8, "--float8.enable_fsdp_float8_all_gather"]), world_size=2)
+        float8_plan.check_float8_backend(plan.parallel, plan.dims, "gloo")
     assert "`float8.enable_fsdp_float8_all_gather`" in str(error.value)
+    float8_plan.check_float8_backend(plan.parallel, plan.dims, "nccl")
 
 
 def test_the_experts_on_a_machine_without_the_kernel_name_the_versions():

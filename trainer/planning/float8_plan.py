@@ -4,7 +4,7 @@ group exists, each naming its key."""
 
 from __future__ import annotations
 
-from parallelisms.float8 import Float8Settings, check_float8
+from parallelisms.float8 import Float8Settings, check_backend, check_float8
 from parallelisms.parallel_dims import ParallelDims, ParallelismError
 from parallelisms.parallelize import ParallelSettings
 from trainer.config import ConfigError, JobConfig
@@ -34,9 +34,7 @@ def float8_settings(config: JobConfig, device: str) -> Float8Settings | None:
     )
 
 
-def check_float8_job(
-    config: JobConfig, dims: ParallelDims, settings: ParallelSettings, n_experts: int, device: str
-) -> None:
+def check_float8_job(config: JobConfig, settings: ParallelSettings, n_experts: int, device: str) -> None:
     """Raise :class:`ConfigError` for a float8 setting that cannot work on this job."""
     if settings.float8 is None:
         return
@@ -48,11 +46,16 @@ def check_float8_job(
     try:
         check_float8(
             settings.float8,
-            dp_shard=dims.dp_shard,
-            tp=dims.tp,
             n_experts=n_experts,
             device_type=device,
-            fsdp_dtype=settings.param_dtype,
         )
+    except ParallelismError as e:
+        raise ConfigError(e.render(FLOAT8_KEYS)) from None
+
+
+def check_float8_backend(settings: ParallelSettings, dims: ParallelDims, backend: str) -> None:
+    """:func:`~parallelisms.float8.check_backend`, naming the keys; before the process group starts."""
+    try:
+        check_backend(settings.float8, dims.dp_shard, backend)
     except ParallelismError as e:
         raise ConfigError(e.render(FLOAT8_KEYS)) from None

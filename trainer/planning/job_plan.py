@@ -151,7 +151,7 @@ def resolve_job(
     except ParallelismError as e:
         raise ConfigError(e.render(SETTING_KEYS)) from None
     check_layout_invariant(config, dims, settings)
-    check_float8_job(config, dims, settings, n_experts, device)
+    check_float8_job(config, settings, n_experts, device)
     check_experts(config, dims, n_experts, (figures or {}).get("routing_imbalance", 1.0))
     validation = config.validation
     if validation.enable and (dims.cp > 1 or dims.pp > 1) and validation.seq_len not in (-1, training.seq_len):
@@ -260,6 +260,7 @@ def memory_workload(
         tp=dims.tp,
         compute_bytes=settings.param_dtype.itemsize,
         reduce_bytes=settings.reduce_dtype.itemsize,
+        float8_all_gather=settings.float8 is not None and settings.float8.fsdp_float8_all_gather,
         ac_mode=settings.ac_mode,
         ac_option=settings.ac_option,
         loss_parallel=settings.loss_parallel,

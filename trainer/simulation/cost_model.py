@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils.flop_counter import flop_registry
@@ -24,7 +25,7 @@ from trainer.simulation.memory_tracker import tensors_in
 from trainer.simulation.targets import Target
 
 ASSUMPTIONS = (
-    "compute: traced matmul and attention FLOPs at the target's dense bf16 peak x `efficiency`; causal "
+    "compute: traced matmul and attention FLOPs at the target's dense bf16 peak (float8 matmuls at its float8 peak) x `efficiency`; causal "
     "attention counts half its score and value matmuls (flash kernels skip the masked blocks)",
     "memory-bound ops: bytes every other op reads and writes (eager, no fusion: compile is off in the "
     "simulation) at the HBM bandwidth x `hbm_efficiency`, not overlapped with the matmuls",
@@ -74,6 +75,7 @@ ATTENTION_BACKWARD = {name + "_backward": 10 for name in ATTENTION_FORWARD}
 """FLOPs per (batch x head x query x key x head_dim): forward QK^T and PV; backward recomputes
 the scores and forms four more products."""
 GROUPED_MM = "_grouped_mm"
+SCALED_MM = "_scaled_mm"
 """The experts' grouped matmul, which torch's FLOP counter does not know."""
 
 
@@ -99,6 +101,8 @@ class Collective:
 @dataclass
 class TracedCost:
     flops: int = 0
+    fp8_flops: int = 0
+    """The part of ``flops`` in float8 matmuls (``_scaled_mm``), timed at the float8 peak."""
     memory_bytes: int = 0
     collectives: list[Collective] = field(default_factory=list)
 
@@ -173,6 +177,7 @@ class CostRecorder:
             memory = _nbytes(args) + _nbytes(out)
         for cost in self._costs():
             cost.flops += flops
+            cost.fp8_flops += flops if name == SCALED_MM or any(map(_is_float8, args)) else 0
             cost.memory_bytes += memory
 
     def _costs(self) -> list[TracedCost]:
@@ -209,6 +214,14 @@ class CostRecorder:
             if isinstance(name, str) and name in self.groups:
                 return self.groups[name]
         return None
+
+
+def _is_float8(value: Any) -> bool:
+    """A float8 operand: torchao's float8 tensor (its matmul, seen here before the subclass turns it
+    into ``_scaled_mm``) or a float8 dtype."""
+    return isinstance(value, torch.Tensor) and (
+        type(value).__name__ == "Float8TrainingTensor" or value.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    )
 
 
 def _grouped_mm_flops(a: Any, b: Any) -> int:
@@ -253,7 +266,8 @@ def step_time(
     cost: TracedCost, target: Target, pp: int, schedule: str, stages_per_rank: int, pipeline_microbatches: int
 ) -> StepTime:
     """Seconds of one step on ``target`` under the model in :data:`ASSUMPTIONS`."""
-    compute = cost.flops / (target.bf16_flops * target.efficiency)
+    fp8_peak = target.fp8_flops or target.bf16_flops
+    compute = ((cost.flops - cost.fp8_flops) / target.bf16_flops + cost.fp8_flops / fp8_peak) / target.efficiency
     memory = cost.memory_bytes / (target.hbm_bytes_per_s * target.hbm_efficiency)
     comm: dict[str, float] = {}
     overlappable = exposed = 0.0

@@ -44,6 +44,8 @@ class Target:
     routing_imbalance: float = 1.0
     """Mixture-of-Experts: the routed tokens the busiest expert-parallel rank receives, over the
     average (a stated assumption: fake tensors route nothing); the simulated rank is that one."""
+    fp8_flops: float = 0.0
+    """Dense float8 peak, at which the float8 matmuls run (``efficiency`` of it); 0: at ``bf16_flops``."""
 
     def to_json(self) -> dict[str, object]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -51,7 +53,13 @@ class Target:
 
 GPUS: dict[str, Target] = {
     name: Target(
-        name, gpu.memory_bytes, gpu.bf16_flops, gpu.hbm_bytes_per_s, gpu.nvlink_bytes_per_s, gpu.network_bytes_per_s
+        name,
+        gpu.memory_bytes,
+        gpu.bf16_flops,
+        gpu.hbm_bytes_per_s,
+        gpu.nvlink_bytes_per_s,
+        gpu.network_bytes_per_s,
+        fp8_flops=gpu.fp8_flops,
     )
     for name, gpu in hardware.GPUS.items()
 }
