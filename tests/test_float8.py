@@ -145,3 +145,28 @@ def test_tensorwise_depends_on_how_the_batch_is_split(layouts):
     for layout in LAYOUTS:
         loss, grads = differences(layouts[f"tensorwise {layout}"][0], ref)
         assert loss > 10 * TOLERANCE or grads > 100 * TOLERANCE, (layout, loss, grads)
+
+
+def test_the_simulator_times_float8_matmuls_at_the_float8_peak_where_the_gpu_has_one():
+    from trainer.simulation.cost_model import TracedCost, step_time
+    from trainer.simulation.targets import GPUS
+
+    h100, a100 = GPUS["h100"], GPUS["a100"]
+    assert h100.fp8_flops == 1979e12 and GPUS["h200"].fp8_flops == 1979e12
+    bf16_only, half_float8 = TracedCost(flops=2 * 10**12), TracedCost(flops=2 * 10**12, fp8_flops=10**12)
+    compute = step_time(half_float8, h100, 1, "1F1B", 1, 1).compute_s
+    assert compute == pytest.approx((1e12 / 989e12 + 1e12 / 1979e12) / h100.efficiency)
+    assert compute < step_time(bf16_only, h100, 1, "1F1B", 1, 1).compute_s
+    # Without float8 tensor cores (A100) the float8 matmuls run at the bf16 peak.
+    assert (
+        step_time(half_float8, a100, 1, "1F1B", 1, 1).compute_s == step_time(bf16_only, a100, 1, "1F1B", 1, 1).compute_s
+    )
+
+
+def test_the_memory_plan_gathers_float8_weights_in_one_byte():
+    def buffers(extra: list[str]) -> int:
+        argv = ["--config", "llama3_8b.toml", "--model.n_layers", "2", *FLOAT8, *extra]
+        return resolve_job(load_config(argv), world_size=8, device="cuda").memory.fsdp_buffers
+
+    bf16_gather, float8_gather = buffers([]), buffers(["--float8.enable_fsdp_float8_all_gather"])
+    assert 0.6 * bf16_gather < float8_gather < 0.9 * bf16_gather
