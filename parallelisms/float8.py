@@ -97,7 +97,7 @@ def _check_experts(n_experts: int, device_type: str) -> None:
         )
 
 
-def check_backend(settings: Float8Settings | None, dp_shard: int, backend: str) -> None:
+def check_backend(settings: Float8Settings | None, dp_shard: int, backend: str, tp: int = 1) -> None:
     """Refuse, before the process group starts, a float8 all-gather over a backend that cannot
     move float8 tensors (gloo). Not in :func:`check_float8`: a job planned or simulated on a CPU
     for a GPU (``--simulate``) gathers over NCCL or a fake group."""
@@ -105,6 +105,11 @@ def check_backend(settings: Float8Settings | None, dp_shard: int, backend: str) 
         raise ParallelismError(
             "{float8_all_gather} all-gathers float8 tensors, which gloo cannot move; it needs CUDA (NCCL). "
             "Turn it off on this machine."
+        )
+    if settings is not None and settings.recipe == "tensorwise" and tp > 1 and backend == "gloo":
+        raise ParallelismError(
+            '{float8_recipe} = "tensorwise" with {tp} > 1 all-gathers the sequence-parallel inputs in float8, '
+            'which gloo cannot move; it needs CUDA (NCCL). Use "rowwise" or "rowwise_with_gw_hp" here.'
         )
 
 

@@ -75,6 +75,11 @@ def test_the_float8_all_gather_is_refused_before_a_gloo_group_starts():
         float8_plan.check_float8_backend(plan.parallel, plan.dims, "gloo")
     assert "`float8.enable_fsdp_float8_all_gather`" in str(error.value)
     float8_plan.check_float8_backend(plan.parallel, plan.dims, "nccl")
+    tensor_parallel = resolve_job(load_config([*FLOAT8, "--mesh", "tp=2"]), world_size=2)
+    with pytest.raises(ConfigError, match="`parallelism.tensor_parallel_degree`"):
+        float8_plan.check_float8_backend(tensor_parallel.parallel, tensor_parallel.dims, "gloo")
+    rowwise = resolve_job(load_config([*recipe("rowwise"), "--mesh", "tp=2"]), world_size=2)
+    float8_plan.check_float8_backend(rowwise.parallel, rowwise.dims, "gloo")
 
 
 def test_the_experts_on_a_machine_without_the_kernel_name_the_versions():

@@ -16,6 +16,7 @@ FLOAT8_KEYS = {
     "float8_precompute": "`float8.precompute_float8_dynamic_scale_for_fsdp`",
     "float8_experts": "`float8.moe_experts`",
     "model_name": "`model.name`",
+    "tp": "`parallelism.tensor_parallel_degree`",
 }
 
 
@@ -56,6 +57,6 @@ def check_float8_job(config: JobConfig, settings: ParallelSettings, n_experts: i
 def check_float8_backend(settings: ParallelSettings, dims: ParallelDims, backend: str) -> None:
     """:func:`~parallelisms.float8.check_backend`, naming the keys; before the process group starts."""
     try:
-        check_backend(settings.float8, dims.dp_shard, backend)
+        check_backend(settings.float8, dims.dp_shard, backend, dims.tp)
     except ParallelismError as e:
         raise ConfigError(e.render(FLOAT8_KEYS)) from None
