@@ -49,6 +49,7 @@ SAVED_OPS = frozenset(
         _aten.bmm.default,
         *kernels.ATTENTION_OPS,
         kernels.GROUPED_MM,
+        kernels.SCALED_MM,
         kernels.REDUCE_SCATTER,
         kernels.ALL_TO_ALL,
     }

@@ -2,7 +2,9 @@
 
 Applied once, to the model on the meta device, before the training loop:
 
-0. pipeline parallelism (the rank keeps its stages' modules; each stage is a view of them,
+0. float8 training (``parallelisms/float8.py``: linear layers swapped for torchao's, whose
+   weights every step below then splits, gathers and checkpoints as before);
+0b. pipeline parallelism (the rank keeps its stages' modules; each stage is a view of them,
    and every step below is applied to each stage);
 1. tensor parallelism (splits the parameters into TP DTensors);
 1b. expert parallelism (each rank keeps its routed experts; tokens travel all-to-all; under TP
@@ -34,6 +36,7 @@ from torch import nn
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.context_parallel import ContextParallel, resolve_backend
 from parallelisms.expert_parallel import apply_expert_parallel
+from parallelisms.float8 import Float8Settings, convert_to_float8, tensor_parallel_styles
 from parallelisms.fsdp import apply_fsdp
 from parallelisms.model_parts import blocks
 from parallelisms.parallel_dims import Meshes, ParallelDims, ParallelismError
@@ -67,6 +70,8 @@ class ParallelSettings:
     pp_last_stage_less_layers: int = 1
     pp_rank_batch: int = 1
     """Samples one data-parallel rank trains on per step: the pipeline's batch."""
+    float8: Float8Settings | None = None
+    """Float8 training of the linear layers (None: off)."""
 
 
 @dataclass(frozen=True)
@@ -200,6 +205,8 @@ class Parallelized:
     context_parallel: ContextParallel | None
     stage_modules: list[nn.Module] | None = None
     split: PipelineSplit | None = None
+    float8_linears: list[str] | None = None
+    """The names of the linear layers converted to float8 (None: float8 is off)."""
 
 
 def parallelize(
@@ -210,6 +217,7 @@ def parallelize(
     Under pipeline parallelism ``model`` keeps only this rank's stages' modules, and each
     stage view gets the steps below as a whole model would.
     """
+    float8_linears = convert_to_float8(model, settings.float8) if settings.float8 else None
     split = pipeline_split(dims, settings, len(blocks(model))) if dims.pp > 1 else None
     parts = split_model(model, split, meshes.pp.get_local_rank()) if split else [model]
     context_parallel = None
@@ -222,7 +230,13 @@ def parallelize(
         )
     for part in parts:
         if dims.tp > 1:
-            apply_tp(part, meshes.tp, loss_parallel=settings.loss_parallel, async_tp=settings.async_tp)
+            apply_tp(
+                part,
+                meshes.tp,
+                loss_parallel=settings.loss_parallel,
+                async_tp=settings.async_tp,
+                styles=tensor_parallel_styles(settings.float8),
+            )
         if meshes.ep is not None:
             apply_expert_parallel(part, meshes.ep, meshes.expert_checkpoint)
         if context_parallel:
@@ -240,4 +254,4 @@ def parallelize(
             expert_mesh=meshes.expert_fsdp,
             replicated_mesh=meshes.replicated_fsdp if dims.tp > 1 else None,
         )
-    return Parallelized(context_parallel, parts if split else None, split)
+    return Parallelized(context_parallel, parts if split else None, split, float8_linears)

@@ -24,7 +24,9 @@ Applied before FSDP: FSDP then shards the tensor-parallel DTensors over its own 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from contextlib import AbstractContextManager
+from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -70,20 +72,26 @@ class OutputParallel(ColwiseParallel):
         return dtensor.colwise_output(output_layouts, use_local_output, mod, outputs, device_mesh)
 
 
-def llama3_tp_plan(loss_parallel: bool) -> dict[str, ParallelStyle]:
+def llama3_tp_plan(loss_parallel: bool, styles: Mapping[str, Any] | None = None) -> dict[str, ParallelStyle]:
     """Module name pattern -> how its parameters and activations are split over TP ranks; each
-    block's feed-forward follows :func:`feed_forward_plan`."""
+    block's feed-forward follows :func:`feed_forward_plan`. ``styles``: the ``colwise``,
+    ``rowwise`` and ``prepare`` styles of the blocks' linear layers, when float8 training has
+    its own (``parallelisms/float8.py``)."""
+    styles = styles or {}
+    colwise = styles.get("colwise", ColwiseParallel)
+    rowwise = styles.get("rowwise", RowwiseParallel)
+    prepare = styles.get("prepare", PrepareModuleInput)
     return {
         "tok_embeddings": EmbeddingParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "layers.*.attention_norm": SequenceParallel(),
-        "layers.*.attention": PrepareModuleInput(
+        "layers.*.attention": prepare(
             input_layouts=(Shard(1), None, None),  # (hidden states, RoPE table, document mask)
             desired_input_layouts=(Replicate(), None, None),
         ),
-        "layers.*.attention.wq": ColwiseParallel(),
-        "layers.*.attention.wk": ColwiseParallel(),
-        "layers.*.attention.wv": ColwiseParallel(),
-        "layers.*.attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "layers.*.attention.wq": colwise(),
+        "layers.*.attention.wk": colwise(),
+        "layers.*.attention.wv": colwise(),
+        "layers.*.attention.wo": rowwise(output_layouts=Shard(1)),
         "layers.*.ffn_norm": SequenceParallel(),
         "norm": SequenceParallel(),
         "output": OutputParallel(
@@ -95,9 +103,12 @@ def llama3_tp_plan(loss_parallel: bool) -> dict[str, ParallelStyle]:
     }
 
 
-def feed_forward_plan(moe: bool) -> dict[str, ParallelStyle]:
+def feed_forward_plan(moe: bool, styles: Mapping[str, Any] | None = None) -> dict[str, ParallelStyle]:
     """A block's feed-forward: the dense SwiGLU column- then row-wise, a mixture of experts on
-    its own sequence shard (see the module docstring)."""
+    its own sequence shard (see the module docstring); ``styles`` as for :func:`llama3_tp_plan`."""
+    styles = styles or {}
+    colwise = styles.get("colwise", ColwiseParallel)
+    rowwise = styles.get("rowwise", RowwiseParallel)
     if moe:
         return {
             "feed_forward": PrepareModuleInput(
@@ -105,17 +116,24 @@ def feed_forward_plan(moe: bool) -> dict[str, ParallelStyle]:
             )
         }
     return {
-        "feed_forward": PrepareModuleInput(
+        "feed_forward": styles.get("prepare", PrepareModuleInput)(
             input_layouts=(Shard(1),),
             desired_input_layouts=(Replicate(),),
         ),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w1": colwise(),
+        "feed_forward.w2": rowwise(output_layouts=Shard(1)),
+        "feed_forward.w3": colwise(),
     }
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, async_tp: bool) -> nn.Module:
+def apply_tp(
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    *,
+    loss_parallel: bool,
+    async_tp: bool,
+    styles: Mapping[str, Any] | None = None,
+) -> nn.Module:
     """Split ``model``'s parameters over ``tp_mesh`` in place (before FSDP) and return it.
 
     Async TP overlaps the all-gathers and reduce-scatters with the matmuls that consume them;
@@ -123,10 +141,12 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool, asyn
     the compiled blocks (``parallelize`` requires compiling the model with it).
     """
     # A pipeline stage may lack the embedding or the norm and output (None): skip their entries.
-    plan = {k: v for k, v in llama3_tp_plan(loss_parallel).items() if getattr(model, k.split(".")[0]) is not None}
+    plan = {
+        k: v for k, v in llama3_tp_plan(loss_parallel, styles).items() if getattr(model, k.split(".")[0]) is not None
+    }
     parallelize_module(model, tp_mesh, plan)
     for block in blocks(model).values():
-        parallelize_module(block, tp_mesh, feed_forward_plan(is_moe(block.get_submodule("feed_forward"))))
+        parallelize_module(block, tp_mesh, feed_forward_plan(is_moe(block.get_submodule("feed_forward")), styles))
     if async_tp:
         kernels.enable_async_tp(tp_mesh.get_group())
     return model

@@ -24,6 +24,8 @@ import torch.distributed as dist
 from torch.utils.data import Dataset
 
 from parallelisms.expert_parallel import expert_params
+from parallelisms.float8 import describe as describe_float8
+from parallelisms.float8 import precompute_scales
 from parallelisms.parallel_dims import Meshes, device_type
 from parallelisms.parallelize import Parallelized, parallelize
 from parallelisms.pipeline_parallel import Pipeline
@@ -39,6 +41,7 @@ from trainer.metrics.reports import log_start, save_config
 from trainer.model.llama3 import Transformer, num_params
 from trainer.model.moe import MoEArgs
 from trainer.optimizer import build_lr_scheduler, build_optimizer
+from trainer.planning.float8_plan import check_float8_backend
 from trainer.planning.job_plan import JobPlan
 from trainer.runtime.distributed import init_distributed
 from trainer.step import StepParts
@@ -79,6 +82,12 @@ def build_model(
         logger.info("parallelising the model (%s parameters) on the meta device", f"{total:,}")
     parallelized = parallelize(model, meshes, plan.dims, plan.parallel, device.type)
     parts = parallelized.stage_modules or [model]
+    if rank0 and parallelized.float8_linears is not None:
+        logger.info(
+            "float8 (%s): %s",
+            plan.parallel.float8.recipe if plan.parallel.float8 else "",
+            describe_float8(parallelized.float8_linears, model),
+        )
     local = num_params(model)
     if rank0:
         logger.info("allocating this rank's shards on %s", device.type)
@@ -135,6 +144,8 @@ def build_step_parts(
     """
     config = plan.config
     dev_type = device_type()
+    if fake_tensors is None:
+        check_float8_backend(plan.parallel, plan.dims, "nccl" if dev_type == "cuda" else "gloo")
     device = init_distributed(dev_type, config.comm.init_timeout_seconds)
     layout_invariant = config.debug.layout_invariant
     if config.debug.deterministic or (layout_invariant and dev_type == "cuda"):
@@ -225,7 +236,17 @@ def _assemble(
         document_bos_id=plan.tokenizer.bos_id if training.document_mask else None,
         pipeline=pipeline,
         balance=build_balance(plan, model, meshes),
+        after_optimizer_step=float8_after_step(plan, parallelized, model),
     )
+
+
+def float8_after_step(plan: JobPlan, parallelized: Parallelized, model: Transformer) -> Callable[[], None] | None:
+    """With float8 weights gathered by FSDP: their scales in one all-reduce after each optimizer step."""
+    float8 = plan.parallel.float8
+    if float8 is None or not float8.precompute_scales:
+        return None
+    modules = parallelized.stage_modules or [model]
+    return lambda: precompute_scales(modules)
 
 
 def build_balance(plan: JobPlan, model: Transformer, meshes: Meshes) -> ExpertBalance | None:

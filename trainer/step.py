@@ -92,6 +92,8 @@ class StepParts:
     ``model`` then holds only these stages' modules."""
     balance: ExpertBalance | None = None
     """A Mixture-of-Experts model's balancing over the step (None for a dense model)."""
+    after_optimizer_step: Callable[[], None] | None = None
+    """What must follow each optimizer step that changed the weights (float8's precomputed scales)."""
 
     @contextlib.contextmanager
     def compute_context(self) -> Iterator[None]:
@@ -214,6 +216,8 @@ def optimizer_step(parts: StepParts, result: StepResult) -> float:
     """Step (unless the step was skipped), clear the gradients, advance the schedule; return the LR used."""
     if not result.skipped:
         parts.optimizer.step()
+        if parts.after_optimizer_step is not None:
+            parts.after_optimizer_step()
     parts.optimizer.zero_grad(set_to_none=True)
     lr = float(parts.scheduler.get_last_lr()[0])
     parts.scheduler.step()

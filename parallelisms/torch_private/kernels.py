@@ -22,6 +22,7 @@ NAMES = (
     "_foreach_mul_",
     "_foreach_copy_",
     "_grouped_mm",
+    "_scaled_mm",
     "_C",
     "_current_graph_task_id",
     "_autograd",
@@ -54,6 +55,8 @@ REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
 ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single.default
 """The functional all-to-all, with or without autograd (expert parallelism's exchanges, Ulysses)."""
 GROUPED_MM = _aten._grouped_mm.default
+SCALED_MM = _aten._scaled_mm.default
+"""The float8 matmul (``parallelisms/float8.py``)."""
 
 
 def foreach_norm(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

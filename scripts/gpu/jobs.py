@@ -99,6 +99,22 @@ def throughput_jobs(shape: Shape, memory: int) -> list[Job]:
             [*eight_b, *eager, "--training.loss_chunk_tokens", "0"],
             "eager, no AC, unchunked loss",
         ),
+        *float8_jobs(shape, eight_b, layers),
+    ]
+
+
+def float8_jobs(shape: Shape, eight_b: list[str], layers: int) -> list[Job]:
+    """Float8 beside bf16 (docs/float8.md): the 8B shape compiled with selective AC in bf16,
+    tensorwise and rowwise side by side, MFU on the bf16 peak as torchtitan counts it; then the
+    debug model's float8 loss curve, to set beside the bf16 curve of the loss job."""
+    compiled = [*eight_b, "--compile.enable", "--activation_checkpoint.mode", "selective"]
+    float8 = ["--model.converters", "float8", "--float8.recipe_name"]
+    curve = ["--model.flavor", "debugmodel", *shape.precision, "--training.steps", str(shape.loss_steps)]
+    return [
+        Job(f"8B x {layers} layers", compiled, "compiled + selective AC, bf16 (the float8 rows' baseline)"),
+        Job(f"8B x {layers} layers", [*compiled, *float8, "tensorwise"], "compiled + selective AC, float8 tensorwise"),
+        Job(f"8B x {layers} layers", [*compiled, *float8, "rowwise"], "compiled + selective AC, float8 rowwise"),
+        Job("debug model loss", [*curve, *float8, "rowwise"], f"float8 rowwise, {shape.loss_steps} steps"),
     ]
 
 

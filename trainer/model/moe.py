@@ -200,13 +200,18 @@ class Router(nn.Module):
         return probs, chosen, weights * self.route_scale
 
 
-def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor):
+def grouped_swiglu(
+    x: torch.Tensor,
+    counts: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    grouped_mm: Callable[..., torch.Tensor] = kernels.grouped_mm,
+):
     """The experts as three grouped matmuls over the expert-sorted tokens."""
     offsets = counts.cumsum(0).to(torch.int32)
-    h = F.silu(kernels.grouped_mm(x, w1.transpose(-2, -1), offsets)) * kernels.grouped_mm(
-        x, w3.transpose(-2, -1), offsets
-    )
-    return kernels.grouped_mm(h, w2.transpose(-2, -1), offsets)
+    h = F.silu(grouped_mm(x, w1.transpose(-2, -1), offsets)) * grouped_mm(x, w3.transpose(-2, -1), offsets)
+    return grouped_mm(h, w2.transpose(-2, -1), offsets)
 
 
 @torch.compiler.disable
@@ -251,6 +256,8 @@ class GroupedExperts(nn.Module):
         grouped kernel, as on an sm90 GPU, other dtypes the loop over rows split evenly."""
         self.checkpoint_mesh: DeviceMesh | None = None
         """Under expert parallelism, where a checkpoint places this rank's experts in the stack."""
+        self.grouped_mm: Callable[..., torch.Tensor] = kernels.grouped_mm
+        """The grouped kernel; float8 training swaps in torchao's (``parallelisms/float8.py``)."""
         self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))
@@ -262,9 +269,10 @@ class GroupedExperts(nn.Module):
             splits = [n // experts + (e < n % experts) for e in range(experts)]
             with SPLIT.part("experts"):
                 return looped_swiglu(x, counts, self.w1, self.w2, self.w3, splits)
-        swiglu = grouped_swiglu if has_grouped_mm(x) or self.assumed_split else looped_swiglu
         with SPLIT.part("experts"):
-            return swiglu(x, counts, self.w1, self.w2, self.w3)
+            if has_grouped_mm(x) or self.assumed_split:
+                return grouped_swiglu(x, counts, self.w1, self.w2, self.w3, self.grouped_mm)
+            return looped_swiglu(x, counts, self.w1, self.w2, self.w3)
 
 
 class _AddBalanceLoss(torch.autograd.Function):

@@ -29,6 +29,8 @@ from trainer.model.llama3 import FLAVORS, ModelArgs, model_args
 from trainer.model.moe import FLAVORS as MOE_FLAVORS
 from trainer.model.moe import MoEArgs
 from trainer.planning.expert_checks import check_experts
+from trainer.planning.float8_plan import check_float8_job, float8_settings
+from trainer.planning.layout_rules import check_layout_invariant
 from trainer.planning.loss_chunking import LossChunking, resolve_loss_chunking
 from trainer.planning.memory_fixes import what_would_fit
 from trainer.planning.memory_plan import Estimate, Workload, estimate
@@ -157,6 +159,7 @@ def resolve_job(
     except ParallelismError as e:
         raise ConfigError(e.render(SETTING_KEYS)) from None
     check_layout_invariant(config, dims, settings)
+    check_float8_job(config, settings, n_experts, device)
     check_experts(config, dims, args, (figures or {}).get("routing_imbalance", 1.0))
     validation = config.validation
     if validation.enable and (dims.cp > 1 or dims.pp > 1) and validation.seq_len not in (-1, training.seq_len):
@@ -215,53 +218,6 @@ def check_torch(concerns: tuple[str, ...]) -> None:
         raise ConfigError(str(e)) from None
 
 
-def check_layout_invariant(config: JobConfig, dims: ParallelDims, settings: ParallelSettings) -> None:
-    """``debug.layout_invariant`` promises the same bits on every data-parallel layout: refuse what
-    splits a micro-batch's arithmetic over ranks, or adds or updates in an order of its own."""
-    if not config.debug.layout_invariant:
-        return
-    refused = [
-        (
-            dims.tp > 1,
-            f"`parallelism.tensor_parallel_degree` = {dims.tp}",
-            "tensor parallelism splits each matmul's sum over ranks",
-        ),
-        (
-            dims.cp > 1,
-            f"`parallelism.context_parallel_degree` = {dims.cp}",
-            "context parallelism splits attention and its gradients over ranks",
-        ),
-        (
-            dims.pp > 1,
-            f"`parallelism.pipeline_parallel_degree` = {dims.pp}",
-            "the pipeline schedule cuts micro-batches of its own and accumulates their gradients itself",
-        ),
-        (
-            settings.compile_model or settings.compile_loss,
-            "`compile.enable`",
-            "compiled kernels are not checked to give the same bits on every layout",
-        ),
-        (
-            settings.reduce_dtype != torch.float32,
-            f"`training.mixed_precision_reduce` = {config.training.mixed_precision_reduce}",
-            "the layout-invariant sums are float32",
-        ),
-        (
-            config.training.defer_gradient_reduction,
-            "`training.defer_gradient_reduction`",
-            "the layout-invariant mode sends each micro-batch's gradient to its owners itself",
-        ),
-        (
-            config.optimizer.implementation == "fused",
-            '`optimizer.implementation` = "fused"',
-            'the fused AdamW\'s update of an element depends on where it lies in its shard (use "foreach" or "auto")',
-        ),
-    ]
-    for on, key, why in refused:
-        if on:
-            raise ConfigError(f"`debug.layout_invariant` cannot be combined with {key}: {why}; turn one of them off.")
-
-
 def loss_in_model(dims: ParallelDims, settings: ParallelSettings) -> bool:
     return dims.tp == 1 or settings.loss_parallel
 
@@ -294,6 +250,7 @@ def memory_workload(
         tp=dims.tp,
         compute_bytes=settings.param_dtype.itemsize,
         reduce_bytes=settings.reduce_dtype.itemsize,
+        float8_all_gather=settings.float8 is not None and settings.float8.fsdp_float8_all_gather,
         ac_mode=settings.ac_mode,
         ac_option=settings.ac_option,
         loss_parallel=settings.loss_parallel,
@@ -402,6 +359,7 @@ def parallel_settings(
         pp_first_stage_less_layers=parallelism.pipeline_parallel_first_stage_less_layers,
         pp_last_stage_less_layers=parallelism.pipeline_parallel_last_stage_less_layers,
         pp_rank_batch=rank_batch,
+        float8=float8_settings(config, device or device_type()),
     )
 
 

@@ -90,6 +90,9 @@ class Workload:
     """Bytes per element of activations and gathered parameters (2 for bf16, 4 for fp32)."""
     reduce_bytes: int = 4
     """Bytes per element of gradients accumulated unsharded (``training.mixed_precision_reduce``)."""
+    float8_all_gather: bool = False
+    """FSDP gathers the blocks' linear weights in float8 (1 byte each; ``float8.enable_fsdp_float8_all_gather``).
+    Float8 training keeps the same activations as bf16: torchao saves the high-precision inputs."""
     ac_mode: str = "none"
     ac_option: str = "op"
     loss_parallel: bool = True
@@ -280,7 +283,8 @@ def _estimate(w: Workload, share: _Share) -> Estimate:
             # kept from an earlier micro-batch, the peak holds the larger of the two.
             grads = max(0.0, grads - activations - logits)
         gathered_blocks = w.n_layers if w.reshard_after_forward == "never" else 2
-        gathered = (gathered_blocks * w.gathered_block + w.vocab_size * w.dim / w.tp) * w.compute_bytes
+        block_bytes = 1 if w.float8_all_gather else w.compute_bytes
+        gathered = gathered_blocks * w.gathered_block * block_bytes + w.vocab_size * w.dim / w.tp * w.compute_bytes
         fsdp_buffers = gathered + w.gathered_block * (w.compute_bytes + 4)
     device = w.device if w.device in RUNTIME_BYTES else "cpu"
     return Estimate(

@@ -29,7 +29,7 @@ from trainer.simulation.targets import Target
 ASSUMPTIONS = (
     "compute: traced matmul and attention FLOPs at the rates the target's calibration measured on that GPU "
     "(trainer/simulation/calibrations/: dense matmuls by shape class, attention, the grouped matmul), a kind "
-    "it has not measured at the dense bf16 peak x `efficiency`; causal attention counts half its score and "
+    "it has not measured at the dense bf16 peak x `efficiency`, float8 matmuls at the float8 peak x `efficiency`; causal attention counts half its score and "
     "value matmuls (flash kernels skip the masked blocks)",
     "memory-bound ops: bytes every other op reads and writes at the calibration's measured copy bandwidth "
     "(else the HBM bandwidth x `hbm_efficiency`), not overlapped with the matmuls; per-kernel launch costs "
@@ -83,6 +83,7 @@ ATTENTION_BACKWARD = {name + "_backward": 10 for name in ATTENTION_FORWARD}
 """FLOPs per (batch x head x query x key x head_dim): forward QK^T and PV; backward recomputes
 the scores and forms four more products."""
 GROUPED_MM = "_grouped_mm"
+SCALED_MM = "_scaled_mm"
 """The experts' grouped matmul, which torch's FLOP counter does not know."""
 
 
@@ -122,6 +123,8 @@ class Cost:
 @dataclass
 class TracedCost:
     flops: int = 0
+    fp8_flops: int = 0
+    """The part of ``flops`` in float8 matmuls (``_scaled_mm``), timed at the float8 peak."""
     memory_bytes: int = 0
     collectives: list[Collective] = field(default_factory=list)
     fused_bytes: int = 0
@@ -132,7 +135,9 @@ class TracedCost:
     by_module: dict[str, Cost] = field(default_factory=dict)
     """Where the cost arose: ``phase module[/moe part]`` (``CostRecorder.where``)."""
 
-    def record(self, op: str, where: str, cost: Cost, kind: str = "", weight: float = 1.0) -> None:
+    def record(self, op: str, where: str, cost: Cost, kind: str = "", weight: float = 1.0, fp8: bool = False) -> None:
+        if fp8:
+            self.fp8_flops += round(weight * cost.flops)
         if kind:
             self.flops_by_kind[kind] = self.flops_by_kind.get(kind, 0) + round(weight * cost.flops)
         self.flops += round(weight * cost.flops)
@@ -146,6 +151,7 @@ class TracedCost:
         self.flops += round(weight * other.flops)
         self.memory_bytes += round(weight * other.memory_bytes)
         self.fused_bytes += round(weight * other.fused_bytes)
+        self.fp8_flops += round(weight * other.fp8_flops)
         for kind, flops in other.flops_by_kind.items():
             self.flops_by_kind[kind] = self.flops_by_kind.get(kind, 0) + round(weight * flops)
         for mine, theirs in ((self.by_op, other.by_op), (self.by_module, other.by_module)):
@@ -289,11 +295,12 @@ class CostRecorder:
             memory = _nbytes(args) + _nbytes(out)
         if not (flops or memory):
             return
+        fp8 = bool(flops) and (name == SCALED_MM or any(map(_is_float8, tensors_in(args))))
         where, compiled = self.where()
         fused = self.fusion.bytes(func, args, out, memory, compiled and not flops)
         cost = Cost(flops, memory, fused)
         for traced in self._costs():
-            traced.record(name, where, cost, kind)
+            traced.record(name, where, cost, "" if fp8 else kind, fp8=fp8)
 
     def _costs(self) -> list[TracedCost]:
         if self.microbatch is None:
@@ -329,6 +336,14 @@ class CostRecorder:
             if isinstance(name, str) and name in self.groups:
                 return self.groups[name]
         return None
+
+
+def _is_float8(value: Any) -> bool:
+    """A float8 operand: torchao's float8 tensor (its matmul, seen here before the subclass turns it
+    into ``_scaled_mm``) or a float8 dtype."""
+    return isinstance(value, torch.Tensor) and (
+        type(value).__name__ == "Float8TrainingTensor" or value.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    )
 
 
 def _grouped_mm_flops(a: Any, b: Any) -> int:
@@ -371,15 +386,18 @@ def _collective_s(c: Collective, target: Target) -> float:
 
 def compute_s(cost: TracedCost, target: Target) -> dict[str, float]:
     """Seconds of the traced FLOPs by kernel kind: at the rate the target's calibration measured
-    for the kind, else at its peak x ``efficiency``."""
+    for the kind, else at its peak x ``efficiency``; float8 matmuls at the float8 peak x
+    ``efficiency`` (no probe measures them yet)."""
     default = target.bf16_flops * target.efficiency
+    float8 = {"float8": cost.fp8_flops / ((target.fp8_flops or target.bf16_flops) * target.efficiency)}
+    float8 = float8 if cost.fp8_flops else {}
     if target.calibration is None:
-        return {"all": cost.flops / default}
+        return {"all": (cost.flops - cost.fp8_flops) / default, **float8}
     seconds = {
         kind: flops / (target.calibration.flops(kind)[0] or default) for kind, flops in cost.flops_by_kind.items()
     }
-    rest = cost.flops - sum(cost.flops_by_kind.values())
-    return {**seconds, **({"other": rest / default} if rest else {})}
+    rest = cost.flops - cost.fp8_flops - sum(cost.flops_by_kind.values())
+    return {**seconds, **float8, **({"other": rest / default} if rest else {})}
 
 
 def memory_bandwidth(target: Target) -> float:

@@ -49,6 +49,8 @@ class Target:
     calibration: Calibration | None = None
     """The rates measured on this GPU (``calibration.py``); None: the peaks x the efficiencies."""
     calibration_file: str = ""
+    fp8_flops: float = 0.0
+    """Dense float8 peak, at which the float8 matmuls run (``efficiency`` of it); 0: at ``bf16_flops``."""
 
     def to_json(self) -> dict[str, object]:
         figures = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -77,7 +79,13 @@ class Target:
 
 GPUS: dict[str, Target] = {
     name: Target(
-        name, gpu.memory_bytes, gpu.bf16_flops, gpu.hbm_bytes_per_s, gpu.nvlink_bytes_per_s, gpu.network_bytes_per_s
+        name,
+        gpu.memory_bytes,
+        gpu.bf16_flops,
+        gpu.hbm_bytes_per_s,
+        gpu.nvlink_bytes_per_s,
+        gpu.network_bytes_per_s,
+        fp8_flops=gpu.fp8_flops,
     )
     for name, gpu in hardware.GPUS.items()
 }
