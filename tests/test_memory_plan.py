@@ -13,6 +13,7 @@ import pytest
 from harness import ROOT, run_train
 
 from trainer.config import ConfigError, load_config
+from trainer.entry.job import fitted_plan
 from trainer.entry.launch import main as launch_main
 from trainer.planning.job_plan import check_memory, memory_limit, resolve_job, target_device
 from trainer.planning.memory_fixes import fixes
@@ -112,8 +113,8 @@ def _documented_world_size(preset: str) -> int:
 def test_each_preset_fits_an_h100_with_ten_percent_headroom_at_its_documented_size(preset):
     """What ``--dry-run --target-gpu h100`` checks, at the size the preset's header names."""
     world_size = _documented_world_size(preset)
-    job = resolve_job(load_config(["--config", preset]), world_size, target_device("h100"))
     limit, where = memory_limit(1, None, started=False, target="h100")
+    job = fitted_plan(resolve_job(load_config(["--config", preset]), world_size, target_device("h100")), limit)
     assert limit == TARGET_MEMORY_BYTES["h100"] and "H100" in where
     assert job.workload.device == "cuda" and job.workload.compute_bytes == 2
     assert job.memory.total <= 0.9 * limit, job.memory.line()

@@ -9,11 +9,19 @@ and the entry point prints it as one line; any other exception is a bug and keep
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from trainer.config import load_config
 from trainer.data.datasets import TokenDataset, data_lines, load_dataset, load_validation_dataset
-from trainer.planning.job_plan import JobPlan, check_memory, describe, memory_limit, resolve_job, target_device
+from trainer.planning.job_plan import (
+    JobPlan,
+    check_memory,
+    describe,
+    memory_limit,
+    resolve_job,
+    target_device,
+)
+from trainer.planning.memory_plan import fitted
 from trainer.planning.target_figures import parse_overrides
 from trainer.runtime.dump_folder import check_dump_folder
 from trainer.runtime.errors import ConfigError
@@ -116,8 +124,8 @@ def prepare(
     ``--dry-run``, before the memory check can refuse it. ``memory=False`` skips the check (a tool
     that only reads the data).
     """
-    job_plan = prepare_plan(argv, world_size, target, figures)
     limit, where = memory_limit(local_ranks, device_index, started=started, target=target, figures=figures)
+    job_plan = prepare_plan(argv, world_size, target, figures, limit)
     if describe_to is not None:
         describe_to.append(describe(job_plan, limit, where))
     elif memory:
@@ -135,14 +143,26 @@ def prepare(
 
 
 def prepare_plan(
-    argv: list[str], world_size: int, target: str | None = None, figures: dict[str, float] | None = None
+    argv: list[str],
+    world_size: int,
+    target: str | None = None,
+    figures: dict[str, float] | None = None,
+    limit: int | None = None,
 ) -> JobPlan:
     """What :func:`prepare` checks before it opens the data: the config, its plan for
-    ``world_size`` (on one GPU of kind ``target`` with its ``figures``, when given), the dump folder.
+    ``world_size`` (on one GPU of kind ``target`` with its ``figures``, when given; ``limit``: a
+    rank's memory, when known), the dump folder.
     ``--simulate`` stops here: it feeds synthetic batches, and the data may be on another machine."""
     job_plan = resolve_job(load_config(argv), world_size, target_device(target) if target else None, figures)
+    job_plan = fitted_plan(job_plan, limit)
     check_dump_folder(job_plan.config.job.dump_folder)
     return job_plan
+
+
+def fitted_plan(plan: JobPlan, memory_limit: int | None) -> JobPlan:
+    """``plan`` for a rank of ``memory_limit`` bytes (None: unknown), where exact MoE balancing
+    holds the step's forwards only if they fit (``trainer/planning/memory_plan.fitted``)."""
+    return replace(plan, workload=fitted(plan.workload, memory_limit))
 
 
 def describe_job(request: Request, world_size: int, local_ranks: int) -> None:

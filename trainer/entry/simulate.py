@@ -16,7 +16,7 @@ from __future__ import annotations
 import sys
 
 from trainer.config import JobConfig, load_config
-from trainer.entry.job import Request, parse_request, prepare_plan
+from trainer.entry.job import Request, fitted_plan, parse_request, prepare_plan
 from trainer.planning.job_plan import JobPlan, check_torch, resolve_job
 from trainer.runtime.dump_folder import DumpFolderLock, check_dump_folder
 from trainer.runtime.stop_requests import Stopped, stopped_by_signals
@@ -67,12 +67,13 @@ def simulate_roles(
     start_fork_server()
     args = [*argv, "--compile.enable=false", "--training.num_workers", "0"]
     figures = {"routing_imbalance": target.routing_imbalance}
-    job_plan = prepare_plan(args, nproc * nnodes, figures=figures)
+    job_plan = prepare_plan(args, nproc * nnodes, figures=figures, limit=target.memory_bytes)
     real = schedule_count(job_plan)
     traced = traced_count(job_plan) if shorten else real
     # The traced plan differs from the job's only in settings.
     traced_args = [*args, *_as_on_target(job_plan.config, target), *shortened_args(job_plan, traced)]
     traced_plan = resolve_job(load_config(traced_args), nproc * nnodes, figures=figures)
+    traced_plan = fitted_plan(traced_plan, target.memory_bytes)
     print(
         f"simulating {job_plan.dims.pp} role(s) of {job_plan.dims.world_size} ranks on fake tensors, "
         f"at most {traced} of the step's {real} micro-batches traced ...",
