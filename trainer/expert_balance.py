@@ -17,10 +17,12 @@ depend on the mesh or the accumulation count:
   (``hold_forwards``): under full activation checkpointing, whose forwards keep only each block's
   input, ``trainer/step.py`` runs the step's forwards, this sums their counts, then every
   micro-batch's backward recomputes its blocks with the step's ``f``: no extra compute, and the
-  step holds every micro-batch's block inputs until its backwards (the memory plan counts them,
-  ``trainer/planning/moe_memory.py``). Elsewhere (no or selective checkpointing, whose held
-  forwards would keep every micro-batch's activations; pipeline parallelism, whose schedules
-  interleave forwards and backwards; a loss computed from whole logits) a forward-only
+  step holds every micro-batch's block inputs until its backwards (the memory plan counts them
+  and falls back to the pre-pass where they would not fit: ``Workload.holds_forwards`` and
+  ``fitted`` in ``trainer/planning/memory_plan.py``). Elsewhere (no or selective checkpointing,
+  whose held forwards would keep every micro-batch's activations; pipeline parallelism, whose
+  schedules interleave forwards and backwards; the loss unchunked, whose logits would be held) a
+  forward-only
   **counting pre-pass** runs the step's micro-batches through the model without autograd first:
   one extra forward per micro-batch, about a quarter to a third of a step's compute (measured in
   ``benchmarks/moe_balance.py``). The loss's gradient is scaled by ``weight x N`` (the step's
