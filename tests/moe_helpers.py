@@ -91,6 +91,8 @@ def moe_steps(argv: list[str], bug: str = "", validate: bool = False) -> dict:
         parts.pipeline.forward_only = lambda *args: []
     if bug == "statistics not gathered over the stages":
         parts.balance.stats_group = parts.balance.loss_group
+    if bug == "step's counts not summed over the routing mesh":
+        parts.balance.loss_group = None
     out: dict[str, list] = {"loss": [], "norm": [], "n": [], "balance": [], "bias": [], "tokens": [], "local": []}
     out["rows"] = parts.balance.rows  # under PP, the whole model's rows of this rank's layers
     for _ in range(STEPS):

@@ -24,6 +24,8 @@ MESHES = {
 BUGS = {
     "balancing loss per micro-batch": (4, 1, ["--mesh", "dp_shard=4,ep=2", "--moe.balance_loss_scope", "micro_batch"]),
     "tokens counted again in recompute": MESHES["dp_shard=4 x ep=2, full recompute"],
+    # Under full recompute the step's own forwards count the routing (no pre-pass).
+    "step's counts not summed over the routing mesh": MESHES["dp_shard=4 x ep=2, full recompute"],
     "expert gradients divided by ep": MESHES["ep=4, 2 micro-batches"],
 }
 

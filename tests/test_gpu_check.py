@@ -46,8 +46,8 @@ def test_without_cuda_the_cpu_half_runs_then_one_line_and_exit_2(tmp_path: Path)
 @pytest.mark.slow
 def test_rehearsal_runs_every_kind_of_row_on_the_cpu(tmp_path: Path):
     """The calibration probes, one throughput job, the MoE one (with its simulation, which reads
-    the probes' calibration), the loss curves, the initial weights, the attention and experts
-    kernels and the resume."""
+    the probes' calibration, and its traced step's kernels), the loss curves, the initial weights,
+    the attention and experts kernels and the resume."""
     done = run_check(tmp_path, "--rehearse", "--jobs", "1", "--budget", "720", timeout=1000)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     measured = {r["check"]: r for r in rows(tmp_path)}
@@ -62,6 +62,7 @@ def test_rehearsal_runs_every_kind_of_row_on_the_cpu(tmp_path: Path):
         "throughput 30B-A3B x 2 layers",
         "simulator 30B-A3B x 2 layers",
         "initial weights",
+        "kernels 30B-A3B x 2 layers",
         "SDPA kernel",
         "experts kernel",
         "resume",
@@ -78,6 +79,8 @@ def test_rehearsal_runs_every_kind_of_row_on_the_cpu(tmp_path: Path):
     assert measured["throughput 30B-A3B x 2 layers"]["figures"]["tokens_per_s"] > 0
     assert "experts: per-expert loop" in measured["throughput 30B-A3B x 2 layers"]["setting"]  # fp32 on the CPU
     assert measured["simulator 30B-A3B x 2 layers"]["figures"]["tokens_ratio"] > 0
+    kernels = measured["kernels 30B-A3B x 2 layers"]
+    assert kernels["figures"]["top_ms"] and "router" in kernels["figures"]["moe_split"]
     assert measured["experts kernel"]["figures"]["max_abs_diff"] < 1e-4  # grouped and looped agree
     assert measured["resume"]["result"] == "ok"
     assert measured["initial weights"]["result"] == "ok"
@@ -85,14 +88,24 @@ def test_rehearsal_runs_every_kind_of_row_on_the_cpu(tmp_path: Path):
 
 
 def test_the_moe_rows_come_first_at_the_most_blocks_an_h100_holds():
-    """The MoE jobs lead the list (a budget cut spares them), eager then compiled, at the block
-    count the memory estimate fits in 90% of 80 GB, each simulated with its routing stated."""
+    """The MoE jobs lead the list (a budget cut spares them), at the block count the memory
+    estimate fits in 90% of 80 GB and the preset's per-GPU work (8 micro-batches, full AC): each
+    balancing scope eager, then each compiled, each simulated with its routing stated; the exact
+    scope's eager run traces a step."""
     listed = jobs.throughput_jobs(jobs.Shape(), 80 * 10**9)
-    first, second = listed[:2]
-    assert first.name == second.name == "30B-A3B x 4 layers"
-    assert "--compile.enable" not in first.args and "--compile.enable" in second.args
-    assert first.simulation == ["--target.routing_imbalance", "1.0"]
-    assert all("30B" not in job.name for job in listed[2:])
+    moe = listed[:4]
+
+    def setting(job: jobs.Job, key: str) -> str:  # the last one given wins
+        return job.args[len(job.args) - 1 - job.args[::-1].index(key) + 1]
+
+    assert {job.name for job in moe} == {"30B-A3B x 4 layers"}
+    assert [setting(job, "--moe.balance_loss_scope") for job in moe] == ["global_batch", "micro_batch"] * 2
+    assert [("--compile.enable" in job.args) for job in moe] == [False, False, True, True]
+    assert {setting(job, "--activation_checkpoint.mode") for job in moe} == {"full"}
+    assert {setting(job, "--training.global_batch_size") for job in moe} == {"8"}
+    assert [job.profiled for job in moe] == [True, False, False, False]
+    assert moe[0].simulation == ["--target.routing_imbalance", "1.0"]
+    assert all("30B" not in job.name for job in listed[4:])
 
 
 def test_rows_are_written_as_they_come_and_a_failure_is_a_row(tmp_path: Path):

@@ -72,3 +72,17 @@ def test_on_the_cpu_auto_chunks_whatever_memory_is_free(limit):
     between ranks, or between a run and its resume, and round the same job differently."""
     chunking = resolve_job(load_config([]), 1, "cpu", limit=limit).loss_chunking
     assert chunking.tokens == AUTO_CHUNK_TOKENS and "CPU" in chunking.why
+
+
+def test_exact_moe_balancing_under_full_checkpointing_chunks_where_its_held_forwards_fit():
+    """The Qwen3-30B-A3B preset (full AC, ``global_batch`` scope) on 8 GPUs: where the step's
+    held block inputs fit, chunked, since its own forwards count the routing only with the loss
+    in chunks; on its 8 H100s they do not (the pre-pass counts), and with the ``micro_batch``
+    scope there is nothing to hold: memory decides."""
+    preset = ["--config", "qwen3_30b_a3b.toml"]
+    exact = _plan(preset, 8, 4 * H100)
+    assert exact.loss_chunking.tokens == AUTO_CHUNK_TOKENS and "exact MoE balancing" in exact.loss_chunking.why
+    assert exact.workload.holds_forwards
+    assert "exact MoE balancing" not in _plan(preset, 8, H100).loss_chunking.why
+    per_microbatch = _plan([*preset, "--moe.balance_loss_scope", "micro_batch"], 8, 4 * H100)
+    assert per_microbatch.loss_chunking.tokens == 0 and "within" in per_microbatch.loss_chunking.why

@@ -13,6 +13,7 @@ import pytest
 from harness import ROOT, run_train
 
 from trainer.config import ConfigError, load_config
+from trainer.entry.job import fitted_plan
 from trainer.entry.launch import main as launch_main
 from trainer.planning.job_plan import check_memory, resolve_job
 from trainer.planning.memory_fixes import fixes
@@ -113,7 +114,9 @@ def test_each_preset_fits_an_h100_with_ten_percent_headroom_at_its_documented_si
     """What ``--dry-run --target-gpu h100`` checks, at the size the preset's header names."""
     world_size = _documented_world_size(preset)
     limit, where = memory_limit(1, None, started=False, target="h100")
-    job = resolve_job(load_config(["--config", preset]), world_size, target_device("h100"), limit=limit)
+    job = fitted_plan(
+        resolve_job(load_config(["--config", preset]), world_size, target_device("h100"), limit=limit), limit
+    )
     assert limit == TARGET_MEMORY_BYTES["h100"] and "H100" in where
     assert job.workload.device == "cuda" and job.workload.compute_bytes == 2
     assert job.memory.total <= 0.9 * limit, job.memory.line()

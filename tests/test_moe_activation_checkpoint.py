@@ -176,3 +176,27 @@ def test_the_estimate_keeps_per_moe_layer_what_the_simulation_keeps(tmp_path):
         simulated[layers] = report["roles"][0]["needed_bytes"]
         estimated[layers] = estimate(resolve_job(load_config(args), 8, device="cuda", figures={}).workload).total
     assert estimated[4] - estimated[2] == pytest.approx(simulated[4] - simulated[2], rel=0.1), (estimated, simulated)
+
+
+@pytest.mark.slow
+def test_full_checkpointing_counts_the_step_in_its_own_forwards(monkeypatch):
+    """Exact balancing under full checkpointing runs no counting pre-pass: every forward of the
+    step, then the step's counts, then the backwards, whose recomputations read them. Losses,
+    grad norms, balancing loss, biases and counts are the pre-pass's (the reference); the step's
+    counts left unset before the backwards (the recomputations reading none) fail."""
+    from trainer import expert_balance, step
+    from trainer.planning.memory_plan import Workload
+
+    full = moe_argv(2, MODES["full"])  # 4 micro-batches
+    with monkeypatch.context() as patched:
+        patched.setattr(Workload, "holds_forwards", property(lambda self: False))
+        ref = moe_steps(full)
+
+    def no_prepass(*args):
+        raise AssertionError("the counting pre-pass ran")
+
+    monkeypatch.setattr(step, "counting_prepass", no_prepass)
+    assert max(differences(moe_steps(full), ref).values()) < TOLERANCE
+    monkeypatch.setattr(expert_balance.ExpertBalance, "count_forwards", lambda self: None)
+    wrong = differences(moe_steps(full), ref)
+    assert wrong["balance"] > 0.1 and wrong["norm"] > 10 * TOLERANCE, wrong

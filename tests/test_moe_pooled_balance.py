@@ -5,10 +5,12 @@ in one forward. That it is the same on every mesh is in ``test_expert_parallel_p
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from trainer.expert_balance import ExpertBalance
 from trainer.model.llama3 import Transformer
@@ -19,11 +21,17 @@ transformers_moe = pytest.importorskip("transformers.models.qwen3_moe.modeling_q
 BATCH, SEQ, MICROBATCHES = 4, 32, 2
 
 
-def test_pooled_balancing_loss_is_transformers_aux_loss():
+@pytest.mark.parametrize("held", [False, True], ids=["pre-pass", "held forwards"])
+def test_pooled_balancing_loss_is_transformers_aux_loss(held):
+    """``held``: under full checkpointing, the step's own forwards count the routing, then every
+    backward recomputes its blocks with the pooled counts (no pre-pass)."""
     torch.manual_seed(0)
     args = replace(FLAVORS["debugmoe"], vocab_size=256, max_seq_len=SEQ, n_shared_experts=0)
     model = Transformer(args)
     model.init_weights(3)
+    if held:
+        for block in model.layers.values():
+            block.checkpoint_fn = functools.partial(checkpoint, use_reentrant=False)
     tokens = torch.randint(0, args.vocab_size, (BATCH, SEQ))
     balance = ExpertBalance(
         model,
@@ -35,12 +43,17 @@ def test_pooled_balancing_loss_is_transformers_aux_loss():
         global_batch=BATCH,
         seq_len=SEQ,
         global_microbatches=MICROBATCHES,
+        hold_forwards=held,
     )
     microbatches = tokens.chunk(MICROBATCHES)
     # N = 1: the gradient the accumulator would divide by N is the loss's own.
     balance.begin_step(lambda: [model(mb) for mb in microbatches], lambda: 1)
-    for mb in microbatches:
-        (model(mb).sum() * 0).backward()  # only the balancing loss has a gradient
+    outputs = [model(mb) for mb in microbatches] if held else []
+    if held:
+        balance.count_forwards()
+    for i, mb in enumerate(microbatches):
+        out = outputs[i] if held else model(mb)
+        (out.sum() * 0).backward()  # only the balancing loss has a gradient
     ours = balance.finish_step(skipped=False).balance_loss
     our_grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 

@@ -270,6 +270,7 @@ def build_balance(plan: JobPlan, model: Transformer, meshes: Meshes) -> ExpertBa
         n_experts=args.n_experts,
         stats_group=routing_stats_group(plan, meshes) if pipelined else None,
         pp_group=meshes.pp.get_group() if pipelined else None,
+        hold_forwards=plan.workload.holds_forwards,
     )
 
 

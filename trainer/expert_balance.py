@@ -13,19 +13,28 @@ depend on the mesh or the accumulation count:
   non-finite gradient.
 - **balancing loss** ``E x sum_i f_i P_i`` per layer, in one of three scopes. For
   ``global_batch`` the frequencies ``f`` must be those of the whole step before the first
-  backward: a forward-only **counting pre-pass** runs the step's micro-batches through the
-  model without autograd and sums the routing over the routing mesh (one all-reduce of layers x
-  experts counts). It costs one extra forward per micro-batch, about a third of a step's compute
-  (measured in ``benchmarks/moe.py``); the alternative, holding every micro-batch's graph until
-  the counts are known, would cost the accumulation's memory saving. The loss's gradient is
-  scaled by ``weight x N`` (the step's valid tokens) so that the accumulator's single ``1 / N``
-  leaves it at ``weight``.
+  backward, summed over the routing mesh (one all-reduce of layers x experts counts). The
+  forward's values do not depend on ``f`` (only the loss's gradient does), so where the step can
+  run every micro-batch's forward before any backward, its own forwards count them
+  (``hold_forwards``): under full activation checkpointing, whose forwards keep only each block's
+  input, ``trainer/step.py`` runs the step's forwards, this sums their counts, then every
+  micro-batch's backward recomputes its blocks with the step's ``f``: no extra compute, and the
+  step holds every micro-batch's block inputs until its backwards (the memory plan counts them
+  and falls back to the pre-pass where they would not fit: ``Workload.holds_forwards`` and
+  ``fitted`` in ``trainer/planning/memory_plan.py``). Elsewhere (no or selective checkpointing,
+  whose held forwards would keep every micro-batch's activations; pipeline parallelism, whose
+  schedules interleave forwards and backwards; the loss unchunked, whose logits would be held) a
+  forward-only
+  **counting pre-pass** runs the step's micro-batches through the model without autograd first:
+  one extra forward per micro-batch, about a quarter to a third of a step's compute (measured in
+  ``benchmarks/moe_balance.py``). The loss's gradient is scaled by ``weight x N`` (the step's
+  valid tokens) so that the accumulator's single ``1 / N`` leaves it at ``weight``.
 
 **Layers pooled** (``balance_loss_layers = "pooled"``, transformers' ``output_router_logits``
 aux loss): one ``E x sum_i f_i P_i`` over every MoE layer's tokens together, ``f_i`` the choices
 of expert ``i`` per token-layer (summing to k), ``P_i`` its mean probability over token-layers.
 In the ``global_batch`` scope each layer's part uses the counts of all layers summed, so the
-parts add up to the pooled loss; the pre-pass's counts are therefore summed over the pipeline
+parts add up to the pooled loss; the step's counts are therefore summed over the pipeline
 stages too.
 
 **Pipeline parallelism.** A rank holds only its stages' MoE layers. The pre-pass runs the
@@ -49,7 +58,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parallelisms.model_parts import blocks
-from trainer.model.moe import Balancing, MoE, moe_layers
+from trainer.model.moe import Balancing, MoE, global_balance, moe_layers
 
 
 @dataclass(frozen=True)
@@ -85,11 +94,14 @@ class ExpertBalance:
         n_experts: int = 0,
         stats_group: dist.ProcessGroup | None = None,
         pp_group: dist.ProcessGroup | None = None,
+        hold_forwards: bool = False,
     ):
         """``moe_layer_ids``: the block index of every MoE layer of the whole model (default:
         those ``model`` holds); under pipeline parallelism ``stats_group`` is the routing mesh times
         the pipeline ranks and ``pp_group`` the pipeline ranks alone (a stage may hold no MoE
-        layer; ``n_experts`` then sizes its rows)."""
+        layer; ``n_experts`` then sizes its rows). ``hold_forwards``: the step runs every forward
+        before any backward and calls ``count_forwards`` in between, instead of the pre-pass
+        (``Workload.holds_forwards`` in ``trainer/planning/memory_plan.py`` decides)."""
         held = [(int(name), layer) for name, block in blocks(model).items() for layer in moe_layers(block)]
         ids = list(moe_layer_ids) if moe_layer_ids is not None else [i for i, _ in held]
         self.layers: list[MoE] = [layer for _, layer in held]
@@ -104,6 +116,7 @@ class ExpertBalance:
         self.bias_update_rate = bias_update_rate
         self.bias_skipped = False
         """Whether the last ``finish_step`` refused a bias move that was not finite."""
+        self.hold_forwards = hold_forwards and loss_weight > 0 and loss_scope == "global_batch"
         self.pooled = loss_layers == "pooled"
         self.balancing = Balancing(
             weight=loss_weight,
@@ -119,11 +132,12 @@ class ExpertBalance:
 
     @property
     def counting_prepass(self) -> bool:
-        return self.balancing.weight > 0 and self.balancing.scope == "global_batch"
+        return self.balancing.weight > 0 and self.balancing.scope == "global_batch" and not self.hold_forwards
 
     def begin_step(self, prepass: Callable[[], None], n_valid_tokens: Callable[[], int]) -> None:
-        """Clear the step's counters; for the balancing loss, learn the step's N and (global scope)
-        run ``prepass`` (every micro-batch's forward) to count the global routing."""
+        """Clear the step's counters; for the balancing loss, learn the step's N and (global scope,
+        unless the step holds its forwards) run ``prepass`` (every micro-batch's forward) to count
+        the global routing."""
         for layer in self.layers:
             layer.reset_counters()
         if self.balancing.weight == 0:
@@ -137,25 +151,44 @@ class ExpertBalance:
                 prepass()
         finally:
             self.balancing.prepass = False
+        self._share([layer.global_counts for layer in self.layers])
+
+    def count_forwards(self) -> None:
+        """With ``hold_forwards``, after the step's forwards and before its first backward: the
+        step's global counts from what the forwards counted, for the recomputations to read."""
+        self._share([layer.tokens_per_expert for layer in self.layers])
+
+    def _share(self, local: list[torch.Tensor]) -> None:
+        """Set every layer's ``global_counts`` to the step's: ``local`` (a row per layer) summed
+        over the routing mesh, and for pooled layers over the layers and pipeline stages too.
+
+        Written through ``.data``: under compile a checkpointed block's graph may keep the
+        buffer itself for its recomputation, which must read the new counts, and an in-place
+        write autograd sees would make that backward refuse a modified saved tensor."""
         if self.pooled:
             # Every layer's part needs all layers' counts, those of the other stages included.
-            counts = self._whole([layer.global_counts for layer in self.layers])
+            counts = self._whole(local)
             self._sum(counts, self.stats_group)
             for layer in self.layers:
-                layer.global_counts.copy_(counts.sum(0))
+                layer.global_counts.data.copy_(counts.sum(0))
             return
         if not self.layers:  # nor do the routing mesh's other ranks: they run the same stages
             return
-        counts = torch.stack([layer.global_counts for layer in self.layers])
+        counts = torch.stack([row.detach() for row in local])
         self._sum(counts, self.loss_group)
         for layer, row in zip(self.layers, counts):
-            layer.global_counts.copy_(row)
+            layer.global_counts.data.copy_(row)
 
     def finish_step(self, skipped: bool) -> BalanceStats:
         """Sum the step's counts and balancing loss over the routing mesh and the pipeline stages;
         move the biases unless the optimizer step is skipped, or the move would leave a bias
         non-finite: then ``bias_skipped`` is set and the caller skips the optimizer step too, as
         for a non-finite gradient (a NaN bias would route every later token by garbage)."""
+        if self.balancing.weight > 0 and self.balancing.scope == "global_batch":
+            for layer in self.layers:
+                layer.balance_sum.copy_(
+                    global_balance(layer.prob_sum, layer.global_counts, layer.top_k, self.balancing)
+                )
         counts = self._whole([layer.tokens_per_expert for layer in self.layers])
         losses = self._whole([layer.balance_sum.reshape(1) for layer in self.layers], 1)[:, 0]
         summed = torch.cat([counts.flatten(), losses])

@@ -169,10 +169,31 @@ def forward_backward(parts: StepParts, microbatches: list[MicroBatch]) -> StepRe
     accumulator.begin_step([mb.labels for mb in microbatches])
     if parts.balance is not None:
         parts.balance.begin_step(lambda: counting_prepass(parts, microbatches), accumulator.global_count)
+        if parts.balance.hold_forwards:
+            return forwards_then_backwards(parts, parts.balance, microbatches)
     with parts.compute_context():
         for i, (inputs, labels, positions, document_ids) in enumerate(microbatches):
             accumulator.prepare_backward(i)
             loss = parts.model_loss(parts.model, inputs, positions, document_ids, labels)
+            loss.backward()
+            accumulator.record_loss(loss)
+    return accumulator.finalize()
+
+
+def forwards_then_backwards(parts: StepParts, balance: ExpertBalance, microbatches: list[MicroBatch]) -> StepResult:
+    """The step's forwards, all of them, then its backwards: what the forwards route gives the
+    exact balancing loss its global counts before the first backward, with no forward run twice
+    (``trainer/expert_balance.py``). Under full checkpointing a held forward keeps its blocks'
+    inputs and the final hidden states (the chunked loss recomputes its logits in backward)."""
+    accumulator = parts.accumulator
+    with parts.compute_context():
+        losses = [
+            parts.model_loss(parts.model, inputs, positions, document_ids, labels)
+            for inputs, labels, positions, document_ids in microbatches
+        ]
+        balance.count_forwards()
+        for i, loss in enumerate(losses):
+            accumulator.prepare_backward(i)
             loss.backward()
             accumulator.record_loss(loss)
     return accumulator.finalize()

@@ -288,9 +288,8 @@ class Check:
         if not self.deadline.allows(45):
             self.results.add(Row(name, job.note, "out of time", "", "skipped"))
             return
-        run = measure.train(
-            self.scratch / f"run-{len(self.results.rows)}", job.args, self.deadline.left(), self.shape.cpu
-        )
+        dump = self.scratch / f"run-{len(self.results.rows)}"
+        run = measure.train(dump, job.args, self.deadline.left(), self.shape.cpu)
         if not run.ok:
             self.results.add(Row(name, job.note, run.cause, "", "error", {"seconds": run.seconds}), run.output)
             return
@@ -308,6 +307,20 @@ class Check:
             )
         )
         self.compare(job, figures)
+        if job.profiled:
+            self.kernels(job, dump, run)
+
+    def kernels(self, job: Job, dump: Path, run: measure.Run) -> None:
+        """The traced step's top kernels and the MoE time split of a profiled job."""
+        name = f"kernels {job.name}"
+        try:
+            found = measure.step_kernels(dump, run.output)
+        except (OSError, ValueError, KeyError) as e:
+            self.results.add(Row(name, job.note, f"{type(e).__name__}: {e}"[:300], "", "error"))
+            return
+        top = ", ".join(f"{k[:60]} {ms:.1f}" for k, ms in found["top_ms"].items())  # type: ignore[attr-defined]
+        measured = f"{found['kind']} ms of {found['total_ms']:.0f} in {found['trace']}: {top}"
+        self.results.add(Row(name, job.note, measured, f"MoE time split: {found['moe_split']}", "-", found))
 
     def compare(self, job: Job, measured: dict[str, float]) -> None:
         """The simulator's prediction of the job beside what was measured, and the ratios: each

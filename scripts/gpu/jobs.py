@@ -2,9 +2,10 @@
 size on a GPU, tiny when rehearsing on the CPU.
 
 The order is what a budget cut spares: this round measures the Mixture-of-Experts model first
-(the Qwen3-30B-A3B shape at the most blocks one GPU holds, eager then compiled), then the dense
-models eager; the dense compiled jobs and the unchunked loss come after the attention and resume
-rows, where a slow run can only cost themselves.
+(the Qwen3-30B-A3B shape at the most blocks one GPU holds, at the preset's per-GPU work, each
+balancing scope eager and compiled: :func:`moe_work_jobs`), then the dense models eager; the
+dense compiled jobs and the unchunked loss come after the attention and resume rows, where a
+slow run can only cost themselves.
 """
 
 from __future__ import annotations
@@ -17,6 +18,11 @@ MOE_LAYERS = (8, 6, 5, 4, 3, 2, 1)
 """The same for the Qwen3-30B-A3B shape, whose 128 experts make a block 0.6 B parameters (10 GB of
 float32 weights, gradients and AdamW moments): an 80 GB H100 holds 4."""
 FIT_FRACTION = 0.9
+MOE_WORK = ["--training.local_batch_size", "1", "--training.global_batch_size", "8"]
+"""The MoE preset's per-GPU work: 8 micro-batches of one sequence a step (its 64 sequences over 8 GPUs)."""
+MOE_WORK_STEPS = 6
+"""Steps of each MoE work job: the warm-up and 3 measured, each of 8 sequences."""
+BALANCE_SCOPES = ("global_batch", "micro_batch")
 FIRST_JOBS = 4
 """Jobs measured before the attention and resume rows; the rest after them."""
 ROUTING_IMBALANCE = 1.0
@@ -70,6 +76,8 @@ class Job:
     note: str = ""
     simulation: list[str] = field(default_factory=list)
     """Options only the simulation of the job takes."""
+    profiled: bool = False
+    """One measured step is also traced: its top kernels and the MoE time split make a row."""
 
 
 def throughput_jobs(shape: Shape, memory: int) -> list[Job]:
@@ -84,12 +92,9 @@ def throughput_jobs(shape: Shape, memory: int) -> list[Job]:
     layers = layers_that_fit([*shape.eight_b, *common], EIGHT_B_LAYERS, memory)
     eight_b = [*shape.eight_b, "--model.n_layers", str(layers), *shape.precision, *common]
     moe_layers = layers_that_fit([*shape.moe, *common], shape.moe_layers, memory)
-    moe = [*shape.moe, "--model.n_layers", str(moe_layers), *shape.precision, *common, *eager]
-    experts = f"experts: {expert_path(shape)}"
-    routing = ["--target.routing_imbalance", str(ROUTING_IMBALANCE)]
+    moe = [*shape.moe, "--model.n_layers", str(moe_layers), *shape.precision, *common]
     return [
-        Job(f"30B-A3B x {moe_layers} layers", moe, f"eager, no AC, {experts}", routing),
-        Job(f"30B-A3B x {moe_layers} layers", [*moe, "--compile.enable"], f"compiled, no AC, {experts}", routing),
+        *moe_work_jobs(shape, moe, moe_layers),
         Job("1B", [*one_b, *eager], "eager, no AC"),
         Job(f"8B x {layers} layers", [*eight_b, *eager, *chunked], "eager, no AC, chunked loss"),
         Job("1B", [*one_b, *compiled], "compiled + selective AC"),
@@ -116,6 +121,34 @@ def float8_jobs(shape: Shape, eight_b: list[str], layers: int) -> list[Job]:
         Job(f"8B x {layers} layers", [*compiled, *float8, "rowwise"], "compiled + selective AC, float8 rowwise"),
         Job("debug model loss", [*curve, *float8, "rowwise"], f"float8 rowwise, {shape.loss_steps} steps"),
     ]
+
+
+def moe_work_jobs(shape: Shape, moe: list[str], layers: int) -> list[Job]:
+    """The MoE shape at ``layers`` blocks (``moe``: its options) as the preset runs it on each GPU,
+    8 micro-batches a step with full activation checkpointing, for each balancing scope (the
+    preset's weight), eager and compiled; the exact scope's eager run also traces a step."""
+    experts = f"experts: {expert_path(shape)}"
+    routing = ["--target.routing_imbalance", str(ROUTING_IMBALANCE)]
+    work = [*MOE_WORK, "--activation_checkpoint.mode", "full", "--training.steps", str(MOE_WORK_STEPS)]
+    jobs = []
+    for compiled in (False, True):
+        for scope in BALANCE_SCOPES:
+            args = [*moe, *work, "--moe.balance_loss_weight", "0.001", "--moe.balance_loss_scope", scope]
+            profiled = not compiled and scope == "global_batch"
+            if profiled:  # the profiler's schedule traces step profile_freq, the second measured one
+                args += ["--profiling.enable_profiling", "--profiling.profile_freq", str(MOE_WORK_STEPS - 1)]
+            how = "compiled" if compiled else "eager"
+            note = f"{how}, full AC, 8 micro-batches, moe.balance_loss_scope={scope}, {experts}"
+            jobs.append(
+                Job(
+                    f"30B-A3B x {layers} layers",
+                    [*args, "--compile.enable"] if compiled else args,
+                    note,
+                    routing,
+                    profiled,
+                )
+            )
+    return jobs
 
 
 def layers_that_fit(argv: list[str], candidates: tuple[int, ...], memory: int) -> int:

@@ -161,6 +161,30 @@ def throughput(run: Run) -> dict[str, float]:
     return figures
 
 
+def step_kernels(dump: Path, output: str, top: int = 8) -> dict[str, object]:
+    """A profiled run's traced step (``--profiling.enable_profiling``): its top kernels by device
+    time (ms; the CPU's top-level ops when no kernel ran) and the total, and the start report's
+    MoE time split (``trainer/metrics/reports.py``), as the log printed it."""
+    traces = sorted((dump / "profile_traces").glob("iteration_*/rank0_trace.json"))
+    if not traces:
+        raise ValueError(f"no profiler trace in {dump / 'profile_traces'}")
+    events = json.loads(traces[-1].read_text())["traceEvents"]
+    kind = "kernel" if any(e.get("cat") == "kernel" for e in events) else "cpu_op"
+    totals: dict[str, float] = {}
+    for e in events:
+        if e.get("cat") == kind:
+            totals[e["name"]] = totals.get(e["name"], 0.0) + e.get("dur", 0) / 1e3
+    ranked = sorted(totals.items(), key=lambda item: -item[1])[:top]
+    split = [line.split("MoE time split", 1)[1] for line in output.splitlines() if "MoE time split" in line]
+    return {
+        "trace": traces[-1].parent.name,
+        "kind": kind,
+        "total_ms": sum(totals.values()),
+        "top_ms": dict(ranked),
+        "moe_split": split[-1].strip(" ,:") if split else "not in the log",
+    }
+
+
 def start_simulation(
     dump: Path, args: list[str], target: str, calibration: Path | None = None
 ) -> tuple[subprocess.Popen[str], float]:

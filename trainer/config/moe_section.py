@@ -29,7 +29,8 @@ class MoE:
     balance_loss_scope: str = setting(
         "global_batch",
         "Where the expert frequencies `f` of the balancing loss are counted: `global_batch` (the whole step, "
-        "by a forward-only counting pre-pass; the same on every mesh), `sequence` (whole sequences: not with "
+        "the same on every mesh: under full activation checkpointing by the step's own forwards, all run before "
+        "its backwards, else by a forward-only counting pre-pass), `sequence` (whole sequences: not with "
         "context or tensor parallelism, which split them) or `micro_batch` (per rank-local micro-batch, "
         "under CP or TP its sequence shard, as most frameworks do; depends on the mesh).",
         BALANCE_SCOPES,

@@ -9,12 +9,13 @@ and the entry point prints it as one line; any other exception is a bug and keep
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from trainer.config import load_config
 from trainer.data.datasets import TokenDataset, data_lines, load_dataset, load_validation_dataset
 from trainer.planning.job_plan import JobPlan, check_memory, describe, resolve_job
 from trainer.planning.memory_limits import memory_limit, target_device
+from trainer.planning.memory_plan import fitted
 from trainer.planning.target_figures import parse_overrides
 from trainer.runtime.dump_folder import check_dump_folder
 from trainer.runtime.errors import ConfigError
@@ -148,8 +149,15 @@ def prepare_plan(
     the data may be on another machine."""
     device = target_device(target) if target else None
     job_plan = resolve_job(load_config(argv), world_size, device, figures, limit)
+    job_plan = fitted_plan(job_plan, limit)
     check_dump_folder(job_plan.config.job.dump_folder)
     return job_plan
+
+
+def fitted_plan(plan: JobPlan, memory_limit: int | None) -> JobPlan:
+    """``plan`` for a rank of ``memory_limit`` bytes (None: unknown), where exact MoE balancing
+    holds the step's forwards only if they fit (``trainer/planning/memory_plan.fitted``)."""
+    return replace(plan, workload=fitted(plan.workload, memory_limit))
 
 
 def describe_job(request: Request, world_size: int, local_ranks: int) -> None:

@@ -16,9 +16,13 @@ Balancing (``trainer/expert_balance.py`` drives it per step):
 - the load-balancing loss ``E * sum_i f_i P_i`` (``f_i``: share of the k x T choices that went to
   expert i, ``P_i``: mean router probability of expert i) has a scope. Over the ``global_batch``
   it is a sum over tokens once ``f`` is known, so each micro-batch adds its tokens' part with the
-  step's global ``f`` (counted by a forward-only pre-pass) and the parts add up to the whole
-  batch's loss on every mesh. Its gradient enters the backward of the summed cross-entropy scaled
-  by ``weight x N``, so the accumulator's one ``1 / N`` leaves it at ``weight``: never divided twice.
+  step's global ``f`` and the parts add up to the whole batch's loss on every mesh. ``f`` is
+  known before the first backward, either from a forward-only pre-pass or, under full activation
+  checkpointing, from the step's own forwards (all run before any backward: the recomputation in
+  backward reads ``global_counts`` then). Its gradient enters the backward of the summed
+  cross-entropy scaled by ``weight x N``, so the accumulator's one ``1 / N`` leaves it at
+  ``weight``: never divided twice. The logged loss is made from each layer's summed
+  probabilities (``prob_sum``) once the step is over, whichever way ``f`` was learnt.
 """
 
 from __future__ import annotations
@@ -295,6 +299,7 @@ class MoE(nn.Module):
     tokens_per_expert: torch.Tensor
     global_counts: torch.Tensor
     balance_sum: torch.Tensor
+    prob_sum: torch.Tensor
 
     def __init__(self, args: MoEArgs):
         super().__init__()
@@ -310,6 +315,7 @@ class MoE(nn.Module):
         self.register_buffer("tokens_per_expert", torch.zeros(args.n_experts), persistent=False)
         self.register_buffer("global_counts", torch.zeros(args.n_experts), persistent=False)
         self.register_buffer("balance_sum", torch.zeros(()), persistent=False)
+        self.register_buffer("prob_sum", torch.zeros(args.n_experts), persistent=False)
 
     def reset_buffers(self) -> None:
         self.expert_bias.zero_()
@@ -317,7 +323,7 @@ class MoE(nn.Module):
 
     def reset_counters(self) -> None:
         """Clear what a step counts (at its start)."""
-        for buffer in (self.tokens_per_expert, self.global_counts, self.balance_sum):
+        for buffer in (self.tokens_per_expert, self.global_counts, self.balance_sum, self.prob_sum):
             buffer.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -365,12 +371,15 @@ class MoE(nn.Module):
         counted: bool,
     ) -> torch.Tensor:
         """Attach this micro-batch's part of the balancing loss, also when recomputed (the
-        recomputed graph is the one backward uses); log it once."""
+        recomputed graph is the one backward uses); log it once: in the ``global_batch`` scope
+        by its probabilities, summed, whose loss the step's end makes (``global_balance``)."""
         balancing = self.balancing
         if balancing.prepass or balancing.weight == 0 or not torch.is_grad_enabled():
             return out
         part = balance_part(probs, chosen, counts, self.global_counts, bsz, balancing)
-        if counted:
+        if counted and balancing.scope == "global_batch":
+            self.prob_sum += probs.detach().sum(0)
+        elif counted:
             self.balance_sum += part.detach()
         return _AddBalanceLoss.apply(out, part, balancing.grad_scale)
 
@@ -385,7 +394,7 @@ def balance_part(
 ) -> torch.Tensor:
     """This micro-batch's share of ``E * sum_i f_i P_i`` in the chosen scope.
 
-    ``global_batch``: ``f`` over the whole step (the pre-pass's counts), ``P`` summed over these
+    ``global_batch``: ``f`` over the whole step (known before its first backward), ``P`` summed over these
     tokens and divided by the step's tokens, so the parts of every micro-batch and rank add up to
     the global loss; with ``pooled_layers`` (transformers' aux loss), ``f`` and ``P`` over the
     token-layers of all MoE layers, so the parts of every layer add up to the pooled loss.
@@ -393,13 +402,8 @@ def balance_part(
     averaged over the step's sequences or (rank-local) micro-batches.
     """
     n_experts, k = probs.shape[1], chosen.shape[1]
-    if balancing.scope == "global_batch" and balancing.pooled_layers:
-        # ``global_counts``: every layer's counts summed; ``f`` per token-layer, summing to k.
-        token_layers = balancing.pooled_layers * balancing.global_tokens
-        return n_experts * (global_counts / token_layers * probs.sum(0)).sum() / token_layers
     if balancing.scope == "global_batch":
-        f = global_counts / (k * balancing.global_tokens)
-        return n_experts * (f * probs.sum(0)).sum() / balancing.global_tokens
+        return global_balance(probs.sum(0), global_counts, k, balancing)
     if balancing.scope == "micro_batch":
         f = counts / (k * probs.shape[0])
         return n_experts * (f * probs.mean(0)).sum() / balancing.global_microbatches
@@ -409,6 +413,19 @@ def balance_part(
     )
     f = seq_counts / (k * seq_probs.shape[1])
     return n_experts * (f * seq_probs.mean(1)).sum() / balancing.global_sequences
+
+
+def global_balance(prob_sum: torch.Tensor, global_counts: torch.Tensor, k: int, balancing: Balancing) -> torch.Tensor:
+    """The ``global_batch`` part of tokens whose probabilities sum to ``prob_sum`` per expert:
+    ``f`` over the whole step, ``P`` divided by the step's tokens; with ``pooled_layers``
+    (transformers' aux loss), ``f`` and ``P`` over the token-layers of all MoE layers
+    (``global_counts`` then every layer's counts summed, ``f`` per token-layer summing to k)."""
+    n_experts = prob_sum.shape[0]
+    if balancing.pooled_layers:
+        token_layers = balancing.pooled_layers * balancing.global_tokens
+        return n_experts * (global_counts / token_layers * prob_sum).sum() / token_layers
+    f = global_counts / (k * balancing.global_tokens)
+    return n_experts * (f * prob_sum).sum() / balancing.global_tokens
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:

@@ -232,10 +232,9 @@ def memory_workload(
 ) -> Workload:
     """Under pipeline parallelism the model runs the pipeline's micro-batches, whatever
     ``training.local_batch_size`` (which only cuts the loader's batch)."""
-    training = config.training
-    pipelined = dims.pp > 1
+    training, pipelined = config.training, dims.pp > 1
     imbalance = figures.get("routing_imbalance", 1.0) if figures else 1.0
-    whole_sequences = config.moe.balance_loss_weight > 0 and config.moe.balance_loss_scope == "sequence"
+    balance = config.moe.balance_loss_scope if config.moe.balance_loss_weight > 0 else ""
     return Workload(
         dim=args.dim,
         n_layers=args.n_layers,
@@ -273,16 +272,16 @@ def memory_workload(
         pp_first_less=settings.pp_first_stage_less_layers,
         pp_last_less=settings.pp_last_stage_less_layers,
         head_dim=args.head_dim,
-        experts=routed_experts(args, dims.ep, imbalance, whole_sequences),
+        experts=routed_experts(args, dims.ep, imbalance, balance == "sequence", balance == "global_batch"),
     )
 
 
-def routed_experts(args: ModelArgs, ep: int, imbalance: float, whole: bool = False) -> RoutedExperts | None:
+def routed_experts(args: ModelArgs, ep: int, imbalance: float, whole=False, exact=False) -> RoutedExperts | None:
     if not isinstance(args, MoEArgs):
         return None
     shared = args.n_shared_experts * args.moe_hidden_dim
     experts = args.n_experts, args.top_k, args.moe_hidden_dim, shared, args.n_dense_layers
-    return RoutedExperts(*experts, ep, imbalance, whole)
+    return RoutedExperts(*experts, ep, imbalance, whole, exact)
 
 
 def describe(plan: JobPlan, limit: int | None, where: str) -> str:

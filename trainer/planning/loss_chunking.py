@@ -10,8 +10,9 @@ close, not exact: the rest is its margin, as for the presets, sized with 10% hea
 CPU it always chunks: it costs nothing there, and the CPU's limit is the memory free when a rank
 starts, which differs between ranks and between a run and its resume, so deciding by it would
 let the same job round differently. A number the user sets is kept as set (0: whole logits, N:
-chunks of N tokens). Chunking changes the loss and gradients
-only by float32 round-off (``tests/test_loss.py``).
+chunks of N tokens). Exact MoE balancing under full checkpointing chunks too where its held
+forwards fit: they spare the counting pre-pass (``Workload.holds_forwards``) and need the loss
+in chunks. Chunking changes the loss and gradients only by float32 round-off (``tests/test_loss.py``).
 """
 
 from __future__ import annotations
@@ -53,6 +54,14 @@ def resolve_loss_chunking(
         return LossChunking(setting, f"`training.loss_chunk_tokens` = {setting} as set")
     if device == "cpu":
         return LossChunking(AUTO_CHUNK_TOKENS, "auto, on the CPU (chunking costs nothing measurable there)")
+    chunked = replace(workload, loss_chunk_tokens=AUTO_CHUNK_TOKENS)
+    if chunked.holds_forwards and (limit is None or estimate(chunked).total <= FIT_FRACTION * limit):
+        return LossChunking(
+            AUTO_CHUNK_TOKENS,
+            "auto: exact MoE balancing counts the routing in the step's own forwards only with the loss in "
+            "chunks (whole logits would be held for every micro-batch); the counting pre-pass this spares "
+            "costs a forward",
+        )
     whole = estimate(replace(workload, loss_chunk_tokens=0)).total
     if limit is None:
         return LossChunking(AUTO_CHUNK_TOKENS, "auto, and the memory limit is not known here")

@@ -20,7 +20,8 @@ make it fit, instead of spending minutes initialising and then dying of an out-o
   repeated for grouped-query attention), RoPE's float32 copies, the attention output, the four
   feed-forward intermediates. Tensor parallelism splits all but the all-gathered inputs.
   Activation checkpointing keeps only each checkpointed block's input plus one block being
-  recomputed; ``op`` keeps the matmul and attention outputs. Context parallelism's
+  recomputed (with exact MoE balancing under full checkpointing, those of every micro-batch of
+  the step: ``Workload.holds_forwards``); ``op`` keeps the matmul and attention outputs. Context parallelism's
   ``allgather_kv`` attention also keeps the gathered keys and values of the whole sequence, and
   their repeats for grouped-query attention up to each local chunk's end; document masking
   keeps one additive attention mask (queries x keys, in the compute dtype) shared by all blocks;
@@ -62,7 +63,7 @@ measured peak on CPU (docs/performance.md gives the figures).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from parallelisms.pipeline_split import plan_split
 from trainer.hardware import ALLOCATOR_SLACK, RUNTIME_BYTES, gib
@@ -123,6 +124,21 @@ class Workload:
     """Width of an attention head; 0: ``dim / n_heads`` (Qwen3's heads are wider)."""
     experts: RoutedExperts | None = None
     """A Mixture-of-Experts model's routed experts (``moe_memory.py``); None: dense."""
+    hold_forwards: bool = True
+    """Exact MoE balancing may hold the step's forwards (:attr:`holds_forwards`); False where
+    :func:`fitted` found that they would not fit."""
+
+    @property
+    def holds_forwards(self) -> bool:
+        """Whether exact (``global_batch``) balancing counts the step's routing in the step's own
+        forwards, all run before the first backward (``trainer/expert_balance.py``), instead of
+        a forward-only pre-pass: where a held forward keeps little, under full checkpointing
+        (each block's input) with the loss computed in chunks (``training.loss_chunk_tokens``:
+        at most one chunk's logits held per micro-batch; whole logits would be held otherwise,
+        under tensor parallelism without loss parallel or with the chunking off), and without
+        pipeline parallelism (whose schedules interleave forwards and backwards)."""
+        exact = self.experts is not None and self.experts.exact_balance and self.hold_forwards
+        return exact and self.ac_mode == "full" and self.pp == 1 and self.loss_chunk_tokens > 0
 
     @property
     def widths(self) -> tuple[int, int]:
@@ -221,6 +237,19 @@ class _Share:
     """Micro-batches whose logits are kept (on the last stage)."""
 
 
+HELD_FORWARDS_SHARE = 0.9
+"""The share of a rank's memory the estimate with held forwards may reach (the presets' headroom)."""
+
+
+def fitted(w: Workload, limit: int | None) -> Workload:
+    """``w``, with exact balancing's held forwards given up for the counting pre-pass where
+    every micro-batch's block inputs would take the estimate over ``HELD_FORWARDS_SHARE`` of
+    ``limit`` (bytes; None: unknown, held): the pre-pass costs a forward, not memory."""
+    if limit is None or not w.holds_forwards or estimate(w).total <= HELD_FORWARDS_SHARE * limit:
+        return w
+    return replace(w, hold_forwards=False)
+
+
 def estimate(w: Workload) -> Estimate:
     """The rank that needs the most (the ranks differ only by their pipeline stages)."""
     return max(estimates(w), key=lambda e: e.total)
@@ -232,6 +261,11 @@ def estimates(w: Workload) -> list[Estimate]:
 
 
 def _shares(w: Workload) -> list[_Share]:
+    if w.pp == 1 and w.holds_forwards:
+        # Every micro-batch's forward is held until the step's backwards; its logits too when
+        # it fits one chunk of the loss (not recomputed then).
+        whole = w.local_batch_size * w.seq_len / w.cp <= w.loss_chunk_tokens
+        return [_Share(None, w.n_layers, True, True, w.accumulation, w.accumulation if whole else 1)]
     if w.pp == 1:
         return [_Share(None, w.n_layers, True, True, 1, 1)]
     split = plan_split(w.n_layers, w.pp, w.pp_schedule, w.pp_layers_per_stage, w.pp_first_less, w.pp_last_less)
@@ -345,7 +379,9 @@ def _activations(w: Workload, share: _Share) -> tuple[float, float]:
     else:
         kept, full_block = blocks * average, exchange
     stage_output = block_input if w.pp > 1 and not share.last else 0.0
-    return share.microbatches * (kept + stage_output), full_block
+    # Held forwards: the final norm's input and output of every micro-batch but the one ``_logits`` counts.
+    held = 2 * block_input * (share.microbatches - 1) if w.holds_forwards else 0.0
+    return share.microbatches * (kept + stage_output) + held, full_block
 
 
 def _document_mask(w: Workload) -> float:

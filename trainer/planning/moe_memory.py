@@ -26,6 +26,10 @@ What differs from a dense block, per rank:
   rows and their gradients) live while a block is computed or recomputed;
 * **selective ``op`` checkpointing** keeps the matmuls' outputs (router logits, shared experts)
   and recomputes the grouped matmuls and the exchange;
+* **exact balancing's held forwards**: with the ``global_batch`` balancing loss under full
+  checkpointing the step runs every micro-batch's forward before any backward
+  (``Workload.holds_forwards``), so every micro-batch's block inputs and final hidden states
+  are held at once until its backward;
 * **under pipeline parallelism** a stage holds its own MoE blocks only, but their gathered
   experts and unsharded expert gradients stay for the whole step (``PipelineStage`` defers
   FSDP's reshard and reduce: ``Workload.unsharded`` in ``memory_plan.py``), and the routed
@@ -55,6 +59,10 @@ class RoutedExperts:
     whole_sequences: bool = False
     """The balancing loss needs whole sequences on a rank (``moe.balance_loss_scope`` =
     "sequence"): TP and CP, which split them, are refused (``expert_checks.check_experts``)."""
+    exact_balance: bool = False
+    """The balancing loss counts its frequencies over the whole step (``moe.balance_loss_scope`` =
+    "global_batch"): before the first backward, by a pre-pass or the held forwards
+    (``Workload.holds_forwards``)."""
 
     def feed_forward_params(self, dim: int) -> int:
         """A MoE block's router, shared experts and every routed expert."""

@@ -11,7 +11,9 @@ the first gradients) is reached by micro-batch ``pp - r + 1``, so each rank trac
 many micro-batches as stages, which only matters when ranks exchange them; each simulated rank
 runs alone (``fake_job.fewer_pipeline_microbatches``). The other schedules are traced whole:
 GPipe runs every forward before any backward, so its peak grows with the count, and the looped
-and V-shaped ones keep more per micro-batch than the shortened trace accounts for.
+and V-shaped ones keep more per micro-batch than the shortened trace accounts for. So does a
+step whose exact MoE balancing holds every forward before the backwards
+(``Workload.holds_forwards``): it too is traced whole.
 
 The traced micro-batches keep the job's shapes and the peak is measured on them as it is. Their
 cost (FLOPs, memory traffic, collectives) is made the job's with :func:`extend`: the traced ones
@@ -49,7 +51,7 @@ def traced_count(plan: JobPlan) -> int:
     count = schedule_count(plan)
     pp = plan.dims.pp
     if pp == 1:
-        return min(count, ACCUMULATION_TRACED)
+        return count if plan.workload.holds_forwards else min(count, ACCUMULATION_TRACED)
     if plan.parallel.pp_schedule in SHORTENED_SCHEDULES:
         return min(count, max(PIPELINE_TRACED, pp + 1))
     return count
