@@ -22,7 +22,7 @@ from trainer.runtime.errors import CheckpointError
 
 STEPS, SAVED = 4, 2
 TOLERANCE = 5e-5
-EXPERTS_TOLERANCE, EXPERTS_TOLERANCE_TP = 1e-6, 5e-5
+WEIGHTS_TOLERANCE = 1e-6  # relative; measured at most 1.2e-7 (with TP), 9.1e-8 without
 LOSS_TAGS = (Tag.LOSS_AVG, Tag.GRAD_NORM)
 MOE_TAGS = (Tag.MOE_BALANCE_LOSS, *(moe_load_tag(layer) for layer in (1, 2, 3)))
 ARGV = [
@@ -118,9 +118,8 @@ def test_a_run_saved_on_one_ep_mesh_continues_the_same_curve_on_another(runs, re
         for step, value in continued[tag].items():
             assert abs(value - straight[tag][step]) <= TOLERANCE * max(1.0, abs(value)), (tag, step)
     # The last checkpoints, each saved on its own EP degree: the routing biases equal exactly
-    # (they move in steps of +-rate, so a bias loaded wrong would stay wrong), each expert stack
-    # within EXPERTS_TOLERANCE of the straight run's, relative (measured at most 8.3e-8 without
-    # TP, 2.1e-5 with it: TP's round-off, docs/parallelisms.md).
+    # (they move in steps of +-rate, so a bias loaded wrong would stay wrong), every weight within
+    # round-off of the straight run's.
     final = read_dcp_model(runs / resumed / "checkpoint" / f"step-{STEPS}")
     expected = read_dcp_model(runs / saver / "checkpoint" / f"step-{STEPS}")
     biases = [name for name in expected if name.endswith("expert_bias")]
@@ -129,9 +128,12 @@ def test_a_run_saved_on_one_ep_mesh_continues_the_same_curve_on_another(runs, re
         assert torch.equal(final[name], expected[name]), name
     experts = [name for name in expected if ".experts." in name]
     assert len(experts) == 9 and all(expected[name].shape[0] == 8 for name in experts)
-    tolerance = EXPERTS_TOLERANCE_TP if "tp" in resumed else EXPERTS_TOLERANCE
-    for name in experts:
-        assert (final[name] - expected[name]).norm() <= tolerance * expected[name].norm(), name
+    # Every weight, not only the experts: one replicated over TP but fed other heads or tokens on
+    # each TP rank (the QK-norms, the router) drifts by the learning rate if its gradient is not
+    # summed over TP.
+    for name, weight in expected.items():
+        if weight.is_floating_point():
+            assert (final[name] - weight).norm() <= WEIGHTS_TOLERANCE * weight.norm(), name
 
 
 @pytest.mark.launcher
