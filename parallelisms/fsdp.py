@@ -41,7 +41,8 @@ def apply_fsdp(
     ``replicated_mesh``: under tensor parallelism each MoE layer's router and shared experts
     (and its routed experts without EP), replicated over TP ranks that feed them different
     tokens, are a unit over ``mesh`` with ``tp`` folded in, so that their gradients are summed
-    over TP as well (``parallelisms/tensor_parallel.py``).
+    over TP as well (``parallelisms/tensor_parallel.py``). So are each attention's QK-norms:
+    replicated over TP, each TP rank normalizes only its own heads.
     """
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
 
@@ -62,6 +63,11 @@ def apply_fsdp(
             experts = None if expert_mesh is not None else moe.experts
             replicated = [m for m in (moe.router, moe.shared_experts, experts) if m is not None]
             fully_shard(replicated, mesh=replicated_mesh, mp_policy=mp_policy, reshard_after_forward=not never)
+        for block in units:
+            attention = getattr(block, "attention", None)
+            qk_norms = [m for name in ("q_norm", "k_norm") if (m := getattr(attention, name, None)) is not None]
+            if qk_norms:
+                fully_shard(qk_norms, mesh=replicated_mesh, mp_policy=mp_policy, reshard_after_forward=not never)
     for i, block in enumerate(units):
         # The last block's backward starts right after forward, so freeing it is wasted work.
         last = i == len(units) - 1

@@ -67,8 +67,8 @@ def without_replicated_unit(apply_fsdp: Callable) -> Callable:
     return apply
 
 
-def moe_steps(argv: list[str], bug: str = "", validate: bool = False) -> dict:
-    """``STEPS`` optimizer steps through the trainer's own code; what every rank reports. With
+def moe_steps(argv: list[str], bug: str = "", validate: bool = False, steps: int = STEPS) -> dict:
+    """``steps`` optimizer steps through the trainer's own code; what every rank reports. With
     ``validate``, after each step (as the loop validates) the step's batch is evaluated forward
     only, as validation runs it: ``evaluated``, its summed loss over every rank."""
     if bug == "tokens counted again in recompute":
@@ -95,7 +95,7 @@ def moe_steps(argv: list[str], bug: str = "", validate: bool = False) -> dict:
         parts.balance.loss_group = None
     out: dict[str, list] = {"loss": [], "norm": [], "n": [], "balance": [], "bias": [], "tokens": [], "local": []}
     out["rows"] = parts.balance.rows  # under PP, the whole model's rows of this rank's layers
-    for _ in range(STEPS):
+    for _ in range(steps):
         microbatches = fetch_step(parts)
         result = forward_backward(parts, microbatches)
         local = [layer.tokens_per_expert.clone() for layer in layers]
@@ -146,12 +146,15 @@ def differences(result: dict, ref: dict) -> dict[str, float]:
     }
 
 
-def launch_moe(meshes: dict[str, tuple[int, int, list[str]]], bugs: dict[str, tuple[int, int, list[str]]]) -> dict:
+def launch_moe(
+    meshes: dict[str, tuple[int, int, list[str]]], bugs: dict[str, tuple[int, int, list[str]]], steps: int = STEPS
+) -> dict:
     """The 1-process reference (``reference``), every mesh and every injected bug (``bug: NAME``)
-    through :func:`moe_steps`, one launch per world size; ``{name: (world, local batch, argv)}``."""
-    cases = {"reference": (1, (moe_steps, moe_argv(8, [])))}
+    through :func:`moe_steps` for ``steps`` steps, one launch per world size;
+    ``{name: (world, local batch, argv)}``."""
+    cases = {"reference": (1, (moe_steps, moe_argv(8, []), "", False, steps))}
     for name, (world, local, extra) in meshes.items():
-        cases[name] = (world, (moe_steps, moe_argv(local, extra)))
+        cases[name] = (world, (moe_steps, moe_argv(local, extra), "", False, steps))
     for name, (world, local, extra) in bugs.items():
-        cases[f"bug: {name}"] = (world, (moe_steps, moe_argv(local, extra), name))
+        cases[f"bug: {name}"] = (world, (moe_steps, moe_argv(local, extra), name, False, steps))
     return run_by_world(cases)

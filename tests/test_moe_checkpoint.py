@@ -1,8 +1,9 @@
 """Expert-parallel checkpoints: a debug MoE run saved at ep = 2 resumes at ep = 1, at ep = 4, at
 ep = 2 x tp = 2 and at ep = 2 x cp = 2 (ep from the CP ranks), and continues the uninterrupted
 ep = 2 run's losses (which needs the experts' weights and optimizer state back as saved), with the
-same routing biases; the resumed runs' own last checkpoints, saved on those meshes, hold the same
-global experts; its TensorBoard holds the balancing scalars."""
+same routing biases; and one saved at dp_shard = 4 x ep = 2 resumes at dp_shard = 2 x ep = 2.
+The resumed runs' own last checkpoints, saved on those meshes, hold the same global experts
+within round-off; its TensorBoard holds the balancing scalars."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from trainer.runtime.errors import CheckpointError
 
 STEPS, SAVED = 4, 2
 TOLERANCE = 5e-5
+WEIGHTS_TOLERANCE = 1e-6  # relative; measured at most 1.2e-7 (with TP), 9.1e-8 without
 LOSS_TAGS = (Tag.LOSS_AVG, Tag.GRAD_NORM)
 MOE_TAGS = (Tag.MOE_BALANCE_LOSS, *(moe_load_tag(layer) for layer in (1, 2, 3)))
 ARGV = [
@@ -73,11 +75,16 @@ def resumed_from(saved: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
     """``ep2`` saves at step 2 and runs on to step 4; the others resume its step 2 (``pp2_ep2``:
-    the MoE layers in two pipeline stages, the experts over ep = 2 in each)."""
+    the MoE layers in two pipeline stages, the experts over ep = 2 in each). ``shard4_ep2`` does
+    the same on dp_shard = 4 x ep = 2, and ``ep2_from_shard4`` resumes its step 2 on
+    dp_shard = 2 x ep = 2: the same EP degree, the experts sharded over other ranks."""
     root = tmp_path_factory.mktemp("moe_checkpoint")
     saved = root / "ep2" / "checkpoint" / f"step-{SAVED}"
+    saved4 = root / "shard4_ep2" / "checkpoint" / f"step-{SAVED}"
     for world, name, local_batch, mesh, extra in (
         (2, "ep2", 4, "dp_shard=2,ep=2", []),
+        (4, "shard4_ep2", 2, "dp_shard=4,ep=2", []),
+        (2, "ep2_from_shard4", 4, "dp_shard=2,ep=2", resumed_from(saved4)),
         (2, "ep1", 4, "dp_shard=2", resumed_from(saved)),
         (4, "ep4", 2, "dp_shard=4,ep=4", resumed_from(saved)),
         (4, "ep2_tp2", 2, "dp_shard=2,tp=2,ep=2", resumed_from(saved)),
@@ -90,28 +97,43 @@ def runs(tmp_path_factory) -> Path:
 
 
 @pytest.mark.launcher
-@pytest.mark.parametrize("resumed", ["ep1", "ep4", "ep2_tp2", "ep2_cp2", "pp2_ep2"])
-def test_a_run_saved_at_ep2_continues_the_same_curve_on_another_ep_degree(runs, resumed):
+@pytest.mark.parametrize(
+    ("resumed", "saver"),
+    [
+        ("ep1", "ep2"),
+        ("ep4", "ep2"),
+        ("ep2_tp2", "ep2"),
+        ("ep2_cp2", "ep2"),
+        ("pp2_ep2", "ep2"),
+        ("ep2_from_shard4", "shard4_ep2"),
+    ],
+)
+def test_a_run_saved_on_one_ep_mesh_continues_the_same_curve_on_another(runs, resumed, saver):
     """The losses, and the balancing loss and expert loads of the whole model (under PP gathered
     over the stages), continue the straight run's."""
-    straight = tensorboard_scalars(runs / "ep2", LOSS_TAGS + MOE_TAGS)
+    straight = tensorboard_scalars(runs / saver, LOSS_TAGS + MOE_TAGS)
     continued = tensorboard_scalars(runs / resumed, LOSS_TAGS + MOE_TAGS)
     for tag in LOSS_TAGS + MOE_TAGS:
         assert sorted(continued[tag]) == list(range(SAVED + 1, STEPS + 1)), tag
         for step, value in continued[tag].items():
             assert abs(value - straight[tag][step]) <= TOLERANCE * max(1.0, abs(value)), (tag, step)
     # The last checkpoints, each saved on its own EP degree: the routing biases equal exactly
-    # (they move in steps of +-rate, so a bias loaded wrong would stay wrong), the experts at 5e-5.
+    # (they move in steps of +-rate, so a bias loaded wrong would stay wrong), every weight within
+    # round-off of the straight run's.
     final = read_dcp_model(runs / resumed / "checkpoint" / f"step-{STEPS}")
-    expected = read_dcp_model(runs / "ep2" / "checkpoint" / f"step-{STEPS}")
+    expected = read_dcp_model(runs / saver / "checkpoint" / f"step-{STEPS}")
     biases = [name for name in expected if name.endswith("expert_bias")]
     assert len(biases) == 3 and all(expected[name].abs().sum() > 0 for name in biases)
     for name in biases:
         assert torch.equal(final[name], expected[name]), name
     experts = [name for name in expected if ".experts." in name]
     assert len(experts) == 9 and all(expected[name].shape[0] == 8 for name in experts)
-    for name in experts:
-        assert (final[name] - expected[name]).abs().max() <= TOLERANCE, name
+    # Every weight, not only the experts: one replicated over TP but fed other heads or tokens on
+    # each TP rank (the QK-norms, the router) drifts by the learning rate if its gradient is not
+    # summed over TP.
+    for name, weight in expected.items():
+        if weight.is_floating_point():
+            assert (final[name] - weight).norm() <= WEIGHTS_TOLERANCE * weight.norm(), name
 
 
 @pytest.mark.launcher
