@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -37,7 +38,9 @@ def test_without_cuda_the_cpu_half_runs_then_one_line_and_exit_2(tmp_path: Path)
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stdout.splitlines()[-2].startswith("gpu_check: the GPU half needs CUDA")
     measured = rows(tmp_path)
-    assert [r["check"] for r in measured] == ["environment", "simulator 30B-A3B x 4 layers"]
+    # As many blocks as the estimate fits on an H100 (MOE_LAYERS in scripts/gpu/jobs.py).
+    assert len(measured) == 2 and measured[0]["check"] == "environment"
+    assert re.fullmatch(r"simulator 30B-A3B x [1-8] layers", measured[1]["check"]), measured[1]["check"]
     assert measured[1]["figures"]["predicted_peak_gib"] > 10  # the MoE job, planned for an H100
     assert "routing_imbalance 1.0" in measured[1]["setting"]
     assert (tmp_path / "table.md").read_text().count("\n| ") == 3
