@@ -283,22 +283,23 @@ def test_unsupported_models_are_one_line_errors():
 @pytest.mark.parametrize(
     ("changes", "named"),
     [
-        ({"num_experts": 0}, "`num_experts` = 0 must be >= 1"),  # was refused as "unexpected keys"
-        ({"num_experts": -2}, "`num_experts` = -2 must be >= 1"),
-        ({"num_experts_per_tok": 0}, "`num_experts_per_tok` = 0 must be in [1, `num_experts` = 8]"),
-        ({"num_experts_per_tok": 16}, "`num_experts_per_tok` = 16 must be in [1, `num_experts` = 8]"),
-        ({"moe_intermediate_size": 0}, "`moe_intermediate_size` = 0 must be >= 1"),
-        ({"num_hidden_layers": 0}, "`num_hidden_layers` = 0 must be >= 1"),
-        ({"hidden_size": 0}, "`hidden_size` = 0 must be >= 1"),
-        ({"num_attention_heads": 0}, "`num_attention_heads` = 0 must be >= 1"),
-        ({"num_key_value_heads": 3}, "`num_key_value_heads` = 3 must be a divisor of `num_attention_heads` = 4"),
-        ({"vocab_size": 0}, "`vocab_size` = 0 must be >= 1"),
+        ({"num_experts": 0}, "`num_experts` = 0"),  # was refused as "unexpected keys"
+        ({"num_experts": -2}, "`num_experts` = -2"),
+        ({"num_experts_per_tok": 0}, "`num_experts_per_tok` = 0"),
+        ({"num_experts_per_tok": 16}, "`num_experts_per_tok` = 16"),
+        ({"moe_intermediate_size": 0}, "`moe_intermediate_size` = 0"),
+        ({"num_hidden_layers": 0}, "`num_hidden_layers` = 0"),
+        ({"hidden_size": 0}, "`hidden_size` = 0"),
+        ({"num_attention_heads": 0}, "`num_attention_heads` = 0"),
+        ({"num_key_value_heads": 3}, "`num_key_value_heads` = 3"),
+        ({"vocab_size": 0}, "`vocab_size` = 0"),
     ],
 )
 def test_a_config_no_model_can_be_built_of_is_one_line_naming_the_key(
     hf_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], changes: dict, named: str
 ):
-    """Through the import script: each MoE config key out of its range is named with its range."""
+    """Through the import script: each MoE config key out of its range is named with its value
+    (the ranges themselves: ``test_hf_validation.py``)."""
     folder = tmp_path / "hf"
     shutil.copytree(hf_dir, folder)
     config = json.loads((folder / "config.json").read_text())
