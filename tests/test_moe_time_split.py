@@ -15,7 +15,6 @@ import torch
 from harness import BASE_ARGV, run_ranks, train_as_a_worker
 
 from parallelisms.moe_split import PARTS, SPLIT
-from parallelisms.torch_private import kernels
 from trainer.metrics.reports import moe_split_line
 from trainer.model import moe
 from trainer.model.llama3 import Transformer
@@ -72,8 +71,8 @@ def test_the_experts_range_runs_the_grouped_matmul_where_chosen(monkeypatch: pyt
     assert not has_grouped_mm(x)
     looped = experts(x, counts)
     calls: list[int] = []
-    grouped_mm = kernels.grouped_mm
-    monkeypatch.setattr(kernels, "grouped_mm", lambda *args, **kw: calls.append(1) or grouped_mm(*args, **kw))
+    grouped_mm = experts.grouped_mm  # kernels.grouped_mm, or float8's where converted
+    monkeypatch.setattr(experts, "grouped_mm", lambda *args, **kw: calls.append(1) or grouped_mm(*args, **kw))
     monkeypatch.setattr(moe, "has_grouped_mm", lambda x: True)
     with torch.no_grad():
         assert torch.equal(experts(x, counts), looped.detach())
