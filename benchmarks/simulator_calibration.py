@@ -86,11 +86,12 @@ def traced(args: list[str], dump: Path) -> tuple[TracedCost, int]:
 
 
 def extended(low: TracedCost, high: TracedCost, times: int) -> TracedCost:
-    """``high`` plus ``times`` more blocks of what ``high`` adds over ``low`` (one block)."""
+    """``high`` plus ``times`` more blocks of what ``high`` adds over ``low`` (one block); the
+    breakdowns by op and module are left out (the step's time does not read them)."""
     grown: dict[str, Any] = {}
     for f in fields(TracedCost):
         a, b = getattr(low, f.name), getattr(high, f.name)
-        if isinstance(b, dict):
+        if isinstance(b, dict) and all(isinstance(v, int | float) for v in b.values()):
             grown[f.name] = {k: b.get(k, 0) + times * (b.get(k, 0) - a.get(k, 0)) for k in {*a, *b}}
         elif isinstance(b, int):
             grown[f.name] = b + times * (b - a)
