@@ -92,10 +92,12 @@ def test_rehearsal_runs_every_kind_of_row_on_the_cpu(tmp_path: Path):
 
 def test_the_moe_rows_come_first_at_the_most_blocks_an_h100_holds():
     """The MoE jobs lead the list (a budget cut spares them), at the block count the memory
-    estimate fits in 90% of 80 GB and the preset's per-GPU work (8 micro-batches, full AC): each
+    estimate fits in 90% of an H100 (as torch reports its memory) and the preset's per-GPU work (8 micro-batches, full AC): each
     balancing scope eager, then each compiled, each simulated with its routing stated; the exact
     scope's eager run traces a step."""
-    listed = jobs.throughput_jobs(jobs.Shape(), 80 * 10**9)
+    from trainer.planning.memory_limits import TARGET_MEMORY_BYTES
+
+    listed = jobs.throughput_jobs(jobs.Shape(), TARGET_MEMORY_BYTES["h100"])
     moe = listed[:4]
 
     def setting(job: jobs.Job, key: str) -> str:  # the last one given wins
