@@ -28,7 +28,7 @@ Balancing (``trainer/expert_balance.py`` drives it per step):
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -62,37 +62,28 @@ class MoEArgs(ModelArgs):
         return TransformerBlock(layer_id, self, MoE(self))
 
 
+DEBUG_MOE = MoEArgs(
+    dim=256,
+    n_layers=4,
+    n_heads=16,
+    n_kv_heads=8,
+    vocab_size=2048,
+    rope_scaling=False,
+    vocab_from_tokenizer=True,
+    qk_norm=True,
+    n_experts=8,
+    top_k=2,
+    moe_hidden_dim=256,
+    n_shared_experts=1,
+    n_dense_layers=1,
+)
+
+
 FLAVORS: dict[str, MoEArgs] = {
-    "debugmoe": MoEArgs(
-        dim=256,
-        n_layers=4,
-        n_heads=16,
-        n_kv_heads=8,
-        vocab_size=2048,
-        rope_scaling=False,
-        vocab_from_tokenizer=True,
-        qk_norm=True,
-        n_experts=8,
-        top_k=2,
-        moe_hidden_dim=256,
-        n_shared_experts=1,
-        n_dense_layers=1,
-    ),
+    "debugmoe": DEBUG_MOE,
     # The debug MoE as a Qwen3-MoE can hold it (no shared expert, no dense first block), so that a
     # run exports to a Qwen3MoeForCausalLM (train_configs/tiny_qwen3_moe.toml, docs/hf.md).
-    "qwen3_moe_debug": MoEArgs(
-        dim=256,
-        n_layers=4,
-        n_heads=16,
-        n_kv_heads=8,
-        vocab_size=2048,
-        rope_scaling=False,
-        vocab_from_tokenizer=True,
-        qk_norm=True,
-        n_experts=8,
-        top_k=2,
-        moe_hidden_dim=256,
-    ),
+    "qwen3_moe_debug": replace(DEBUG_MOE, n_shared_experts=0, n_dense_layers=0),
     # Hugging Face's Qwen/Qwen3-30B-A3B and Qwen3-235B-A22B config.json; the output projection is
     # not tied to the embedding there either.
     "qwen3_30b_a3b": MoEArgs(
