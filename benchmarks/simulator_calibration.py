@@ -2,10 +2,9 @@
 calibration (``trainer/simulation/calibrations/``).
 
 The rows are the first device check's (2026-11-27, one NVIDIA H200, torch 2.11.0+cu130; the
-table is in docs/performance.md). Each job of the check's list (``scripts/gpu/jobs.py``) is
-simulated once for ``--target-gpu h200`` as it ran then (the loss chunked in 1,024 tokens, the
-default of that day, where the row did not set it), and timed twice from the same trace: with
-the constants (``efficiency`` 0.5, ``hbm_efficiency`` 0.7) and compile not modelled, as the
+table is in docs/performance.md). Each row's job is simulated once for ``--target-gpu h200`` with
+the settings it ran with then (the check's job list has moved on since), and timed twice from
+the same trace: with the constants (``efficiency`` 0.5, ``hbm_efficiency`` 0.7) and compile not modelled, as the
 check's own simulator rows were ("before"), and with the stored H200 calibration and compile's
 fusion ("after"). The calibration comes from kernel probes only; these rows are its
 test. Prints one table; about 6 minutes on 2 free cores at the rows' full depth.
@@ -30,25 +29,40 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "scripts" / "gpu")]
 
-from jobs import Job, Shape, throughput_jobs  # noqa: E402
+from jobs import Job  # noqa: E402
 
 from trainer.entry.simulate import simulate_roles  # noqa: E402
-from trainer.hardware import GPUS  # noqa: E402
 from trainer.simulation.cost_model import TracedCost, step_time  # noqa: E402
 from trainer.simulation.targets import resolve_target  # noqa: E402
 
-MEASURED = {
-    ("30B-A3B x 8 layers", "eager"): 22_750,
-    ("30B-A3B x 8 layers", "compiled"): 25_118,
-    ("1B", "eager"): 39_007,
-    ("8B x 8 layers", "eager, no AC, chunked loss"): 26_795,
-    ("1B", "compiled"): 42_866,
-    ("8B x 8 layers", "compiled"): 28_474,
-    ("8B x 8 layers", "eager, no AC, unchunked loss"): 29_419,
-}
-"""Tokens/s of the check's throughput rows on the H200, by job name and the start of its note."""
-CHUNKED_THEN = ["--training.loss_chunk_tokens", "1024"]
-"""The default of 2026-11-27, which the rows that did not set the chunking ran with."""
+RAN_WITH = ["--training.mixed_precision_param", "bfloat16", "--training.seq_len", "8192", "--training.steps", "8"]
+"""What every row shared: 8 steps of 8,192 tokens in bfloat16."""
+CHUNKED = ["--training.loss_chunk_tokens", "1024"]
+"""That day's default, which every row but the unchunked one ran with."""
+EAGER = ["--activation_checkpoint.mode", "none"]
+COMPILED = ["--compile.enable", "--activation_checkpoint.mode", "selective"]
+MOE = [
+    "--config", "qwen3_30b_a3b.toml", "--parallelism.expert_parallel_degree", "1",
+    "--training.global_batch_size", "-1", "--model.n_layers", "8", *RAN_WITH, *CHUNKED, *EAGER,
+]  # fmt: skip
+"""The preset's shape at the 8 blocks the H200 held, one sequence a step with every expert local."""
+ONE_B = ["--config", "llama3_1b.toml", *RAN_WITH]
+EIGHT_B = ["--config", "llama3_8b.toml", "--model.n_layers", "8", *RAN_WITH]
+MEASURED = [
+    (Job("30B-A3B x 8 layers", MOE, "eager, no AC, grouped matmul"), 22_750),
+    (Job("30B-A3B x 8 layers", [*MOE, "--compile.enable"], "compiled, no AC, grouped matmul"), 25_118),
+    (Job("1B", [*ONE_B, *CHUNKED, *EAGER], "eager, no AC"), 39_007),
+    (Job("8B x 8 layers", [*EIGHT_B, *CHUNKED, *EAGER], "eager, no AC, chunked loss"), 26_795),
+    (Job("1B", [*ONE_B, *CHUNKED, *COMPILED], "compiled + selective AC"), 42_866),
+    (Job("8B x 8 layers", [*EIGHT_B, *CHUNKED, *COMPILED], "compiled + selective AC"), 28_474),
+    (
+        Job("8B x 8 layers", [*EIGHT_B, *EAGER, "--training.loss_chunk_tokens", "0"], "eager, no AC, unchunked loss"),
+        29_419,
+    ),
+]
+"""The check's throughput rows as they ran on the H200, each with its own settings (the check's
+job list has moved on since: its MoE rows now run the preset's per-GPU work), and the tokens/s
+each measured."""
 
 
 @dataclass
@@ -61,20 +75,9 @@ class Prediction:
     compiled: bool
 
 
-def measured_of(job: Job) -> float | None:
-    found = (v for (name, note), v in MEASURED.items() if job.name == name and job.note.startswith(note))
-    return next(found, None)
-
-
-def check_jobs() -> list[Job]:
-    """The check's jobs that have a recorded row, as they ran on the H200 (its memory decides the
-    block counts)."""
-    listed = throughput_jobs(Shape(), GPUS["h200"].memory_bytes)
-    return [
-        replace(job, args=[*job.args, *([] if "--training.loss_chunk_tokens" in job.args else CHUNKED_THEN)])
-        for job in listed
-        if measured_of(job) is not None
-    ]
+def check_jobs() -> list[tuple[Job, float]]:
+    """The measured rows, each job with its tokens/s."""
+    return list(MEASURED)
 
 
 def traced(args: list[str], dump: Path) -> tuple[TracedCost, int]:
@@ -104,14 +107,14 @@ def layers_of(args: list[str]) -> int:
     return load_config(args).model.n_layers
 
 
-def predict(jobs: list[Job], layers: int | None, dump: Path) -> list[Prediction]:
+def predict(jobs: list[tuple[Job, float]], layers: int | None, dump: Path) -> list[Prediction]:
     """Each job's tokens/s with the constants and with the H200's calibration, from one trace
     per distinct job (a compiled job traces as its eager twin: the simulation does not compile)."""
     calibrated = resolve_target("h200", {}, 1)
     plain = replace(calibrated, calibration=None, calibration_file="")
     costs: dict[tuple[str, ...], tuple[TracedCost, int]] = {}
     predictions = []
-    for job in jobs:
+    for job, measured in jobs:
         compiled = "--compile.enable" in job.args
         args = [a for a in job.args if a != "--compile.enable"]
         if tuple(args) not in costs:
@@ -127,7 +130,7 @@ def predict(jobs: list[Job], layers: int | None, dump: Path) -> list[Prediction]
         # "before" is the simulator as it was: the constants, and compile not modelled
         before = tokens / step_time(cost, plain, 1, "1F1B", 1, 1).step_s
         after = tokens / step_time(cost, calibrated, 1, "1F1B", 1, 1, compiled).step_s
-        predictions.append(Prediction(job.name, job.note, measured_of(job) or 0.0, before, after, compiled))
+        predictions.append(Prediction(job.name, job.note, measured, before, after, compiled))
     return predictions
 
 

@@ -42,6 +42,7 @@ from parallelisms.model_parts import blocks
 from parallelisms.parallel_dims import Meshes, ParallelDims, ParallelismError
 from parallelisms.pipeline_split import PipelineSplit, check_pipeline, plan_split, split_model
 from parallelisms.tensor_parallel import apply_tp
+from parallelisms.torch_private.process_group import scope_compile_cache
 
 
 @dataclass(frozen=True)
@@ -217,6 +218,8 @@ def parallelize(
     Under pipeline parallelism ``model`` keeps only this rank's stages' modules, and each
     stage view gets the steps below as a whole model would.
     """
+    if settings.compile_model or settings.compile_loss:
+        scope_compile_cache()
     float8_linears = convert_to_float8(model, settings.float8) if settings.float8 else None
     split = pipeline_split(dims, settings, len(blocks(model))) if dims.pp > 1 else None
     parts = split_model(model, split, meshes.pp.get_local_rank()) if split else [model]

@@ -10,6 +10,7 @@ counts differ between micro-batches and ranks, which is what makes the classic b
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 import shutil
 import socket
@@ -92,7 +93,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, out_dir: str, args: tuple) -> None:
+def _entry(
+    rank: int, fn: Callable[..., Any], world_size: int, port: int, out_dir: str, env: dict, cwd: str, args: tuple
+) -> None:
+    # A forked rank starts with the fork server's environment and folder: the test's own, now.
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -110,6 +117,13 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, out_di
         dist.destroy_process_group()
 
 
+def _start_method() -> str:
+    """Ranks fork from a server that has imported torch and the trainer once (``forkserver``):
+    a spawned rank spends seconds of the CI's two cores importing them, every launch."""
+    multiprocessing.set_forkserver_preload(["harness"])
+    return "forkserver"
+
+
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
     """``[fn(*args) on rank r for r in range(world_size)]``, each rank its own process joined in
     one gloo group with torchrun's environment, so the code under test initialises exactly as
@@ -117,15 +131,21 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
     with tempfile.TemporaryDirectory() as out_dir:
         mp.start_processes(
             _entry,
-            args=(fn, world_size, _free_port(), out_dir, args),
+            args=(fn, world_size, _free_port(), out_dir, dict(os.environ), os.getcwd(), args),
             nprocs=world_size,
-            start_method="spawn",
+            start_method=_start_method(),
         )
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
 
 
 def _each(cases: list[tuple]) -> list[Any]:
-    return [fn(*args) for fn, *args in cases]
+    results = []
+    for fn, *args in cases:
+        results.append(fn(*args))
+        # Compiled code bakes in the names of the process groups it traced with, and dynamo's
+        # guards do not look at them: the next case's fresh groups must not meet the old code.
+        torch._dynamo.reset()
+    return results
 
 
 def run_cases(world_size: int, cases: dict[str, tuple]) -> dict[str, list[Any]]:

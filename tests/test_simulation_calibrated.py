@@ -40,13 +40,8 @@ def _key(p: calibration.Prediction) -> tuple[str, str]:
 
 
 @pytest.mark.slow
-@pytest.mark.skip(
-    reason="the device check's MoE rows now run the preset's per-GPU work (8 micro-batches, full AC), "
-    "which the 2026-11-27 H200 table did not measure; the job list must pair each measured row with "
-    "its own settings again (issue 37, open)"
-)
 def test_the_calibrated_simulator_against_the_h200_rows(tmp_path, capsys):
-    jobs = [j for j in calibration.check_jobs() if j.name.startswith("30B") or "unchunked" in j.note]
+    jobs = [(j, m) for j, m in calibration.check_jobs() if j.name.startswith("30B") or "unchunked" in j.note]
     predictions = calibration.predict(jobs, 2, tmp_path)
     with capsys.disabled():
         print("\n" + calibration.table(predictions))
