@@ -1,0 +1,127 @@
+"""Fault-tolerant replica groups (``trainer/replica_groups.py``): a group killed mid-run is left
+out while the other trains on, heals from it when restarted, and every step's loss equals one
+process fed exactly the batches of the groups that trained that step.
+
+The groups are one process each (2 x 1): two groups of two processes each run the same code
+paths but take twice the cores this test may use. The data is ``shakespeare_dialogue``, whose
+masked prompts and padding give every group a different number of valid tokens per step, so a
+loss averaged over the groups instead of their tokens differs from the reference.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from pathlib import Path
+
+import pytest
+from harness import QUICK, TOLERANCE, Launched, run_ranks, trainer_for
+
+from trainer.step import fetch_step, forward_backward, optimizer_step
+
+os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side reads it once: no line per quorum here
+pytest.importorskip("torchft")
+
+GROUPS = 2
+STEPS = 36
+GROUP_ARGS = [
+    *QUICK,
+    "--training.dataset",
+    "shakespeare_dialogue",
+    "--training.global_batch_size",
+    "4",  # per group: 2 micro-batches of 2 sequences
+    "--metrics.enable_tensorboard=false",
+]
+STEP_LINE = re.compile(
+    r"replica groups: step (\d+) trained by groups \[([\d, ]*)\] of \d+, tokens \[[\d, ]*\], loss ([^;\s]+)"
+)
+
+
+@pytest.fixture
+def lighthouse():
+    """A lighthouse that forms a quorum of any one group, waits for a group that heartbeats
+    but has not asked yet (a peer mid-step), and gives a silent group up after a second."""
+    from torchft._torchft import LighthouseServer
+
+    server = LighthouseServer(
+        bind="[::]:0", min_replicas=1, join_timeout_ms=30_000, quorum_tick_ms=20, heartbeat_timeout_ms=1_000
+    )
+    yield server.address()
+    server.shutdown()
+
+
+def group_args(group: int, lighthouse: str, dump: Path) -> list[str]:
+    return [
+        *GROUP_ARGS,
+        "--training.steps",
+        str(STEPS),
+        "--fault_tolerance.enable",
+        "--fault_tolerance.group_count",
+        str(GROUPS),
+        "--fault_tolerance.replica_id",
+        str(group),
+        "--fault_tolerance.lighthouse",
+        lighthouse,
+        "--fault_tolerance.timeout_seconds",
+        "5",
+        "--job.dump_folder",
+        str(dump),
+    ]
+
+
+def steps_logged(output: str) -> dict[int, tuple[list[int], float]]:
+    """Step -> (the groups that trained it, its loss), from a group's log."""
+    return {int(m[1]): ([int(g) for g in m[2].split(",")], float(m[3])) for m in STEP_LINE.finditer(output)}
+
+
+def surviving_batches_reference(participants: list[list[int]]) -> list[float]:
+    """One process and one optimizer, whose step s is fed the micro-batches of the groups that
+    trained step s. Its batch is every group's (``GROUPS`` x 4 sequences in 2 x ``GROUPS``
+    micro-batches of 2): group g's micro-batch m is the reference's ``m * GROUPS + g``."""
+    argv = [*GROUP_ARGS, "--training.global_batch_size", str(4 * GROUPS), "--training.steps", str(STEPS)]
+    _, parts = trainer_for(argv)
+    losses = []
+    for groups in participants:
+        kept = [mb for i, mb in enumerate(fetch_step(parts)) if i % GROUPS in groups]
+        parts.accumulator.num_microbatches = len(kept)
+        result = forward_backward(parts, kept)
+        optimizer_step(parts, result)
+        losses.append(result.loss_avg)
+    return losses
+
+
+@pytest.mark.launcher
+def test_a_killed_group_is_left_out_then_heals_and_every_loss_is_over_the_surviving_batches(lighthouse, tmp_path):
+    survivor = Launched(1, group_args(0, lighthouse, tmp_path / "group0"), tmp_path / "group0.log")
+    # The killed group comes back as torchrun restarts it: a new process that heals from group 0.
+    killed = Launched(1, group_args(1, lighthouse, tmp_path / "group1"), tmp_path / "group1.log", MAX_RESTARTS="1")
+    try:
+        killed.wait_for(f"step: 4/{STEPS}")
+        for pid in killed.workers():
+            os.kill(pid, signal.SIGKILL)
+        assert survivor.finish(timeout=240) == 0, survivor.output()[-3000:]
+        assert killed.finish(timeout=60) == 0, killed.output()[-3000:]
+    finally:
+        for job in (survivor, killed):
+            if job.proc.poll() is None:
+                job.proc.kill()
+    alive, restarted = steps_logged(survivor.output()), steps_logged(killed.output())
+    for step in alive.keys() & restarted.keys():
+        assert restarted[step] == alive[step]  # bit for bit: the same sums on both groups
+    # Whichever group asked first may have trained the first steps alone, the other healing from it.
+    logged = {**restarted, **alive}
+    assert sorted(logged) == list(range(1, STEPS + 1))
+    participants = [logged[s][0] for s in range(1, STEPS + 1)]
+    alone = [s for s, groups in enumerate(participants, 1) if groups == [0] and s > 4]
+    healed = [int(m) for m in re.findall(r"replica group 1 healed from a live group at step (\d+)", killed.output())]
+    assert alone and healed and max(healed) > 4 and max(healed) < STEPS - 2, (participants, healed)
+    assert all(s in alive for s in range(alone[0], STEPS + 1))  # the survivor never stopped
+    assert "could not commit" in survivor.output()  # the step the kill broke was run again
+    digests = [
+        re.findall(rf"replica group {g} weights: (\w+)", job.output()) for g, job in enumerate((survivor, killed))
+    ]
+    assert digests[0] and digests[0][-1:] == digests[1][-1:]
+    [expected] = run_ranks(surviving_batches_reference, 1, participants)
+    losses = [logged[s][1] for s in range(1, STEPS + 1)]
+    assert losses == pytest.approx(expected, rel=TOLERANCE)
