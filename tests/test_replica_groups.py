@@ -13,11 +13,16 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from harness import QUICK, TOLERANCE, Launched, run_ranks, trainer_for
+from harness import QUICK, ROOT, TOLERANCE, Launched, free_port, run_ranks, trainer_for
 
+from trainer.config import FaultTolerance
+from trainer.replica_groups import ReplicaGroups, job_identity
+from trainer.runtime.errors import ConfigError, JobError
 from trainer.step import fetch_step, forward_backward, optimizer_step
 
 os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side reads it once: no line per quorum here
@@ -125,3 +130,96 @@ def test_a_killed_group_is_left_out_then_heals_and_every_loss_is_over_the_surviv
     [expected] = run_ranks(surviving_batches_reference, 1, participants)
     losses = [logged[s][1] for s in range(1, STEPS + 1)]
     assert losses == pytest.approx(expected, rel=TOLERANCE)
+
+
+def worker(args: list[str]) -> subprocess.Popen:
+    """One group of one process, as torchrun starts it (the manager needs torchrun's store)."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }
+    command = [sys.executable, "-m", "trainer.entry.worker", *args]
+    return subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.mark.slow
+def test_each_failure_around_the_groups_is_one_line(tmp_path):
+    """The lighthouse unreachable, a quorum that never forms, and a group that starts while no
+    other does: each ends the group with exit 1 and one line naming the setting, never a
+    traceback."""
+    from torchft._torchft import LighthouseServer
+
+    waiting_for_two = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=100, quorum_tick_ms=20)
+    alone = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=100, quorum_tick_ms=20)
+    cases = {
+        "cannot reach the torchft lighthouse at 'http://127.0.0.1:1'": ["http://127.0.0.1:1"],
+        "no quorum formed within `fault_tolerance.quorum_timeout_seconds` = 2 s": [waiting_for_two.address()],
+        "only 1 of `fault_tolerance.group_count` = 2 groups joined within": [alone.address()],
+    }
+    try:
+        jobs = {
+            expected: worker(
+                [
+                    *group_args(0, extra[0], tmp_path / str(i)),
+                    "--fault_tolerance.connect_timeout_seconds",
+                    "1",
+                    "--fault_tolerance.quorum_timeout_seconds",
+                    "2",
+                    *extra[1:],
+                ]
+            )
+            for i, (expected, extra) in enumerate(cases.items())
+        }
+        outputs = {expected: job.communicate(timeout=120)[0] for expected, job in jobs.items()}
+    finally:
+        waiting_for_two.shutdown()
+        alone.shutdown()
+    for expected, job in jobs.items():
+        assert job.returncode == 1, outputs[expected][-3000:]
+        assert expected in outputs[expected] and "Traceback" not in outputs[expected], outputs[expected][-3000:]
+
+
+class _Manager:
+    """What :meth:`ReplicaGroups.commit` asks of torchft's manager, for a group left alone."""
+
+    def should_commit(self) -> bool:
+        return False
+
+    def errored(self) -> None:
+        return None
+
+    def num_participants(self) -> int:
+        return 1
+
+
+def groups_without_torchft(**identity: str) -> ReplicaGroups:
+    groups = ReplicaGroups.__new__(ReplicaGroups)
+    groups.group, groups.identity, groups.manager = 1, job_identity(**identity), _Manager()
+    groups.config = FaultTolerance(
+        enable=True, replica_id=1, group_count=2, min_replica_size=2, max_uncommitted_steps=3
+    )
+    groups.uncommitted_steps = groups.consecutive_uncommitted = 0
+    return groups
+
+
+def test_a_group_of_another_job_cannot_heal_and_names_what_differs():
+    groups = groups_without_torchft(model="debugmodel", optimizer="lr=0.0008")
+    with pytest.raises(
+        ConfigError, match="cannot heal from its peer: optimizer differs .peer 'lr=0.002', this group 'lr=0.0008'"
+    ):
+        groups._load_state_dict({"identity": job_identity(model="debugmodel", optimizer="lr=0.002")})
+
+
+def test_a_group_left_below_min_replica_size_ends_after_the_allowed_attempts():
+    groups = groups_without_torchft()
+    assert not groups.commit() and not groups.commit()
+    with pytest.raises(
+        JobError, match="3 attempts in a row could not commit .last: too few groups.: every other group is gone"
+    ):
+        groups.commit()

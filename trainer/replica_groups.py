@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -127,6 +128,7 @@ class ReplicaGroups:
             ) from None
         self.uncommitted_steps = 0
         self.consecutive_uncommitted = 0
+        self._joined = self._healed = False
         self._tokens: list[int] = [0] * self.group_count
         self._present: list[bool] = [False] * self.group_count
 
@@ -137,7 +139,30 @@ class ReplicaGroups:
 
     def begin_step(self) -> None:
         """Agree on this step's quorum; a group behind the others heals here, before the step's
-        data is fetched (the peer's data position is the one it then reads from)."""
+        data is fetched (the peer's data position is the one it then reads from).
+
+        A process's first quorum waits for every group unless it healed: a group that starts
+        (or resumes from its checkpoint) and finds nobody ahead cannot tell a job that has not
+        begun from one whose other groups are still starting, and training alone then would
+        fork the run in two."""
+        self._quorum()
+        deadline = time.monotonic() + self.config.quorum_timeout_seconds
+        while not self._joined:
+            if self._healed or self.manager.num_participants() >= self.group_count:
+                self._joined = True
+                break
+            if time.monotonic() > deadline:
+                raise JobError(
+                    f"replica group {self.group}: only {self.manager.num_participants()} of "
+                    f"`fault_tolerance.group_count` = {self.group_count} groups joined within "
+                    f"`fault_tolerance.quorum_timeout_seconds` = {self.config.quorum_timeout_seconds} s, and none "
+                    "is ahead to heal from: start every group (a job starts, or resumes from its checkpoints, "
+                    "with all of them)."
+                )
+            time.sleep(0.05)
+            self._quorum()
+
+    def _quorum(self) -> None:
         try:
             self.manager.start_quorum()
         except UserError:
@@ -197,7 +222,7 @@ class ReplicaGroups:
         self.consecutive_uncommitted += 1
         error = self.manager.errored()
         why = str(error.original_exception).splitlines()[0][:160] if error is not None else "too few groups"
-        if dist.get_rank() == 0:
+        if _rank0():
             logger.warning(
                 "replica group %d: the step could not commit (%s; %d of at least %d group(s) in the quorum); "
                 "it is run again with the next quorum",
@@ -222,7 +247,7 @@ class ReplicaGroups:
     def log_step(self, step: int, loss: float) -> None:
         """Rank 0's line per step: who trained it, their tokens, the exact loss; a missing group's
         shard of the step is named as skipped."""
-        if dist.get_rank() != 0:
+        if not _rank0():
             return
         stats = self.stats()
         missing = [g for g in range(self.group_count) if not stats.present[g]]
@@ -289,7 +314,8 @@ class ReplicaGroups:
         parts.scheduler.load_state_dict(received["scheduler"])
         parts.loader.load_state_dict(received["loader"])
         parts.train_state.load_state_dict(received["train_state"])
-        if dist.get_rank() == 0:
+        self._healed = True
+        if _rank0():
             logger.info("replica group %d healed from a live group at step %d", self.group, parts.train_state.step)
 
     def weights_digest(self) -> str:
@@ -305,11 +331,15 @@ class ReplicaGroups:
         """Rank 0 logs every local rank's weight digest, for comparing the groups."""
         digests: list[str | None] = [None] * dist.get_world_size()
         dist.all_gather_object(digests, self.weights_digest())
-        if dist.get_rank() == 0:
+        if _rank0():
             logger.info("replica group %d weights: %s", self.group, " ".join(f"{d}" for d in digests))
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
+
+
+def _rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
