@@ -15,10 +15,11 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
-from harness import QUICK, ROOT, TOLERANCE, Launched, free_port, run_ranks, trainer_for
+from harness import QUICK, ROOT, Launched, free_port, run_ranks, trainer_for
 
 from trainer.config import FaultTolerance
 from trainer.replica_groups import ReplicaGroups, job_identity
@@ -29,7 +30,13 @@ os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side reads it once: 
 pytest.importorskip("torchft")
 
 GROUPS = 2
-STEPS = 36
+STEPS = 44
+STALL_S = 6
+TRAJECTORY_TOLERANCE = 1e-4
+"""The groups add their gradient sums in another order than one process accumulating every
+micro-batch, and AdamW's early steps amplify that round-off over a 44-step trajectory (up to
+1.5e-5 seen); averaging over the groups instead of their tokens is off by 1e-2."""
+HEALED = r"replica group 1 healed from a live group at step (\d+)"
 GROUP_ARGS = [
     *QUICK,
     "--training.dataset",
@@ -69,7 +76,7 @@ def group_args(group: int, lighthouse: str, dump: Path) -> list[str]:
         "--fault_tolerance.lighthouse",
         lighthouse,
         "--fault_tolerance.timeout_seconds",
-        "5",
+        "3",
         "--job.dump_folder",
         str(dump),
     ]
@@ -82,9 +89,10 @@ def steps_logged(output: str) -> dict[int, tuple[list[int], float]]:
 
 def surviving_batches_reference(participants: list[list[int]]) -> list[float]:
     """One process and one optimizer, whose step s is fed the micro-batches of the groups that
-    trained step s. Its batch is every group's (``GROUPS`` x 4 sequences in 2 x ``GROUPS``
-    micro-batches of 2): group g's micro-batch m is the reference's ``m * GROUPS + g``."""
-    argv = [*GROUP_ARGS, "--training.global_batch_size", str(4 * GROUPS), "--training.steps", str(STEPS)]
+    trained step s (``participants[s - 1]``), with the groups' schedule of ``len(participants)``
+    steps. Its batch is every group's (``GROUPS`` x 4 sequences in 2 x ``GROUPS`` micro-batches
+    of 2): group g's micro-batch m is the reference's ``m * GROUPS + g``."""
+    argv = [*GROUP_ARGS, "--training.global_batch_size", str(4 * GROUPS), "--training.steps", str(len(participants))]
     _, parts = trainer_for(argv)
     losses = []
     for groups in participants:
@@ -97,39 +105,47 @@ def surviving_batches_reference(participants: list[list[int]]) -> list[float]:
 
 
 @pytest.mark.launcher
-def test_a_killed_group_is_left_out_then_heals_and_every_loss_is_over_the_surviving_batches(lighthouse, tmp_path):
+def test_a_killed_or_stalled_group_is_left_out_then_heals_and_every_loss_is_over_the_surviving_batches(
+    lighthouse, tmp_path
+):
     survivor = Launched(1, group_args(0, lighthouse, tmp_path / "group0"), tmp_path / "group0.log")
     # The killed group comes back as torchrun restarts it: a new process that heals from group 0.
-    killed = Launched(1, group_args(1, lighthouse, tmp_path / "group1"), tmp_path / "group1.log", MAX_RESTARTS="1")
+    failing = Launched(1, group_args(1, lighthouse, tmp_path / "group1"), tmp_path / "group1.log", MAX_RESTARTS="1")
     try:
-        killed.wait_for(f"step: 4/{STEPS}")
-        for pid in killed.workers():
+        failing.wait_for(f"step: 4/{STEPS}")
+        for pid in failing.workers():
             os.kill(pid, signal.SIGKILL)
+        failing.wait_for("replica group 1 healed from a live group at step")
+        first_heal = int(re.findall(HEALED, failing.output())[0])
+        failing.wait_for(f"step: {first_heal + 2}/{STEPS}")
+        # A stall longer than `fault_tolerance.timeout_seconds`: left out, then it heals again.
+        [stalled] = failing.workers()
+        os.kill(stalled, signal.SIGSTOP)
+        time.sleep(STALL_S)
+        os.kill(stalled, signal.SIGCONT)
         assert survivor.finish(timeout=240) == 0, survivor.output()[-3000:]
-        assert killed.finish(timeout=60) == 0, killed.output()[-3000:]
+        assert failing.finish(timeout=60) == 0, failing.output()[-3000:]
     finally:
-        for job in (survivor, killed):
+        for job in (survivor, failing):
             if job.proc.poll() is None:
                 job.proc.kill()
-    alive, restarted = steps_logged(survivor.output()), steps_logged(killed.output())
-    for step in alive.keys() & restarted.keys():
-        assert restarted[step] == alive[step]  # bit for bit: the same sums on both groups
-    # Whichever group asked first may have trained the first steps alone, the other healing from it.
-    logged = {**restarted, **alive}
-    assert sorted(logged) == list(range(1, STEPS + 1))
-    participants = [logged[s][0] for s in range(1, STEPS + 1)]
-    alone = [s for s, groups in enumerate(participants, 1) if groups == [0] and s > 4]
-    healed = [int(m) for m in re.findall(r"replica group 1 healed from a live group at step (\d+)", killed.output())]
-    assert alone and healed and max(healed) > 4 and max(healed) < STEPS - 2, (participants, healed)
-    assert all(s in alive for s in range(alone[0], STEPS + 1))  # the survivor never stopped
-    assert "could not commit" in survivor.output()  # the step the kill broke was run again
+    alive, rejoined = steps_logged(survivor.output()), steps_logged(failing.output())
+    assert sorted(alive) == list(range(1, STEPS + 1))  # the survivor never stopped
+    for step in rejoined:
+        assert rejoined[step] == alive[step]  # bit for bit: the same sums on both groups
+    participants = [alive[s][0] for s in range(1, STEPS + 1)]
+    healed = [int(step) for step in re.findall(HEALED, failing.output())]
+    alone = [s for s, groups in enumerate(participants, 1) if groups == [0]]
+    assert len(healed) == 2 and healed[1] < STEPS - 2, (participants, healed)
+    assert 4 < alone[0] <= healed[0] < alone[-1] <= healed[1], (participants, healed)  # left out twice
+    assert survivor.output().count("could not commit") >= 2  # the steps the kill and the stall broke: run again
     digests = [
-        re.findall(rf"replica group {g} weights: (\w+)", job.output()) for g, job in enumerate((survivor, killed))
+        re.findall(rf"replica group {g} weights: (\w+)", job.output()) for g, job in enumerate((survivor, failing))
     ]
     assert digests[0] and digests[0][-1:] == digests[1][-1:]
     [expected] = run_ranks(surviving_batches_reference, 1, participants)
-    losses = [logged[s][1] for s in range(1, STEPS + 1)]
-    assert losses == pytest.approx(expected, rel=TOLERANCE)
+    losses = [alive[s][1] for s in range(1, STEPS + 1)]
+    assert losses == pytest.approx(expected, rel=TRAJECTORY_TOLERANCE)
 
 
 def worker(args: list[str]) -> subprocess.Popen:
