@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 from harness import QUICK, ROOT, Launched, free_port, run_ranks, trainer_for
 
-from trainer.config import FaultTolerance
+from trainer.config import FaultTolerance, load_config
+from trainer.planning.job_plan import describe, resolve_job
 from trainer.replica_groups import ReplicaGroups, job_identity
 from trainer.runtime.errors import ConfigError, JobError
 from trainer.step import fetch_step, forward_backward, optimizer_step
@@ -239,3 +240,27 @@ def test_a_group_left_below_min_replica_size_ends_after_the_allowed_attempts():
         JobError, match="3 attempts in a row could not commit .last: too few groups.: every other group is gone"
     ):
         groups.commit()
+
+
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        (["--fault_tolerance.replica_id", "2"], "`fault_tolerance.replica_id` = 2 must be below"),
+        (["--fault_tolerance.min_replica_size", "3"], "no step could ever commit"),
+        (["--parallelism.data_parallel_replicate_degree", "2"], "the replica groups are the replicated dimension"),
+        (["--model.name", "moe", "--model.flavor", "debugmoe"], "does not support Mixture-of-Experts models yet"),
+        (["--debug.layout_invariant"], "the sum over replica groups is outside it"),
+    ],
+    ids=["replica_id", "min_replica_size", "dp_replicate", "moe", "layout_invariant"],
+)
+def test_a_layout_the_groups_cannot_run_is_refused_before_any_process_group(extra, expected):
+    argv = ["--fault_tolerance.enable", "--fault_tolerance.group_count", "2", *extra]
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        resolve_job(load_config(argv), world_size=2)
+
+
+def test_dry_run_describes_one_group_of_the_job():
+    plan = resolve_job(load_config(["--fault_tolerance.enable", "--fault_tolerance.group_count", "3"]), world_size=2)
+    described = describe(plan, None, "")
+    assert "mesh: pp=1 dp_replicate=1 dp_shard=2" in described
+    assert "replica groups: this is group 0 of 3, each a job of the mesh above; 3 x 16 sequences per step" in described
