@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from harness import QUICK, ROOT, Launched, free_port, run_ranks, trainer_for
+from harness import QUICK, ROOT, Launched, free_port, run_ranks, tensorboard_scalars, trainer_for
 
 from trainer.config import FaultTolerance, load_config
 from trainer.planning.job_plan import describe, resolve_job
@@ -46,6 +46,7 @@ GROUP_ARGS = [
     "4",  # per group: 2 micro-batches of 2 sequences
     "--metrics.enable_tensorboard=false",
 ]
+TOKENS_LINE = re.compile(r"replica groups: step (\d+) trained by groups \[[\d, ]*\] of \d+, tokens \[([\d, ]*)\]")
 STEP_LINE = re.compile(
     r"replica groups: step (\d+) trained by groups \[([\d, ]*)\] of \d+, tokens \[[\d, ]*\], loss ([^;\s]+)"
 )
@@ -88,6 +89,11 @@ def steps_logged(output: str) -> dict[int, tuple[list[int], float]]:
     return {int(m[1]): ([int(g) for g in m[2].split(",")], float(m[3])) for m in STEP_LINE.finditer(output)}
 
 
+def tokens_logged(output: str) -> dict[int, list[int]]:
+    """Step -> each group's valid tokens in it (0 for a group that did not train it)."""
+    return {int(m[1]): [int(t) for t in m[2].split(",")] for m in TOKENS_LINE.finditer(output)}
+
+
 def surviving_batches_reference(participants: list[list[int]]) -> list[float]:
     """One process and one optimizer, whose step s is fed the micro-batches of the groups that
     trained step s (``participants[s - 1]``), with the groups' schedule of ``len(participants)``
@@ -109,7 +115,9 @@ def surviving_batches_reference(participants: list[list[int]]) -> list[float]:
 def test_a_killed_or_stalled_group_is_left_out_then_heals_and_every_loss_is_over_the_surviving_batches(
     lighthouse, tmp_path
 ):
-    survivor = Launched(1, group_args(0, lighthouse, tmp_path / "group0"), tmp_path / "group0.log")
+    survivor = Launched(
+        1, [*group_args(0, lighthouse, tmp_path / "group0"), "--metrics.enable_tensorboard"], tmp_path / "group0.log"
+    )
     # The killed group comes back as torchrun restarts it: a new process that heals from group 0.
     failing = Launched(1, group_args(1, lighthouse, tmp_path / "group1"), tmp_path / "group1.log", MAX_RESTARTS="1")
     try:
@@ -135,6 +143,7 @@ def test_a_killed_or_stalled_group_is_left_out_then_heals_and_every_loss_is_over
     for step in rejoined:
         assert rejoined[step] == alive[step]  # bit for bit: the same sums on both groups
     participants = [alive[s][0] for s in range(1, STEPS + 1)]
+    tokens = tokens_logged(survivor.output())
     healed = [int(step) for step in re.findall(HEALED, failing.output())]
     alone = [s for s, groups in enumerate(participants, 1) if groups == [0]]
     assert len(healed) == 2 and healed[1] < STEPS - 2, (participants, healed)
@@ -144,6 +153,9 @@ def test_a_killed_or_stalled_group_is_left_out_then_heals_and_every_loss_is_over
         re.findall(rf"replica group {g} weights: (\w+)", job.output()) for g, job in enumerate((survivor, failing))
     ]
     assert digests[0] and digests[0][-1:] == digests[1][-1:]
+    scalars = tensorboard_scalars(tmp_path / "group0", ("fault_tolerance/groups", "fault_tolerance/tokens"))
+    assert scalars["fault_tolerance/groups"] == {s: len(groups) for s, groups in enumerate(participants, 1)}
+    assert scalars["fault_tolerance/tokens"] == {s: sum(tokens[s]) for s in range(1, STEPS + 1)}
     [expected] = run_ranks(surviving_batches_reference, 1, participants)
     losses = [alive[s][1] for s in range(1, STEPS + 1)]
     assert losses == pytest.approx(expected, rel=TRAJECTORY_TOLERANCE)
