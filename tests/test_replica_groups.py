@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from harness import QUICK, ROOT, Launched, free_port, run_ranks, tensorboard_scalars, trainer_for
 
 from trainer.config import FaultTolerance, load_config
@@ -226,10 +227,18 @@ class _Manager:
     def num_participants(self) -> int:
         return 1
 
+    def allreduce(self, tensor: torch.Tensor, reduce_op: object) -> _Manager:
+        """As if a second group with the same id had added the same table."""
+        tensor.mul_(2)
+        return self
+
+    def wait(self) -> bool:
+        return True
+
 
 def groups_without_torchft(**identity: str) -> ReplicaGroups:
     groups = ReplicaGroups.__new__(ReplicaGroups)
-    groups.group, groups.identity, groups.manager = 1, job_identity(**identity), _Manager()
+    groups.group, groups.group_count, groups.identity, groups.manager = 1, 2, job_identity(**identity), _Manager()
     groups.config = FaultTolerance(
         enable=True, replica_id=1, group_count=2, min_replica_size=2, max_uncommitted_steps=3
     )
@@ -276,3 +285,8 @@ def test_dry_run_describes_one_group_of_the_job():
     described = describe(plan, None, "")
     assert "mesh: pp=1 dp_replicate=1 dp_shard=2" in described
     assert "replica groups: this is group 0 of 3, each a job of the mesh above; 3 x 16 sequences per step" in described
+
+
+def test_two_groups_of_one_id_are_refused_at_their_first_step():
+    with pytest.raises(JobError, match="2 replica groups run with `fault_tolerance.replica_id` = 1: each would train"):
+        groups_without_torchft().sum_count(torch.tensor([100]))

@@ -192,6 +192,12 @@ class ReplicaGroups:
         table[n + self.group] = 1
         self.manager.allreduce(table, reduce_op=ReduceOp.SUM).wait()
         values = table.tolist()
+        twice = [g for g in range(n) if values[n + g] > 1]
+        if twice and not self.manager.errored():
+            raise JobError(
+                f"{values[n + twice[0]]} replica groups run with `fault_tolerance.replica_id` = {twice[0]}: each "
+                "would train the same data shard; give every group its own id below `fault_tolerance.group_count`."
+            )
         self._tokens, self._present = values[:n], [bool(v) for v in values[n:]]
         return table[:n].sum().reshape(1)
 

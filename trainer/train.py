@@ -82,7 +82,7 @@ def loop(job_plan: JobPlan, run: Run, stop: StopRequests, timeouts: CollectiveTi
     # On GPUs the stop flag travels on a CPU group of its own, so it never syncs the device.
     stop.group = dist.new_group(backend="gloo") if parts.device.type == "cuda" else None
     stop.checkpointing = job_plan.config.checkpoint.enable
-    first_step, stats = state.step + 1, None
+    first_step, stats, trained = state.step + 1, None, False
     stopping = stop.stop_after_step()  # asked to stop while building: there is no step to save
     moe = MoETimeReport(first_step, parts.device, dist.get_rank()) if parts.balance is not None else None
     with profiling(job_plan.config.profiling, job_plan.config.job.dump_folder, dist.get_rank()) as profiler:
@@ -115,7 +115,8 @@ def loop(job_plan: JobPlan, run: Run, stop: StopRequests, timeouts: CollectiveTi
             stopping = stop.stop_after_step()
             run.checkpointer.maybe_save(state.step, stopping=stopping)
             profiler.step(state.step)
-            if state.step == first_step:
+            if not trained:  # the first step done (a healed group's step number jumped to its peer's)
+                trained = True
                 timeouts.start_training([*parts.meshes.groups(), *filter(None, [stop.group])])
     if moe is not None:
         moe.close()
