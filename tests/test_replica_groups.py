@@ -290,3 +290,37 @@ def test_dry_run_describes_one_group_of_the_job():
 def test_two_groups_of_one_id_are_refused_at_their_first_step():
     with pytest.raises(JobError, match="2 replica groups run with `fault_tolerance.replica_id` = 1: each would train"):
         groups_without_torchft().sum_count(torch.tensor([100]))
+
+
+@pytest.mark.slow
+def test_a_full_restart_of_every_group_resumes_from_their_checkpoints(lighthouse, tmp_path):
+    """Checkpoints work per group: both stop after step 4, both resume from it together, and the
+    steps after it are trained by both, to the same weights."""
+
+    def run_groups(steps: int) -> list[str]:
+        jobs = [
+            worker(
+                [
+                    *group_args(g, lighthouse, tmp_path / f"group{g}"),
+                    "--training.steps",
+                    str(steps),
+                    "--checkpoint.enable",
+                    "--checkpoint.interval",
+                    "2",
+                ]
+            )
+            for g in range(GROUPS)
+        ]
+        outputs = [job.communicate(timeout=180)[0] for job in jobs]
+        for job, output in zip(jobs, outputs):
+            assert job.returncode == 0, output[-3000:]
+        return outputs
+
+    run_groups(4)
+    outputs = run_groups(6)
+    for g, output in enumerate(outputs):
+        assert f"resuming from {tmp_path / f'group{g}' / 'checkpoint' / 'step-4'}" in output
+        assert sorted(steps_logged(output)) == [5, 6]
+        assert all(groups == [0, 1] for groups, _ in steps_logged(output).values())
+    digests = [re.findall(rf"replica group {g} weights: (\w+)", output) for g, output in enumerate(outputs)]
+    assert digests[0] and digests[0] == digests[1]
