@@ -182,7 +182,7 @@ def worker(args: list[str]) -> subprocess.Popen:
 def test_each_failure_around_the_groups_is_one_line(tmp_path):
     """The lighthouse unreachable, a quorum that never forms, and a group that starts while no
     other does: each ends the group with exit 1 and one line naming the setting, never a
-    traceback."""
+    traceback; the launcher refuses an unreachable lighthouse before any process starts."""
     from torchft._torchft import LighthouseServer
 
     waiting_for_two = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=100, quorum_tick_ms=20)
@@ -206,7 +206,12 @@ def test_each_failure_around_the_groups_is_one_line(tmp_path):
             )
             for i, (expected, extra) in enumerate(cases.items())
         }
+        # Through the launcher, a lighthouse that does not answer is refused before torchrun starts.
+        launched = Launched(1, group_args(0, "http://127.0.0.1:1", tmp_path / "launched"), tmp_path / "launched.log")
         outputs = {expected: job.communicate(timeout=120)[0] for expected, job in jobs.items()}
+        assert launched.finish(timeout=120) == 2
+        assert "config error: cannot reach the torchft lighthouse at 'http://127.0.0.1:1'" in launched.output()
+        assert "torch.distributed" not in launched.output()
     finally:
         waiting_for_two.shutdown()
         alone.shutdown()

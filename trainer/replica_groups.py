@@ -25,7 +25,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import socket
 import time
+import urllib.parse
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -74,6 +76,29 @@ class HealedParts:
     """The loop's :class:`~trainer.train_state.TrainState`."""
 
 
+def lighthouse_address(config: FaultTolerance) -> str:
+    return config.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
+
+
+def check_lighthouse(config: FaultTolerance) -> None:
+    """Before the launcher starts any process: the lighthouse answers at its address, so a wrong
+    or missing one is one line in seconds, not a group that builds its model and then fails."""
+    address = lighthouse_address(config)
+    if not address:
+        raise ConfigError(
+            "`fault_tolerance.enable` needs the torchft lighthouse's address: set `fault_tolerance.lighthouse` "
+            "(http://host:port) or TORCHFT_LIGHTHOUSE."
+        )
+    url = urllib.parse.urlsplit(address if "://" in address else f"http://{address}")
+    try:
+        socket.create_connection((url.hostname, url.port or 80), timeout=config.connect_timeout_seconds).close()
+    except (OSError, ValueError) as e:
+        raise ConfigError(
+            f"cannot reach the torchft lighthouse at {address!r} ({e}): start it (`torchft_lighthouse "
+            "--min_replicas 1`) or fix `fault_tolerance.lighthouse`."
+        ) from None
+
+
 def job_identity(**fields: object) -> dict[str, str]:
     """What two groups must share for one to heal from the other (the mesh of a group, the model,
     the data order, the versions), as strings to compare and name."""
@@ -99,7 +124,7 @@ class ReplicaGroups:
 
         self.config, self.parts, self.identity, self.device = config, parts, identity, device
         self.group, self.group_count = config.replica_id, config.group_count
-        lighthouse = config.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
+        lighthouse = lighthouse_address(config)
         self.lighthouse = lighthouse
         timeout = timedelta(seconds=config.timeout_seconds)
         pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
