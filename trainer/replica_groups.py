@@ -39,7 +39,9 @@ from torch.distributed import ReduceOp
 from torch.distributed.tensor import DTensor
 
 from trainer.config import FaultTolerance
+from trainer.data.loader import MicroBatchLoader
 from trainer.runtime.errors import ConfigError, JobError, UserError
+from trainer.train_state import TrainState
 
 logger = logging.getLogger("meshtrain")
 
@@ -70,10 +72,8 @@ class HealedParts:
     model: nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    loader: Any
-    """The micro-batch loader (``state_dict`` / ``load_state_dict``: its step)."""
-    train_state: Any
-    """The loop's :class:`~trainer.train_state.TrainState`."""
+    loader: MicroBatchLoader
+    train_state: TrainState
 
 
 def lighthouse_address(config: FaultTolerance) -> str:
