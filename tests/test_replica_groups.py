@@ -1,9 +1,10 @@
-"""Fault-tolerant replica groups (``trainer/replica_groups.py``): a group killed mid-run is left
-out while the other trains on, heals from it when restarted, and every step's loss equals one
-process fed exactly the batches of the groups that trained that step.
+"""Fault-tolerant replica groups (``trainer/replica_groups.py``): a group killed or stalled
+mid-run is left out while the other trains on, heals from it when restarted or awake, and every
+step's loss equals one process fed exactly the batches of the groups that trained that step;
+checkpoints resume every group together; each failure around the groups is one line.
 
 The groups are one process each (2 x 1): two groups of two processes each run the same code
-paths but take twice the cores this test may use. The data is ``shakespeare_dialogue``, whose
+paths (FSDP over two ranks inside a group) but take twice the cores this test may use. The data is ``shakespeare_dialogue``, whose
 masked prompts and padding give every group a different number of valid tokens per step, so a
 loss averaged over the groups instead of their tokens differs from the reference.
 """
