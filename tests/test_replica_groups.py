@@ -114,14 +114,19 @@ def surviving_batches_reference(participants: list[list[int]]) -> list[float]:
 
 
 @pytest.mark.launcher
-def test_a_killed_or_stalled_group_is_left_out_then_heals_and_every_loss_is_over_the_surviving_batches(
+def test_a_killed_or_stalled_group_is_left_out_heals_and_every_loss_is_over_the_surviving_batches_then_resumes(
     lighthouse, tmp_path
 ):
+    saving = ["--checkpoint.enable", "--checkpoint.interval", str(STEPS)]  # the last step only
     survivor = Launched(
-        1, [*group_args(0, lighthouse, tmp_path / "group0"), "--metrics.enable_tensorboard"], tmp_path / "group0.log"
+        1,
+        [*group_args(0, lighthouse, tmp_path / "group0"), *saving, "--metrics.enable_tensorboard"],
+        tmp_path / "group0.log",
     )
     # The killed group comes back as torchrun restarts it: a new process that heals from group 0.
-    failing = Launched(1, group_args(1, lighthouse, tmp_path / "group1"), tmp_path / "group1.log", MAX_RESTARTS="1")
+    failing = Launched(
+        1, [*group_args(1, lighthouse, tmp_path / "group1"), *saving], tmp_path / "group1.log", MAX_RESTARTS="1"
+    )
     try:
         failing.wait_for(f"step: 4/{STEPS}")
         for pid in failing.workers():
@@ -161,6 +166,19 @@ def test_a_killed_or_stalled_group_is_left_out_then_heals_and_every_loss_is_over
     [expected] = run_ranks(surviving_batches_reference, 1, participants)
     losses = [alive[s][1] for s in range(1, STEPS + 1)]
     assert losses == pytest.approx(expected, rel=TRAJECTORY_TOLERANCE)
+
+    # A full restart of every group resumes each from its own checkpoint, together.
+    jobs = [
+        worker([*group_args(g, lighthouse, tmp_path / f"group{g}"), *saving, "--training.steps", str(STEPS + 2)])
+        for g in range(GROUPS)
+    ]
+    outputs = [job.communicate(timeout=180)[0] for job in jobs]
+    for g, (job, output) in enumerate(zip(jobs, outputs)):
+        assert job.returncode == 0, output[-3000:]
+        assert f"resuming from {tmp_path / f'group{g}' / 'checkpoint' / f'step-{STEPS}'}" in output
+        assert {s: groups for s, (groups, _) in steps_logged(output).items()} == {STEPS + 1: [0, 1], STEPS + 2: [0, 1]}
+    digests = [re.findall(rf"replica group {g} weights: (\w+)", output) for g, output in enumerate(outputs)]
+    assert digests[0] and digests[0] == digests[1]
 
 
 def worker(args: list[str]) -> subprocess.Popen:
@@ -296,37 +314,3 @@ def test_dry_run_describes_one_group_of_the_job():
 def test_two_groups_of_one_id_are_refused_at_their_first_step():
     with pytest.raises(JobError, match="2 replica groups run with `fault_tolerance.replica_id` = 1: each would train"):
         groups_without_torchft().sum_count(torch.tensor([100]))
-
-
-@pytest.mark.slow
-def test_a_full_restart_of_every_group_resumes_from_their_checkpoints(lighthouse, tmp_path):
-    """Checkpoints work per group: both stop after step 4, both resume from it together, and the
-    steps after it are trained by both, to the same weights."""
-
-    def run_groups(steps: int) -> list[str]:
-        jobs = [
-            worker(
-                [
-                    *group_args(g, lighthouse, tmp_path / f"group{g}"),
-                    "--training.steps",
-                    str(steps),
-                    "--checkpoint.enable",
-                    "--checkpoint.interval",
-                    "2",
-                ]
-            )
-            for g in range(GROUPS)
-        ]
-        outputs = [job.communicate(timeout=180)[0] for job in jobs]
-        for job, output in zip(jobs, outputs):
-            assert job.returncode == 0, output[-3000:]
-        return outputs
-
-    run_groups(4)
-    outputs = run_groups(6)
-    for g, output in enumerate(outputs):
-        assert f"resuming from {tmp_path / f'group{g}' / 'checkpoint' / 'step-4'}" in output
-        assert sorted(steps_logged(output)) == [5, 6]
-        assert all(groups == [0, 1] for groups, _ in steps_logged(output).values())
-    digests = [re.findall(rf"replica group {g} weights: (\w+)", output) for g, output in enumerate(outputs)]
-    assert digests[0] and digests[0] == digests[1]
