@@ -25,7 +25,7 @@ from harness import QUICK, ROOT, Launched, free_port, run_ranks, tensorboard_sca
 
 from trainer.config import FaultTolerance, load_config
 from trainer.planning.job_plan import describe, resolve_job
-from trainer.replica_groups import ReplicaGroups, job_identity
+from trainer.replica_groups import ReplicaGroups, check_lighthouse, job_identity
 from trainer.runtime.errors import ConfigError, JobError
 from trainer.step import fetch_step, forward_backward, optimizer_step
 
@@ -201,7 +201,7 @@ def worker(args: list[str]) -> subprocess.Popen:
 def test_each_failure_around_the_groups_is_one_line(tmp_path):
     """The lighthouse unreachable, a quorum that never forms, and a group that starts while no
     other does: each ends the group with exit 1 and one line naming the setting, never a
-    traceback; the launcher refuses an unreachable lighthouse before any process starts."""
+    traceback."""
     from torchft._torchft import LighthouseServer
 
     waiting_for_two = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=100, quorum_tick_ms=20)
@@ -225,12 +225,7 @@ def test_each_failure_around_the_groups_is_one_line(tmp_path):
             )
             for i, (expected, extra) in enumerate(cases.items())
         }
-        # Through the launcher, a lighthouse that does not answer is refused before torchrun starts.
-        launched = Launched(1, group_args(0, "http://127.0.0.1:1", tmp_path / "launched"), tmp_path / "launched.log")
         outputs = {expected: job.communicate(timeout=120)[0] for expected, job in jobs.items()}
-        assert launched.finish(timeout=120) == 2
-        assert "config error: cannot reach the torchft lighthouse at 'http://127.0.0.1:1'" in launched.output()
-        assert "torch.distributed" not in launched.output()
     finally:
         waiting_for_two.shutdown()
         alone.shutdown()
@@ -314,3 +309,17 @@ def test_dry_run_describes_one_group_of_the_job():
 def test_two_groups_of_one_id_are_refused_at_their_first_step():
     with pytest.raises(JobError, match="2 replica groups run with `fault_tolerance.replica_id` = 1: each would train"):
         groups_without_torchft().sum_count(torch.tensor([100]))
+
+
+@pytest.mark.parametrize(
+    "lighthouse, expected",
+    [
+        ("http://127.0.0.1:1", "cannot reach the torchft lighthouse at 'http://127.0.0.1:1' ("),
+        ("", "`fault_tolerance.enable` needs the torchft lighthouse's address"),
+    ],
+    ids=["unreachable", "unset"],
+)
+def test_the_launcher_refuses_a_lighthouse_it_cannot_reach_before_any_process_starts(lighthouse, expected, monkeypatch):
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        check_lighthouse(FaultTolerance(enable=True, lighthouse=lighthouse, connect_timeout_seconds=1))
