@@ -87,7 +87,7 @@ tests lengthen as they need."""
 # --------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -131,7 +131,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
     with tempfile.TemporaryDirectory() as out_dir:
         mp.start_processes(
             _entry,
-            args=(fn, world_size, _free_port(), out_dir, dict(os.environ), os.getcwd(), args),
+            args=(fn, world_size, free_port(), out_dir, dict(os.environ), os.getcwd(), args),
             nprocs=world_size,
             start_method=_start_method(),
         )

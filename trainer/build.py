@@ -43,6 +43,7 @@ from trainer.model.moe import MoEArgs
 from trainer.optimizer import build_lr_scheduler, build_optimizer
 from trainer.planning.float8_plan import check_float8_backend
 from trainer.planning.job_plan import JobPlan
+from trainer.replica_groups import HealedParts, ReplicaGroups, job_identity
 from trainer.runtime.distributed import init_distributed
 from trainer.step import StepParts
 from trainer.train_state import TrainState
@@ -177,12 +178,15 @@ def _assemble(
     model_loss = ModelLoss(plan.loss_in_model, cross_entropy)
     positions = context_parallel.positions.to(device) if context_parallel else None
     optimizer = build_optimizer(model, config.optimizer, dev_type, layout_invariant)
+    # Replica groups shard the data further: group g reads shard g of every step's N-group batch.
+    ft = config.fault_tolerance
+    group, groups = (ft.replica_id, ft.group_count) if ft.enable else (0, 1)
     loader = build_dataloader(
         dataset,
         microbatches=plan.microbatches,
         local_batch_size=training.local_batch_size,
-        dp_rank=meshes.batch.get_local_rank(),
-        dp_degree=plan.dims.dp,
+        dp_rank=group * plan.dims.dp + meshes.batch.get_local_rank(),
+        dp_degree=groups * plan.dims.dp,
         seed=config.debug.seed,
         num_workers=training.num_workers,
         pin_memory=dev_type == "cuda",
@@ -295,6 +299,8 @@ class Run:
     checkpointer: CheckpointManager
     metrics: MetricsLogger
     validator: Validator | None
+    replicas: ReplicaGroups | None = None
+    """This job's fault-tolerant replica groups (``fault_tolerance.enable``), else None."""
 
 
 def build_run(plan: JobPlan, parts: StepParts, dataset: TokenDataset, validation_dataset: TokenDataset | None) -> Run:
@@ -308,7 +314,34 @@ def build_run(plan: JobPlan, parts: StepParts, dataset: TokenDataset, validation
         log_start(
             plan, parts.device, metrics, data_lines(plan.config, plan.global_batch_size, dataset, validation_dataset)
         )
-    return Run(parts, state, checkpointer, metrics, build_validator(plan, parts, validation_dataset))
+    replicas = build_replicas(plan, parts, dataset, state)
+    return Run(parts, state, checkpointer, metrics, build_validator(plan, parts, validation_dataset), replicas)
+
+
+def build_replicas(plan: JobPlan, parts: StepParts, dataset: TokenDataset, state: TrainState) -> ReplicaGroups | None:
+    """Join the replica groups, after the resume: torchft's step starts at the resumed one, so a
+    group resumed from an older checkpoint heals from the others."""
+    config = plan.config
+    if not config.fault_tolerance.enable:
+        return None
+    dims = plan.dims
+    identity = job_identity(
+        model=plan.model_args,
+        mesh=f"pp={dims.pp} dp_shard={dims.dp_shard} cp={dims.cp} tp={dims.tp} ep={dims.ep}",
+        group_count=config.fault_tolerance.group_count,
+        batch=f"{plan.global_batch_size} x {config.training.seq_len}, {plan.microbatches} micro-batches",
+        data=getattr(dataset, "identity", None),
+        seed=config.debug.seed,
+        optimizer=config.optimizer,
+        lr_scheduler=config.lr_scheduler,
+        steps=config.training.steps,
+        torch=torch.__version__,
+    )
+    healed = HealedParts(parts.model, parts.optimizer, parts.scheduler, parts.loader, state)
+    replicas = ReplicaGroups(config.fault_tolerance, healed, identity, parts.device)
+    replicas.resume_at(state.step)
+    parts.accumulator.replicas = replicas
+    return replicas
 
 
 def resume(plan: JobPlan, dataset: TokenDataset, parts: StepParts) -> tuple[TrainState, CheckpointManager]:
@@ -356,6 +389,7 @@ def build_metrics(plan: JobPlan, device: torch.device, rank: int, resumed: bool 
         resumed=resumed,
         moe_layers=tuple(range(args.n_dense_layers, args.n_layers)) if isinstance(args, MoEArgs) else (),
         balance_loss=isinstance(args, MoEArgs) and config.moe.balance_loss_weight > 0,
+        replica_groups=config.fault_tolerance.enable,
     )
 
 

@@ -24,6 +24,10 @@ last stage has losses, so the logged loss sum and maximum are reduced over ``sta
 (the loss mesh times PP), where the other stages add nothing. The grad norm adds the squares of
 every stage's parameters (each held by one stage), and the one ``clip_coef / N`` scale follows.
 
+With fault-tolerant replica groups (``trainer/replica_groups.py``) N, the gradient sums and the
+logged loss are summed once more, over the groups that take part in the step, before the norm:
+the step is exact over whoever trained it.
+
 With ``debug.layout_invariant`` the micro-batch gradients, the norm and the logged loss sum are
 added in one order whatever the layout (``trainer/layout_invariant.py``) instead of by autograd
 and FSDP; N, the clip coefficient and the one scale stay as they are.
@@ -44,6 +48,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from parallelisms.torch_private import kernels
 from trainer.layout_invariant import LayoutInvariantReduction
 from trainer.loss import IGNORE_INDEX
+from trainer.replica_groups import ReplicaGroups
 
 logger = logging.getLogger("meshtrain")
 
@@ -74,6 +79,8 @@ class _StepSums:
     """The asynchronous all-reduce of ``count`` (None when not distributed)."""
     loss_sum: torch.Tensor
     """This rank's summed token losses so far."""
+    counted: bool = False
+    """Whether ``count`` is final (over the loss group and, with replica groups, over them)."""
 
 
 class GradAccumulator:
@@ -121,6 +128,9 @@ class GradAccumulator:
         self._holds_loss = True
         self._sums: _StepSums | None = None
         self._next_microbatch = 0
+        self.replicas: ReplicaGroups | None = None
+        """Fault-tolerant replica groups (set when the run is built), over which the step's sums
+        are summed once more."""
 
     def begin_step(self, labels: list[torch.Tensor]) -> None:
         """Count the step's valid labels and start summing the count over ranks.
@@ -188,11 +198,19 @@ class GradAccumulator:
     def global_count(self) -> int:
         """The step's N, once its all-reduce is done: what the MoE balancing loss is scaled by
         before the first backward (``trainer/expert_balance.py``)."""
+        return int(self._count().item())
+
+    def _count(self) -> torch.Tensor:
+        """The step's N, summed over the loss group and the replica groups (once)."""
         sums = self._begun()
         if sums.count_work is not None:
             sums.count_work.wait()
             sums.count_work = None
-        return int(sums.count.item())
+        if not sums.counted:
+            if self.replicas is not None:
+                sums.count = self.replicas.sum_count(sums.count)
+            sums.counted = True
+        return sums.count
 
     def _begun(self) -> _StepSums:
         if self._sums is None:
@@ -225,15 +243,21 @@ class GradAccumulator:
         else:
             params = [p for p in self.model.parameters() if p.grad is not None]
             grads = [g for p in params if (g := p.grad) is not None]
+            if self.replicas is not None:
+                self.replicas.sum_([g.to_local() if isinstance(g, DTensor) else g for g in grads])
             spread = [self.ep_degree if id(p) in self._expert_ids else 1 for p in params]
             raw_norm = _total_norm(grads, self.pp_degree, spread).reshape(1).to(loss_sum.device)
         if self._distributed:
-            for work in (sums.count_work, loss_work, max_work):
+            for work in (loss_work, max_work):
                 if work is not None:
                     work.wait()
+        count = self._count()
+        if self.replicas is not None:
+            self.replicas.sum_([loss_sum])
+            self.replicas.max_(rank_mean)
         # One host synchronisation for everything the step decision and the log need; float64
         # keeps token counts exact far beyond float32's 2**24.
-        values = torch.cat([sums.count.double(), raw_norm.double(), loss_sum.double(), rank_mean.double()])
+        values = torch.cat([count.double(), raw_norm.double(), loss_sum.double(), rank_mean.double()])
         n, raw, total, worst = values.tolist()
         n = int(n)
         true_norm = raw / max(n, 1)

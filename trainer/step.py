@@ -31,6 +31,7 @@ from trainer.expert_balance import BalanceStats, ExpertBalance
 from trainer.grad_accumulator import GradAccumulator, StepResult
 from trainer.loss import ModelLoss
 from trainer.model.llama3 import Transformer
+from trainer.replica_groups import ReplicaGroups, ReplicaStats
 from trainer.train_state import TrainState
 
 logger = logging.getLogger("meshtrain")
@@ -120,22 +121,40 @@ class StepStats:
     step_time_s: float
     balance: BalanceStats | None = None
     """A Mixture-of-Experts model's balancing loss and expert loads of the step."""
+    replicas: ReplicaStats | None = None
+    """With fault-tolerant replica groups: which groups trained the step, and their tokens."""
+    committed: bool = True
+    """False when the replica groups' quorum broke during the step: nothing of it was kept (the
+    weights, optimizer, schedule and data position are those before it) and it is run again."""
 
 
 def train_step(
-    parts: StepParts, state: TrainState, local_tokens: int, stop_requested: Callable[[], bool] = lambda: False
+    parts: StepParts,
+    state: TrainState,
+    local_tokens: int,
+    stop_requested: Callable[[], bool] = lambda: False,
+    replicas: ReplicaGroups | None = None,
 ) -> StepStats:
     """Fetch the step's micro-batches, forward and backward each, finalize, step.
-    ``stop_requested`` is asked while the data is late (see :meth:`MicroBatchLoader.next_step`)."""
+    ``stop_requested`` is asked while the data is late (see :meth:`MicroBatchLoader.next_step`).
+    ``replicas``: this group's fault-tolerant replica groups, which decide whether the step commits."""
     step_start = time.perf_counter()
+    position = parts.loader.state_dict() if replicas is not None else None
     microbatches = fetch_step(parts, stop_requested)
     data_time = time.perf_counter() - step_start
     result = forward_backward(parts, microbatches)
     balance = parts.balance.finish_step(result.skipped) if parts.balance else None
     if parts.balance is not None and parts.balance.bias_skipped:
         result = skip_for_routing_bias(result, parts.balance.bias_update_rate)
-    lr = optimizer_step(parts, result)
-    state.record_step(result.skipped)
+    committed = replicas is None or replicas.commit()
+    if not committed:
+        assert position is not None  # saved above whenever there are replica groups
+        parts.optimizer.zero_grad(set_to_none=True)
+        parts.loader.load_state_dict(position)
+        lr = float(parts.scheduler.get_last_lr()[0])
+    else:
+        lr = optimizer_step(parts, result)
+        state.record_step(result.skipped)
     return StepStats(
         step=state.step,
         result=result,
@@ -145,6 +164,8 @@ def train_step(
         data_time_s=data_time,
         step_time_s=time.perf_counter() - step_start,
         balance=balance,
+        replicas=replicas.stats() if replicas is not None else None,
+        committed=committed,
     )
 
 

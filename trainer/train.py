@@ -51,8 +51,12 @@ def train(
         first_step, start = run.state.step + 1, time.monotonic()
         try:
             last = loop(job_plan, run, stop, timeouts)
+            if run.replicas is not None:
+                run.replicas.log_digests()
         finally:
             parts.loader.close()
+            if run.replicas is not None:
+                run.replicas.shutdown()
         run.checkpointer.close()
         run.metrics.close()
         if dist.get_rank() == 0 and last is not None:
@@ -78,21 +82,30 @@ def loop(job_plan: JobPlan, run: Run, stop: StopRequests, timeouts: CollectiveTi
     # On GPUs the stop flag travels on a CPU group of its own, so it never syncs the device.
     stop.group = dist.new_group(backend="gloo") if parts.device.type == "cuda" else None
     stop.checkpointing = job_plan.config.checkpoint.enable
-    first_step, stats = state.step + 1, None
+    first_step, stats, trained = state.step + 1, None, False
     stopping = stop.stop_after_step()  # asked to stop while building: there is no step to save
     moe = MoETimeReport(first_step, parts.device, dist.get_rank()) if parts.balance is not None else None
     with profiling(job_plan.config.profiling, job_plan.config.job.dump_folder, dist.get_rank()) as profiler:
         while state.step < training.steps and not stopping:
+            if run.replicas is not None:
+                run.replicas.begin_step()  # may heal this group: the step and the data position with it
+                if state.step >= training.steps:
+                    break
             state.step += 1
             if moe is not None:
                 moe.before_step(state.step)
             try:
-                stats = train_step(parts, state, local_tokens_per_step(job_plan), stop.requested)
+                stats = train_step(parts, state, local_tokens_per_step(job_plan), stop.requested, run.replicas)
             except StoppedWaitingForData as waited:
                 state.step -= 1
                 stop_while_waiting(job_plan, run, state, first_step, str(waited))
                 stopping = True
                 break
+            if not stats.committed:
+                state.step -= 1
+                continue
+            if run.replicas is not None:
+                run.replicas.log_step(state.step, stats.result.loss_avg)
             run.metrics.log(stats)
             if moe is not None:
                 moe.after_step(state.step, stats)
@@ -102,7 +115,8 @@ def loop(job_plan: JobPlan, run: Run, stop: StopRequests, timeouts: CollectiveTi
             stopping = stop.stop_after_step()
             run.checkpointer.maybe_save(state.step, stopping=stopping)
             profiler.step(state.step)
-            if state.step == first_step:
+            if not trained:  # the first step done (a healed group's step number jumped to its peer's)
+                trained = True
                 timeouts.start_training([*parts.meshes.groups(), *filter(None, [stop.group])])
     if moe is not None:
         moe.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from trainer.config.choices import DATASET_KINDS, MODEL_FLAVORS, TARGET_GPUS
+from trainer.config.fault_tolerance_section import FaultTolerance
 from trainer.config.fields import FloatList, StrList, fields_by_key, setting
 from trainer.config.float8_section import Float8
 from trainer.config.limits import MAX_LR, MAX_SEED, MAX_SEQ_LEN, MAX_TIMEOUT_SECONDS, MAX_WEIGHT_DECAY
@@ -383,6 +384,7 @@ class JobConfig:
     moe: MoE = field(default_factory=MoE)
     float8: Float8 = field(default_factory=Float8)
     comm: Comm = field(default_factory=Comm)
+    fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
     metrics: Metrics = field(default_factory=Metrics)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)

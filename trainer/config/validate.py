@@ -27,6 +27,7 @@ def validate(config: JobConfig) -> None:
     _checkpoint(config)
     _validation(config)
     _moe(config)
+    _fault_tolerance(config)
 
 
 BIAS_UPDATE_RATE_CAUTION = 0.1
@@ -130,4 +131,32 @@ def _moe(config: JobConfig) -> None:
             f"`moe.balance_loss_layers` = 'pooled' counts the expert frequencies over every layer of the whole "
             f"step, but `moe.balance_loss_scope` = {moe.balance_loss_scope!r} counts them per rank-local part; use "
             f"`moe.balance_loss_scope` = 'global_batch' or `moe.balance_loss_layers` = 'per_layer'."
+        )
+
+
+def _fault_tolerance(config: JobConfig) -> None:
+    """What a replica group needs that its own mesh cannot check; torchft's presence is checked
+    with the mesh (``trainer/planning/job_plan.py``)."""
+    ft = config.fault_tolerance
+    if not ft.enable:
+        return
+    if ft.replica_id >= ft.group_count:
+        raise ConfigError(
+            f"`fault_tolerance.replica_id` = {ft.replica_id} must be below `fault_tolerance.group_count` = "
+            f"{ft.group_count}: each group reads its own data shard."
+        )
+    if ft.min_replica_size > ft.group_count:
+        raise ConfigError(
+            f"`fault_tolerance.min_replica_size` = {ft.min_replica_size} exceeds `fault_tolerance.group_count` = "
+            f"{ft.group_count}: no step could ever commit."
+        )
+    if config.model.name == "moe":
+        raise ConfigError(
+            "`fault_tolerance.enable` does not support Mixture-of-Experts models yet (their balancing statistics "
+            "and routing biases are not summed over the replica groups): train a dense model or turn it off."
+        )
+    if config.debug.layout_invariant:
+        raise ConfigError(
+            "`debug.layout_invariant` fixes the order of every sum inside one job; the sum over replica groups "
+            "is outside it: turn off one of `debug.layout_invariant` and `fault_tolerance.enable`."
         )

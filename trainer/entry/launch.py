@@ -43,6 +43,7 @@ from trainer.config import help_text, load_config
 from trainer.entry.job import Request, describe_job, parse_request, prepare
 from trainer.entry.simulate import simulate
 from trainer.metrics import CONSOLE_TTY_ENV
+from trainer.replica_groups import check_lighthouse
 from trainer.runtime.cpu_threads import thread_env
 from trainer.runtime.dump_folder import TOKEN_ENV, DumpFolderLock, busy_message, is_stale, read_lock
 from trainer.runtime.errors import BusyFolderError, ConfigError, UserError, report
@@ -213,6 +214,8 @@ def run(argv: list[str]) -> int:
         threads = thread_env(os.environ, nproc)  # before checking: the check's own work is no load
         # Everything the workers would check, once, here (raises a UserError).
         job = prepare(request.argv, nproc * nnodes, local_ranks=nproc)
+        if job.plan.config.fault_tolerance.enable:
+            check_lighthouse(job.plan.config.fault_tolerance)
         checkpointing = job.plan.config.checkpoint.enable
         lock = hold_dump_folder(job.plan.config.job.dump_folder, nnodes)
         env = {

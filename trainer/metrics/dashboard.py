@@ -57,6 +57,12 @@ class Tag:
     VAL_LOSS = "validation/loss"
     VAL_PERPLEXITY = "validation/perplexity"
     VAL_TIME = "validation/seconds"
+    REPLICA_GROUPS = "fault_tolerance/groups"
+    """Replica groups that trained the step (``fault_tolerance.enable``; written every step)."""
+    REPLICA_TOKENS = "fault_tolerance/tokens"
+    """Valid tokens the step trained on, over the groups that took part."""
+    UNCOMMITTED = "fault_tolerance/uncommitted_steps"
+    """Attempts this group ran again because the quorum broke during them."""
     MOE_BALANCE_LOSS = "moe/balance_loss"
     MOE_LOAD = "moe/load_max_over_mean"
     """A group: one tag per MoE layer, :func:`moe_load_tag` (a chart of it charts them all)."""
@@ -107,6 +113,11 @@ DASHBOARD: dict[str, dict[str, tuple[str, ...]]] = {
         "step time (s)": (Tag.STEP_TIME,),
         "data loading %": (Tag.DATA_PCT,),
     },
+    "fault tolerance": {
+        "replica groups per step": (Tag.REPLICA_GROUPS,),
+        "tokens per step": (Tag.REPLICA_TOKENS,),
+        "uncommitted attempts": (Tag.UNCOMMITTED,),
+    },
     "moe": {
         "balancing loss": (Tag.MOE_BALANCE_LOSS,),
         "expert load max/mean per layer": (Tag.MOE_LOAD,),
@@ -116,10 +127,17 @@ DASHBOARD: dict[str, dict[str, tuple[str, ...]]] = {
 
 
 def written_tags(
-    *, mfu: bool, cuda: bool, validation: bool, moe_layers: tuple[int, ...] = (), balance_loss: bool = False
+    *,
+    mfu: bool,
+    cuda: bool,
+    validation: bool,
+    moe_layers: tuple[int, ...] = (),
+    balance_loss: bool = False,
+    replica_groups: bool = False,
 ) -> set[str]:
     """The tags the logger writes: MFU needs a peak, the rest of memory CUDA, validation its own,
-    and a Mixture-of-Experts model its layers' loads and (when it is on) its balancing loss."""
+    a Mixture-of-Experts model its layers' loads and (when it is on) its balancing loss, and
+    fault-tolerant replica groups who trained each step."""
     tags = {
         Tag.LOSS_AVG,
         Tag.LOSS_MAX,
@@ -143,6 +161,8 @@ def written_tags(
     tags |= {moe_load_tag(layer) for layer in moe_layers}
     if balance_loss:
         tags.add(Tag.MOE_BALANCE_LOSS)
+    if replica_groups:
+        tags |= {Tag.REPLICA_GROUPS, Tag.REPLICA_TOKENS, Tag.UNCOMMITTED}
     return tags
 
 

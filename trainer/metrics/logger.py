@@ -149,6 +149,7 @@ class MetricsLogger:
         resumed: bool = False,
         moe_layers: tuple[int, ...] = (),
         balance_loss: bool = False,
+        replica_groups: bool = False,
     ) -> None:
         self._console = console
         self._log_freq = log_freq
@@ -183,6 +184,7 @@ class MetricsLogger:
                 validation=validation,
                 moe_layers=moe_layers,
                 balance_loss=balance_loss,
+                replica_groups=replica_groups,
             )
             # add_custom_scalars builds margin charts of one series only; this layout goes to the
             # events file the way that method sends its own.
@@ -195,6 +197,17 @@ class MetricsLogger:
         self._window_data_time += stats.data_time_s
         self._window_step_time += stats.step_time_s
         self._n_skipped_steps = stats.n_skipped_steps
+        if stats.replicas is not None and self._writer is not None:
+            # Every step, not only log steps: a group's absence may last one step.
+            replicas = stats.replicas
+            self._write(
+                {
+                    Tag.REPLICA_GROUPS: len(replicas.groups),
+                    Tag.REPLICA_TOKENS: sum(replicas.tokens),
+                    Tag.UNCOMMITTED: replicas.uncommitted_steps,
+                },
+                stats.step,
+            )
 
         if not (stats.step == 1 or stats.step % self._log_freq == 0 or stats.step == self._total_steps):
             return

@@ -11,6 +11,7 @@ preparing, in ``trainer/entry/job.py``.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, replace
 
 import torch
@@ -159,6 +160,7 @@ def resolve_job(
     except ParallelismError as e:
         raise ConfigError(e.render(SETTING_KEYS)) from None
     check_layout_invariant(config, dims, settings)
+    check_replica_groups(config, dims)
     check_float8_job(config, settings, n_experts, device)
     check_experts(config, dims, args, (figures or {}).get("routing_imbalance", 1.0))
     validation = config.validation
@@ -184,6 +186,33 @@ def resolve_job(
     workload = replace(workload, loss_chunk_tokens=chunking.tokens)
     batches = global_batch // per_microbatch
     return JobPlan(config, dims, settings, batches, global_batch, args, tokenizer, workload, chunking)
+
+
+def check_replica_groups(config: JobConfig, dims: ParallelDims) -> None:
+    """A fault-tolerant group replicates over the groups, not inside itself, and needs torchft."""
+    if not config.fault_tolerance.enable:
+        return
+    if dims.dp_replicate > 1:
+        raise ConfigError(
+            f"`parallelism.data_parallel_replicate_degree` = {dims.dp_replicate} with `fault_tolerance.enable`: the "
+            "replica groups are the replicated dimension; set it to 1 and launch `fault_tolerance.group_count` groups."
+        )
+    if importlib.util.find_spec("torchft") is None:
+        raise ConfigError(
+            "`fault_tolerance.enable` needs torchft: `pip install meshtrain[ft]` (or `pip install torchft`)."
+        )
+
+
+def replica_groups_line(plan: JobPlan) -> list[str]:
+    """``--dry-run``'s line for a fault-tolerant job: the mesh above is one group's."""
+    ft = plan.config.fault_tolerance
+    if not ft.enable:
+        return []
+    return [
+        f"replica groups: this is group {ft.replica_id} of {ft.group_count}, each a job of the mesh above; "
+        f"{ft.group_count} x {plan.global_batch_size} sequences per step when every group takes part; a step "
+        f"commits with at least {ft.min_replica_size} group(s)"
+    ]
 
 
 def sized_for(config: JobConfig, world_size: int) -> str:
@@ -299,6 +328,7 @@ def describe(plan: JobPlan, limit: int | None, where: str) -> str:
             *([experts_line(w.experts)] if w.experts else []),
             f"batch: {plan.global_batch_size} x {training.seq_len} tokens per step = {plan.microbatches} "
             f"micro-batch(es) of {training.local_batch_size} per data-parallel rank; {training.steps} steps",
+            *replica_groups_line(plan),
             f"memory: {plan.memory.line()}{fits}",
             f"loss: {plan.loss_chunking.line()}",
             f"output: {config.job.dump_folder}",

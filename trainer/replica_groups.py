@@ -1,0 +1,377 @@
+"""Fault-tolerant replica groups: this job is one of ``fault_tolerance.group_count`` groups that
+keep training when another fails, built on torchft (``pip install meshtrain[ft]``).
+
+Each group is its own job (its own mesh, FSDP and any TP/CP/PP inside it); local rank r of every
+group meets the others' local rank r in torchft's process group, whose members are the step's
+*quorum*, agreed through the lighthouse when the step begins (:meth:`ReplicaGroups.begin_step`).
+
+Exact over the participants: the gradient accumulator sums what a step has in common across the
+quorum instead of averaging it over the groups (torchft's default), so the step's N is the valid
+tokens of the groups that took part, the gradient is their summed gradient scaled once by
+``clip_coef / N``, and the logged loss their token-weighted mean. A group left out of a step
+(dead, or too slow for ``fault_tolerance.timeout_seconds``) leaves its shard of that step
+untrained: the shards are fixed per (step, group), so the data order is determined by which
+groups took part in which step, and nothing is trained twice.
+
+A step during which the quorum broke is not committed (torchft's ``should_commit``): the weights,
+optimizer, schedule and data position stay those before it, and the step is run again with the
+new quorum. A group that joins behind the others (restarted, or new) heals at the start of a step
+from a live peer's same local rank: weights, optimizer state, schedule, data position and train
+state, after checking that both groups run the same job (:func:`job_identity`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import socket
+import time
+import urllib.parse
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ReduceOp
+from torch.distributed.tensor import DTensor
+
+from trainer.config import FaultTolerance
+from trainer.data.loader import MicroBatchLoader
+from trainer.runtime.errors import ConfigError, JobError, UserError
+from trainer.train_state import TrainState
+
+logger = logging.getLogger("meshtrain")
+
+MANAGER_PREFIX = "meshtrain_group_"
+"""torchft replica ids are this and the group's index (torchft reads its trailing digits)."""
+
+
+@dataclass(frozen=True)
+class ReplicaStats:
+    """Which groups took part in a step and the valid tokens each contributed."""
+
+    group_count: int
+    tokens: tuple[int, ...]
+    """Per group (0 for a group that did not take part)."""
+    present: tuple[bool, ...]
+    uncommitted_steps: int
+    """Attempts not committed so far in this group's run (each was run again)."""
+
+    @property
+    def groups(self) -> list[int]:
+        return [g for g, here in enumerate(self.present) if here]
+
+
+@dataclass(frozen=True)
+class HealedParts:
+    """What a healing group receives from its peer and what a live group sends."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    loader: MicroBatchLoader
+    train_state: TrainState
+
+
+def lighthouse_address(config: FaultTolerance) -> str:
+    return config.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
+
+
+def check_lighthouse(config: FaultTolerance) -> None:
+    """Before the launcher starts any process: the lighthouse answers at its address, so a wrong
+    or missing one is one line in seconds, not a group that builds its model and then fails."""
+    address = lighthouse_address(config)
+    if not address:
+        raise ConfigError(
+            "`fault_tolerance.enable` needs the torchft lighthouse's address: set `fault_tolerance.lighthouse` "
+            "(http://host:port) or TORCHFT_LIGHTHOUSE."
+        )
+    url = urllib.parse.urlsplit(address if "://" in address else f"http://{address}")
+    try:
+        socket.create_connection((url.hostname, url.port or 80), timeout=config.connect_timeout_seconds).close()
+    except (OSError, ValueError) as e:
+        raise ConfigError(
+            f"cannot reach the torchft lighthouse at {address!r} ({e}): start it (`torchft_lighthouse "
+            "--min_replicas 1`) or fix `fault_tolerance.lighthouse`."
+        ) from None
+
+
+def job_identity(**fields: object) -> dict[str, str]:
+    """What two groups must share for one to heal from the other (the mesh of a group, the model,
+    the data order, the versions), as strings to compare and name."""
+    return {key: str(value) for key, value in fields.items()}
+
+
+class ReplicaGroups:
+    """This group's torchft manager and what the step asks of it."""
+
+    def __init__(
+        self,
+        config: FaultTolerance,
+        parts: HealedParts,
+        identity: dict[str, str],
+        device: torch.device,
+    ):
+        # torchft's Rust side logs every quorum at INFO; its warnings are what a user needs.
+        os.environ.setdefault("RUST_LOG", "warn")
+        for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+        from torchft.manager import Manager
+        from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+        self.config, self.parts, self.identity, self.device = config, parts, identity, device
+        self.group, self.group_count = config.replica_id, config.group_count
+        lighthouse = lighthouse_address(config)
+        self.lighthouse = lighthouse
+        timeout = timedelta(seconds=config.timeout_seconds)
+        pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+        try:
+            self.manager = Manager(
+                pg=pg,
+                load_state_dict=self._load_state_dict,
+                state_dict=self._state_dict,
+                min_replica_size=config.min_replica_size,
+                use_async_quorum=False,
+                timeout=timeout,
+                quorum_timeout=timedelta(seconds=config.quorum_timeout_seconds),
+                connect_timeout=timedelta(seconds=config.connect_timeout_seconds),
+                rank=dist.get_rank(),
+                world_size=dist.get_world_size(),
+                lighthouse_addr=lighthouse,
+                replica_id=f"{MANAGER_PREFIX}{self.group}",
+                init_sync=False,
+            )
+        except RuntimeError as e:
+            raise JobError(
+                f"replica group {self.group} cannot reach the torchft lighthouse at {lighthouse!r} within "
+                f"`fault_tolerance.connect_timeout_seconds` = {config.connect_timeout_seconds}: start it "
+                f"(`torchft_lighthouse --min_replicas 1`) or fix `fault_tolerance.lighthouse` "
+                f"({str(e).splitlines()[0][:160]})."
+            ) from None
+        self.uncommitted_steps = 0
+        self.consecutive_uncommitted = 0
+        self._joined = self._healed = False
+        self._tokens: list[int] = [0] * self.group_count
+        self._present: list[bool] = [False] * self.group_count
+
+    def resume_at(self, step: int) -> None:
+        """After a resume from checkpoint: torchft's step is the loop's last finished step, so a
+        group resumed from an older checkpoint than the others' heals from them."""
+        self.manager.load_state_dict({"step": step, "batches_committed": self.manager.batches_committed()})
+
+    def begin_step(self) -> None:
+        """Agree on this step's quorum; a group behind the others heals here, before the step's
+        data is fetched (the peer's data position is the one it then reads from).
+
+        A process's first quorum waits for every group unless it healed: a group that starts
+        (or resumes from its checkpoint) and finds nobody ahead cannot tell a job that has not
+        begun from one whose other groups are still starting, and training alone then would
+        fork the run in two."""
+        self._quorum()
+        deadline = time.monotonic() + self.config.quorum_timeout_seconds
+        while not self._joined:
+            if self._healed or self.manager.num_participants() >= self.group_count:
+                self._joined = True
+                break
+            if time.monotonic() > deadline:
+                raise JobError(
+                    f"replica group {self.group}: only {self.manager.num_participants()} of "
+                    f"`fault_tolerance.group_count` = {self.group_count} groups joined within "
+                    f"`fault_tolerance.quorum_timeout_seconds` = {self.config.quorum_timeout_seconds} s, and none "
+                    "is ahead to heal from: start every group (a job starts, or resumes from its checkpoints, "
+                    "with all of them)."
+                )
+            time.sleep(0.05)
+            self._quorum()
+
+    def _quorum(self) -> None:
+        try:
+            self.manager.start_quorum()
+        except UserError:
+            raise
+        except TimeoutError:
+            raise JobError(
+                f"replica group {self.group}: no quorum formed within `fault_tolerance.quorum_timeout_seconds` = "
+                f"{self.config.quorum_timeout_seconds} s (lighthouse {self.lighthouse}): fewer groups are running "
+                f"than the lighthouse's `--min_replicas`; start the missing groups or lower it. Checkpoints "
+                "already written are kept."
+            ) from None
+        except RuntimeError as e:
+            raise JobError(
+                f"replica group {self.group} lost the torchft lighthouse at {self.lighthouse}: "
+                f"{str(e).splitlines()[0][:200]}. Restart the lighthouse, then this group: it heals from a live "
+                "group, or resumes from its newest checkpoint."
+            ) from None
+
+    # The sums the gradient accumulator asks for (``trainer/grad_accumulator.py``).
+
+    def sum_count(self, count: torch.Tensor) -> torch.Tensor:
+        """This group's valid tokens (``(1,)`` int64) -> the step's over the participating groups;
+        also learns which groups took part and what each contributed."""
+        n = self.group_count
+        table = torch.zeros(2 * n, dtype=torch.int64, device=count.device)
+        table[self.group] = count[0]
+        table[n + self.group] = 1
+        self.manager.allreduce(table, reduce_op=ReduceOp.SUM).wait()
+        values = table.tolist()
+        twice = [g for g in range(n) if values[n + g] > 1]
+        if twice and not self.manager.errored():
+            raise JobError(
+                f"{values[n + twice[0]]} replica groups run with `fault_tolerance.replica_id` = {twice[0]}: each "
+                "would train the same data shard; give every group its own id below `fault_tolerance.group_count`."
+            )
+        self._tokens, self._present = values[:n], [bool(v) for v in values[n:]]
+        return table[:n].sum().reshape(1)
+
+    def sum_(self, tensors: list[torch.Tensor]) -> None:
+        """Sum every tensor in place over the participating groups, one collective per dtype."""
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        for group in by_dtype.values():
+            flat = torch.cat([t.reshape(-1) for t in group])
+            self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
+            offset = 0
+            for t in group:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+    def max_(self, tensor: torch.Tensor) -> None:
+        self.manager.allreduce(tensor, reduce_op=ReduceOp.MAX).wait()
+
+    def commit(self) -> bool:
+        """Whether every collective of the step reached the same quorum: only then may the
+        optimizer step. A step that cannot commit is counted; too many in a row end the group."""
+        committed = bool(self.manager.should_commit())
+        if committed:
+            self.consecutive_uncommitted = 0
+            return True
+        self.uncommitted_steps += 1
+        self.consecutive_uncommitted += 1
+        error = self.manager.errored()
+        why = str(error.original_exception).splitlines()[0][:160] if error is not None else "too few groups"
+        if _rank0():
+            logger.warning(
+                "replica group %d: the step could not commit (%s; %d of at least %d group(s) in the quorum); "
+                "it is run again with the next quorum",
+                self.group,
+                why,
+                self.manager.num_participants(),
+                self.config.min_replica_size,
+            )
+        limit = self.config.max_uncommitted_steps
+        if limit and self.consecutive_uncommitted >= limit:
+            raise JobError(
+                f"replica group {self.group}: {self.consecutive_uncommitted} attempts in a row could not commit "
+                f"(last: {why}): every other group is gone, or fewer than `fault_tolerance.min_replica_size` = "
+                f"{self.config.min_replica_size} are running. Start the groups again: they heal from a live one "
+                "or resume from their newest checkpoints."
+            )
+        return False
+
+    def stats(self) -> ReplicaStats:
+        return ReplicaStats(self.group_count, tuple(self._tokens), tuple(self._present), self.uncommitted_steps)
+
+    def log_step(self, step: int, loss: float) -> None:
+        """Rank 0's line per step: who trained it, their tokens, the exact loss; a missing group's
+        shard of the step is named as skipped."""
+        if not _rank0():
+            return
+        stats = self.stats()
+        missing = [g for g in range(self.group_count) if not stats.present[g]]
+        logger.info(
+            "replica groups: step %d trained by groups %s of %d, tokens %s, loss %r%s",
+            step,
+            stats.groups,
+            self.group_count,
+            list(stats.tokens),
+            loss,
+            f"; skipped the shards ({step}, g) of groups {missing}" if missing else "",
+        )
+
+    # Healing: what a live group sends and a healing one loads.
+
+    def _state_dict(self) -> dict[str, Any]:
+        parts = self.parts
+        optimizer_state = {
+            name: {key: _local(value) for key, value in parts.optimizer.state[param].items()}
+            for name, param in parts.model.named_parameters()
+            if param in parts.optimizer.state
+        }
+        return {
+            "identity": self.identity,
+            "model": {name: _local(t) for name, t in parts.model.state_dict().items()},
+            "optimizer": optimizer_state,
+            "param_groups": [
+                {k: v for k, v in group.items() if k != "params"} for group in parts.optimizer.param_groups
+            ],
+            "scheduler": parts.scheduler.state_dict(),
+            "loader": parts.loader.state_dict(),
+            "train_state": parts.train_state.state_dict(),
+        }
+
+    def _load_state_dict(self, received: dict[str, Any]) -> None:
+        theirs = received["identity"]
+        differ = sorted(k for k in self.identity.keys() | theirs.keys() if self.identity.get(k) != theirs.get(k))
+        if differ:
+            key = differ[0]
+            raise ConfigError(
+                f"replica group {self.group} cannot heal from its peer: {key} differs (peer {theirs.get(key)!r}, "
+                f"this group {self.identity.get(key)!r}); every group must run the same config, mesh and versions."
+            )
+        parts = self.parts
+        with torch.no_grad():
+            for name, t in parts.model.state_dict().items():
+                _local(t).copy_(received["model"][name])
+            for name, param in parts.model.named_parameters():
+                slots = received["optimizer"].get(name)
+                if slots is None:
+                    parts.optimizer.state.pop(param, None)
+                    continue
+                mine = parts.optimizer.state.setdefault(param, {})
+                for key, value in slots.items():
+                    if key in mine and isinstance(mine[key], torch.Tensor):
+                        _local(mine[key]).copy_(value)
+                    elif isinstance(value, torch.Tensor) and value.shape == _local(param).shape:
+                        mine[key] = torch.zeros_like(param)
+                        _local(mine[key]).copy_(value)
+                    else:
+                        mine[key] = value.clone() if isinstance(value, torch.Tensor) else value
+        for group, values in zip(parts.optimizer.param_groups, received["param_groups"]):
+            group.update(values)
+        parts.scheduler.load_state_dict(received["scheduler"])
+        parts.loader.load_state_dict(received["loader"])
+        parts.train_state.load_state_dict(received["train_state"])
+        self._healed = True
+        if _rank0():
+            logger.info("replica group %d healed from a live group at step %d", self.group, parts.train_state.step)
+
+    def weights_digest(self) -> str:
+        """A hash of this rank's weights: equal on the same local rank of every group that trained
+        the same steps (the end of the run logs it)."""
+        digest = hashlib.sha256()
+        for name, t in self.parts.model.state_dict().items():
+            digest.update(name.encode())
+            digest.update(_local(t).detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        return digest.hexdigest()[:16]
+
+    def log_digests(self) -> None:
+        """Rank 0 logs every local rank's weight digest, for comparing the groups."""
+        digests: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(digests, self.weights_digest())
+        if _rank0():
+            logger.info("replica group %d weights: %s", self.group, " ".join(f"{d}" for d in digests))
+
+    def shutdown(self) -> None:
+        self.manager.shutdown(wait=False)
+
+
+def _rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
