@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,6 +32,8 @@ NAMES = (
     "_C",
     "_current_graph_task_id",
     "_type",
+    "_fw_pre_hook",
+    "_fw_post_hook",
 )
 
 __all__ = [
@@ -39,6 +42,7 @@ __all__ = [
     "FakeTensor",
     "FakeTensorMode",
     "ModTracker",
+    "PausingModTracker",
     "TorchDispatchMode",
     "disable_current_modes",
     "in_backward",
@@ -62,3 +66,24 @@ def process_group_name(value: Any) -> str | None:
     if isinstance(value, torch.ScriptObject) and value._type().qualified_name().endswith("ProcessGroup"):
         return torch.distributed.ProcessGroup.unbox(value).group_name
     return None
+
+
+class PausingModTracker(ModTracker):
+    """A ``ModTracker`` that follows no module while ``paused()``.
+
+    It hooks the gradients of every module's inputs to know when their backward ends; a pipeline
+    stage learning its shapes asks autograd for the gradients of its own input, a leaf, and
+    autograd refuses such hooks on a leaf inside ``autograd.grad``. That pass is not the step's.
+    """
+
+    def __init__(self, paused: Callable[[], bool]) -> None:
+        super().__init__()
+        self._paused = paused
+
+    def _fw_pre_hook(self, mod: Any, input: Any) -> None:
+        if not self._paused():
+            super()._fw_pre_hook(mod, input)
+
+    def _fw_post_hook(self, mod: Any, input: Any, output: Any) -> None:
+        if not self._paused():
+            super()._fw_post_hook(mod, input, output)

@@ -37,7 +37,7 @@ from parallelisms.moe_split import SPLIT
 from parallelisms.parallel_dims import Meshes
 from parallelisms.pipeline_parallel import Pipeline
 from parallelisms.torch_private import pipelining
-from parallelisms.torch_private.fake import FakeStore, FakeTensorMode, ModTracker, disable_current_modes
+from parallelisms.torch_private.fake import FakeStore, FakeTensorMode, PausingModTracker, disable_current_modes
 from trainer.build import build_step_parts
 from trainer.grad_accumulator import StepResult
 from trainer.planning.job_plan import JobPlan
@@ -165,7 +165,7 @@ def run_rank(
             fewer_pipeline_microbatches(parts.pipeline, traced, real_microbatches)
         microbatches = fetch_step(parts)
         recorder.enabled = True
-        modules = ModTracker()
+        modules = PausingModTracker(pipelining.in_metadata_inference)
         recorder.where = functools.partial(_where, tracker, modules)
         SPLIT.naming = True
         with modules, allocating, _attention_biases_outside_the_fake_mode():
@@ -185,7 +185,7 @@ def run_rank(
     return RoleRun(rank, pp_rank, stages, profile, cost, traced, time.monotonic() - start)
 
 
-def _where(tracker: MemoryTracker, modules: ModTracker) -> tuple[str, bool]:
+def _where(tracker: MemoryTracker, modules: PausingModTracker) -> tuple[str, bool]:
     """The breakdown row of the op running: its phase, its innermost module (the blocks'
     indices as ``*``) and its MoE part; and whether compile traces it (inside a block or the loss)."""
     name = max(modules.parents, key=len).split(".", 1)[-1] if len(modules.parents) > 1 else ""
