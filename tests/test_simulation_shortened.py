@@ -51,8 +51,12 @@ def test_a_shortened_step_has_the_peak_and_cost_of_the_whole_step(case, tmp_path
         stage = f"pipeline rank {full.pp_rank}"
         assert 0 <= full.memory.peak_bytes - part.memory.peak_bytes <= real * microbatch_ids, stage
         assert part.memory.peak_phase == full.memory.peak_phase, stage
-        assert part.cost.flops == full.cost.flops, stage
-        assert part.cost.flops_by_kind == full.cost.flops_by_kind, stage
+        # Exact but for a FLOP per micro-batch: the last stage adds up its micro-batches' losses,
+        # n - 1 additions, which no extension linear in the micro-batches reproduces.
+        assert abs(part.cost.flops - full.cost.flops) <= real, stage
+        assert set(part.cost.flops_by_kind) == set(full.cost.flops_by_kind), stage
+        for kind, flops in full.cost.flops_by_kind.items():
+            assert abs(part.cost.flops_by_kind[kind] - flops) <= real, (stage, kind)
         assert part.cost.fused_bytes == pytest.approx(full.cost.fused_bytes, rel=1e-2), stage
         assert part.cost.memory_bytes == pytest.approx(full.cost.memory_bytes, rel=1e-2), stage
         times = [step_time(r.cost, TARGET, plan.dims.pp, "1F1B", 1, real) for r in (part, full)]
