@@ -221,20 +221,23 @@ def test_a_stalled_rank_ends_the_job_within_the_timeout(tmp_path):
         + ["--training.steps", "500", "--comm.train_timeout_seconds", str(timeout), "--job.dump_folder", str(tmp_path)],
         tmp_path / "job.log",
     )
+    named = f"a collective waited more than `comm.train_timeout_seconds` = {timeout} s"
     try:
         job.wait_for("step: 3/500")
         stalled = job.workers()[-1]
         os.kill(stalled, signal.SIGSTOP)
         start = time.monotonic()
-        code = job.finish(timeout=timeout + 120)
+        job.wait_for(named, timeout=timeout + 120)
         elapsed = time.monotonic() - start
+        # Left stopped, the rank would hold the job for torchrun's 30 s grace before its SIGKILL
+        # (torchrun's, not ours); woken, it finds its peer gone and the job ends.
+        os.kill(stalled, signal.SIGCONT)
+        code = job.finish(timeout=120)
     finally:
         for pid in job.workers():
             os.kill(pid, signal.SIGKILL)
     assert code != 0
-    # The timeout, then torchrun's 30 s grace before it SIGKILLs the stopped process.
-    assert elapsed < timeout + 45, elapsed
-    assert f"a collective waited more than `comm.train_timeout_seconds` = {timeout} s" in job.output()
+    assert elapsed < timeout + 15, elapsed
 
 
 @pytest.mark.launcher

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 from harness import QUICK, ROOT, Launched, children, needs_tmpfs
@@ -19,6 +20,21 @@ from trainer.runtime.dump_folder import LOCK_FILE
 # --------------------------------------------------------------------------------------------
 # A stop request is never lost, whenever it arrives
 # --------------------------------------------------------------------------------------------
+
+
+def running(parent: int, module: str) -> list[int]:
+    """The children of ``parent`` that run ``python -m module``. A process's children alone are
+    not enough: before ``run_train.sh`` execs the launcher, its bash has children of its own
+    (``$(dirname ...)``), and a signal then kills bash instead of reaching the launcher."""
+    found = []
+    for pid in children(parent):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if module.encode() in argv:
+            found.append(pid)
+    return found
 
 
 def wait_until(condition, timeout: float, what: str, job: Launched) -> None:
@@ -49,11 +65,12 @@ def test_a_stop_request_holds_from_the_first_instant_to_the_last(moment, sig, re
         MAX_RESTARTS=restarts,
     )
     try:
-        torchrun = lambda: children(job.proc.pid)  # noqa: E731
+        torchrun = lambda: running(job.proc.pid, "torch.distributed.run")  # noqa: E731
+        workers = lambda: [pid for parent in torchrun() for pid in running(parent, "trainer.entry.worker")]  # noqa: E731
         if moment.startswith("torchrun"):
-            wait_until(lambda: torchrun() and not job.workers(), 120, "torchrun", job)
+            wait_until(lambda: torchrun() and not workers(), 120, "torchrun", job)
         elif moment.startswith("workers"):
-            wait_until(lambda: len(job.workers()) == 1, 120, "the workers", job)
+            wait_until(lambda: len(workers()) == 1, 120, "the workers", job)
         else:
             job.wait_for("step: 1/60")
         job.proc.send_signal(sig)
