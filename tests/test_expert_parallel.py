@@ -12,11 +12,6 @@ from moe_helpers import SKEW, TOLERANCE, differences, launch_moe
 # name: (world size, local batch size, extra argv); global batch 8, so accumulation = 8 / (local x dp)
 MESHES = {
     "ep=2, 2 micro-batches": (2, 2, ["--mesh", "dp_shard=2,ep=2"]),
-    "ep=2, 2 micro-batches, loss in chunks of 48 tokens": (
-        2,
-        2,
-        ["--mesh", "dp_shard=2,ep=2", "--training.loss_chunk_tokens", "48"],
-    ),
     "ep=4, 2 micro-batches": (4, 1, ["--mesh", "dp_shard=4,ep=4"]),
     "dp_shard=4 x ep=2, full recompute": (4, 1, ["--mesh", "dp_shard=4,ep=2", "--activation_checkpoint.mode", "full"]),
     "dp_replicate=2 x ep=2, 2 micro-batches": (4, 1, ["--mesh", "dp_replicate=2,dp_shard=2,ep=2"]),

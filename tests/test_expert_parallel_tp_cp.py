@@ -17,24 +17,22 @@ ULYSSES = ["--parallelism.context_parallel_backend", "ulysses"]
 # name: (world size, local batch size, extra argv); global batch 8, so accumulation = 8 / (local x dp)
 MESHES = {
     "dp_shard=2 x ep=2 x tp=2": (4, 2, ["--mesh", "dp_shard=2,tp=2,ep=2"]),
-    "dp_shard=2 x ep=2 x tp=2, no loss parallel, full recompute": (
+    "tp=2, no expert parallelism": (2, 4, ["--mesh", "tp=2"]),
+    "dp_replicate=2 x dp_shard=2 x ep=2 x tp=2": (8, 1, ["--mesh", "dp_replicate=2,dp_shard=2,tp=2,ep=2"]),
+    "dp_shard=2 x cp=2 x ep=2, allgather_kv": (4, 2, ["--mesh", "dp_shard=2,cp=2,ep=2", *ALLGATHER]),
+    "dp_shard=2 x cp=2 x ep=4, ulysses": (4, 2, ["--mesh", "dp_shard=2,cp=2,ep=4", *ULYSSES]),
+    "cp=2 x ep=2 x tp=2, ulysses, no loss parallel, full recompute": (
         4,
-        2,
+        4,
         [
             "--mesh",
-            "dp_shard=2,tp=2,ep=2",
+            "cp=2,tp=2,ep=2",
+            *ULYSSES,
             "--parallelism.disable_loss_parallel",
             "--activation_checkpoint.mode",
             "full",
         ],
     ),
-    "tp=2, no expert parallelism": (2, 4, ["--mesh", "tp=2"]),
-    "dp_replicate=2 x dp_shard=2 x ep=2 x tp=2": (8, 1, ["--mesh", "dp_replicate=2,dp_shard=2,tp=2,ep=2"]),
-    "cp=2 x ep=2, allgather_kv": (2, 4, ["--mesh", "cp=2,ep=2", *ALLGATHER]),
-    "cp=2 x ep=2, ulysses": (2, 4, ["--mesh", "cp=2,ep=2", *ULYSSES]),
-    "dp_shard=2 x cp=2 x ep=2, allgather_kv": (4, 2, ["--mesh", "dp_shard=2,cp=2,ep=2", *ALLGATHER]),
-    "dp_shard=2 x cp=2 x ep=4, ulysses": (4, 2, ["--mesh", "dp_shard=2,cp=2,ep=4", *ULYSSES]),
-    "cp=2 x ep=2 x tp=2, ulysses": (4, 4, ["--mesh", "cp=2,tp=2,ep=2", *ULYSSES]),
 }
 BUGS = {
     "router and shared experts not summed over tp": MESHES["dp_shard=2 x ep=2 x tp=2"],

@@ -41,7 +41,6 @@ def launched() -> dict[str, list]:
         mesh: (world, (step_worker, argv_for(local_batch, extra)))
         for mesh, (world, local_batch, extra) in MESHES.items()
     }
-    cases["logits sharded"] = (2, (logits_worker, LOGITS_ARGV))
     cases["logits gathered"] = (2, (logits_worker, LOGITS_ARGV + ["--parallelism.disable_loss_parallel"]))
     cases["bf16"] = (2, (logits_worker, BF16_ARGV))
     cases["bugs"] = (4, (tp_bug_worker, argv_for(2, ["--mesh", "dp_shard=2,tp=2"])))
@@ -81,7 +80,8 @@ def logits_worker(argv: list[str]) -> dict:
 
 @pytest.mark.slow
 def test_loss_parallel_keeps_one_vocabulary_slice_per_rank(launched):
-    sharded, gathered = launched["logits sharded"], launched["logits gathered"]
+    # Loss parallel shards the logits whatever the compute dtype: the bf16 case shows it.
+    sharded, gathered = launched["bf16"], launched["logits gathered"]
     vocab = sharded[0]["vocab"]
     for rank in sharded:
         assert rank["is_dtensor"] and rank["placements"] == (Shard(2),)
