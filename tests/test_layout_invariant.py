@@ -7,8 +7,9 @@ accumulating 2, and the 4-rank run's step-5 checkpoint resumed on 2 ranks accumu
 step's exact loss, valid-token count and grad norm (the mode's console line, in hexadecimal)
 and every tensor of the step-10 checkpoints (weights, AdamW moments, step counters) must be
 bit-identical. The mutation: the same single process with the mode off, which adds the
-micro-batch gradients in autograd's order instead of the canonical tree, must differ, so the
-comparison can fail. The pieces the promise rests on are checked alone: the pairwise sums' trees,
+micro-batch gradients in autograd's order instead of the canonical tree, must differ by its step-5
+checkpoint, so the comparison can fail; that checkpoint resumed with the mode on is named as one
+whose bits cannot match. The pieces the promise rests on are checked alone: the pairwise sums' trees,
 AdamW's and the clip scale's independence of where an element lies in its shard, the refusals,
 and ``scripts/compare_checkpoints.py``.
 """
@@ -19,7 +20,7 @@ import re
 import shutil
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -63,46 +64,55 @@ COMMON = [
 ON = ["--debug.layout_invariant"]
 EXACT = re.compile(r"exact step values: (loss \S+, tokens \d+, grad norm \S+)")
 
-# name: (NGPU, extra args)
+# name: (NGPU, extra args); the mode-off run stops at its step-5 checkpoint, all it is compared by.
 LAYOUTS = {
     "1x8": (1, ON),
     "fsdp4x2": (4, ON),
     "hsdp2x2x2": (4, [*ON, "--mesh", "dp_replicate=2,dp_shard=2"]),
-    "off_1x8": (1, []),
+    "off_1x8": (1, ["--training.steps", "5"]),
 }
 
 
-def launch(ngpu: int, dump: Path, extra: list[str]) -> list[str]:
-    """Run to the end; the exact step values the mode logs, one per step run."""
+class Run(NamedTuple):
+    dump: Path
+    exact: list[str]  # the exact step values the mode logs, one per step run
+    log: str
+
+
+def launch(ngpu: int, dump: Path, extra: list[str]) -> Run:
     done = run_train(ngpu, [*COMMON, "--job.dump_folder", str(dump), *extra], timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    return EXACT.findall(done.stderr + done.stdout)
+    return Run(dump, EXACT.findall(done.stderr + done.stdout), done.stderr)
+
+
+def resume(ngpu: int, checkpoint: Path, dump: Path, extra: list[str]) -> Run:
+    """Resume ``checkpoint`` (a ``step-N`` folder) as the last checkpoint of a fresh dump folder."""
+    shutil.copytree(checkpoint, dump / "checkpoint" / checkpoint.name)
+    return launch(ngpu, dump, extra)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, tuple[Path, list[str]]]:
+def runs(tmp_path_factory) -> dict[str, Run]:
     root = tmp_path_factory.mktemp("layouts")
-    out = {name: (root / name, launch(ngpu, root / name, extra)) for name, (ngpu, extra) in LAYOUTS.items()}
-    resumed = root / "fsdp4_resumed_on_2"
-    shutil.copytree(root / "fsdp4x2" / "checkpoint" / "step-5", resumed / "checkpoint" / "step-5")
-    out["resumed"] = (resumed, launch(2, resumed, ON))
+    out = {name: launch(ngpu, root / name, extra) for name, (ngpu, extra) in LAYOUTS.items()}
+    out["resumed"] = resume(2, root / "fsdp4x2" / "checkpoint" / "step-5", root / "fsdp4_resumed_on_2", ON)
     return out
 
 
-def final_tensors(dump: Path) -> dict[str, torch.Tensor]:
+def final_tensors(dump: Path, step: int = STEPS) -> dict[str, torch.Tensor]:
     """The tensors of the step-10 checkpoint: weights, optimizer state, step counters, the RNG state."""
-    return compare_checkpoints.read_tensors(dump / "checkpoint" / f"step-{STEPS}")
+    return compare_checkpoints.read_tensors(dump / "checkpoint" / f"step-{step}")
 
 
 @pytest.mark.launcher
 def test_every_layout_and_a_resume_give_the_same_bits(runs):
-    reference_dump, reference = runs["1x8"]
+    reference_dump, reference, _ = runs["1x8"]
     assert len(reference) == STEPS and len(set(reference)) == STEPS
     expected = final_tensors(reference_dump)
     assert any(k.startswith("optimizer.state.") and k.endswith("exp_avg_sq") for k in expected)
     assert "train_state.rng_cpu" in expected
     for name in ("fsdp4x2", "hsdp2x2x2", "resumed"):
-        dump, logged = runs[name]
+        dump, logged, _ = runs[name]
         steps = reference[5:] if name == "resumed" else reference
         assert logged == steps, f"{name}: per-step exact values differ from 1 process x 8"
         result = compare_checkpoints.compare(expected, final_tensors(dump))
@@ -112,33 +122,27 @@ def test_every_layout_and_a_resume_give_the_same_bits(runs):
 @pytest.mark.launcher
 def test_another_summation_order_changes_the_bits(runs):
     """The mode off on the same single process: autograd adds the 8 micro-batch gradients one
-    after the other, not as the canonical tree, and the final state differs."""
-    result = compare_checkpoints.compare(final_tensors(runs["1x8"][0]), final_tensors(runs["off_1x8"][0]))
+    after the other, not as the canonical tree, and the step-5 state differs."""
+    result = compare_checkpoints.compare(final_tensors(runs["1x8"].dump, 5), final_tensors(runs["off_1x8"].dump, 5))
     assert result.differing and all(not k.endswith(".step") for k in result.differing)
     assert list(result.differing_kinds()) == ["model weights", "optimizer state"]
 
 
 @pytest.mark.launcher
-def test_a_resume_saves_the_state_of_a_run_never_interrupted_and_a_default_mode_one_is_named(tmp_path, capsys):
+def test_a_resume_saves_the_state_of_a_run_never_interrupted_and_a_default_mode_one_is_named(runs, tmp_path, capsys):
     """Every entry of the checkpoints, the CPU RNG state and the data loader's position included:
-    nothing draws from the RNG a resume restored that an uninterrupted run would not. Resuming a
-    checkpoint written with the mode off says that the bits cannot match an uninterrupted run's."""
-    short = ["--training.steps", "4", "--checkpoint.interval", "2"]
-    straight, resumed, default = tmp_path / "straight", tmp_path / "resumed", tmp_path / "default"
-    launch(1, straight, [*ON, *short])
-    shutil.copytree(straight / "checkpoint" / "step-2", resumed / "checkpoint" / "step-2")
-    launch(1, resumed, [*ON, *short])
-    final = [str(dump / "checkpoint" / "step-4") for dump in (straight, resumed)]
+    nothing draws from the RNG a resume restored that an uninterrupted run would not (the resume
+    on 2 ranks against the single process). Resuming a checkpoint written with the mode off says
+    that the bits cannot match an uninterrupted run's; resuming one written with it on does not."""
+    final = [str(runs[name].dump / "checkpoint" / f"step-{STEPS}") for name in ("1x8", "resumed")]
     assert compare_checkpoints.main(final) == 0, capsys.readouterr().out
     assert "RNG state" in capsys.readouterr().out
+    assert "layout_invariant` off" not in runs["resumed"].log, runs["resumed"].log[-3000:]
 
-    launch(1, default, [*short, "--training.steps", "2"])
-    done = run_train(1, [*COMMON, *short, "--job.dump_folder", str(default), *ON], timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    warned = [line for line in done.stderr.splitlines() if "written with `debug.layout_invariant` off" in line]
-    assert len(warned) == 1 and "step-2" in warned[0], done.stderr[-3000:]
-    done = run_train(1, [*COMMON, *short, "--training.steps", "6", "--job.dump_folder", str(straight), *ON])
-    assert done.returncode == 0 and "layout_invariant` off" not in done.stderr, done.stderr[-3000:]
+    off = runs["off_1x8"].dump / "checkpoint" / "step-5"
+    done = resume(1, off, tmp_path / "default", [*ON, "--training.steps", "6"])
+    warned = [line for line in done.log.splitlines() if "written with `debug.layout_invariant` off" in line]
+    assert len(warned) == 1 and "step-5" in warned[0], done.log[-3000:]
 
 
 # --------------------------------------------------------------------------------------------
