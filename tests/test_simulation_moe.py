@@ -147,13 +147,6 @@ def test_the_estimate_follows_the_simulation_under_tp_and_cp(tmp_path, mesh):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="the last pipeline stage's simulated activations are about twice the estimate's (17.7 GB "
-    "against 8.5 GB): suspected, the MoE counting pre-pass switches the schedule between eval and step, "
-    "and each switch runs the stages' shape inference again (forward and backward on a micro-batch); "
-    "not yet measured on a GPU nor modelled (issue 38, open)",
-)
 def test_the_estimate_follows_the_simulation_of_each_pipeline_stage(tmp_path):
     """MoE inside pipeline stages: each stage holds its own blocks' experts, gathered with their
     unsharded gradients for the step (PipelineStage defers FSDP's reshard and reduce), and 1F1B

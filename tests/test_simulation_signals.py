@@ -1,5 +1,6 @@
 """``--simulate`` stopped by any signal leaves no process behind and says so in one line; two
-simulations into one dump folder do not overwrite each other's report.
+simulations into one dump folder do not overwrite each other's report. A stop that arrives while
+the role processes are being started waits until they are (``stop_requests.stops_held``).
 
 Every process of the job (the launcher, the fork server, the pool's role workers, the manager,
 multiprocessing's resource tracker) is found by a marker in its environment, which children
@@ -45,12 +46,12 @@ def start(dump: Path, mark: str) -> subprocess.Popen[str]:
         return subprocess.Popen(command, env=env, stdout=out, stderr=err, text=True)
 
 
-def wait_for_roles(proc: subprocess.Popen[str], dump: Path, timeout: float = 120) -> None:
-    """Until the roles run: the line the simulation prints as it starts them, and a moment."""
+def wait_for_roles(proc: subprocess.Popen[str], dump: Path, then: float, timeout: float = 120) -> None:
+    """Until the line the simulation prints as it starts the roles, and ``then`` seconds more."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
         if "simulating 2 role(s)" in (dump / "err.txt").read_text():
-            time.sleep(2)
+            time.sleep(then)
             return
         time.sleep(0.2)
     raise AssertionError(f"the simulation's roles never started: {(dump / 'err.txt').read_text()[-2000:]}")
@@ -63,12 +64,17 @@ def gone(mark: str, timeout: float = 30) -> list[int]:
     return left
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=lambda s: s.name)
-def test_a_signal_ends_every_process_of_the_simulation(tmp_path: Path, sig: signal.Signals):
+@pytest.mark.parametrize(
+    ("sig", "then"),
+    [(signal.SIGTERM, 0.0), (signal.SIGINT, 2.0), (signal.SIGKILL, 2.0)],
+    ids=["SIGTERM-as-roles-start", "SIGINT-as-roles-run", "SIGKILL-as-roles-run"],
+)
+def test_a_signal_ends_every_process_of_the_simulation(tmp_path: Path, sig: signal.Signals, then: float):
+    """At 0 s the role processes are being started (the fork server still imports the trainer)."""
     mark = uuid.uuid4().hex
     proc = start(tmp_path, mark)
     try:
-        wait_for_roles(proc, tmp_path)
+        wait_for_roles(proc, tmp_path, then)
         proc.send_signal(sig)
         proc.wait(timeout=60)
         assert not gone(mark), "processes of the simulation outlived it"
@@ -89,7 +95,7 @@ def test_a_second_simulation_into_the_same_folder_is_refused(tmp_path: Path):
     mark = uuid.uuid4().hex
     first = start(tmp_path, mark)
     try:
-        wait_for_roles(first, tmp_path)
+        wait_for_roles(first, tmp_path, 2.0)
         second = subprocess.run(
             [str(ROOT / "run_train.sh"), *TWO_STAGES, "--job.dump_folder", str(tmp_path / "job")],
             env={**os.environ, "NGPU": "2"},

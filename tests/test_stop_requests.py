@@ -16,6 +16,7 @@ from harness import QUICK, ROOT, Launched, children, needs_tmpfs
 
 from trainer.checkpoint.folders import step_folders
 from trainer.runtime.dump_folder import LOCK_FILE
+from trainer.runtime.stop_requests import Stopped, stopped_by_signals, stops_held
 
 # --------------------------------------------------------------------------------------------
 # A stop request is never lost, whenever it arrives
@@ -178,3 +179,38 @@ def test_a_stop_whose_checkpoint_cannot_be_written_is_a_failure_not_a_stop(tmp_p
     assert code == 1, out[-3000:]
     assert "SIGTERM received, but the job failed while stopping (exit 1): error: checkpoint step-" in out, out[-3000:]
     assert "no space left on the device" in out and "rerun the same command to resume" not in out
+
+
+
+# --------------------------------------------------------------------------------------------
+# Inside a job with no step to finish (``--simulate``), a stop waits while processes start
+# --------------------------------------------------------------------------------------------
+
+
+def held_run(signals: list[signal.Signals], nested: bool, reached: list[str]) -> None:
+    with stopped_by_signals(), stops_held():
+        with stops_held() if nested else contextlib.nullcontext():
+            for sig in signals:
+                os.kill(os.getpid(), sig)
+            time.sleep(0.05)  # Python runs a handler between two bytecodes, a moment after the signal
+            reached.append("inner block's end")
+        reached.append("outer block's end")
+    reached.append("after")
+
+
+@pytest.mark.parametrize("signals", [[], [signal.SIGTERM], [signal.SIGINT, signal.SIGTERM]], ids=["none", "one", "two"])
+@pytest.mark.parametrize("nested", [False, True], ids=["flat", "nested"])
+def test_a_stop_while_processes_start_is_raised_where_they_have_started(signals, nested):
+    """Not inside a held block (a half-started process would be left to nobody), not lost, named
+    by the first signal, and the handlers of before restored."""
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    reached: list[str] = []
+    if signals:
+        with pytest.raises(Stopped) as raised:
+            held_run(signals, nested, reached)
+        assert raised.value.signum == signals[0]
+        assert reached == ["inner block's end", "outer block's end"]
+    else:
+        held_run(signals, nested, reached)
+        assert reached == ["inner block's end", "outer block's end", "after"]
+    assert {sig: signal.getsignal(sig) for sig in before} == before

@@ -117,12 +117,19 @@ class Stopped(Exception):
         self.signum = signum
 
 
+_held: list[int] | None = None
+"""While :func:`stops_held` is open, the signals that arrived inside it."""
+
+
 @contextlib.contextmanager
 def stopped_by_signals() -> Iterator[None]:
     """Inside, SIGTERM and SIGINT raise :class:`Stopped` in the main thread, so that the ``with``
     blocks around it end their processes and pools on the way out."""
 
     def stop(signum: int, frame: object) -> None:
+        if _held is not None:
+            _held.append(signum)
+            return
         raise Stopped(signum)
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -131,3 +138,24 @@ def stopped_by_signals() -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def stops_held() -> Iterator[None]:
+    """Inside :func:`stopped_by_signals`, a stop waits until this block ends and is raised there
+    (at the outermost such block's end when they nest).
+
+    For starting processes: a :class:`Stopped` raised while a process is half started (forked,
+    its pid not yet known to its parent) leaves a child that nobody ends, which then fails to
+    unpickle the locks its parent took down on the way out and prints a traceback after the
+    job's last line."""
+    global _held
+    outer, _held = _held, []
+    try:
+        yield
+    finally:
+        arrived, _held = _held, outer
+        if arrived and outer is not None:
+            outer.extend(arrived)
+        elif arrived:
+            raise Stopped(arrived[0])

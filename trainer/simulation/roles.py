@@ -13,6 +13,7 @@ before its first forward (``fake_job.PipelineMetadata``), so they start once it 
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import sys
@@ -24,6 +25,7 @@ from multiprocessing.pool import AsyncResult
 from multiprocessing.queues import SimpleQueue
 
 from trainer.planning.job_plan import JobPlan
+from trainer.runtime.stop_requests import stops_held
 from trainer.simulation.fake_job import PipelineMetadata, RoleRun, run_rank
 
 MAX_PROCESSES = 4
@@ -53,8 +55,9 @@ def run_roles(plan: JobPlan, gpus_per_node: int, real_microbatches: int, shorten
     processes = max(1, min(pp, MAX_PROCESSES, cores))
     start = time.monotonic()
     published = context.SimpleQueue()
-    pool = context.Pool(processes, _worker_start, (published,), maxtasksperchild=1)
-    with pool:
+    with contextlib.ExitStack() as ending:
+        with stops_held():
+            pool = ending.enter_context(context.Pool(processes, _worker_start, (published,), maxtasksperchild=1))
         first = pool.apply_async(_run_child, (plan, 0, gpus_per_node, real_microbatches, shorten, None, True))
         results: list[AsyncResult] = [first]
         if pp > 1:
