@@ -181,7 +181,6 @@ def test_a_stop_whose_checkpoint_cannot_be_written_is_a_failure_not_a_stop(tmp_p
     assert "no space left on the device" in out and "rerun the same command to resume" not in out
 
 
-
 # --------------------------------------------------------------------------------------------
 # Inside a job with no step to finish (``--simulate``), a stop waits while processes start
 # --------------------------------------------------------------------------------------------
