@@ -57,6 +57,7 @@ def test_rehearsal_runs_every_kind_of_row_on_the_cpu(tmp_path: Path):
     assert set(measured) == {
         "environment",
         *(f"probe matmul {c}" for c in ("large", "medium", "small")),
+        "probe float8 matmul",
         "probe attention",
         "probe grouped matmul",
         "probe copy",
@@ -75,6 +76,7 @@ def test_rehearsal_runs_every_kind_of_row_on_the_cpu(tmp_path: Path):
     assert measured["debug model GPU vs CPU"]["result"] == "ok"
     calibration = json.loads((tmp_path / "calibration" / "h100.json").read_text())
     assert all(calibration["gemm_flops"][c] > 0 for c in ("large", "medium", "small"))
+    assert calibration["float8_gemm_flops"] > 0
     assert calibration["attention_flops"] > 0 and calibration["hbm_bytes_per_s"] > 0
     simulated = measured["simulator 30B-A3B x 2 layers"]
     assert "this check's probes" in simulated["setting"]

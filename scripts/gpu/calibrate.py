@@ -1,7 +1,7 @@
 """The kernel probes that calibrate the simulator on this GPU (``trainer/simulation/calibration.py``).
 
 Each probe times one kernel the cost model charges, at the shapes the check's jobs run:
-dense bf16 matmuls of each shape class, causal attention forward and backward, the experts'
+dense bf16 matmuls of each shape class, the large one in float8, causal attention forward and backward, the experts'
 grouped matmul, and a device-to-device copy for the memory-bound ops. Nothing here runs a
 training job: the whole-job rows of the check stay the test of what these figures predict.
 The result is one JSON file per GPU, which the check's simulations read at once and which a
@@ -63,6 +63,22 @@ def gemm(cpu: bool) -> dict[str, dict[str, float]]:
         ms = timed_ms(lambda a=a, b=b: a @ b, cpu)
         results[cls] = {"m": m, "n": n, "k": k, "ms": ms, "flops": 2 * m * n * k / ms * 1e3}
     return results
+
+
+def float8_gemm(cpu: bool) -> dict[str, float]:
+    """FLOP/s of the large class's matmul in float8 (``torch._scaled_mm``, e4m3 operands with one
+    scale each, bf16 out: the tensorwise recipe's forward kernel)."""
+    import torch
+
+    from trainer.simulation.calibration import GEMM_PROBES
+
+    m, n, k = (d // (64 if cpu else 1) for d in GEMM_PROBES["large"])  # the CPU emulates float8: slowly
+    device = "cpu" if cpu else "cuda"
+    a = torch.randn(m, k, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(n, k, device=device).to(torch.float8_e4m3fn).t()  # column-major, as the kernel takes it
+    one = torch.ones((), device=device)
+    ms = timed_ms(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16), cpu)
+    return {"m": m, "n": n, "k": k, "ms": ms, "flops": 2 * m * n * k / ms * 1e3}
 
 
 def attention(cpu: bool) -> dict[str, float]:
@@ -129,6 +145,7 @@ def calibrate(cpu: bool, gpu: str, target: str) -> dict[str, Any]:
 
     probes: dict[str, Any] = {
         "gemm": gemm(cpu),
+        "float8_gemm": float8_gemm(cpu),
         "attention": attention(cpu),
         "grouped_gemm": grouped_gemm(cpu),
         "copy": copy(cpu),
@@ -144,6 +161,7 @@ def calibrate(cpu: bool, gpu: str, target: str) -> dict[str, Any]:
         "attention_flops": probes["attention"]["flops"],
         "grouped_gemm_flops": probes["grouped_gemm"]["flops"],
         "hbm_bytes_per_s": probes["copy"]["bytes_per_s"],
+        "float8_gemm_flops": probes["float8_gemm"]["flops"],
         "probes": probes,
     }
 

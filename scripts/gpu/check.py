@@ -68,6 +68,7 @@ RESUME_TOLERANCE = 1e-3
 BF16_ROW = "debug model bf16 vs fp32"
 DEVICE_ROW = "debug model GPU vs CPU"
 PEAK_TFLOPS = {name: gpu.bf16_flops / 1e12 for name, gpu in GPUS.items()}
+FP8_PEAK_TFLOPS = {name: gpu.fp8_flops / 1e12 for name, gpu in GPUS.items() if gpu.fp8_flops}
 SIMULATOR_TARGETS = {"H100": "h100", "H200": "h200", "A100": "a100", "B200": "b200"}
 """GPU name fragment -> ``--target-gpu`` name; a CPU-only machine plans for an H100."""
 
@@ -142,6 +143,18 @@ class Check:
                     f"probe matmul {cls}", shape, f"{rate / 1e12:.0f} TFLOP/s", f"{rate / peak:.2f} of peak", "-", probe
                 )
             )
+        probe = figures["probes"]["float8_gemm"]
+        fp8_peak = 1e12 * FP8_PEAK_TFLOPS.get(self.target, float("nan"))
+        self.results.add(
+            Row(
+                "probe float8 matmul",
+                f"{probe['m']} x {probe['n']} x {probe['k']}, e4m3, one scale per operand",
+                f"{probe['flops'] / 1e12:.0f} TFLOP/s",
+                f"{probe['flops'] / fp8_peak:.2f} of the float8 peak",
+                "-",
+                probe,
+            )
+        )
         for name, key in (("attention", "attention"), ("grouped matmul", "grouped_gemm")):
             probe = figures["probes"][key]
             rate = probe["flops"]

@@ -58,6 +58,19 @@ class Calibration:
     """A device-to-device copy, bytes read and written per second: what memory-bound ops reach."""
     probes: dict[str, Any] = field(default_factory=dict)
     """The raw measurements behind the rates (shapes, times), for whoever reads the file."""
+    float8_gemm_flops: float | None = None
+    """The large class's matmul in float8 (``torch._scaled_mm``, one scale per operand), FLOP/s."""
+
+    def float8_flops(self, bf16_peak: float, fp8_peak: float) -> tuple[float | None, str]:
+        """Float8 matmul FLOP/s and where it comes from: its probe, or, not measured, the float8
+        peak at the fraction of its peak the large bf16 matmul reached here (the same tensor cores
+        and tiles; an assumption until the probe runs). ``None`` where neither is measured."""
+        if self.float8_gemm_flops:
+            return self.float8_gemm_flops, "measured"
+        bf16 = self.gemm_flops.get("large")
+        if bf16 and fp8_peak:
+            return fp8_peak * bf16 / bf16_peak, "not measured: the float8 peak x the large bf16 matmul's fraction"
+        return None, "not measured: peak x efficiency"
 
     def flops(self, kind: str) -> tuple[float | None, str]:
         """FLOP/s for ``kind`` (:data:`KINDS`) and where it comes from: its own probe, or for a

@@ -29,7 +29,9 @@ from trainer.simulation.targets import Target
 ASSUMPTIONS = (
     "compute: traced matmul and attention FLOPs at the rates the target's calibration measured on that GPU "
     "(trainer/simulation/calibrations/: dense matmuls by shape class, attention, the grouped matmul), a kind "
-    "it has not measured at the dense bf16 peak x `efficiency`, float8 matmuls at the float8 peak x `efficiency`; causal attention counts half its score and "
+    "it has not measured at the dense bf16 peak x `efficiency`; float8 matmuls at their measured rate, else at the "
+    "float8 peak x the fraction of its peak the large bf16 matmul measured (x `efficiency` without a calibration); "
+    "causal attention counts half its score and "
     "value matmuls (flash kernels skip the masked blocks)",
     "memory-bound ops: bytes every other op reads and writes at the calibration's measured copy bandwidth "
     "(else the HBM bandwidth x `hbm_efficiency`), not overlapped with the matmuls; per-kernel launch costs "
@@ -386,10 +388,9 @@ def _collective_s(c: Collective, target: Target) -> float:
 
 def compute_s(cost: TracedCost, target: Target) -> dict[str, float]:
     """Seconds of the traced FLOPs by kernel kind: at the rate the target's calibration measured
-    for the kind, else at its peak x ``efficiency``; float8 matmuls at the float8 peak x
-    ``efficiency`` (no probe measures them yet)."""
+    for the kind, else at its peak x ``efficiency``; float8 matmuls at ``Target.float8_flops``."""
     default = target.bf16_flops * target.efficiency
-    float8 = {"float8": cost.fp8_flops / ((target.fp8_flops or target.bf16_flops) * target.efficiency)}
+    float8 = {"float8": cost.fp8_flops / target.float8_flops()}
     float8 = float8 if cost.fp8_flops else {}
     if target.calibration is None:
         return {"all": (cost.flops - cost.fp8_flops) / default, **float8}

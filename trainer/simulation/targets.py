@@ -56,6 +56,16 @@ class Target:
         figures = {f.name: getattr(self, f.name) for f in fields(self)}
         return {**figures, "calibration": self.calibration.to_json() if self.calibration else None}
 
+    def float8_flops(self) -> float:
+        """The rate float8 matmuls run at: the calibration's (``Calibration.float8_flops``), else
+        the float8 peak x ``efficiency`` (the bf16 peak's where the GPU has no float8 cores)."""
+        peak = self.fp8_flops or self.bf16_flops
+        if self.calibration is not None and self.fp8_flops:
+            rate, _ = self.calibration.float8_flops(self.bf16_flops, self.fp8_flops)
+            if rate:
+                return rate
+        return peak * self.efficiency
+
     def calibration_line(self) -> str:
         """Which figures time the step: the calibration's, each with its source, or the constants."""
         constants = f"efficiency {self.efficiency} of the {self.bf16_flops / 1e12:.0f} TFLOP/s peak"
@@ -69,6 +79,9 @@ class Target:
             rate, source = c.flops(kind)
             shown = f"{rate / 1e12:.0f} TFLOP/s" if rate else f"{self.bf16_flops * self.efficiency / 1e12:.0f} TFLOP/s"
             rates.append(f"{kind} {shown} ({source})")
+        if self.fp8_flops:
+            _, source = c.float8_flops(self.bf16_flops, self.fp8_flops)
+            rates.append(f"float8 matmuls {self.float8_flops() / 1e12:.0f} TFLOP/s ({source})")
         bandwidth = f"{c.hbm_bytes_per_s / 1e12:.3g} TB/s (measured)" if c.hbm_bytes_per_s else "HBM x efficiency"
         return (
             f"calibration: {self.calibration_file} ({c.gpu}, torch {c.torch}; {c.measured}): "
