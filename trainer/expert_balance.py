@@ -218,9 +218,11 @@ class ExpertBalance:
 
     def finish_step(self, skipped: bool) -> BalanceStats:
         """Sum the step's counts and balancing loss over the routing mesh and the pipeline stages
-        (then the participating replica groups); move the biases unless the optimizer step is skipped, or the move would leave a bias
-        non-finite: then ``bias_skipped`` is set and the caller skips the optimizer step too, as
-        for a non-finite gradient (a NaN bias would route every later token by garbage)."""
+        (then the participating replica groups); move the biases unless the optimizer step is
+        skipped, or the move would leave a bias non-finite: then ``bias_skipped`` is set and the
+        caller skips the optimizer step too, as for a non-finite gradient (a NaN bias would route
+        every later token by garbage). Every group decides alike: it moves from the same biases
+        by the same sums."""
         if self.balancing.weight > 0 and self.balancing.scope == "global_batch":
             for layer in self.layers:
                 layer.balance_sum.copy_(
