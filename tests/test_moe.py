@@ -1,5 +1,6 @@
 """The Mixture-of-Experts model: published shapes, the grouped matmul against its exact fallback,
-the routing bias, counting once under recompute, and the configurations refused before any
+the routing bias, counting once under recompute, a replica group's balancing against one
+process over the participating groups' batches, and the configurations refused before any
 process group. The meshes against the 1-process reference are in ``test_expert_parallel.py``."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from parallelisms.token_permutation import expand_tokens, inverse_permutation, permute_rows
 from parallelisms.torch_private import kernels
@@ -95,8 +97,6 @@ def test_bias_moves_the_choice_not_the_weights():
 def test_recompute_counts_each_token_once(monkeypatch):
     """Under activation checkpointing the router runs again in backward; the step's tokens per
     expert must equal those of a run without recompute. The injected bug counts twice."""
-    from torch.utils.checkpoint import checkpoint
-
     tokens = torch.randint(0, 256, (2, 32))
 
     def counts(recompute: bool) -> torch.Tensor:
@@ -201,3 +201,68 @@ def test_a_routing_bias_move_that_is_not_finite_is_refused(rate, start, moves):
         assert torch.equal(after, before) and torch.equal(stats.expert_bias, before)
     elif rate > 0:
         assert torch.isfinite(after).all() and not torch.equal(after, before)
+
+
+class _TwinGroup:
+    """A second fault-tolerant replica group in the step that trained the same micro-batches as
+    this one: every sum over the groups doubles."""
+
+    def participants(self) -> int:
+        return 2
+
+    def sum_(self, tensors: list[torch.Tensor]) -> None:
+        for t in tensors:
+            t.mul_(2)
+
+
+@pytest.mark.parametrize(
+    ("scope", "layers", "held"),
+    [
+        ("global_batch", "per_layer", False),
+        ("global_batch", "per_layer", True),
+        ("global_batch", "pooled", False),
+        ("sequence", "per_layer", False),
+        ("micro_batch", "per_layer", False),
+    ],
+)
+def test_a_replica_groups_balancing_is_one_process_over_the_participants_batches(scope, layers, held):
+    """One group of two, whose twin fed the same micro-batches, against one process fed them
+    twice: the same balancing loss, expert loads and bias move, and half its gradient (the
+    accumulator sums the groups' gradients). Counts left unsummed over the groups, or global
+    sizes left the group's, are off by 2x to 4x. ``held``: under full checkpointing the step's
+    own forwards count the routing (no pre-pass)."""
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 256, (4, 32))
+    microbatches = list(tokens.chunk(2))
+    initial = debug_moe()
+
+    def step(feed: list[torch.Tensor], groups: _TwinGroup | None) -> tuple:
+        model = Transformer(initial.args)
+        model.load_state_dict(initial.state_dict())
+        if held:
+            for block in model.layers.values():
+                block.checkpoint_fn = lambda fn, *a: checkpoint(fn, *a, use_reentrant=False)
+        balance = ExpertBalance(
+            model, None, bias_update_rate=0.01, loss_weight=1.0, loss_scope=scope, loss_layers=layers,
+            global_batch=sum(len(mb) for mb in feed), seq_len=32, global_microbatches=len(feed), hold_forwards=held,
+        )  # fmt: skip
+        balance.groups = groups
+        balance.begin_step(lambda: [model(mb) for mb in feed], lambda: 1)
+        outputs = [model(mb) for mb in feed] if held else []
+        if held:
+            balance.count_forwards()
+        for i, mb in enumerate(feed):
+            (outputs[i] if held else model(mb)).sum().mul(0).backward()  # only the balancing loss has a gradient
+        stats = balance.finish_step(skipped=False)
+        grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+        return stats, grads
+
+    group, group_grads = step(microbatches, _TwinGroup())
+    one, one_grads = step(microbatches * 2, None)
+    assert group.balance_loss == pytest.approx(one.balance_loss, rel=1e-6)
+    assert group.max_load == pytest.approx(one.max_load, rel=1e-6)
+    torch.testing.assert_close(group.tokens_per_expert, one.tokens_per_expert)
+    torch.testing.assert_close(group.expert_bias, one.expert_bias)
+    assert group_grads.keys() == one_grads.keys() and any("router" in name for name in one_grads)
+    for name, grad in group_grads.items():
+        torch.testing.assert_close(2 * grad, one_grads[name], rtol=1e-5, atol=1e-9)

@@ -1,7 +1,9 @@
 """Fault-tolerant replica groups (``trainer/replica_groups.py``): a group killed or stalled
 mid-run is left out while the other trains on, heals from it when restarted or awake, and every
 step's loss equals one process fed exactly the batches of the groups that trained that step;
-checkpoints resume every group together; each failure around the groups is one line.
+checkpoints resume every group together; each failure around the groups is one line. A
+Mixture-of-Experts run's balancing loss and expert loads are held to the same reference, and
+its groups' routing biases end equal.
 
 The groups are one process each (2 x 1): two groups of two processes each run the same code
 paths (FSDP over two ranks inside a group) but take twice the cores this test may use. The data is ``shakespeare_dialogue``, whose
@@ -24,6 +26,7 @@ import torch
 from harness import QUICK, ROOT, Launched, free_port, run_ranks, tensorboard_scalars, trainer_for
 
 from trainer.config import FaultTolerance, load_config
+from trainer.metrics.dashboard import Tag, moe_load_tag
 from trainer.planning.job_plan import describe, resolve_job
 from trainer.replica_groups import ReplicaGroups, check_lighthouse, job_identity
 from trainer.runtime.errors import ConfigError, JobError
@@ -67,11 +70,11 @@ def lighthouse():
     server.shutdown()
 
 
-def group_args(group: int, lighthouse: str, dump: Path) -> list[str]:
+def group_args(group: int, lighthouse: str, dump: Path, base: list[str] = GROUP_ARGS, steps: int = STEPS) -> list[str]:
     return [
-        *GROUP_ARGS,
+        *base,
         "--training.steps",
-        str(STEPS),
+        str(steps),
         "--fault_tolerance.enable",
         "--fault_tolerance.group_count",
         str(GROUPS),
@@ -96,21 +99,31 @@ def tokens_logged(output: str) -> dict[int, list[int]]:
     return {int(m[1]): [int(t) for t in m[2].split(",")] for m in TOKENS_LINE.finditer(output)}
 
 
-def surviving_batches_reference(participants: list[list[int]]) -> list[float]:
+def surviving_batches_reference(participants: list[list[int]], argv: list[str] = GROUP_ARGS) -> dict[str, list]:
     """One process and one optimizer, whose step s is fed the micro-batches of the groups that
     trained step s (``participants[s - 1]``), with the groups' schedule of ``len(participants)``
-    steps. Its batch is every group's (``GROUPS`` x 4 sequences in 2 x ``GROUPS`` micro-batches
-    of 2): group g's micro-batch m is the reference's ``m * GROUPS + g``."""
-    argv = [*GROUP_ARGS, "--training.global_batch_size", str(4 * GROUPS), "--training.steps", str(len(participants))]
-    _, parts = trainer_for(argv)
-    losses = []
+    steps: each step's loss, and for an MoE its balancing loss and expert loads. Its batch is
+    every group's (``GROUPS`` x 4 sequences in 2 x ``GROUPS`` micro-batches of 2): group g's
+    micro-batch m is the reference's ``m * GROUPS + g``. An MoE's global sizes are those of the
+    step's kept micro-batches."""
+    argv = [*argv, "--training.global_batch_size", str(4 * GROUPS), "--training.steps", str(len(participants))]
+    plan, parts = trainer_for(argv)
+    found: dict[str, list] = {"loss": [], "balance_loss": [], "max_load": []}
     for groups in participants:
         kept = [mb for i, mb in enumerate(fetch_step(parts)) if i % GROUPS in groups]
         parts.accumulator.num_microbatches = len(kept)
+        if parts.balance is not None:
+            sequences = sum(mb.inputs.shape[0] for mb in kept)
+            parts.balance.group_sizes = (sequences * plan.config.training.seq_len, sequences, len(kept))
         result = forward_backward(parts, kept)
+        if parts.balance is not None:
+            balance = parts.balance.finish_step(result.skipped)
+            assert not parts.balance.bias_skipped
+            found["balance_loss"].append(balance.balance_loss)
+            found["max_load"].append(balance.max_load)
         optimizer_step(parts, result)
-        losses.append(result.loss_avg)
-    return losses
+        found["loss"].append(result.loss_avg)
+    return found
 
 
 @pytest.mark.launcher
@@ -165,7 +178,7 @@ def test_a_killed_or_stalled_group_is_left_out_heals_and_every_loss_is_over_the_
     assert scalars["fault_tolerance/tokens"] == {s: sum(tokens[s]) for s in range(1, STEPS + 1)}
     [expected] = run_ranks(surviving_batches_reference, 1, participants)
     losses = [alive[s][1] for s in range(1, STEPS + 1)]
-    assert losses == pytest.approx(expected, rel=TRAJECTORY_TOLERANCE)
+    assert losses == pytest.approx(expected["loss"], rel=TRAJECTORY_TOLERANCE)
 
     # A full restart of every group resumes each from its own checkpoint, together.
     jobs = [
@@ -179,6 +192,75 @@ def test_a_killed_or_stalled_group_is_left_out_heals_and_every_loss_is_over_the_
         assert {s: groups for s, (groups, _) in steps_logged(output).items()} == {STEPS + 1: [0, 1], STEPS + 2: [0, 1]}
     digests = [re.findall(rf"replica group {g} weights: (\w+)", output) for g, output in enumerate(outputs)]
     assert digests[0] and digests[0] == digests[1]
+
+
+MOE_STEPS = 16
+MOE_ARGS = [
+    *GROUP_ARGS,
+    *["--model.name", "moe", "--model.flavor", "debugmoe", "--moe.balance_loss_scope", "global_batch"],
+    *["--moe.balance_loss_weight", "0.1", "--moe.bias_update_rate", "0.01"],
+]
+MOE_LAYERS = (1, 2, 3)
+"""The debug MoE's routed blocks (the first is dense)."""
+
+
+@pytest.mark.launcher
+def test_an_moe_step_is_exact_over_the_groups_that_trained_it_and_every_group_moves_its_biases_alike(
+    lighthouse, tmp_path
+):
+    """The debug MoE with a global-batch balancing loss and the aux-loss-free bias: group 1
+    stalls until group 0 has trained a step alone, then heals. Every step's loss, balancing
+    loss and expert loads equal one process fed the step's surviving micro-batches with that
+    batch's global sizes; the groups' weights, routing biases included, end equal."""
+    # A stalled group wakes and heals within two collective timeouts, while the other group
+    # trains on alone at a few steps a second: the run must outlast that.
+    extra = ["--metrics.enable_tensorboard", "--metrics.save_tb_folder", "tb", "--fault_tolerance.timeout_seconds", "2"]
+    jobs = [
+        Launched(
+            1,
+            [*group_args(g, lighthouse, tmp_path / f"group{g}", MOE_ARGS, MOE_STEPS), *extra],
+            tmp_path / f"group{g}.log",
+        )
+        for g in range(GROUPS)
+    ]
+    survivor, stalling = jobs
+    try:
+        stalling.wait_for(f"step: 2/{MOE_STEPS}")
+        [stalled] = stalling.workers()
+        os.kill(stalled, signal.SIGSTOP)
+        deadline = time.monotonic() + 120
+        while "trained by groups [0] of 2" not in survivor.output():
+            assert survivor.proc.poll() is None and time.monotonic() < deadline, survivor.output()[-3000:]
+            time.sleep(0.2)
+        os.kill(stalled, signal.SIGCONT)
+        for job in jobs:
+            assert job.finish(timeout=180) == 0, job.output()[-3000:]
+    finally:
+        for job in jobs:
+            if job.proc.poll() is None:
+                job.proc.kill()
+    alive, rejoined = steps_logged(survivor.output()), steps_logged(stalling.output())
+    assert sorted(alive) == list(range(1, MOE_STEPS + 1))
+    participants = [alive[s][0] for s in range(1, MOE_STEPS + 1)]
+    assert [0] in participants and participants[-1] == [0, 1], participants
+    assert re.search(HEALED, stalling.output()), stalling.output()[-3000:]
+    assert "could not commit" in survivor.output()  # a bias move was made and taken back
+    for step in rejoined:
+        assert rejoined[step] == alive[step]
+    digests = [re.findall(rf"replica group {g} weights: (\w+)", job.output()) for g, job in enumerate(jobs)]
+    assert digests[0] and digests[0] == digests[1]
+    [expected] = run_ranks(surviving_batches_reference, 1, participants, MOE_ARGS)
+    tags = (Tag.MOE_BALANCE_LOSS, *map(moe_load_tag, MOE_LAYERS))
+    for g in range(GROUPS):
+        scalars = tensorboard_scalars(tmp_path / f"group{g}", tags)
+        trained = sorted(scalars[Tag.MOE_BALANCE_LOSS])
+        assert trained == sorted(alive if g == 0 else rejoined)
+        balance = [scalars[Tag.MOE_BALANCE_LOSS][s] for s in trained]
+        loads = [[scalars[moe_load_tag(layer)][s] for layer in MOE_LAYERS] for s in trained]
+        assert balance == pytest.approx([expected["balance_loss"][s - 1] for s in trained], rel=1e-5)
+        assert loads == [pytest.approx(expected["max_load"][s - 1], rel=1e-6) for s in trained]
+    losses = [alive[s][1] for s in range(1, MOE_STEPS + 1)]
+    assert losses == pytest.approx(expected["loss"], rel=TRAJECTORY_TOLERANCE)
 
 
 def worker(args: list[str]) -> subprocess.Popen:
@@ -288,10 +370,9 @@ def test_a_group_left_below_min_replica_size_ends_after_the_allowed_attempts():
         (["--fault_tolerance.replica_id", "2"], "`fault_tolerance.replica_id` = 2 must be below"),
         (["--fault_tolerance.min_replica_size", "3"], "no step could ever commit"),
         (["--parallelism.data_parallel_replicate_degree", "2"], "the replica groups are the replicated dimension"),
-        (["--model.name", "moe", "--model.flavor", "debugmoe"], "does not support Mixture-of-Experts models yet"),
         (["--debug.layout_invariant"], "the sum over replica groups is outside it"),
     ],
-    ids=["replica_id", "min_replica_size", "dp_replicate", "moe", "layout_invariant"],
+    ids=["replica_id", "min_replica_size", "dp_replicate", "layout_invariant"],
 )
 def test_a_layout_the_groups_cannot_run_is_refused_before_any_process_group(extra, expected):
     argv = ["--fault_tolerance.enable", "--fault_tolerance.group_count", "2", *extra]

@@ -333,6 +333,7 @@ def build_replicas(plan: JobPlan, parts: StepParts, dataset: TokenDataset, state
         data=getattr(dataset, "identity", None),
         seed=config.debug.seed,
         optimizer=config.optimizer,
+        balancing=config.moe if isinstance(plan.model_args, MoEArgs) else None,
         lr_scheduler=config.lr_scheduler,
         steps=config.training.steps,
         torch=torch.__version__,
@@ -341,6 +342,8 @@ def build_replicas(plan: JobPlan, parts: StepParts, dataset: TokenDataset, state
     replicas = ReplicaGroups(config.fault_tolerance, healed, identity, parts.device)
     replicas.resume_at(state.step)
     parts.accumulator.replicas = replicas
+    if parts.balance is not None:
+        parts.balance.groups = replicas
     return replicas
 
 

@@ -44,6 +44,15 @@ statistics, and the pooled loss's counts, are whole-model tables ``(MoE layers, 
 rank filling the rows of its layers and leaving zeros elsewhere, so one sum over the pipeline
 ranks and the routing mesh gives every rank the whole model's.
 
+**Fault-tolerant replica groups** (``trainer/replica_groups.py``): a step is one process's step
+over the micro-batches of the groups that took part in it. Each sum above, once done over the
+routing mesh, is done again over the participating groups (:class:`AcrossGroups`), and the
+step's global sizes (``Balancing.global_tokens`` and the others) are the group's times the
+participants, set after the step's quorum and before its first forward. Every group then
+decides and makes the same bias move, or refuses the same non-finite one, from the same sums;
+a group that was left out receives its peers' biases when it heals (they are model buffers).
+A move made in a step that does not commit is taken back (:meth:`ExpertBalance.undo_bias_move`).
+
 The step's statistics (:class:`BalanceStats`): the balancing loss (mean over MoE layers, or the
 pooled loss, summed over the routing mesh) and each layer's max / mean expert load.
 """
@@ -52,6 +61,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -72,6 +82,18 @@ class BalanceStats:
     """``(layers, experts)`` global counts of the step."""
     expert_bias: torch.Tensor
     """``(layers, experts)`` routing biases after the update."""
+
+
+class AcrossGroups(Protocol):
+    """The fault-tolerant replica groups of the step, as the balancing sees them."""
+
+    def participants(self) -> int:
+        """How many groups take part in the step (known once its quorum is agreed)."""
+        ...
+
+    def sum_(self, tensors: list[torch.Tensor]) -> None:
+        """Sum each tensor in place over the groups that take part in the step."""
+        ...
 
 
 class ExpertBalance:
@@ -118,6 +140,12 @@ class ExpertBalance:
         """Whether the last ``finish_step`` refused a bias move that was not finite."""
         self.hold_forwards = hold_forwards and loss_weight > 0 and loss_scope == "global_batch"
         self.pooled = loss_layers == "pooled"
+        self.group_sizes = (global_batch * seq_len, global_batch, global_microbatches)
+        """This job's tokens, sequences and micro-batches per step: the step's, times the
+        participating replica groups under fault tolerance."""
+        self.groups: AcrossGroups | None = None
+        """Fault-tolerant replica groups, set with them (``trainer/build.py``), else None."""
+        self._bias_before: list[torch.Tensor] = []
         self.balancing = Balancing(
             weight=loss_weight,
             scope=loss_scope,
@@ -140,6 +168,12 @@ class ExpertBalance:
         the global routing."""
         for layer in self.layers:
             layer.reset_counters()
+        self._bias_before = []
+        participants = self.groups.participants() if self.groups is not None else 1
+        tokens, sequences, microbatches = self.group_sizes
+        self.balancing.global_tokens = participants * tokens
+        self.balancing.global_sequences = participants * sequences
+        self.balancing.global_microbatches = participants * microbatches
         if self.balancing.weight == 0:
             return
         self.balancing.grad_scale.fill_(self.balancing.weight * n_valid_tokens())
@@ -160,7 +194,8 @@ class ExpertBalance:
 
     def _share(self, local: list[torch.Tensor]) -> None:
         """Set every layer's ``global_counts`` to the step's: ``local`` (a row per layer) summed
-        over the routing mesh, and for pooled layers over the layers and pipeline stages too.
+        over the routing mesh (then the participating replica groups), and for pooled layers
+        over the layers and pipeline stages too.
 
         Written through ``.data``: under compile a checkpointed block's graph may keep the
         buffer itself for its recomputation, which must read the new counts, and an in-place
@@ -169,6 +204,7 @@ class ExpertBalance:
             # Every layer's part needs all layers' counts, those of the other stages included.
             counts = self._whole(local)
             self._sum(counts, self.stats_group)
+            self._sum_groups(counts)
             for layer in self.layers:
                 layer.global_counts.data.copy_(counts.sum(0))
             return
@@ -176,14 +212,17 @@ class ExpertBalance:
             return
         counts = torch.stack([row.detach() for row in local])
         self._sum(counts, self.loss_group)
+        self._sum_groups(counts)
         for layer, row in zip(self.layers, counts):
             layer.global_counts.data.copy_(row)
 
     def finish_step(self, skipped: bool) -> BalanceStats:
-        """Sum the step's counts and balancing loss over the routing mesh and the pipeline stages;
-        move the biases unless the optimizer step is skipped, or the move would leave a bias
-        non-finite: then ``bias_skipped`` is set and the caller skips the optimizer step too, as
-        for a non-finite gradient (a NaN bias would route every later token by garbage)."""
+        """Sum the step's counts and balancing loss over the routing mesh and the pipeline stages
+        (then the participating replica groups); move the biases unless the optimizer step is
+        skipped, or the move would leave a bias non-finite: then ``bias_skipped`` is set and the
+        caller skips the optimizer step too, as for a non-finite gradient (a NaN bias would route
+        every later token by garbage). Every group decides alike: it moves from the same biases
+        by the same sums."""
         if self.balancing.weight > 0 and self.balancing.scope == "global_batch":
             for layer in self.layers:
                 layer.balance_sum.copy_(
@@ -193,6 +232,7 @@ class ExpertBalance:
         losses = self._whole([layer.balance_sum.reshape(1) for layer in self.layers], 1)[:, 0]
         summed = torch.cat([counts.flatten(), losses])
         self._sum(summed, self.stats_group)
+        self._sum_groups(summed)
         counts, losses = summed[: counts.numel()].view_as(counts), summed[counts.numel() :]
         moving = not skipped and self.bias_update_rate > 0
         moved = [layer.expert_bias for layer in self.layers]
@@ -203,6 +243,7 @@ class ExpertBalance:
         self._sum(biases, self.pp_group)
         self.bias_skipped = moving and not bool(torch.isfinite(biases[1]).all())
         if moving and not self.bias_skipped:
+            self._bias_before = [layer.expert_bias.clone() for layer in self.layers]
             for layer, bias in zip(self.layers, moved):
                 layer.expert_bias.copy_(bias)
         max_load = (counts.max(1).values / counts.mean(1).clamp(min=1e-9)).tolist()
@@ -216,6 +257,13 @@ class ExpertBalance:
             expert_bias=biases[int(not self.bias_skipped)],
         )
 
+    def undo_bias_move(self) -> None:
+        """The step did not commit (its replica groups' quorum broke): its bias move is taken
+        back with the rest of it, so that the step run again moves from the same biases."""
+        for layer, bias in zip(self.layers, self._bias_before):
+            layer.expert_bias.copy_(bias)
+        self._bias_before = []
+
     def _bias_step(self, load: torch.Tensor) -> torch.Tensor:
         """Each expert's bias move: ``bias_update_rate`` towards the mean load, centred."""
         step = self.bias_update_rate * torch.sign(load.mean() - load)
@@ -228,6 +276,10 @@ class ExpertBalance:
         for row, values in zip(self.rows, rows):
             table[row] = values.detach()
         return table
+
+    def _sum_groups(self, t: torch.Tensor) -> None:
+        if self.groups is not None:
+            self.groups.sum_([t])
 
     @staticmethod
     def _sum(t: torch.Tensor, group: dist.ProcessGroup | None) -> None:

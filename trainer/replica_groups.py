@@ -206,7 +206,14 @@ class ReplicaGroups:
                 "group, or resumes from its newest checkpoint."
             ) from None
 
-    # The sums the gradient accumulator asks for (``trainer/grad_accumulator.py``).
+    # The sums the gradient accumulator and the experts' balancing ask for
+    # (``trainer/grad_accumulator.py``, ``trainer/expert_balance.py``).
+
+    def participants(self) -> int:
+        """The groups in this step's quorum, every one of which trains it (the quorum is
+        synchronous, so a healing group takes part once healed); a step whose quorum breaks
+        does not commit, so its count never matters."""
+        return int(self.manager.num_participants())
 
     def sum_count(self, count: torch.Tensor) -> torch.Tensor:
         """This group's valid tokens (``(1,)`` int64) -> the step's over the participating groups;

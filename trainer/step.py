@@ -151,6 +151,8 @@ def train_step(
         assert position is not None  # saved above whenever there are replica groups
         parts.optimizer.zero_grad(set_to_none=True)
         parts.loader.load_state_dict(position)
+        if parts.balance is not None:
+            parts.balance.undo_bias_move()
         lr = float(parts.scheduler.get_last_lr()[0])
     else:
         lr = optimizer_step(parts, result)

@@ -150,11 +150,6 @@ def _fault_tolerance(config: JobConfig) -> None:
             f"`fault_tolerance.min_replica_size` = {ft.min_replica_size} exceeds `fault_tolerance.group_count` = "
             f"{ft.group_count}: no step could ever commit."
         )
-    if config.model.name == "moe":
-        raise ConfigError(
-            "`fault_tolerance.enable` does not support Mixture-of-Experts models yet (their balancing statistics "
-            "and routing biases are not summed over the replica groups): train a dense model or turn it off."
-        )
     if config.debug.layout_invariant:
         raise ConfigError(
             "`debug.layout_invariant` fixes the order of every sum inside one job; the sum over replica groups "
