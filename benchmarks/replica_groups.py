@@ -20,7 +20,13 @@ Prints one JSON line:
 Without fault tolerance the same kill costs a restart of the whole job (about ``heal_s`` less
 the transfer) and every step since the newest checkpoint (``checkpoint.interval`` / 2 on average).
 
+``--quorum-cost`` measures what fault tolerance costs every step when nothing fails: the same
+job as one group without fault tolerance and as the only group of a fault-tolerant job (a quorum
+at every step's start, the sums through torchft), run one after the other ``--rounds`` times;
+one JSON line per round with each median step time and their ratio.
+
     python benchmarks/replica_groups.py [--groups 2] [--ngpu 1] [--steps 60] [--kill-at 8]
+    python benchmarks/replica_groups.py --quorum-cost [--rounds 3] [--ngpu 1] [--steps 60]
 """
 
 from __future__ import annotations
@@ -40,12 +46,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 STEP = re.compile(r"replica groups: step (\d+) trained by groups \[([\d, ]*)\]")
+TRAINED = re.compile(r"step: +(\d+)/")
 
 
 class Group:
     """One replica group's ``./run_train.sh``, every output line stamped as it arrives."""
 
-    def __init__(self, group: int, args: argparse.Namespace, lighthouse: str, dump: Path):
+    def __init__(self, group: int, args: argparse.Namespace, lighthouse: str, dump: Path, fault_tolerant: bool = True):
         env = {**os.environ, "NGPU": str(args.ngpu), "OMP_NUM_THREADS": "1", "MAX_RESTARTS": "1"}
         env.setdefault("RUST_LOG", "warn")
         command = [
@@ -58,13 +65,16 @@ class Group:
             "--training.local_batch_size=2",
             f"--training.global_batch_size={2 * args.ngpu * 2}",
             f"--training.steps={args.steps}",
-            "--fault_tolerance.enable",
-            f"--fault_tolerance.group_count={args.groups}",
-            f"--fault_tolerance.replica_id={group}",
-            f"--fault_tolerance.lighthouse={lighthouse}",
-            "--fault_tolerance.timeout_seconds=10",
             f"--job.dump_folder={dump}",
         ]
+        if fault_tolerant:
+            command += [
+                "--fault_tolerance.enable",
+                f"--fault_tolerance.group_count={args.groups}",
+                f"--fault_tolerance.replica_id={group}",
+                f"--fault_tolerance.lighthouse={lighthouse}",
+                "--fault_tolerance.timeout_seconds=10",
+            ]
         self.lines: list[tuple[float, str]] = []
         self.proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -103,6 +113,35 @@ class Group:
                 found.append((stamp, int(match[1]), [int(g) for g in match[2].split(",")]))
         return found
 
+    def step_s(self) -> float:
+        """The median time between two training steps' log lines."""
+        stamps = [stamp for stamp, line in self.lines if TRAINED.search(line)]
+        return statistics.median(b - a for a, b in itertools.pairwise(stamps))
+
+
+def quorum_cost(args: argparse.Namespace, lighthouse: str) -> None:
+    args.groups = 1
+    for round_ in range(args.rounds):
+        with tempfile.TemporaryDirectory() as folder:
+            times = {}
+            for fault_tolerant in (False, True):
+                group = Group(0, args, lighthouse, Path(folder) / str(fault_tolerant), fault_tolerant)
+                if group.proc.wait(timeout=600) != 0:
+                    raise RuntimeError("".join(line for _, line in group.lines[-40:]))
+                times[fault_tolerant] = group.step_s()
+        print(
+            json.dumps(
+                {
+                    "round": round_,
+                    "processes": args.ngpu,
+                    "step_s_without": round(times[False], 4),
+                    "step_s_fault_tolerant": round(times[True], 4),
+                    "ratio": round(times[True] / times[False], 3),
+                }
+            ),
+            flush=True,
+        )
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -110,6 +149,8 @@ def main() -> None:
     parser.add_argument("--ngpu", type=int, default=1, help="processes per group")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--kill-at", type=int, default=8)
+    parser.add_argument("--quorum-cost", action="store_true", help="what fault tolerance costs a step without failures")
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     os.environ.setdefault("RUST_LOG", "warn")
     from torchft._torchft import LighthouseServer
@@ -117,6 +158,12 @@ def main() -> None:
     lighthouse = LighthouseServer(
         bind="[::]:0", min_replicas=1, join_timeout_ms=30_000, quorum_tick_ms=20, heartbeat_timeout_ms=1_000
     )
+    if args.quorum_cost:
+        try:
+            quorum_cost(args, lighthouse.address())
+        finally:
+            lighthouse.shutdown()
+        return
     with tempfile.TemporaryDirectory() as folder:
         groups = [Group(g, args, lighthouse.address(), Path(folder) / f"group{g}") for g in range(args.groups)]
         try:

@@ -13,6 +13,7 @@ loss averaged over the groups instead of their tokens differs from the reference
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -38,10 +39,15 @@ pytest.importorskip("torchft")
 GROUPS = 2
 STEPS = 44
 STALL_S = 6
-TRAJECTORY_TOLERANCE = 1e-4
+TRAJECTORY_TOLERANCE = 1e-3
 """The groups add their gradient sums in another order than one process accumulating every
-micro-batch, and AdamW's early steps amplify that round-off over a 44-step trajectory (up to
-1.5e-5 seen); averaging over the groups instead of their tokens is off by 1e-2."""
+micro-batch, and AdamW amplifies that round-off along a 44-step trajectory that depends on the
+failure history: 1.5e-5 in one run, 1.0e-4 at step 44 in another (2026-11-27's full suite). The
+bugs it is for are far off: averaging over the groups instead of their tokens is off by 1e-2 to
+0.28."""
+MOE_TOLERANCE = 1e-4
+"""The MoE run's 16 steps stay within 1.2e-7 of its reference; its balancing bugs move the loss by
+8e-4 to 4.5e-3 (and the balancing loss, checked at 1e-5, by 2x to 4x)."""
 HEALED = r"replica group 1 healed from a live group at step (\d+)"
 GROUP_ARGS = [
     *QUICK,
@@ -126,6 +132,32 @@ def surviving_batches_reference(participants: list[list[int]], argv: list[str] =
     return found
 
 
+def paced_until(survivor: Launched, joining: Launched, line: str, then_s: float = 2.0) -> None:
+    """Slow the survivor (stopped 0.3 s of every 0.5 s: within the lighthouse's 1 s heartbeat
+    timeout and the groups' collective timeout) until ``joining`` logs ``line`` once more, and
+    ``then_s`` after. torchft's lighthouse forms a "fast" quorum of the last quorum's groups without
+    waiting for one that heartbeats again, so a woken or restarted group joins only once it asks
+    (after its broken collective times out, or its start and build); on a loaded machine the
+    survivor could finish every step before then and leave it alone (docs/faults.md)."""
+    pids, seen = survivor.workers(), joining.output().count(line)
+    deadline, until = time.monotonic() + 180, float("inf")
+    try:
+        while time.monotonic() < until:
+            assert survivor.proc.poll() is None and time.monotonic() < deadline, joining.output()[-3000:]
+            if until == float("inf") and joining.output().count(line) > seen:
+                until = time.monotonic() + then_s
+            for pid in pids:
+                os.kill(pid, signal.SIGSTOP)
+            time.sleep(0.3)
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
+            time.sleep(0.2)
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+
 @pytest.mark.launcher
 def test_a_killed_or_stalled_group_is_left_out_heals_and_every_loss_is_over_the_surviving_batches_then_resumes(
     lighthouse, tmp_path
@@ -144,6 +176,7 @@ def test_a_killed_or_stalled_group_is_left_out_heals_and_every_loss_is_over_the_
         failing.wait_for(f"step: 4/{STEPS}")
         for pid in failing.workers():
             os.kill(pid, signal.SIGKILL)
+        paced_until(survivor, failing, "model built and initialised")
         failing.wait_for("replica group 1 healed from a live group at step")
         first_heal = int(re.findall(HEALED, failing.output())[0])
         failing.wait_for(f"step: {first_heal + 2}/{STEPS}")
@@ -152,6 +185,7 @@ def test_a_killed_or_stalled_group_is_left_out_heals_and_every_loss_is_over_the_
         os.kill(stalled, signal.SIGSTOP)
         time.sleep(STALL_S)
         os.kill(stalled, signal.SIGCONT)
+        paced_until(survivor, failing, "could not commit")
         assert survivor.finish(timeout=240) == 0, survivor.output()[-3000:]
         assert failing.finish(timeout=60) == 0, failing.output()[-3000:]
     finally:
@@ -173,6 +207,9 @@ def test_a_killed_or_stalled_group_is_left_out_heals_and_every_loss_is_over_the_
         re.findall(rf"replica group {g} weights: (\w+)", job.output()) for g, job in enumerate((survivor, failing))
     ]
     assert digests[0] and digests[0][-1:] == digests[1][-1:]
+    # The end's line counts what each group trained itself, not the steps it took over by healing.
+    taken_over = re.findall(r"done: steps 1-\d+ of \d+ \(0 skipped in all, (\d+) taken over", failing.output())
+    assert taken_over and int(taken_over[-1]) >= healed[0] and "taken over" not in survivor.output()
     scalars = tensorboard_scalars(tmp_path / "group0", ("fault_tolerance/groups", "fault_tolerance/tokens"))
     assert scalars["fault_tolerance/groups"] == {s: len(groups) for s, groups in enumerate(participants, 1)}
     assert scalars["fault_tolerance/tokens"] == {s: sum(tokens[s]) for s in range(1, STEPS + 1)}
@@ -212,8 +249,6 @@ def test_an_moe_step_is_exact_over_the_groups_that_trained_it_and_every_group_mo
     stalls until group 0 has trained a step alone, then heals. Every step's loss, balancing
     loss and expert loads equal one process fed the step's surviving micro-batches with that
     batch's global sizes; the groups' weights, routing biases included, end equal."""
-    # A stalled group wakes and heals within two collective timeouts, while the other group
-    # trains on alone at a few steps a second: the run must outlast that.
     extra = ["--metrics.enable_tensorboard", "--metrics.save_tb_folder", "tb", "--fault_tolerance.timeout_seconds", "2"]
     jobs = [
         Launched(
@@ -233,6 +268,7 @@ def test_an_moe_step_is_exact_over_the_groups_that_trained_it_and_every_group_mo
             assert survivor.proc.poll() is None and time.monotonic() < deadline, survivor.output()[-3000:]
             time.sleep(0.2)
         os.kill(stalled, signal.SIGCONT)
+        paced_until(survivor, stalling, "could not commit")
         for job in jobs:
             assert job.finish(timeout=180) == 0, job.output()[-3000:]
     finally:
@@ -260,7 +296,7 @@ def test_an_moe_step_is_exact_over_the_groups_that_trained_it_and_every_group_mo
         assert balance == pytest.approx([expected["balance_loss"][s - 1] for s in trained], rel=1e-5)
         assert loads == [pytest.approx(expected["max_load"][s - 1], rel=1e-6) for s in trained]
     losses = [alive[s][1] for s in range(1, MOE_STEPS + 1)]
-    assert losses == pytest.approx(expected["loss"], rel=TRAJECTORY_TOLERANCE)
+    assert losses == pytest.approx(expected["loss"], rel=MOE_TOLERANCE)
 
 
 def worker(args: list[str]) -> subprocess.Popen:

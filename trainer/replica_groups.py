@@ -152,6 +152,8 @@ class ReplicaGroups:
                 f"({str(e).splitlines()[0][:160]})."
             ) from None
         self.uncommitted_steps = 0
+        self.committed_steps = 0
+        """Steps this group trained and committed (a healed group took the others from a peer)."""
         self.consecutive_uncommitted = 0
         self._joined = self._healed = False
         self._tokens: list[int] = [0] * self.group_count
@@ -255,6 +257,7 @@ class ReplicaGroups:
         committed = bool(self.manager.should_commit())
         if committed:
             self.consecutive_uncommitted = 0
+            self.committed_steps += 1
             return True
         self.uncommitted_steps += 1
         self.consecutive_uncommitted += 1

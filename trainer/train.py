@@ -70,6 +70,7 @@ def train(
                 time.monotonic() - start,
                 run.checkpointer.folder,
                 run.metrics,
+                trained=run.replicas.committed_steps if run.replicas is not None else None,
             )
         dist.barrier()
         dist.destroy_process_group()

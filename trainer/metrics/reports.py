@@ -132,17 +132,23 @@ def log_end(
     seconds: float,
     checkpoint_folder: Path,
     metrics: MetricsLogger,
+    trained: int | None = None,
 ) -> None:
-    """What the run did and where its results are, in a few lines."""
-    tokens = steps * plan.global_batch_size * plan.config.training.seq_len
+    """What the run did and where its results are, in a few lines. ``trained``: of the ``steps``
+    this run went through, those its processes trained (a replica group that healed took the
+    others over from a live group); None: all of them."""
+    trained = steps if trained is None else trained
+    tokens = trained * plan.global_batch_size * plan.config.training.seq_len
     saved = step_folders(checkpoint_folder) if plan.config.checkpoint.enable else []
+    healed = f", {steps - trained} taken over from a live group by healing" if trained != steps else ""
     logger.info(
-        "done: steps %d-%d of %d (%d skipped in all) in %s, %s tokens (%s tokens/s, whole job); final loss %.4f\n"
+        "done: steps %d-%d of %d (%d skipped in all%s) in %s, %s tokens (%s tokens/s, whole job); final loss %.4f\n"
         "  checkpoint: %s\n  TensorBoard: %s",
         last_step - steps + 1,
         last_step,
         plan.config.training.steps,
         n_skipped_steps,
+        healed,
         format_duration(seconds),
         f"{tokens:,}",
         f"{tokens / max(seconds, 1e-9):,.0f}",
