@@ -146,12 +146,14 @@ class ExpertBalance:
         self.groups: AcrossGroups | None = None
         """Fault-tolerant replica groups, set with them (``trainer/build.py``), else None."""
         self._bias_before: list[torch.Tensor] = []
+        """This rank's biases before the last step's move, which ``undo_bias_move`` restores."""
+        tokens, sequences, microbatches = self.group_sizes
         self.balancing = Balancing(
             weight=loss_weight,
             scope=loss_scope,
-            global_tokens=global_batch * seq_len,
-            global_sequences=global_batch,
-            global_microbatches=global_microbatches,
+            global_tokens=tokens,
+            global_sequences=sequences,
+            global_microbatches=microbatches,
             pooled_layers=self.n_rows if self.pooled else 0,
             grad_scale=torch.zeros((), device=self.device),
         )
@@ -243,7 +245,7 @@ class ExpertBalance:
         self._sum(biases, self.pp_group)
         self.bias_skipped = moving and not bool(torch.isfinite(biases[1]).all())
         if moving and not self.bias_skipped:
-            self._bias_before = [layer.expert_bias.clone() for layer in self.layers]
+            self._bias_before = [biases[0, row] for row in self.rows]  # the table above already copied them
             for layer, bias in zip(self.layers, moved):
                 layer.expert_bias.copy_(bias)
         max_load = (counts.max(1).values / counts.mean(1).clamp(min=1e-9)).tolist()
