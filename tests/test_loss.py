@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import replace
 from typing import Any
 
@@ -25,16 +26,21 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     return inputs, labels
 
 
-def _loss_and_grads(model: Transformer, chunk: int | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def _loss_and_grads(
+    model: Transformer, chunk: int | None, in_forward: bool = False, scale: float = 1.0
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The summed loss and the gradients of ``scale`` times it: of the whole logits (``chunk``
+    None), or computed by the output projection in chunks, with its gradients ``in_forward``."""
     inputs, labels = _batch()
     model.zero_grad()
     if chunk is None:
         loss = cross_entropy_sum(model(inputs), labels)
     else:
         assert model.output is not None
-        model.output.chunk_tokens = chunk
+        model.output.chunk_tokens, model.output.gradients_in_forward = chunk, in_forward
         loss = model(inputs, labels=labels)
-    loss.backward()
+        model.output.gradients_in_forward = False
+    (loss * scale).backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
@@ -46,12 +52,16 @@ def model() -> Transformer:
     return model
 
 
+@pytest.mark.parametrize("in_forward", [False, True], ids=["recomputed", "gradients in forward"])
 @pytest.mark.parametrize("chunk", [0, 7, 32, 40, 119, 120, 4096])
-def test_chunked_loss_equals_whole_logits(model: Transformer, chunk: int):
-    """Chunks cutting sequences and samples unevenly, one chunk, and none: the same summed loss
-    and gradients as cross-entropy on the whole logits, to float32 round-off."""
-    want_loss, want_grads = _loss_and_grads(model, None)
-    loss, grads = _loss_and_grads(model, chunk)
+def test_chunked_loss_equals_whole_logits(model: Transformer, chunk: int, in_forward: bool):
+    """Chunks cutting sequences and samples unevenly, one chunk, and none, recomputed in backward
+    or with the gradients computed in the forward (exact balancing's held forwards), and a
+    backward that scales the loss: the same summed loss and gradients as cross-entropy on the
+    whole logits, to float32 round-off."""
+    want_loss, want_grads = _loss_and_grads(model, None, scale=2.5)
+    loss, grads = _loss_and_grads(model, chunk, in_forward, scale=2.5)
+    assert grads.keys() == want_grads.keys()
     assert loss.item() == pytest.approx(want_loss.item(), rel=1e-6)
     for name, grad in grads.items():
         scale = want_grads[name].abs().max().item()
@@ -82,3 +92,25 @@ def test_no_tensor_holds_more_than_a_chunk_of_logits(model: Transformer, chunk: 
     with _LargestLogits() as probe:
         _loss_and_grads(model, chunk)
     assert probe.largest == (chunk or BATCH * SEQ) * ARGS.vocab_size
+
+
+def test_gradients_in_forward_keep_no_logits_for_backward(model: Transformer):
+    """With the gradients computed in the forward, what the loss keeps for backward is the
+    gradients of the hidden states and of the output weight: nothing over the vocabulary per
+    token is alive between forward and backward (the held forwards would keep it for every
+    micro-batch), and the backward makes none."""
+    assert model.output is not None
+    inputs, labels = _batch()
+    model.output.chunk_tokens, model.output.gradients_in_forward = 16, True
+    saved: list[weakref.ref[torch.Tensor]] = []
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(weakref.ref(t)) or t, lambda t: t):
+            loss = model(inputs, labels=labels)
+    finally:
+        model.output.gradients_in_forward = False
+    kept = [t for t in (ref() for ref in saved) if t is not None]
+    assert not [t.shape for t in kept if t.ndim and t.shape[-1] == ARGS.vocab_size]
+    assert any(t.shape == model.output.weight.shape and t is not model.output.weight for t in kept)
+    with _LargestLogits() as probe:
+        loss.backward()
+    assert probe.largest == 0

@@ -4,6 +4,8 @@ and why. That chunking changes the loss only by round-off is ``test_loss.py``'s.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from harness import run_train
 
@@ -11,6 +13,7 @@ from trainer.config import load_config
 from trainer.planning.job_plan import resolve_job
 from trainer.planning.loss_chunking import AUTO_CHUNK_TOKENS, FIT_FRACTION
 from trainer.planning.memory_limits import TARGET_MEMORY_BYTES
+from trainer.planning.memory_plan import HELD_FORWARDS_SHARE, estimate, fitted
 
 H100 = TARGET_MEMORY_BYTES["h100"]
 EIGHT_B = ["--config", "llama3_8b.toml"]
@@ -86,3 +89,23 @@ def test_exact_moe_balancing_under_full_checkpointing_chunks_where_its_held_forw
     assert "exact MoE balancing" not in _plan(preset, 8, H100).loss_chunking.why
     per_microbatch = _plan([*preset, "--moe.balance_loss_scope", "micro_batch"], 8, 4 * H100)
     assert per_microbatch.loss_chunking.tokens == 0 and "within" in per_microbatch.loss_chunking.why
+
+
+def test_held_forwards_keep_their_loss_gradients_where_they_fit():
+    """The held forwards of exact balancing compute their loss's gradients at once, keeping the
+    output weight's gradient per micro-batch, without tensor parallelism (whose output weight is
+    a DTensor); where that alone does not fit, the chunks' logits are recomputed in backward
+    instead, and where the held forwards do not fit either, the pre-pass counts."""
+    preset = ["--config", "qwen3_30b_a3b.toml"]
+    held = _plan(preset, 8, 4 * H100).workload
+    assert held.holds_loss_gradients and held.accumulation > 1
+    tp = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_parallel_degree", "4"]
+    tensor_parallel = _plan([*preset, *tp], 8, 4 * H100).workload
+    assert tensor_parallel.holds_forwards and not tensor_parallel.holds_loss_gradients
+    recomputed = replace(held, hold_loss_gradients=False)
+    gradients = held.accumulation * held.vocab_size * held.dim * held.compute_bytes
+    assert estimate(held).activations - estimate(recomputed).activations >= gradients - 2 * held.dim * held.vocab_size
+    between = int((estimate(held).total + estimate(recomputed).total) / 2 / HELD_FORWARDS_SHARE)
+    assert fitted(held, 4 * H100) == held
+    assert fitted(held, between) == recomputed and recomputed.holds_forwards
+    assert not fitted(held, int(estimate(recomputed).total / HELD_FORWARDS_SHARE) - 1).holds_forwards

@@ -47,10 +47,13 @@ def linear_cross_entropy_sum(
     labels: torch.Tensor,
     chunk_tokens: int,
     cross_entropy: CrossEntropy = cross_entropy_sum,
+    gradients_in_forward: bool = False,
 ) -> torch.Tensor:
     """``cross_entropy(hidden @ weight.T, labels)`` over chunks of ``chunk_tokens`` tokens, each
     chunk's logits recomputed in backward; one chunk (no recomputation) when ``chunk_tokens`` is 0
-    or covers every token."""
+    or covers every token. ``gradients_in_forward``: see :func:`linear_cross_entropy_sum_with_gradients`."""
+    if gradients_in_forward:
+        return linear_cross_entropy_sum_with_gradients(hidden, weight, labels, chunk_tokens, cross_entropy)
     hidden, labels = hidden.flatten(0, -2), labels.flatten()
     if chunk_tokens <= 0 or hidden.shape[0] <= chunk_tokens:
         return _chunk_loss(hidden, weight, labels, cross_entropy)
@@ -59,6 +62,63 @@ def linear_cross_entropy_sum(
         for hidden_chunk, labels_chunk in zip(hidden.split(chunk_tokens), labels.split(chunk_tokens))
     ]
     return sum(losses[1:], losses[0])
+
+
+class _GradientsInForward(torch.autograd.Function):
+    """The summed loss whose forward also computes its gradients, chunk by chunk, and whose
+    backward only scales them: nothing is recomputed, and between the two only the gradients
+    of the hidden states and of the weight are kept, not the logits."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        chunk_tokens: int,
+        cross_entropy: CrossEntropy,
+    ) -> torch.Tensor:
+        step = chunk_tokens if chunk_tokens > 0 else max(hidden.shape[0], 1)
+        grad_hidden, grad_weight = torch.empty_like(hidden), torch.zeros_like(weight)
+        total = hidden.new_zeros((), dtype=torch.float32)
+        weight = weight.detach().requires_grad_()
+        with torch.enable_grad():
+            for start in range(0, hidden.shape[0], step):
+                chunk = hidden[start : start + step].detach().requires_grad_()
+                loss = _chunk_loss(chunk, weight, labels[start : start + step], cross_entropy)
+                grad_chunk, grad_w = torch.autograd.grad(loss, (chunk, weight))
+                grad_hidden[start : start + step] = grad_chunk
+                grad_weight += grad_w
+                total += loss.detach()
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        return total
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx, grad_output: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
+        grad_hidden, grad_weight = ctx.saved_tensors  # type: ignore[attr-defined]
+        scale = grad_output.to(grad_hidden.dtype)
+        return grad_hidden * scale, grad_weight * scale.to(grad_weight.dtype), None, None, None
+
+
+def linear_cross_entropy_sum_with_gradients(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_tokens: int,
+    cross_entropy: CrossEntropy = cross_entropy_sum,
+) -> torch.Tensor:
+    """:func:`linear_cross_entropy_sum` with its gradients computed in the forward, for a forward
+    whose backward runs much later (exact MoE balancing's held forwards): the checkpointed
+    chunks would recompute every chunk's projection in backward, a third more of the output
+    projection's work, while this keeps the gradients of the hidden states and of the whole
+    weight (``vocab x dim``) per forward instead (docs/performance.md: the exact scope's cost
+    on an H200). The gradients are the
+    chunked computation's: each chunk's, summed in the order of the chunks. The weight must be
+    a plain tensor: under tensor parallelism it is a DTensor and the loss runs chunked."""
+    hidden, labels = hidden.flatten(0, -2), labels.flatten()
+    return _GradientsInForward.apply(hidden, weight, labels, chunk_tokens, cross_entropy)
 
 
 @dataclass(frozen=True)

@@ -73,7 +73,7 @@ def simulate_roles(
     figures = {"routing_imbalance": target.routing_imbalance}
     # ``auto`` settings resolve as on the target: bf16, the fused AdamW, and the loss chunked
     # only where the whole logits would not fit the target's memory.
-    job_plan = prepare_plan(args, nproc * nnodes, figures=figures, limit=target.memory_bytes)
+    job_plan = prepare_plan(args, nproc * nnodes, target.name, figures=figures, limit=target.memory_bytes)
     real = schedule_count(job_plan)
     traced = traced_count(job_plan) if shorten else real
     # The traced plan differs from the job's only in settings.

@@ -321,11 +321,14 @@ class OutputProjection(nn.Linear):
         super().__init__(dim, vocab_size, bias=False)
         self.chunk_tokens = 0
         self.cross_entropy: CrossEntropy = cross_entropy_sum
+        self.gradients_in_forward = False  # Workload.holds_loss_gradients
 
     def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         if labels is None:
             return super().forward(h)
-        return linear_cross_entropy_sum(h, self.weight, labels, self.chunk_tokens, self.cross_entropy)
+        return linear_cross_entropy_sum(
+            h, self.weight, labels, self.chunk_tokens, self.cross_entropy, self.gradients_in_forward
+        )
 
 
 class Transformer(nn.Module):

@@ -12,7 +12,8 @@ starts, which differs between ranks and between a run and its resume, so decidin
 let the same job round differently. A number the user sets is kept as set (0: whole logits, N:
 chunks of N tokens). Exact MoE balancing under full checkpointing chunks too where its held
 forwards fit: they spare the counting pre-pass (``Workload.holds_forwards``) and need the loss
-in chunks. Chunking changes the loss and gradients only by float32 round-off (``tests/test_loss.py``).
+in chunks, whose gradients they compute at once where the output weight is a plain tensor
+(``Workload.holds_loss_gradients``). Chunking changes the loss and gradients only by float32 round-off (``tests/test_loss.py``).
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ def resolve_loss_chunking(
             AUTO_CHUNK_TOKENS,
             "auto: exact MoE balancing counts the routing in the step's own forwards only with the loss in "
             "chunks (whole logits would be held for every micro-batch); the counting pre-pass this spares "
-            "costs a forward",
+            "costs a forward. Without tensor parallelism each held forward computes its loss's gradients "
+            "at once and keeps them (nothing recomputed in backward)",
         )
     whole = estimate(replace(workload, loss_chunk_tokens=0)).total
     if limit is None:

@@ -127,6 +127,9 @@ class Workload:
     hold_forwards: bool = True
     """Exact MoE balancing may hold the step's forwards (:attr:`holds_forwards`); False where
     :func:`fitted` found that they would not fit."""
+    hold_loss_gradients: bool = True
+    """Held forwards may keep their loss's gradients (:attr:`holds_loss_gradients`); False where
+    :func:`fitted` found that they would not fit."""
 
     @property
     def holds_forwards(self) -> bool:
@@ -139,6 +142,14 @@ class Workload:
         pipeline parallelism (whose schedules interleave forwards and backwards)."""
         exact = self.experts is not None and self.experts.exact_balance and self.hold_forwards
         return exact and self.ac_mode == "full" and self.pp == 1 and self.loss_chunk_tokens > 0
+
+    @property
+    def holds_loss_gradients(self) -> bool:
+        """Whether a held forward computes its loss's gradients at once and keeps them (those of
+        the final hidden states and of the output weight) instead of recomputing each chunk's
+        logits in backward (``trainer/loss.py``): with the held forwards, without tensor
+        parallelism (whose output weight is a DTensor)."""
+        return self.holds_forwards and self.hold_loss_gradients and self.tp == 1
 
     @property
     def widths(self) -> tuple[int, int]:
@@ -244,9 +255,14 @@ HELD_FORWARDS_SHARE = 0.9
 def fitted(w: Workload, limit: int | None) -> Workload:
     """``w``, with exact balancing's held forwards given up for the counting pre-pass where
     every micro-batch's block inputs would take the estimate over ``HELD_FORWARDS_SHARE`` of
-    ``limit`` (bytes; None: unknown, held): the pre-pass costs a forward, not memory."""
+    ``limit`` (bytes; None: unknown, held): the pre-pass costs a forward, not memory. Before
+    that, the held forwards give up their loss's gradients (a third more of the output
+    projection's work) where only those do not fit."""
     if limit is None or not w.holds_forwards or estimate(w).total <= HELD_FORWARDS_SHARE * limit:
         return w
+    recomputed = replace(w, hold_loss_gradients=False)
+    if w.holds_loss_gradients and estimate(recomputed).total <= HELD_FORWARDS_SHARE * limit:
+        return recomputed
     return replace(w, hold_forwards=False)
 
 
@@ -263,8 +279,8 @@ def estimates(w: Workload) -> list[Estimate]:
 def _shares(w: Workload) -> list[_Share]:
     if w.pp == 1 and w.holds_forwards:
         # Every micro-batch's forward is held until the step's backwards; its logits too when
-        # it fits one chunk of the loss (not recomputed then).
-        whole = w.local_batch_size * w.seq_len / w.cp <= w.loss_chunk_tokens
+        # it fits one chunk of the loss (not recomputed then) and its gradients are not held.
+        whole = w.local_batch_size * w.seq_len / w.cp <= w.loss_chunk_tokens and not w.holds_loss_gradients
         return [_Share(None, w.n_layers, True, True, w.accumulation, w.accumulation if whole else 1)]
     if w.pp == 1:
         return [_Share(None, w.n_layers, True, True, 1, 1)]
@@ -379,8 +395,11 @@ def _activations(w: Workload, share: _Share) -> tuple[float, float]:
     else:
         kept, full_block = blocks * average, exchange
     stage_output = block_input if w.pp > 1 and not share.last else 0.0
-    # Held forwards: the final norm's input and output of every micro-batch but the one ``_logits`` counts.
+    # Held forwards: the final norm's input and output of every micro-batch but the one ``_logits``
+    # counts; or the norm's input and the loss's gradients (hidden states, output weight) of each.
     held = 2 * block_input * (share.microbatches - 1) if w.holds_forwards else 0.0
+    if w.holds_loss_gradients:
+        held += share.microbatches * w.vocab_size * d * b
     return share.microbatches * (kept + stage_output) + held, full_block
 
 
