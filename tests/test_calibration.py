@@ -84,7 +84,7 @@ def test_the_stored_h200_figures_are_read_and_a_stated_rate_rules(monkeypatch):
     monkeypatch.delenv(ENV, raising=False)
     stored = resolve_target("h200", {}, 1)
     assert stored.calibration is not None and stored.calibration_file.endswith("calibrations/h200.json")
-    assert stored.calibration.flops("gemm_large")[0] == pytest.approx(793e12)
+    assert stored.calibration.flops("gemm_large")[0] == pytest.approx(798.9e12, rel=1e-3)  # the second check's probe
     assert "measured" in stored.calibration_line() and "h200.json" in stored.calibration_line()
     stated = resolve_target("h200", {"efficiency": 0.6}, 1)
     assert stated.calibration is None and "stated with --target" in stated.calibration_line()
