@@ -47,6 +47,17 @@ def test_without_cuda_the_cpu_half_runs_then_one_line_and_exit_2(tmp_path: Path)
 
 
 @pytest.mark.slow
+def test_only_selects_the_jobs_whose_setting_contains_it(tmp_path: Path):
+    """``--only``, for a later call on a warm machine: the rows an earlier call's budget skipped,
+    and nothing else (no probes, no loss curves, no other job)."""
+    done = run_check(tmp_path, "--only", "float8 tensorwise", timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    measured = rows(tmp_path)
+    assert len(measured) == 2 and re.fullmatch(r"simulator 8B x [1-8] layers", measured[1]["check"])
+    assert measured[1]["setting"].startswith("compiled + selective AC, float8 tensorwise,"), measured[1]["setting"]
+
+
+@pytest.mark.slow
 def test_rehearsal_runs_every_kind_of_row_on_the_cpu(tmp_path: Path):
     """The calibration probes, one throughput job, the MoE one (with its simulation, which reads
     the probes' calibration, and its traced step's kernels), the loss curves, the initial weights,

@@ -187,7 +187,7 @@ def test_full_checkpointing_counts_the_step_in_its_own_forwards(monkeypatch):
     step, then the step's counts, then the backwards, whose recomputations read them. Losses,
     grad norms, balancing loss, biases and counts are the pre-pass's (the reference); the step's
     counts left unset before the backwards (the recomputations reading none) fail."""
-    from trainer import expert_balance, step
+    from trainer import expert_balance, loss, step
     from trainer.planning.memory_plan import Workload
 
     full = moe_argv(2, MODES["full"])  # 4 micro-batches
@@ -198,8 +198,14 @@ def test_full_checkpointing_counts_the_step_in_its_own_forwards(monkeypatch):
     def no_prepass(*args):
         raise AssertionError("the counting pre-pass ran")
 
+    held_losses = []
+    with_gradients = loss.linear_cross_entropy_sum_with_gradients
     monkeypatch.setattr(step, "counting_prepass", no_prepass)
+    monkeypatch.setattr(
+        loss, "linear_cross_entropy_sum_with_gradients", lambda *a: held_losses.append(1) or with_gradients(*a)
+    )
     assert max(differences(moe_steps(full, steps=STEPS), ref).values()) < TOLERANCE
+    assert len(held_losses) == 4 * STEPS  # the held forwards computed their loss's gradients at once
     monkeypatch.setattr(expert_balance.ExpertBalance, "count_forwards", lambda self: None)
     wrong = differences(moe_steps(full, steps=STEPS), ref)
     assert wrong["balance"] > 0.1 and wrong["norm"] > 10 * TOLERANCE, wrong

@@ -10,10 +10,13 @@ from simulation_helpers import CONFIGS, simulate_job
 from trainer.config import load_config
 from trainer.metrics import model_flops_per_token
 from trainer.planning.job_plan import resolve_job
+from trainer.planning.memory_limits import TARGET_MEMORY_BYTES
 from trainer.planning.memory_plan import estimate, estimates
 from trainer.simulation.cost_model import Collective, TracedCost, step_time
 from trainer.simulation.targets import target_named
 
+H100 = TARGET_MEMORY_BYTES["h100"]
+"""The target the simulations run for: the estimates resolve ``auto`` (the loss chunking) for it too."""
 DEBUG_MOE = ["--config", str(CONFIGS / "debug_moe.toml"), "--target-gpu", "h100"]
 QWEN3_BLOCKS = [
     "--config",
@@ -77,7 +80,7 @@ def test_the_estimate_follows_the_simulated_routed_activations(tmp_path, imbalan
     code, text, report = simulate_job(tmp_path, 8, *args, *figures)
     assert code == 0, text
     (role,) = report["roles"]
-    job = resolve_job(load_config(args), 8, device="cuda", figures={"routing_imbalance": float(imbalance)})
+    job = resolve_job(load_config(args), 8, "cuda", {"routing_imbalance": float(imbalance)}, H100)
     assert job.workload.experts is not None and job.workload.experts.imbalance == float(imbalance)
     estimated = estimate(job.workload)
     assert estimated.activations > estimated.model_state / 2  # the routed tokens' share matters here
@@ -142,7 +145,7 @@ def test_the_estimate_follows_the_simulation_under_tp_and_cp(tmp_path, mesh):
     code, text, report = simulate_job(tmp_path, 8, *args, "--target-gpu", "h100")
     assert code == 0, text
     (role,) = report["roles"]
-    estimated = estimate(resolve_job(load_config(args), 8, device="cuda").workload)
+    estimated = estimate(resolve_job(load_config(args), 8, "cuda", limit=H100).workload)
     assert estimated.total == pytest.approx(role["needed_bytes"], rel=0.15), (estimated.line(), role["memory"])
 
 
@@ -166,7 +169,7 @@ def test_the_estimate_follows_the_simulation_of_each_pipeline_stage(tmp_path):
     ]
     code, text, report = simulate_job(tmp_path, 8, *args, "--target-gpu", "h100")
     assert code == 0, text
-    estimated = estimates(resolve_job(load_config(args), 8, device="cuda").workload)
+    estimated = estimates(resolve_job(load_config(args), 8, "cuda", limit=H100).workload)
     assert len(report["roles"]) == len(estimated) == 2
     # The first stage keeps two micro-batches' routed tokens, the last one and the logits.
     assert estimated[0].activations > 2 * estimated[1].activations

@@ -67,7 +67,9 @@ def linear_cross_entropy_sum(
 class _GradientsInForward(torch.autograd.Function):
     """The summed loss whose forward also computes its gradients, chunk by chunk, and whose
     backward only scales them: nothing is recomputed, and between the two only the gradients
-    of the hidden states and of the weight are kept, not the logits."""
+    of the hidden states and of the weight are kept, not the logits. Each chunk's gradients
+    come from its logits' gradient by two matmuls, the weight's accumulated by the second
+    (``addmm``), not by a pass of its own over the ``vocab x dim`` gradient."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -81,15 +83,15 @@ class _GradientsInForward(torch.autograd.Function):
         step = chunk_tokens if chunk_tokens > 0 else max(hidden.shape[0], 1)
         grad_hidden, grad_weight = torch.empty_like(hidden), torch.zeros_like(weight)
         total = hidden.new_zeros((), dtype=torch.float32)
-        weight = weight.detach().requires_grad_()
-        with torch.enable_grad():
-            for start in range(0, hidden.shape[0], step):
-                chunk = hidden[start : start + step].detach().requires_grad_()
-                loss = _chunk_loss(chunk, weight, labels[start : start + step], cross_entropy)
-                grad_chunk, grad_w = torch.autograd.grad(loss, (chunk, weight))
-                grad_hidden[start : start + step] = grad_chunk
-                grad_weight += grad_w
-                total += loss.detach()
+        for start in range(0, hidden.shape[0], step):
+            chunk = hidden[start : start + step]
+            logits = F.linear(chunk, weight).requires_grad_()
+            with torch.enable_grad():
+                loss = cross_entropy(logits, labels[start : start + step])
+                (grad_logits,) = torch.autograd.grad(loss, logits)
+            torch.mm(grad_logits, weight, out=grad_hidden[start : start + step])
+            torch.addmm(grad_weight, grad_logits.t(), chunk, out=grad_weight)
+            total += loss.detach()
         ctx.save_for_backward(grad_hidden, grad_weight)
         return total
 

@@ -10,25 +10,24 @@ of value, each row written as soon as it is measured (``results.jsonl`` and ``ta
 
 0. **The kernel probes** that calibrate the simulator (``calibrate.py``): dense matmuls by shape
    class, attention, the experts' grouped matmul, a copy; written to ``calibration/<target>.json``
-   in ``--out`` (commit it to ``trainer/simulation/calibrations/``), and read by the simulations
-   of this very check, which start right after.
+   in ``--out`` (commit it to ``trainer/simulation/calibrations/``) and read by this check's simulations.
 1. **The loss curve, like against like**: the debug model in bf16 against fp32, both on the GPU
    (every step within :data:`LOSS_TOLERANCE`), and fp32 on the GPU against fp32 on the CPU from
    the same seed (step 1 within :data:`DEVICE_TOLERANCE`: the same weights and data, so float32
    round-off alone).
-2. **The Qwen3-30B-A3B shape at fewer layers** (as many as the memory estimate fits), eager and
-   compiled: tokens/s, MFU, the allocator's peak, and which expert kernels ran (the grouped
-   matmul or the per-expert loop); beside each, the simulator's prediction of the same job and
-   the ratio (simulations run on the CPU while the GPU trains).
+2. **The Qwen3-30B-A3B shape at fewer layers** (as many as the memory estimate fits), at the
+   preset's per-GPU work for each balancing scope, eager and compiled: tokens/s, MFU, the peak,
+   which expert kernels ran; beside each, the simulator's prediction of the same job, and the
+   ratio (simulations run on the CPU while the GPU trains); the step's top kernels.
 3. **The 1B preset and the 8B shape at fewer layers**, eager: the same figures.
 4. **The attention kernel** SDPA runs in bf16, causal and document-masked.
 5. **A 3-step resume** from a checkpoint on the GPU, against the uninterrupted run.
-6. **The dense models compiled** with selective AC, and the 8B shape with the chunked loss off,
-   as far as the budget goes (``scripts/gpu/jobs.py`` orders the jobs).
+6. **The dense models compiled** with selective AC, the 8B shape unchunked, then the float8 rows,
+   as far as the budget goes (``scripts/gpu/jobs.py`` orders the jobs; ``--only TEXT``, on a warm
+   machine, runs those whose setting contains TEXT, with nothing else).
 
-A failed run is a row with its one-line cause, and the check goes on. Exit 0 when every row
-passed, 1 when one failed, 2 without CUDA (after the CPU half: the environment, the wheels and
-the simulator's prediction of the first GPU job).
+A failed run is a row with its one-line cause, and the check goes on. Exit 0 when every row passed,
+1 when one failed, 2 without CUDA (after the CPU half: the environment, the wheels, a prediction).
 """
 
 from __future__ import annotations
@@ -79,6 +78,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--budget", type=float, default=BUDGET_S, help="seconds for the whole check")
     parser.add_argument("--rehearse", action="store_true", help="every GPU step on the CPU, at tiny shapes")
     parser.add_argument("--jobs", type=int, default=None, help="run only the first N throughput jobs")
+    parser.add_argument("--only", default=None, help="only the throughput jobs whose setting contains this text")
     args = parser.parse_args(argv)
     deadline = Deadline(args.budget)
     with tempfile.TemporaryDirectory(prefix="gpu_check-") as scratch_name:
@@ -98,10 +98,10 @@ def main(argv: list[str]) -> int:
         shape = REHEARSAL if args.rehearse else Shape()
         target = next((t for fragment, t in SIMULATOR_TARGETS.items() if fragment in device.upper()), "h100")
         memory = torch.cuda.get_device_properties(0).total_memory if cuda else 80 * 10**9
-        check = Check(results, deadline, scratch, shape, target, memory, args.jobs)
+        check = Check(results, deadline, scratch, shape, target, memory, args.jobs, args.only)
         if not (cuda or args.rehearse):
-            check.simulations(throughput_jobs(shape, memory)[:1])
-            check.report_predictions_only()
+            check.simulations(check.throughput_jobs()[:1])
+            check.run_throughput([])  # the predictions alone
             print("gpu_check: the GPU half needs CUDA, and no CUDA GPU is visible here; run it on the lent machine.")
             return 2
         check.run_all()
@@ -119,9 +119,10 @@ class Check:
         target: str,
         memory: int,
         jobs: int | None = None,
+        only: str | None = None,
     ):
         self.results, self.deadline, self.scratch, self.shape = results, deadline, scratch, shape
-        self.target, self.memory, self.jobs = target, memory, jobs
+        self.target, self.memory, self.jobs, self.only = target, memory, jobs, only
         self.pending: dict[str, tuple] = {}
         self.calibration: Path | None = None
         """The probes' calibration file, which the simulations read; None: the stored one."""
@@ -186,7 +187,10 @@ class Check:
         return "CPU (rehearsal)" if self.shape.cpu else torch.cuda.get_device_name(0)
 
     def run_all(self) -> None:
-        jobs = throughput_jobs(self.shape, self.memory)[: self.jobs]
+        jobs = self.throughput_jobs()
+        if self.only is not None:  # a later call, on a warm machine: the rows an earlier one skipped
+            self.simulations(jobs)
+            return self.run_throughput(jobs)
         self.calibrate()
         self.simulations(jobs)
         self.loss_curve()
@@ -194,7 +198,13 @@ class Check:
             self.throughput(job)
         self.kernel_probes()
         self.resume()
-        for job in jobs[FIRST_JOBS:]:
+        self.run_throughput(jobs[FIRST_JOBS:])
+
+    def throughput_jobs(self) -> list[Job]:
+        return [j for j in throughput_jobs(self.shape, self.memory)[: self.jobs] if (self.only or "") in j.note]
+
+    def run_throughput(self, jobs: list[Job]) -> None:
+        for job in jobs:
             self.throughput(job)
         for name in list(self.pending):
             self.predicted_only(name)
@@ -234,10 +244,6 @@ class Check:
         compiled = ", compile as fused elementwise bytes" if "--compile.enable" in job.args else ""
         calibrated = "this check's probes" if self.calibration else "the stored calibration"
         return f"target {self.target} with {calibrated}{stated}{compiled}"
-
-    def report_predictions_only(self) -> None:
-        for name in list(self.pending):
-            self.predicted_only(name)
 
     def loss_curve(self) -> None:
         """Like against like: bf16 against fp32 on the GPU, then fp32 on the GPU against fp32 on

@@ -55,7 +55,9 @@ def resolve_loss_chunking(
         return LossChunking(setting, f"`training.loss_chunk_tokens` = {setting} as set")
     if device == "cpu":
         return LossChunking(AUTO_CHUNK_TOKENS, "auto, on the CPU (chunking costs nothing measurable there)")
-    chunked = replace(workload, loss_chunk_tokens=AUTO_CHUNK_TOKENS)
+    # Held forwards in their smallest form (each chunk's logits recomputed); whether they keep
+    # their loss's gradients is memory_plan.fitted's to decide.
+    chunked = replace(workload, loss_chunk_tokens=AUTO_CHUNK_TOKENS, hold_loss_gradients=False)
     if chunked.holds_forwards and (limit is None or estimate(chunked).total <= FIT_FRACTION * limit):
         return LossChunking(
             AUTO_CHUNK_TOKENS,

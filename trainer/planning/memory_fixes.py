@@ -19,7 +19,7 @@ from dataclasses import replace
 
 from parallelisms.parallel_dims import ParallelismError
 from parallelisms.pipeline_split import plan_split
-from trainer.planning.memory_plan import Workload, estimate
+from trainer.planning.memory_plan import Workload, estimate, fitted
 
 
 def what_would_fit(w: Workload, limit: int, world_size: int, machines: str = "machines") -> str:
@@ -43,21 +43,21 @@ def fixes(w: Workload, limit: int, world_size: int) -> tuple[str, list[str]]:
     if shards is not None:
         single.append(_shard_text(w, shards, world_size // w.dp_shard * shards))
     for ep in _ep_degrees(w):
-        if estimate(_with_ep(w, ep)).total <= limit:
+        if _fits(_with_ep(w, ep), limit):
             single.append(f"`--parallelism.expert_parallel_degree {ep}`")
             break
     for tp in _tp_degrees(w):
-        if estimate(replace(w, tp=tp)).total <= limit:
+        if _fits(replace(w, tp=tp), limit):
             single.append(f"`--parallelism.tensor_parallel_degree {tp}` (with {world_size // w.tp * tp} processes)")
             break
-    if w.ac_mode != "full" and estimate(replace(w, ac_mode="full")).total <= limit:
+    if w.ac_mode != "full" and _fits(replace(w, ac_mode="full"), limit):
         single.append("`--activation_checkpoint.mode full`")
     for batch in _microbatch_sizes(w):
-        if estimate(_with_microbatch(w, batch)).total <= limit:
+        if _fits(_with_microbatch(w, batch), limit):
             single.append(_microbatch_text(w, batch))
             break
     for pp in _pp_degrees(w):
-        if estimate(replace(w, pp=pp)).total <= limit:
+        if _fits(replace(w, pp=pp), limit):
             single.append(f"`--parallelism.pipeline_parallel_degree {pp}` (with {world_size // w.pp * pp} processes)")
             break
     if single:
@@ -77,6 +77,12 @@ def fixes(w: Workload, limit: int, world_size: int) -> tuple[str, list[str]]:
                 _shard_text(w, shards, processes),
             ]
     return "all", []
+
+
+def _fits(w: Workload, limit: int) -> bool:
+    """Whether ``w`` fits ``limit`` as the job would run it: exact balancing's held forwards, and
+    their loss gradients, given up first where they would not fit (``memory_plan.fitted``)."""
+    return estimate(fitted(w, limit)).total <= limit
 
 
 def _microbatch_sizes(w: Workload) -> list[int]:
@@ -164,7 +170,7 @@ def _fitting_shards(w: Workload, limit: int) -> int | None:
             if microbatches % shards or (w.pp > 1 and w.pp_schedule != "GPipe" and fewer < w.pp):
                 continue
             wider = replace(wider, pp_microbatches=fewer) if w.pp > 1 else replace(wider, accumulation=fewer)
-        if estimate(wider).total <= limit:
+        if _fits(wider, limit):
             return shards
     return None
 
