@@ -128,6 +128,7 @@ class ReplicaGroups:
         self.lighthouse = lighthouse
         timeout = timedelta(seconds=config.timeout_seconds)
         pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+        _forget_an_earlier_attempts_manager()
         try:
             self.manager = Manager(
                 pg=pg,
@@ -377,6 +378,21 @@ class ReplicaGroups:
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
+
+
+def _forget_an_earlier_attempts_manager() -> None:
+    """torchft's Manager publishes the group's rank 0 manager address in torchrun's store, which
+    outlives a restart of the group's processes: a restarted group's other ranks could read the
+    killed attempt's address and time out connecting to it (they wait for the key, not for a
+    new value). Rank 0 deletes it before any rank starts its Manager."""
+    from torchft.manager import MANAGER_ADDR_KEY, REPLICA_ID_KEY
+
+    if dist.get_rank() == 0:
+        address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        store = dist.TCPStore(address, port, is_master=False, wait_for_workers=False)
+        for key in (MANAGER_ADDR_KEY, REPLICA_ID_KEY):
+            store.delete_key(key)
+    dist.barrier()
 
 
 def _rank0() -> bool:
