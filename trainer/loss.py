@@ -72,7 +72,7 @@ class _GradientsInForward(torch.autograd.Function):
     (``addmm``), not by a pass of its own over the ``vocab x dim`` gradient."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: torch.autograd.function.FunctionCtx,
         hidden: torch.Tensor,
         weight: torch.Tensor,
@@ -96,7 +96,7 @@ class _GradientsInForward(torch.autograd.Function):
         return total
 
     @staticmethod
-    def backward(  # type: ignore[override]
+    def backward(
         ctx: torch.autograd.function.FunctionCtx, grad_output: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
         grad_hidden, grad_weight = ctx.saved_tensors  # type: ignore[attr-defined]
@@ -116,9 +116,9 @@ def linear_cross_entropy_sum_with_gradients(
     chunks would recompute every chunk's projection in backward, a third more of the output
     projection's work, while this keeps the gradients of the hidden states and of the whole
     weight (``vocab x dim``) per forward instead (docs/performance.md: the exact scope's cost
-    on an H200). The gradients are the
-    chunked computation's: each chunk's, summed in the order of the chunks. The weight must be
-    a plain tensor: under tensor parallelism it is a DTensor and the loss runs chunked."""
+    on an H200). The gradients are the chunked computation's: each chunk's, summed in the order
+    of the chunks. The weight must be a plain tensor: under tensor parallelism it is a DTensor
+    and the loss runs chunked."""
     hidden, labels = hidden.flatten(0, -2), labels.flatten()
     return _GradientsInForward.apply(hidden, weight, labels, chunk_tokens, cross_entropy)
 

@@ -13,7 +13,8 @@ let the same job round differently. A number the user sets is kept as set (0: wh
 chunks of N tokens). Exact MoE balancing under full checkpointing chunks too where its held
 forwards fit: they spare the counting pre-pass (``Workload.holds_forwards``) and need the loss
 in chunks, whose gradients they compute at once where the output weight is a plain tensor
-(``Workload.holds_loss_gradients``). Chunking changes the loss and gradients only by float32 round-off (``tests/test_loss.py``).
+(``Workload.holds_loss_gradients``). Chunking changes the loss and gradients only by float32
+round-off (``tests/test_loss.py``).
 """
 
 from __future__ import annotations
