@@ -63,3 +63,16 @@ def debug_model(debug_args: ModelArgs) -> Transformer:
     model = Transformer(debug_args)
     model.init_weights(MODEL_SEED)
     return model
+
+
+@pytest.fixture
+def lighthouse():
+    """A lighthouse that forms a quorum of any one group, waits for a group that heartbeats
+    but has not asked yet (a peer mid-step), and gives a silent group up after a second."""
+    from torchft._torchft import LighthouseServer
+
+    server = LighthouseServer(
+        bind="[::]:0", min_replicas=1, join_timeout_ms=30_000, quorum_tick_ms=20, heartbeat_timeout_ms=1_000
+    )
+    yield server.address()
+    server.shutdown()

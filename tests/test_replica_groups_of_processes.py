@@ -1,0 +1,94 @@
+"""Replica groups of several processes (FSDP over two ranks inside a group): a killed group is
+restarted whole by torchrun and heals exactly, and a restarted group forgets the manager address
+its killed attempt left in torchrun's store."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+
+import pytest
+import torch
+from harness import Launched, run_ranks
+from replica_helpers import (
+    GROUP_ARGS,
+    HEALED,
+    TRAJECTORY_TOLERANCE,
+    group_args,
+    paced_until,
+    steps_logged,
+    surviving_batches_reference,
+)
+
+pytest.importorskip("torchft")
+
+PAIR_STEPS = 30
+
+
+@pytest.mark.launcher
+def test_groups_of_two_processes_leave_out_a_killed_group_and_heal_it_exactly(lighthouse, tmp_path):
+    """Two groups of two processes each (FSDP over two ranks inside a group): group 1's processes
+    SIGKILLed at step 3 and restarted by torchrun (the survivor paced until it heals), group 0 trains on alone and the restarted
+    group heals from it. Every step's loss equals one process fed the surviving groups' batches
+    (each group's two ranks read the data-parallel shards 2g and 2g + 1), and the two groups end
+    with the same weights."""
+    mesh = ["--mesh", "dp_shard=2"]
+    survivor = Launched(
+        2, [*group_args(0, lighthouse, tmp_path / "group0", steps=PAIR_STEPS), *mesh], tmp_path / "0.log"
+    )
+    failing = Launched(
+        2,
+        [*group_args(1, lighthouse, tmp_path / "group1", steps=PAIR_STEPS), *mesh],
+        tmp_path / "1.log",
+        MAX_RESTARTS="1",
+    )
+    try:
+        failing.wait_for(f"step: 3/{PAIR_STEPS}")
+        for pid in failing.workers():
+            os.kill(pid, signal.SIGKILL)
+        paced_until(survivor, failing, "replica group 1 healed from a live group at step")
+        assert survivor.finish(timeout=240) == 0, survivor.output()[-3000:]
+        assert failing.finish(timeout=60) == 0, failing.output()[-3000:]
+    finally:
+        for job in (survivor, failing):
+            if job.proc.poll() is None:
+                job.proc.kill()
+    alive, rejoined = steps_logged(survivor.output()), steps_logged(failing.output())
+    assert sorted(alive) == list(range(1, PAIR_STEPS + 1))
+    for step in rejoined:
+        assert rejoined[step] == alive[step]
+    participants = [alive[s][0] for s in range(1, PAIR_STEPS + 1)]
+    healed = int(re.findall(HEALED, failing.output())[0])
+    assert [0] in participants and participants[-1] == [0, 1] and healed < PAIR_STEPS, (participants, healed)
+    digests = [
+        re.findall(rf"replica group {g} weights: (\w+)", job.output()) for g, job in enumerate((survivor, failing))
+    ]
+    assert digests[0] and digests[0][-1:] == digests[1][-1:]
+    [expected] = run_ranks(surviving_batches_reference, 1, participants, GROUP_ARGS, 2)
+    losses = [alive[s][1] for s in range(1, PAIR_STEPS + 1)]
+    assert losses == pytest.approx(expected["loss"], rel=TRAJECTORY_TOLERANCE)
+
+
+def _stale_manager_forgotten() -> list[bool]:
+    from torchft.manager import MANAGER_ADDR_KEY, REPLICA_ID_KEY
+
+    from trainer import replica_groups
+
+    torch.distributed.init_process_group("gloo")  # torchrun's way: its store at MASTER_PORT
+    store = torch.distributed.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, wait_for_workers=False
+    )
+    if torch.distributed.get_rank() == 0:  # what the killed attempt's rank 0 left there
+        store.set(MANAGER_ADDR_KEY, "http://127.0.0.1:9")
+        store.set(REPLICA_ID_KEY, "meshtrain_group_1:killed")
+    torch.distributed.barrier()
+    replica_groups._forget_an_earlier_attempts_manager()
+    return [store.check([key]) for key in (MANAGER_ADDR_KEY, REPLICA_ID_KEY)]
+
+
+def test_a_restarted_group_forgets_the_killed_attempts_manager_before_any_rank_reads_it():
+    """torchrun's store outlives a restart of a group's processes; the other ranks of a
+    restarted group must not read the dead manager address its killed rank 0 published (they
+    would time out connecting to it: seen with groups of two processes)."""
+    assert run_ranks(_stale_manager_forgotten, 2) == [[False, False], [False, False]]
