@@ -29,10 +29,10 @@ PAIR_STEPS = 30
 @pytest.mark.launcher
 def test_groups_of_two_processes_leave_out_a_killed_group_and_heal_it_exactly(lighthouse, tmp_path):
     """Two groups of two processes each (FSDP over two ranks inside a group): group 1's processes
-    SIGKILLed at step 3 and restarted by torchrun (the survivor paced until it heals), group 0 trains on alone and the restarted
-    group heals from it. Every step's loss equals one process fed the surviving groups' batches
-    (each group's two ranks read the data-parallel shards 2g and 2g + 1), and the two groups end
-    with the same weights."""
+    SIGKILLed at step 3 and restarted by torchrun, group 0 trains on alone (paced until the
+    restarted group heals from it). Every step's loss equals one process fed the surviving
+    groups' batches (each group's two ranks read the data-parallel shards 2g and 2g + 1), and
+    the two groups end with the same weights."""
     mesh = ["--mesh", "dp_shard=2"]
     survivor = Launched(
         2, [*group_args(0, lighthouse, tmp_path / "group0", steps=PAIR_STEPS), *mesh], tmp_path / "0.log"
