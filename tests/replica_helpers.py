@@ -9,6 +9,7 @@ import os
 import re
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from harness import QUICK, Launched, trainer_for
@@ -125,3 +126,30 @@ def paced_until(survivor: Launched, joining: Launched, line: str, then_s: float 
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
+
+
+@contextlib.contextmanager
+def ending(*jobs: Launched) -> Iterator[None]:
+    """Whatever the test asserts inside, no group's job outlives it."""
+    try:
+        yield
+    finally:
+        for job in jobs:
+            if job.proc.poll() is None:
+                job.proc.kill()
+
+
+def trained_alike(survivor: Launched, joining: Launched, steps: int) -> tuple[dict, dict]:
+    """Both groups' logged steps (:func:`steps_logged`): the survivor trained every one of the
+    ``steps``, and each step the joining group logged is the survivor's, bit for bit (the same
+    sums on both groups)."""
+    alive, rejoined = steps_logged(survivor.output()), steps_logged(joining.output())
+    assert sorted(alive) == list(range(1, steps + 1))  # the survivor never stopped
+    for step in rejoined:
+        assert rejoined[step] == alive[step]
+    return alive, rejoined
+
+
+def weight_digests(outputs: list[str]) -> list[list[str]]:
+    """Each group's weight digests, as group g's log (``outputs[g]``) prints them at its end."""
+    return [re.findall(rf"replica group {g} weights: (\w+)", output) for g, output in enumerate(outputs)]

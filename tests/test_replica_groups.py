@@ -30,11 +30,14 @@ from replica_helpers import (
     HEALED,
     STEPS,
     TRAJECTORY_TOLERANCE,
+    ending,
     group_args,
     paced_until,
     steps_logged,
     surviving_batches_reference,
     tokens_logged,
+    trained_alike,
+    weight_digests,
 )
 
 from trainer.config import FaultTolerance, load_config
@@ -68,7 +71,7 @@ def test_a_killed_or_stalled_group_is_left_out_heals_and_every_loss_is_over_the_
     failing = Launched(
         1, [*group_args(1, lighthouse, tmp_path / "group1"), *saving], tmp_path / "group1.log", MAX_RESTARTS="1"
     )
-    try:
+    with ending(survivor, failing):
         failing.wait_for(f"step: 4/{STEPS}")
         for pid in failing.workers():
             os.kill(pid, signal.SIGKILL)
@@ -84,14 +87,7 @@ def test_a_killed_or_stalled_group_is_left_out_heals_and_every_loss_is_over_the_
         paced_until(survivor, failing, "could not commit")
         assert survivor.finish(timeout=240) == 0, survivor.output()[-3000:]
         assert failing.finish(timeout=60) == 0, failing.output()[-3000:]
-    finally:
-        for job in (survivor, failing):
-            if job.proc.poll() is None:
-                job.proc.kill()
-    alive, rejoined = steps_logged(survivor.output()), steps_logged(failing.output())
-    assert sorted(alive) == list(range(1, STEPS + 1))  # the survivor never stopped
-    for step in rejoined:
-        assert rejoined[step] == alive[step]  # bit for bit: the same sums on both groups
+    alive, _ = trained_alike(survivor, failing, STEPS)
     participants = [alive[s][0] for s in range(1, STEPS + 1)]
     tokens = tokens_logged(survivor.output())
     healed = [int(step) for step in re.findall(HEALED, failing.output())]
@@ -99,9 +95,7 @@ def test_a_killed_or_stalled_group_is_left_out_heals_and_every_loss_is_over_the_
     assert len(healed) == 2 and healed[1] < STEPS - 2, (participants, healed)
     assert 4 < alone[0] <= healed[0] < alone[-1] <= healed[1], (participants, healed)  # left out twice
     assert survivor.output().count("could not commit") >= 2  # the steps the kill and the stall broke: run again
-    digests = [
-        re.findall(rf"replica group {g} weights: (\w+)", job.output()) for g, job in enumerate((survivor, failing))
-    ]
+    digests = weight_digests([survivor.output(), failing.output()])
     assert digests[0] and digests[0][-1:] == digests[1][-1:]
     # The end's line counts what each group trained itself, not the steps it took over by healing.
     taken_over = re.findall(r"done: steps 1-\d+ of \d+ \(0 skipped in all, (\d+) taken over", failing.output())
@@ -124,7 +118,7 @@ def test_a_killed_or_stalled_group_is_left_out_heals_and_every_loss_is_over_the_
         assert job.returncode == 0, output[-3000:]
         assert f"resuming from {tmp_path / f'group{g}' / 'checkpoint' / f'step-{STEPS}'}" in output
         assert {s: groups for s, (groups, _) in steps_logged(output).items()} == {STEPS + 1: [0, 1], STEPS + 2: [0, 1]}
-    digests = [re.findall(rf"replica group {g} weights: (\w+)", output) for g, output in enumerate(outputs)]
+    digests = weight_digests(outputs)
     assert digests[0] and digests[0] == digests[1]
 
 
@@ -156,7 +150,7 @@ def test_an_moe_step_is_exact_over_the_groups_that_trained_it_and_every_group_mo
         for g in range(GROUPS)
     ]
     survivor, stalling = jobs
-    try:
+    with ending(*jobs):
         stalling.wait_for(f"step: 2/{MOE_STEPS}")
         [stalled] = stalling.workers()
         os.kill(stalled, signal.SIGSTOP)
@@ -168,19 +162,12 @@ def test_an_moe_step_is_exact_over_the_groups_that_trained_it_and_every_group_mo
         paced_until(survivor, stalling, "could not commit")
         for job in jobs:
             assert job.finish(timeout=180) == 0, job.output()[-3000:]
-    finally:
-        for job in jobs:
-            if job.proc.poll() is None:
-                job.proc.kill()
-    alive, rejoined = steps_logged(survivor.output()), steps_logged(stalling.output())
-    assert sorted(alive) == list(range(1, MOE_STEPS + 1))
+    alive, rejoined = trained_alike(survivor, stalling, MOE_STEPS)
     participants = [alive[s][0] for s in range(1, MOE_STEPS + 1)]
     assert [0] in participants and participants[-1] == [0, 1], participants
     assert re.search(HEALED, stalling.output()), stalling.output()[-3000:]
     assert "could not commit" in survivor.output()  # a bias move was made and taken back
-    for step in rejoined:
-        assert rejoined[step] == alive[step]
-    digests = [re.findall(rf"replica group {g} weights: (\w+)", job.output()) for g, job in enumerate(jobs)]
+    digests = weight_digests([job.output() for job in jobs])
     assert digests[0] and digests[0] == digests[1]
     [expected] = run_ranks(surviving_batches_reference, 1, participants, MOE_ARGS)
     tags = (Tag.MOE_BALANCE_LOSS, *map(moe_load_tag, MOE_LAYERS))

@@ -15,10 +15,12 @@ from replica_helpers import (
     GROUP_ARGS,
     HEALED,
     TRAJECTORY_TOLERANCE,
+    ending,
     group_args,
     paced_until,
-    steps_logged,
     surviving_batches_reference,
+    trained_alike,
+    weight_digests,
 )
 
 pytest.importorskip("torchft")
@@ -43,27 +45,18 @@ def test_groups_of_two_processes_leave_out_a_killed_group_and_heal_it_exactly(li
         tmp_path / "1.log",
         MAX_RESTARTS="1",
     )
-    try:
+    with ending(survivor, failing):
         failing.wait_for(f"step: 3/{PAIR_STEPS}")
         for pid in failing.workers():
             os.kill(pid, signal.SIGKILL)
         paced_until(survivor, failing, "replica group 1 healed from a live group at step")
         assert survivor.finish(timeout=240) == 0, survivor.output()[-3000:]
         assert failing.finish(timeout=60) == 0, failing.output()[-3000:]
-    finally:
-        for job in (survivor, failing):
-            if job.proc.poll() is None:
-                job.proc.kill()
-    alive, rejoined = steps_logged(survivor.output()), steps_logged(failing.output())
-    assert sorted(alive) == list(range(1, PAIR_STEPS + 1))
-    for step in rejoined:
-        assert rejoined[step] == alive[step]
+    alive, _ = trained_alike(survivor, failing, PAIR_STEPS)
     participants = [alive[s][0] for s in range(1, PAIR_STEPS + 1)]
     healed = int(re.findall(HEALED, failing.output())[0])
     assert [0] in participants and participants[-1] == [0, 1] and healed < PAIR_STEPS, (participants, healed)
-    digests = [
-        re.findall(rf"replica group {g} weights: (\w+)", job.output()) for g, job in enumerate((survivor, failing))
-    ]
+    digests = weight_digests([survivor.output(), failing.output()])
     assert digests[0] and digests[0][-1:] == digests[1][-1:]
     [expected] = run_ranks(surviving_batches_reference, 1, participants, GROUP_ARGS, 2)
     losses = [alive[s][1] for s in range(1, PAIR_STEPS + 1)]
