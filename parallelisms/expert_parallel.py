@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 
 from parallelisms.model_parts import moe_layers
 from parallelisms.moe_split import SPLIT
@@ -139,6 +140,12 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, checkpoint_mesh
 def expert_params(model: nn.Module) -> list[nn.Parameter]:
     """The parameters that differ between EP ranks: every MoE layer's routed experts."""
     return [p for moe in moe_layers(model) for p in moe.experts.parameters()]
+
+
+def gathered_experts(model: nn.Module) -> list[FSDPModule]:
+    """Every MoE layer's routed experts as the FSDP unit ``parallelisms/fsdp.py`` made of them:
+    what ``GradAccumulator`` keeps gathered through the step when that unit spans one rank."""
+    return [moe.experts for moe in moe_layers(model) if isinstance(moe.experts, FSDPModule)]
 
 
 def assume_routing(model: nn.Module, routing: AssumedRouting) -> None:

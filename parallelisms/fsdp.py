@@ -30,13 +30,15 @@ def apply_fsdp(
     reduce_dtype: torch.dtype,
     reshard_after_forward: str,
     expert_mesh: DeviceMesh | None = None,
+    experts_stay_gathered: bool = False,
     replicated_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """Shard ``model`` in place over ``mesh`` (1-D: FSDP, 2-D: HSDP) and return it.
 
     ``expert_mesh``: under expert parallelism each MoE layer's routed experts are a unit of their
     own, sharded over the data-parallel ranks outside the EP group
-    (``parallelisms/expert_parallel.py``).
+    (``parallelisms/expert_parallel.py``). ``experts_stay_gathered``: that unit spans one rank,
+    so it is not resharded after forward (``GradAccumulator`` keeps it gathered through the step).
 
     ``replicated_mesh``: under tensor parallelism each MoE layer's router and shared experts
     (and its routed experts without EP), replicated over TP ranks that feed them different
@@ -56,7 +58,8 @@ def apply_fsdp(
     units = list(blocks(model).values())
     if expert_mesh is not None:
         for moe in moe_layers(model):
-            fully_shard(moe.experts, mesh=expert_mesh, mp_policy=mp_policy, reshard_after_forward=not never)
+            reshard = not (never or experts_stay_gathered)
+            fully_shard(moe.experts, mesh=expert_mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
     if replicated_mesh is not None:
         for moe in moe_layers(model):
             # Without expert parallelism the routed experts are replicated over TP as well.

@@ -64,6 +64,9 @@ class ParallelSettings:
     param_dtype: torch.dtype = torch.float32
     reduce_dtype: torch.dtype = torch.float32
     reshard_after_forward: str = "default"
+    experts_stay_gathered: bool = False
+    """The routed experts' unit, over one rank (``ParallelDims.experts_one_rank``), is gathered
+    once a step and its gradients reduced once, on the last micro-batch."""
     pp_schedule: str = "1F1B"
     pp_microbatch_size: int = 1
     pp_layers_per_stage: int = -1
@@ -255,6 +258,7 @@ def parallelize(
             reduce_dtype=settings.reduce_dtype,
             reshard_after_forward=settings.reshard_after_forward,
             expert_mesh=meshes.expert_fsdp,
+            experts_stay_gathered=settings.experts_stay_gathered,
             replicated_mesh=meshes.replicated_fsdp if dims.tp > 1 else None,
         )
     return Parallelized(context_parallel, parts if split else None, split, float8_linears)

@@ -151,5 +151,6 @@ def trained_alike(survivor: Launched, joining: Launched, steps: int) -> tuple[di
 
 
 def weight_digests(outputs: list[str]) -> list[list[str]]:
-    """Each group's weight digests, as group g's log (``outputs[g]``) prints them at its end."""
-    return [re.findall(rf"replica group {g} weights: (\w+)", output) for g, output in enumerate(outputs)]
+    """Each group's weight digests, as group g's log (``outputs[g]``) prints them at its end: one
+    string per print, every local rank's digest in it."""
+    return [re.findall(rf"replica group {g} weights: (\w+(?: \w+)*)", output) for g, output in enumerate(outputs)]

@@ -13,6 +13,12 @@ from moe_helpers import SKEW, TOLERANCE, differences, launch_moe
 MESHES = {
     "ep=2, 2 micro-batches": (2, 2, ["--mesh", "dp_shard=2,ep=2"]),
     "ep=4, 2 micro-batches": (4, 1, ["--mesh", "dp_shard=4,ep=4"]),
+    # ep = dp_shard: the experts' FSDP unit spans one rank and stays gathered through the step.
+    "ep=2, 4 micro-batches, full recompute": (
+        2,
+        1,
+        ["--mesh", "dp_shard=2,ep=2", "--activation_checkpoint.mode", "full"],
+    ),
     "dp_shard=4 x ep=2, full recompute": (4, 1, ["--mesh", "dp_shard=4,ep=2", "--activation_checkpoint.mode", "full"]),
     "dp_replicate=2 x ep=2, 2 micro-batches": (4, 1, ["--mesh", "dp_replicate=2,dp_shard=2,ep=2"]),
 }

@@ -13,7 +13,7 @@ from trainer.config import load_config
 from trainer.planning.job_plan import resolve_job
 from trainer.planning.loss_chunking import AUTO_CHUNK_TOKENS, FIT_FRACTION
 from trainer.planning.memory_limits import TARGET_MEMORY_BYTES
-from trainer.planning.memory_plan import HELD_FORWARDS_SHARE, estimate, fitted
+from trainer.planning.memory_plan import HELD_FORWARDS_SHARE, Workload, estimate, fitted
 
 H100 = TARGET_MEMORY_BYTES["h100"]
 EIGHT_B = ["--config", "llama3_8b.toml"]
@@ -95,7 +95,8 @@ def test_held_forwards_keep_their_loss_gradients_where_they_fit():
     """The held forwards of exact balancing compute their loss's gradients at once, keeping the
     output weight's gradient per micro-batch, without tensor parallelism (whose output weight is
     a DTensor); where that alone does not fit, the chunks' logits are recomputed in backward
-    instead, and where the held forwards do not fit either, the pre-pass counts."""
+    instead, and where the held forwards do not fit either, the pre-pass counts. Routed experts
+    over one rank (ep 8 = dp_shard), kept gathered through the step, are given up before each."""
     preset = ["--config", "qwen3_30b_a3b.toml"]
     held = _plan(preset, 8, 4 * H100).workload
     assert held.holds_loss_gradients and held.accumulation > 1
@@ -105,7 +106,15 @@ def test_held_forwards_keep_their_loss_gradients_where_they_fit():
     recomputed = replace(held, hold_loss_gradients=False)
     gradients = held.accumulation * held.vocab_size * held.dim * held.compute_bytes
     assert estimate(held).activations - estimate(recomputed).activations >= gradients - 2 * held.dim * held.vocab_size
-    between = int((estimate(held).total + estimate(recomputed).total) / 2 / HELD_FORWARDS_SHARE)
-    assert fitted(held, 4 * H100) == held
-    assert fitted(held, between) == recomputed and recomputed.holds_forwards
-    assert not fitted(held, int(estimate(recomputed).total / HELD_FORWARDS_SHARE) - 1).holds_forwards
+    assert fitted(held, 4 * H100) == held and held.experts_stay_gathered
+
+    def between(larger: Workload, smaller: Workload) -> int:
+        return int((estimate(larger).total + estimate(smaller).total) / 2 / HELD_FORWARDS_SHARE)
+
+    resharded = replace(held, gathers_one_rank_experts=False)
+    assert fitted(held, between(held, resharded)) == resharded and not resharded.experts_stay_gathered
+    both = replace(recomputed, gathers_one_rank_experts=False)
+    assert fitted(held, between(recomputed, both)) == both and both.holds_forwards
+    prepass = fitted(held, int(estimate(both).total / HELD_FORWARDS_SHARE) - 1)
+    assert not prepass.holds_forwards and prepass.experts_stay_gathered
+    assert fitted(held, H100) == prepass  # the preset: 71.0 GiB of an H100's 79.2 with the experts gathered

@@ -29,13 +29,16 @@ PAIR_STEPS = 30
 
 
 @pytest.mark.launcher
-def test_groups_of_two_processes_leave_out_a_killed_group_and_heal_it_exactly(lighthouse, tmp_path):
-    """Two groups of two processes each (FSDP over two ranks inside a group): group 1's processes
-    SIGKILLed at step 3 and restarted by torchrun, group 0 trains on alone (paced until the
-    restarted group heals from it). Every step's loss equals one process fed the surviving
-    groups' batches (each group's two ranks read the data-parallel shards 2g and 2g + 1), and
-    the two groups end with the same weights."""
-    mesh = ["--mesh", "dp_shard=2"]
+@pytest.mark.parametrize("layout", ["dp_shard=2", "tp=2"])
+def test_groups_of_two_processes_leave_out_a_killed_group_and_heal_it_exactly(layout, lighthouse, tmp_path):
+    """Two groups of two processes each (FSDP over two ranks inside a group, or tensor
+    parallelism over two): group 1's processes SIGKILLed at step 3 and restarted by torchrun,
+    group 0 trains on alone (paced until the restarted group heals from it). Every step's loss
+    equals one process fed the surviving groups' batches (under FSDP each group's two ranks read
+    the data-parallel shards 2g and 2g + 1; under TP both read shard g), and the two groups end
+    with the same weights (the digest covers each rank's shards)."""
+    mesh = ["--mesh", layout]
+    data_ranks = 2 if layout.startswith("dp_shard") else 1
     survivor = Launched(
         2, [*group_args(0, lighthouse, tmp_path / "group0", steps=PAIR_STEPS), *mesh], tmp_path / "0.log"
     )
@@ -58,7 +61,7 @@ def test_groups_of_two_processes_leave_out_a_killed_group_and_heal_it_exactly(li
     assert [0] in participants and participants[-1] == [0, 1] and healed < PAIR_STEPS, (participants, healed)
     digests = weight_digests([survivor.output(), failing.output()])
     assert digests[0] and digests[0][-1:] == digests[1][-1:]
-    [expected] = run_ranks(surviving_batches_reference, 1, participants, GROUP_ARGS, 2)
+    [expected] = run_ranks(surviving_batches_reference, 1, participants, GROUP_ARGS, data_ranks)
     losses = [alive[s][1] for s in range(1, PAIR_STEPS + 1)]
     assert losses == pytest.approx(expected["loss"], rel=TRAJECTORY_TOLERANCE)
 

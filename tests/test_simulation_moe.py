@@ -201,3 +201,30 @@ def test_the_breakdown_adds_up_and_one_fsdp_rank_copies_once_a_step(tmp_path):
     assert role["memory_traffic_bytes_per_step"] < 0.9 * role["eager_memory_traffic_bytes_per_step"]
     kept, resharded = (roles[n]["eager_memory_traffic_bytes_per_step"] for n in ("kept", "resharded"))
     assert kept < 0.9 * resharded
+
+
+@pytest.mark.slow
+def test_experts_over_one_fsdp_rank_stay_gathered_through_the_step(tmp_path):
+    """ep = dp_shard: each routed expert lives on one rank, so its FSDP unit spans one rank and
+    ``fsdp_reshard_after_forward = default`` keeps it gathered and its gradients unsharded for the
+    step. Resharding it (``always``) copies the experts in and out and casts them in every
+    micro-batch's forward and backward again; kept, they are copied once a step (fewer than half
+    the bytes of ``copy_``), and the gathered experts are in the peak."""
+    layout = ["--mesh", "dp_shard=2,ep=2", "--training.local_batch_size", "1", "--training.global_batch_size", "16"]
+    job = [*DEBUG_MOE, *layout]
+    roles = {}
+    for name in ("default", "always"):
+        code, text, report = simulate_job(tmp_path / name, 2, *job, "--parallelism.fsdp_reshard_after_forward", name)
+        assert code == 0, text
+        (roles[name],) = report["roles"]
+        assert report["batch"]["microbatches"] == 8
+
+    def copied(role: dict) -> float:
+        return sum(r["memory_bytes"] for r in role["by_op"] if r["name"] == "copy_")
+
+    kept, resharded = roles["default"], roles["always"]
+    assert copied(kept) < 0.5 * copied(resharded)
+    assert kept["eager_memory_traffic_bytes_per_step"] < 0.95 * resharded["eager_memory_traffic_bytes_per_step"]
+    assert kept["memory"]["unsharded_params"] > 2 * resharded["memory"]["unsharded_params"]
+    plan = resolve_job(load_config([*DEBUG_MOE[:2], *layout]), 2)
+    assert plan.parallel.experts_stay_gathered and plan.workload.experts_stay_gathered

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
-from parallelisms.expert_parallel import expert_params
+from parallelisms.expert_parallel import expert_params, gathered_experts
 from parallelisms.float8 import describe as describe_float8
 from parallelisms.float8 import precompute_scales
 from parallelisms.parallel_dims import Meshes, device_type
@@ -203,6 +203,7 @@ def _assemble(
         hsdp=plan.dims.hsdp,
         defer_gradient_reduction=training.defer_gradient_reduction,
         keep_gathered=plan.dims.fsdp_one_rank and plan.parallel.reshard_after_forward == "never",
+        gathered_experts=gathered_experts(model) if plan.parallel.experts_stay_gathered else None,
         stats_group=meshes.stats.get_group() if plan.dims.pp > 1 else None,
         pp_degree=plan.dims.pp,
         layout_invariant=(

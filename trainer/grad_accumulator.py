@@ -100,6 +100,7 @@ class GradAccumulator:
         hsdp: bool,
         defer_gradient_reduction: bool = False,
         keep_gathered: bool = False,
+        gathered_experts: list[FSDPModule] | None = None,
         stats_group: dist.ProcessGroup | None = None,
         pp_degree: int = 1,
         layout_invariant: LayoutInvariantReduction | None = None,
@@ -119,6 +120,10 @@ class GradAccumulator:
         and the gradients unsharded until the last backward, whose reduction is then the step's
         only copy; nothing is exchanged, so nothing is deferred but copies."""
         self.defer_gradient_reduction = defer_gradient_reduction or keep_gathered
+        self.gathered_experts = gathered_experts or []
+        """The routed experts' units over one rank (``ParallelDims.experts_one_rank``), kept
+        gathered and their gradients unsharded until the last backward, as ``keep_gathered``
+        does for a whole one-rank job."""
         self._distributed = loss_group is not None
         self.stats_group = stats_group or loss_group
         self.pp_degree = pp_degree
@@ -169,6 +174,9 @@ class GradAccumulator:
             self.fsdp.set_requires_gradient_sync(is_last)
         if self.keep_gathered:
             self.fsdp.set_reshard_after_backward(is_last)
+        for experts in self.gathered_experts:
+            experts.set_requires_gradient_sync(is_last, recurse=False)
+            experts.set_reshard_after_backward(is_last, recurse=False)
 
     def record_loss(self, loss_sum: torch.Tensor) -> None:
         """Add a micro-batch's summed loss (after its backward) to the step's total; with

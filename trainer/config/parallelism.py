@@ -86,7 +86,9 @@ class Parallelism:
         "Free gathered parameters after forward: `always`, `never` (faster backward, more "
         "memory), or `default` (every block but the last one, whose backward runs at once; with one "
         "data-parallel rank and no TP, CP or PP, keep every block gathered and the gradients "
-        "unsharded for the whole step, cast and reduced once a step instead of per micro-batch).",
+        "unsharded for the whole step, cast and reduced once a step instead of per micro-batch; "
+        "likewise the routed experts when `ep` equals the data-parallel shard x CP ranks without "
+        "TP, HSDP or PP, as each expert then lives on one rank).",
         ("default", "always", "never"),
     )
     disable_loss_parallel: bool = setting(

@@ -15,7 +15,7 @@ from trainer.config import load_config
 from trainer.data.datasets import TokenDataset, data_lines, load_dataset, load_validation_dataset
 from trainer.planning.job_plan import JobPlan, check_memory, describe, resolve_job
 from trainer.planning.memory_limits import memory_limit, target_device
-from trainer.planning.memory_plan import fitted
+from trainer.planning.memory_plan import Workload, fitted
 from trainer.planning.target_figures import parse_overrides
 from trainer.runtime.dump_folder import check_dump_folder
 from trainer.runtime.errors import ConfigError
@@ -156,8 +156,22 @@ def prepare_plan(
 
 def fitted_plan(plan: JobPlan, memory_limit: int | None) -> JobPlan:
     """``plan`` for a rank of ``memory_limit`` bytes (None: unknown), where exact MoE balancing
-    holds the step's forwards only if they fit (``trainer/planning/memory_plan.fitted``)."""
-    return replace(plan, workload=fitted(plan.workload, memory_limit))
+    holds the step's forwards, and routed experts over one rank stay gathered, only if they fit
+    (``trainer/planning/memory_plan.fitted``)."""
+    return holding_as(plan, fitted(plan.workload, memory_limit))
+
+
+def holding_as(plan: JobPlan, decided: Workload) -> JobPlan:
+    """``plan``, holding for speed what ``decided`` holds (``memory_plan.fitted``): the held
+    forwards, their loss's gradients, the routed experts kept gathered."""
+    workload = replace(
+        plan.workload,
+        hold_forwards=decided.hold_forwards,
+        hold_loss_gradients=decided.hold_loss_gradients,
+        gathers_one_rank_experts=decided.gathers_one_rank_experts,
+    )
+    parallel = replace(plan.parallel, experts_stay_gathered=workload.experts_stay_gathered)
+    return replace(plan, workload=workload, parallel=parallel)
 
 
 def describe_job(request: Request, world_size: int, local_ranks: int) -> None:

@@ -18,7 +18,7 @@ import sys
 from dataclasses import replace
 
 from trainer.config import JobConfig, load_config
-from trainer.entry.job import Request, fitted_plan, parse_request, prepare_plan
+from trainer.entry.job import Request, holding_as, parse_request, prepare_plan
 from trainer.planning.job_plan import JobPlan, check_torch, resolve_job
 from trainer.runtime.dump_folder import DumpFolderLock, check_dump_folder
 from trainer.runtime.stop_requests import Stopped, stopped_by_signals
@@ -83,7 +83,9 @@ def simulate_roles(
     if traced_plan.parallel.float8 is not None and target.name != "cpu":
         # The target's float8 matmuls, not this CPU's emulation of them: their FLOPs run at the float8 peak.
         traced_plan.parallel = replace(traced_plan.parallel, float8=replace(traced_plan.parallel.float8, emulate=False))
-    traced_plan = fitted_plan(traced_plan, target.memory_bytes)
+    # What the job holds for speed where it fits was decided for the target's GPU: the traced
+    # plan's own estimate would be this CPU's.
+    traced_plan = holding_as(traced_plan, job_plan.workload)
     print(
         f"simulating {job_plan.dims.pp} role(s) of {job_plan.dims.world_size} ranks on fake tensors, "
         f"at most {traced} of the step's {real} micro-batches traced ...",

@@ -288,6 +288,9 @@ def memory_workload(
         accumulation=settings.pp_rank_batch // training.local_batch_size,
         fixed_global_batch=training.global_batch_size != -1,
         reshard_after_forward=settings.reshard_after_forward,
+        gathers_one_rank_experts=settings.reshard_after_forward == "default"
+        and dims.dp_replicate == 1
+        and not config.debug.layout_invariant,
         cp_allgather_kv=resolve_backend(settings.cp_backend, device, settings.document_mask) == "allgather_kv",
         cp_ulysses=resolve_backend(settings.cp_backend, device, settings.document_mask) == "ulysses",
         document_mask=settings.document_mask,
@@ -382,6 +385,7 @@ def parallel_settings(
         param_dtype=param_dtype(config.training.mixed_precision_param, device or device_type()),
         reduce_dtype=getattr(torch, config.training.mixed_precision_reduce),
         reshard_after_forward="never" if dims.fsdp_one_rank and reshard == "default" else reshard,
+        experts_stay_gathered=dims.experts_one_rank and reshard == "default" and not config.debug.layout_invariant,
         pp_schedule=parallelism.pipeline_parallel_schedule,
         pp_microbatch_size=parallelism.pipeline_parallel_microbatch_size,
         pp_layers_per_stage=parallelism.pipeline_parallel_layers_per_stage,

@@ -105,6 +105,9 @@ class Workload:
     fixed_global_batch: bool = True
     """``training.global_batch_size`` is set: more data-parallel ranks must divide it."""
     reshard_after_forward: str = "default"
+    gathers_one_rank_experts: bool = False
+    """Routed experts whose FSDP unit spans one rank stay gathered through the step
+    (``fsdp_reshard_after_forward = default``, no HSDP, no layout-invariant mode)."""
     cp_allgather_kv: bool = True
     cp_ulysses: bool = False
     document_mask: bool = False
@@ -197,6 +200,12 @@ class Workload:
         return blocks * per_block + (self.vocab_size * self.dim * (first + last) + self.dim * last) / self.tp
 
     @property
+    def experts_stay_gathered(self) -> bool:
+        """As ``ParallelDims.experts_one_rank`` decides, for this layout."""
+        one_rank = self.experts is not None and 1 < self.experts.ep == self.dp_shard * self.cp
+        return self.gathers_one_rank_experts and one_rank and self.tp == 1 and self.pp == 1
+
+    @property
     def params(self) -> int:
         return self.n_layers * self.block_params + 2 * self.vocab_size * self.dim + self.dim
 
@@ -249,21 +258,31 @@ class _Share:
 
 
 HELD_FORWARDS_SHARE = 0.9
-"""The share of a rank's memory the estimate with held forwards may reach (the presets' headroom)."""
+"""The share of a rank's memory the estimate may reach with what ``default`` settings hold for
+speed: exact balancing's held forwards, routed experts kept gathered (the presets' headroom)."""
 
 
 def fitted(w: Workload, limit: int | None) -> Workload:
-    """``w``, with exact balancing's held forwards given up for the counting pre-pass where
-    every micro-batch's block inputs would take the estimate over ``HELD_FORWARDS_SHARE`` of
-    ``limit`` (bytes; None: unknown, held): the pre-pass costs a forward, not memory. Before
-    that, the held forwards give up their loss's gradients (a third more of the output
-    projection's work) where only those do not fit."""
-    if limit is None or not w.holds_forwards or estimate(w).total <= HELD_FORWARDS_SHARE * limit:
+    """``w`` for a rank of ``limit`` bytes (None: unknown, everything held), giving up what the
+    ``default`` settings hold for speed, least worth first, until the estimate is within
+    ``HELD_FORWARDS_SHARE`` of ``limit``. Exact balancing's held forwards spare the counting
+    pre-pass (a forward); their loss's gradients, held, a third more of the output projection's
+    work; routed experts over one rank kept gathered, a cast and a copy of them per micro-batch.
+    So the experts go first, then the loss's gradients (the experts tried again without them),
+    then the held forwards."""
+    if limit is None:
         return w
-    recomputed = replace(w, hold_loss_gradients=False)
-    if w.holds_loss_gradients and estimate(recomputed).total <= HELD_FORWARDS_SHARE * limit:
-        return recomputed
-    return replace(w, hold_forwards=False)
+    candidates = [
+        replace(
+            w,
+            hold_forwards=w.hold_forwards and forwards,
+            hold_loss_gradients=w.hold_loss_gradients and gradients,
+            gathers_one_rank_experts=w.gathers_one_rank_experts and experts,
+        )
+        for forwards, gradients in ((True, True), (True, False), (False, False))
+        for experts in (True, False)
+    ]
+    return next((c for c in candidates if estimate(c).total <= HELD_FORWARDS_SHARE * limit), candidates[-1])
 
 
 def estimate(w: Workload) -> Estimate:
@@ -335,6 +354,9 @@ def _estimate(w: Workload, share: _Share) -> Estimate:
         gathered_blocks = w.n_layers if w.reshard_after_forward == "never" else 2
         block_bytes = 1 if w.float8_all_gather else w.compute_bytes
         gathered = gathered_blocks * w.gathered_block * block_bytes + w.vocab_size * w.dim / w.tp * w.compute_bytes
+        if w.experts_stay_gathered and w.experts is not None:
+            held = max(0, w.n_layers - w.dense_layers - gathered_blocks)
+            gathered += held * w.experts.routed_params(w.dim) * w.compute_bytes
         fsdp_buffers = gathered + w.gathered_block * (w.compute_bytes + 4)
     device = w.device if w.device in RUNTIME_BYTES else "cpu"
     return Estimate(

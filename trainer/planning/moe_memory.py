@@ -70,7 +70,11 @@ class RoutedExperts:
 
     def gathered_params(self, dim: int) -> int:
         """What FSDP gathers of a MoE block's feed-forward on one rank: its own experts only."""
-        return dim * self.n_experts + 3 * dim * self.shared_hidden + 3 * dim * self.hidden * self.n_experts // self.ep
+        return dim * self.n_experts + 3 * dim * self.shared_hidden + self.routed_params(dim)
+
+    def routed_params(self, dim: int) -> int:
+        """A MoE block's routed experts on one rank: its own ``n_experts / ep``."""
+        return 3 * dim * self.hidden * self.n_experts // self.ep
 
     def received_rows(self) -> float:
         """Routed rows per local token the busiest rank computes (its own ``top_k`` when alone)."""
