@@ -36,6 +36,12 @@ GROUP_ARGS = [
     "4",  # per group: 2 micro-batches of 2 sequences
     "--metrics.enable_tensorboard=false",
 ]
+MOE_ARGS = [
+    *GROUP_ARGS,
+    *["--model.name", "moe", "--model.flavor", "debugmoe", "--moe.balance_loss_scope", "global_batch"],
+    *["--moe.balance_loss_weight", "0.1", "--moe.bias_update_rate", "0.01"],
+]
+"""The debug MoE with a global-batch balancing loss and the aux-loss-free bias."""
 TOKENS_LINE = re.compile(r"replica groups: step (\d+) trained by groups \[[\d, ]*\] of \d+, tokens \[([\d, ]*)\]")
 STEP_LINE = re.compile(
     r"replica groups: step (\d+) trained by groups \[([\d, ]*)\] of \d+, tokens \[[\d, ]*\], loss ([^;\s]+)"

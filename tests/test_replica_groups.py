@@ -25,9 +25,9 @@ import pytest
 import torch
 from harness import ROOT, Launched, free_port, run_ranks, tensorboard_scalars
 from replica_helpers import (
-    GROUP_ARGS,
     GROUPS,
     HEALED,
+    MOE_ARGS,
     STEPS,
     TRAJECTORY_TOLERANCE,
     ending,
@@ -123,11 +123,6 @@ def test_a_killed_or_stalled_group_is_left_out_heals_and_every_loss_is_over_the_
 
 
 MOE_STEPS = 16
-MOE_ARGS = [
-    *GROUP_ARGS,
-    *["--model.name", "moe", "--model.flavor", "debugmoe", "--moe.balance_loss_scope", "global_batch"],
-    *["--moe.balance_loss_weight", "0.1", "--moe.bias_update_rate", "0.01"],
-]
 MOE_LAYERS = (1, 2, 3)
 """The debug MoE's routed blocks (the first is dense)."""
 

@@ -1,5 +1,5 @@
-"""Replica groups of several processes (FSDP over two ranks inside a group): a killed group is
-restarted whole by torchrun and heals exactly, and a restarted group forgets the manager address
+"""Replica groups of several processes (FSDP, TP, PP or EP over two ranks inside a group): a
+killed group is restarted whole by torchrun and heals exactly, and a restarted group forgets the manager address
 its killed attempt left in torchrun's store."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from harness import Launched, run_ranks
 from replica_helpers import (
     GROUP_ARGS,
     HEALED,
+    MOE_ARGS,
     TRAJECTORY_TOLERANCE,
     ending,
     group_args,
@@ -28,23 +29,29 @@ pytest.importorskip("torchft")
 PAIR_STEPS = 30
 
 
+LAYOUTS = {"dp_shard=2": GROUP_ARGS, "tp=2": GROUP_ARGS, "pp=2": GROUP_ARGS, "dp_shard=2,ep=2": MOE_ARGS}
+"""A group's mesh -> the model it trains (expert parallelism: the debug MoE, exact balancing).
+``cp=2`` passed as well (2026-11-28, run by hand) and is left out of the suite for its time."""
+
+
 @pytest.mark.launcher
-@pytest.mark.parametrize("layout", ["dp_shard=2", "tp=2"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_groups_of_two_processes_leave_out_a_killed_group_and_heal_it_exactly(layout, lighthouse, tmp_path):
-    """Two groups of two processes each (FSDP over two ranks inside a group, or tensor
-    parallelism over two): group 1's processes SIGKILLed at step 3 and restarted by torchrun,
-    group 0 trains on alone (paced until the restarted group heals from it). Every step's loss
-    equals one process fed the surviving groups' batches (under FSDP each group's two ranks read
-    the data-parallel shards 2g and 2g + 1; under TP both read shard g), and the two groups end
-    with the same weights (the digest covers each rank's shards)."""
-    mesh = ["--mesh", layout]
+    """Two groups of two processes each (FSDP over two ranks inside a group, tensor parallelism
+    over two, two pipeline stages, or FSDP with the MoE's experts split over both): group 1's processes SIGKILLed at
+    step 3 and restarted by torchrun, group 0 trains on alone (paced until the restarted group
+    heals from it). Every step's loss equals one process fed the surviving groups' batches (under
+    FSDP each group's two ranks read the data-parallel shards 2g and 2g + 1; under TP and PP
+    both read shard g), and the two groups end with the same weights (the digest covers each rank's
+    shards)."""
+    mesh, model = ["--mesh", layout], LAYOUTS[layout]
     data_ranks = 2 if layout.startswith("dp_shard") else 1
     survivor = Launched(
-        2, [*group_args(0, lighthouse, tmp_path / "group0", steps=PAIR_STEPS), *mesh], tmp_path / "0.log"
+        2, [*group_args(0, lighthouse, tmp_path / "group0", model, PAIR_STEPS), *mesh], tmp_path / "0.log"
     )
     failing = Launched(
         2,
-        [*group_args(1, lighthouse, tmp_path / "group1", steps=PAIR_STEPS), *mesh],
+        [*group_args(1, lighthouse, tmp_path / "group1", model, PAIR_STEPS), *mesh],
         tmp_path / "1.log",
         MAX_RESTARTS="1",
     )
@@ -61,7 +68,7 @@ def test_groups_of_two_processes_leave_out_a_killed_group_and_heal_it_exactly(la
     assert [0] in participants and participants[-1] == [0, 1] and healed < PAIR_STEPS, (participants, healed)
     digests = weight_digests([survivor.output(), failing.output()])
     assert digests[0] and digests[0][-1:] == digests[1][-1:]
-    [expected] = run_ranks(surviving_batches_reference, 1, participants, GROUP_ARGS, data_ranks)
+    [expected] = run_ranks(surviving_batches_reference, 1, participants, model, data_ranks)
     losses = [alive[s][1] for s in range(1, PAIR_STEPS + 1)]
     assert losses == pytest.approx(expected["loss"], rel=TRAJECTORY_TOLERANCE)
 
