@@ -15,8 +15,9 @@ from trainer.config import load_config
 from trainer.entry.job import parse_request
 from trainer.loss import cross_entropy_sum
 from trainer.model.llama3 import FLAVORS, Transformer
+from trainer.planning.held_for_speed import fitted
 from trainer.planning.job_plan import resolve_job
-from trainer.planning.memory_plan import estimates, fitted
+from trainer.planning.memory_plan import estimates
 from trainer.simulation.memory_tracker import MemoryTracker, label_training_state
 from trainer.simulation.targets import parse_overrides, target_named
 

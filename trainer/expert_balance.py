@@ -21,7 +21,7 @@ depend on the mesh or the accumulation count:
   micro-batch's backward recomputes its blocks with the step's ``f``: no extra compute, and the
   step holds every micro-batch's block inputs until its backwards (the memory plan counts them
   and falls back to the pre-pass where they would not fit: ``Workload.holds_forwards`` and
-  ``fitted`` in ``trainer/planning/memory_plan.py``). Elsewhere (no or selective checkpointing,
+  ``fitted`` in ``trainer/planning/held_for_speed.py``). Elsewhere (no or selective checkpointing,
   whose held forwards would keep every micro-batch's activations; pipeline parallelism, whose
   schedules interleave forwards and backwards; the loss unchunked, whose logits would be held) a
   forward-only

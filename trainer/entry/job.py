@@ -13,9 +13,10 @@ from dataclasses import dataclass, field, replace
 
 from trainer.config import load_config
 from trainer.data.datasets import TokenDataset, data_lines, load_dataset, load_validation_dataset
+from trainer.planning.held_for_speed import fitted
 from trainer.planning.job_plan import JobPlan, check_memory, describe, resolve_job
 from trainer.planning.memory_limits import memory_limit, target_device
-from trainer.planning.memory_plan import Workload, fitted
+from trainer.planning.memory_plan import Workload
 from trainer.planning.target_figures import parse_overrides
 from trainer.runtime.dump_folder import check_dump_folder
 from trainer.runtime.errors import ConfigError
@@ -157,12 +158,12 @@ def prepare_plan(
 def fitted_plan(plan: JobPlan, memory_limit: int | None) -> JobPlan:
     """``plan`` for a rank of ``memory_limit`` bytes (None: unknown), where exact MoE balancing
     holds the step's forwards, and routed experts over one rank stay gathered, only if they fit
-    (``trainer/planning/memory_plan.fitted``)."""
+    (``trainer/planning/held_for_speed.fitted``)."""
     return holding_as(plan, fitted(plan.workload, memory_limit))
 
 
 def holding_as(plan: JobPlan, decided: Workload) -> JobPlan:
-    """``plan``, holding for speed what ``decided`` holds (``memory_plan.fitted``): the held
+    """``plan``, holding for speed what ``decided`` holds (``held_for_speed.fitted``): the held
     forwards, their loss's gradients, the routed experts kept gathered."""
     workload = replace(
         plan.workload,

@@ -57,7 +57,7 @@ def resolve_loss_chunking(
     if device == "cpu":
         return LossChunking(AUTO_CHUNK_TOKENS, "auto, on the CPU (chunking costs nothing measurable there)")
     # Held forwards in their smallest form (each chunk's logits recomputed); whether they keep
-    # their loss's gradients is memory_plan.fitted's to decide.
+    # their loss's gradients is held_for_speed.fitted's to decide.
     chunked = replace(workload, loss_chunk_tokens=AUTO_CHUNK_TOKENS, hold_loss_gradients=False)
     if chunked.holds_forwards and (limit is None or estimate(chunked).total <= FIT_FRACTION * limit):
         return LossChunking(

@@ -19,7 +19,8 @@ from dataclasses import replace
 
 from parallelisms.parallel_dims import ParallelismError
 from parallelisms.pipeline_split import plan_split
-from trainer.planning.memory_plan import Workload, estimate, fitted
+from trainer.planning.held_for_speed import fitted
+from trainer.planning.memory_plan import Workload, estimate
 
 
 def what_would_fit(w: Workload, limit: int, world_size: int, machines: str = "machines") -> str:
@@ -81,7 +82,7 @@ def fixes(w: Workload, limit: int, world_size: int) -> tuple[str, list[str]]:
 
 def _fits(w: Workload, limit: int) -> bool:
     """Whether ``w`` fits ``limit`` as the job would run it: exact balancing's held forwards, and
-    their loss gradients, given up first where they would not fit (``memory_plan.fitted``)."""
+    their loss gradients, given up first where they would not fit (``held_for_speed.fitted``)."""
     return estimate(fitted(w, limit)).total <= limit
 
 

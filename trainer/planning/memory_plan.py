@@ -63,7 +63,7 @@ measured peak on CPU (docs/performance.md gives the figures).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from parallelisms.pipeline_split import plan_split
 from trainer.hardware import ALLOCATOR_SLACK, RUNTIME_BYTES, gib
@@ -129,10 +129,10 @@ class Workload:
     """A Mixture-of-Experts model's routed experts (``moe_memory.py``); None: dense."""
     hold_forwards: bool = True
     """Exact MoE balancing may hold the step's forwards (:attr:`holds_forwards`); False where
-    :func:`fitted` found that they would not fit."""
+    ``held_for_speed.fitted`` found that they would not fit."""
     hold_loss_gradients: bool = True
     """Held forwards may keep their loss's gradients (:attr:`holds_loss_gradients`); False where
-    :func:`fitted` found that they would not fit."""
+    ``held_for_speed.fitted`` found that they would not fit."""
 
     @property
     def holds_forwards(self) -> bool:
@@ -255,34 +255,6 @@ class _Share:
     """Micro-batches of the rank's blocks whose activations are kept at the peak."""
     logits: int
     """Micro-batches whose logits are kept (on the last stage)."""
-
-
-HELD_FORWARDS_SHARE = 0.9
-"""The share of a rank's memory the estimate may reach with what ``default`` settings hold for
-speed: exact balancing's held forwards, routed experts kept gathered (the presets' headroom)."""
-
-
-def fitted(w: Workload, limit: int | None) -> Workload:
-    """``w`` for a rank of ``limit`` bytes (None: unknown, everything held), giving up what the
-    ``default`` settings hold for speed, least worth first, until the estimate is within
-    ``HELD_FORWARDS_SHARE`` of ``limit``. Exact balancing's held forwards spare the counting
-    pre-pass (a forward); their loss's gradients, held, a third more of the output projection's
-    work; routed experts over one rank kept gathered, a cast and a copy of them per micro-batch.
-    So the experts go first, then the loss's gradients (the experts tried again without them),
-    then the held forwards."""
-    if limit is None:
-        return w
-    candidates = [
-        replace(
-            w,
-            hold_forwards=w.hold_forwards and forwards,
-            hold_loss_gradients=w.hold_loss_gradients and gradients,
-            gathers_one_rank_experts=w.gathers_one_rank_experts and experts,
-        )
-        for forwards, gradients in ((True, True), (True, False), (False, False))
-        for experts in (True, False)
-    ]
-    return next((c for c in candidates if estimate(c).total <= HELD_FORWARDS_SHARE * limit), candidates[-1])
 
 
 def estimate(w: Workload) -> Estimate:
