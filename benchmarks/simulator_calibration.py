@@ -110,14 +110,15 @@ def layers_of(args: list[str]) -> int:
 
 def predict(jobs: list[tuple[Job, float]], layers: int | None, dump: Path) -> list[Prediction]:
     """Each job's tokens/s with the constants and with the H200's calibration, from one trace
-    per distinct job (a compiled job traces as its eager twin: the simulation does not compile)."""
+    per distinct job (a compiled job traces eagerly the ops its compiled blocks run, such as the
+    MoE combine compile fuses: ``MoE.fused_combine``)."""
     calibrated = resolve_target("h200", {}, 1)
     plain = replace(calibrated, calibration=None, calibration_file="")
     costs: dict[tuple[str, ...], tuple[TracedCost, int]] = {}
     predictions = []
     for job, measured in jobs:
         compiled = "--compile.enable" in job.args
-        args = [a for a in job.args if a != "--compile.enable"]
+        args = job.args
         if tuple(args) not in costs:
             depth = layers_of(args)
             if layers is None or layers >= depth:

@@ -38,7 +38,7 @@ from parallelisms.context_parallel import ContextParallel, resolve_backend
 from parallelisms.expert_parallel import apply_expert_parallel
 from parallelisms.float8 import Float8Settings, convert_to_float8, tensor_parallel_styles
 from parallelisms.fsdp import apply_fsdp
-from parallelisms.model_parts import blocks
+from parallelisms.model_parts import blocks, moe_layers
 from parallelisms.parallel_dims import Meshes, ParallelDims, ParallelismError
 from parallelisms.pipeline_split import PipelineSplit, check_pipeline, plan_split, split_model
 from parallelisms.tensor_parallel import apply_tp
@@ -60,6 +60,9 @@ class ParallelSettings:
     ac_mode: str = "none"
     ac_option: str = "op"
     compile_model: bool = False
+    fused_moe_combine: bool = False
+    """MoE layers combine their routed rows as compile fuses them (``MoE.fused_combine``): with
+    ``compile_model``, and when ``--simulate`` traces a compiled job eagerly."""
     compile_loss: bool = False
     param_dtype: torch.dtype = torch.float32
     reduce_dtype: torch.dtype = torch.float32
@@ -248,6 +251,8 @@ def parallelize(
         if context_parallel:
             context_parallel.apply(part)
         apply_activation_checkpointing(part, settings.ac_mode, settings.ac_option)
+        for moe in moe_layers(part):
+            moe.fused_combine = settings.fused_moe_combine
         if settings.compile_model:
             for block in blocks(part).values():
                 block.compile()  # in place, so parameter names stay the same

@@ -86,6 +86,9 @@ def simulate_roles(
     # What the job holds for speed where it fits was decided for the target's GPU: the traced
     # plan's own estimate would be this CPU's.
     traced_plan = holding_as(traced_plan, job_plan.workload)
+    # A compiled job's ops as it runs them, traced eagerly (compile's fusion is modelled).
+    fused = resolve_job(load_config(argv), nproc * nnodes, figures=figures).parallel.fused_moe_combine
+    traced_plan.parallel = replace(traced_plan.parallel, fused_moe_combine=fused)
     print(
         f"simulating {job_plan.dims.pp} role(s) of {job_plan.dims.world_size} ranks on fake tensors, "
         f"at most {traced} of the step's {real} micro-batches traced ...",

@@ -302,6 +302,11 @@ class MoE(nn.Module):
         # Expert parallelism swaps in the all-to-all exchange with the other ranks' experts.
         self.dispatch: Dispatch = local_dispatch
         self.balancing = Balancing()
+        self.fused_combine = False
+        """The combine's weighted sum over each token's k rows as elementwise ops and a reduction,
+        which compile fuses with the gather into one kernel (``parallelize`` sets it for compiled
+        blocks); otherwise one batched matmul, which in eager reads each routed row once and
+        writes no tokens x k x dim product to read back, forward or backward."""
         self.register_buffer("expert_bias", torch.zeros(args.n_experts))
         self.register_buffer("tokens_per_expert", torch.zeros(args.n_experts), persistent=False)
         self.register_buffer("global_counts", torch.zeros(args.n_experts), persistent=False)
@@ -331,9 +336,12 @@ class MoE(nn.Module):
             sorted_tokens = expand_tokens(flat, order, inverse, self.top_k)
         routed = self.dispatch(sorted_tokens, counts, self.experts)
         with SPLIT.part("combine"):
-            # A gather, the weights and the sum over each token's k rows: one kernel when compiled.
-            unsorted = permute_rows(routed, inverse, order)
-            out = (unsorted.view(-1, self.top_k, dim) * weights.unsqueeze(-1).to(unsorted.dtype)).sum(1)
+            unsorted = permute_rows(routed, inverse, order).view(-1, self.top_k, dim)
+            scale = weights.unsqueeze(1).to(unsorted.dtype)
+            if self.fused_combine:
+                out = (scale.transpose(1, 2) * unsorted).sum(1)
+            else:
+                out = torch.bmm(scale, unsorted).squeeze(1)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         return self._add_balance_loss(out, probs, chosen, counts, bsz, counted).view(bsz, seq, dim)

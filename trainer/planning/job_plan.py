@@ -381,6 +381,7 @@ def parallel_settings(
         ac_mode=config.activation_checkpoint.mode,
         ac_option=config.activation_checkpoint.selective_ac_option,
         compile_model=compile_config.enable and "model" in compile_config.components,
+        fused_moe_combine=compile_config.enable and "model" in compile_config.components,
         compile_loss=compile_config.enable and "loss" in compile_config.components,
         param_dtype=param_dtype(config.training.mixed_precision_param, device or device_type()),
         reduce_dtype=getattr(torch, config.training.mixed_precision_reduce),
