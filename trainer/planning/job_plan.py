@@ -328,7 +328,7 @@ def describe(plan: JobPlan, limit: int | None, where: str) -> str:
             f"mesh: pp={dims.pp} dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} cp={dims.cp} tp={dims.tp} "
             + (f"ep={dims.ep} " if w.experts else "")
             + f"({dims.world_size} processes)",
-            *([experts_line(w.experts)] if w.experts else []),
+            *([experts_line(w.experts, w.experts_stay_gathered)] if w.experts else []),
             f"batch: {plan.global_batch_size} x {training.seq_len} tokens per step = {plan.microbatches} "
             f"micro-batch(es) of {training.local_batch_size} per data-parallel rank; {training.steps} steps",
             *replica_groups_line(plan),
@@ -340,10 +340,11 @@ def describe(plan: JobPlan, limit: int | None, where: str) -> str:
     )
 
 
-def experts_line(experts: RoutedExperts) -> str:
+def experts_line(experts: RoutedExperts, stay_gathered: bool) -> str:
+    gathered = "; they stay gathered for the whole step (ep = dp_shard x cp)" if stay_gathered else ""
     return (
-        f"experts: {experts.n_experts} routed (top-{experts.top_k}), {experts.n_experts // experts.ep} per rank; "
-        f"the busiest rank assumed to receive {experts.imbalance:g}x the average routed tokens "
+        f"experts: {experts.n_experts} routed (top-{experts.top_k}), {experts.n_experts // experts.ep} per rank"
+        f"{gathered}; the busiest rank assumed to receive {experts.imbalance:g}x the average routed tokens "
         "(`--target.routing_imbalance`)"
     )
 
