@@ -134,15 +134,6 @@ class ParallelDims:
         unsharded through the step, casting and reducing once a step, not per micro-batch."""
         return self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp == 1
 
-    @property
-    def experts_one_rank(self) -> bool:
-        """Expert parallelism over every data-parallel shard and context-parallel rank, without
-        TP, HSDP or pipeline stages: the routed experts' FSDP unit spans one rank
-        (``expert_shard``), so, as under :attr:`fsdp_one_rank`, its gathers and reductions are
-        only copies and casts, which the trainer does once a step instead of per micro-batch."""
-        one_unit = self.tp * self.dp_replicate * self.pp == 1
-        return self.ep > 1 and one_unit and self.dp_shard * self.cp == self.ep
-
     def build_mesh(self, device_type: str) -> Meshes:
         mesh = init_device_mesh(
             device_type,

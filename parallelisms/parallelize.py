@@ -68,7 +68,7 @@ class ParallelSettings:
     reduce_dtype: torch.dtype = torch.float32
     reshard_after_forward: str = "default"
     experts_stay_gathered: bool = False
-    """The routed experts' unit, over one rank (``ParallelDims.experts_one_rank``), is gathered
+    """The routed experts' unit, over one rank (``Workload.experts_stay_gathered``), is gathered
     once a step and its gradients reduced once, on the last micro-batch."""
     pp_schedule: str = "1F1B"
     pp_microbatch_size: int = 1

@@ -121,7 +121,7 @@ class GradAccumulator:
         only copy; nothing is exchanged, so nothing is deferred but copies."""
         self.defer_gradient_reduction = defer_gradient_reduction or keep_gathered
         self.gathered_experts = gathered_experts or []
-        """The routed experts' units over one rank (``ParallelDims.experts_one_rank``), kept
+        """The routed experts' units over one rank (``Workload.experts_stay_gathered``), kept
         gathered and their gradients unsharded until the last backward, as ``keep_gathered``
         does for a whole one-rank job."""
         self._distributed = loss_group is not None

@@ -19,7 +19,7 @@ from dataclasses import replace
 
 from trainer.config import JobConfig, load_config
 from trainer.entry.job import Request, holding_as, parse_request, prepare_plan
-from trainer.planning.job_plan import JobPlan, check_torch, resolve_job
+from trainer.planning.job_plan import JobPlan, check_torch, compiles_blocks, resolve_job
 from trainer.runtime.dump_folder import DumpFolderLock, check_dump_folder
 from trainer.runtime.stop_requests import Stopped, stopped_by_signals
 from trainer.simulation.fake_job import RoleRun
@@ -46,7 +46,7 @@ def simulate(argv: list[str] | Request, nproc: int, nnodes: int) -> int:
     try:
         with stopped_by_signals():
             job_plan, runs = simulate_roles(request.argv, nproc, nnodes, target)
-            compiled = config.compile.enable and "model" in config.compile.components
+            compiled = compiles_blocks(config)
             report = build_report(job_plan, target, runs, compiled)
             print(render(report))
             if not report["fits"]:
@@ -87,8 +87,7 @@ def simulate_roles(
     # plan's own estimate would be this CPU's.
     traced_plan = holding_as(traced_plan, job_plan.workload)
     # A compiled job's ops as it runs them, traced eagerly (compile's fusion is modelled).
-    fused = resolve_job(load_config(argv), nproc * nnodes, figures=figures).parallel.fused_moe_combine
-    traced_plan.parallel = replace(traced_plan.parallel, fused_moe_combine=fused)
+    traced_plan.parallel = replace(traced_plan.parallel, fused_moe_combine=compiles_blocks(load_config(argv)))
     print(
         f"simulating {job_plan.dims.pp} role(s) of {job_plan.dims.world_size} ranks on fake tensors, "
         f"at most {traced} of the step's {real} micro-batches traced ...",

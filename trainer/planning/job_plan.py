@@ -184,6 +184,7 @@ def resolve_job(
     workload = memory_workload(config, dims, settings, args, device, figures or {})
     chunking = resolve_loss_chunking(training.loss_chunk_tokens, workload, loss_in_model(dims, settings), limit, device)
     workload = replace(workload, loss_chunk_tokens=chunking.tokens)
+    settings = replace(settings, experts_stay_gathered=workload.experts_stay_gathered)
     batches = global_batch // per_microbatch
     return JobPlan(config, dims, settings, batches, global_batch, args, tokenizer, workload, chunking)
 
@@ -365,6 +366,11 @@ def check_memory(plan: JobPlan, limit: int | None, where: str) -> None:
     )
 
 
+def compiles_blocks(config: JobConfig) -> bool:
+    """``compile.enable`` with the model among its components: each block is compiled."""
+    return config.compile.enable and "model" in config.compile.components
+
+
 def parallel_settings(
     config: JobConfig, dims: ParallelDims, rank_batch: int, device: str | None = None
 ) -> ParallelSettings:
@@ -381,13 +387,12 @@ def parallel_settings(
         document_mask=config.training.document_mask,
         ac_mode=config.activation_checkpoint.mode,
         ac_option=config.activation_checkpoint.selective_ac_option,
-        compile_model=compile_config.enable and "model" in compile_config.components,
-        fused_moe_combine=compile_config.enable and "model" in compile_config.components,
+        compile_model=compiles_blocks(config),
+        fused_moe_combine=compiles_blocks(config),
         compile_loss=compile_config.enable and "loss" in compile_config.components,
         param_dtype=param_dtype(config.training.mixed_precision_param, device or device_type()),
         reduce_dtype=getattr(torch, config.training.mixed_precision_reduce),
         reshard_after_forward="never" if dims.fsdp_one_rank and reshard == "default" else reshard,
-        experts_stay_gathered=dims.experts_one_rank and reshard == "default" and not config.debug.layout_invariant,
         pp_schedule=parallelism.pipeline_parallel_schedule,
         pp_microbatch_size=parallelism.pipeline_parallel_microbatch_size,
         pp_layers_per_stage=parallelism.pipeline_parallel_layers_per_stage,

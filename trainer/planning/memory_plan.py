@@ -201,7 +201,10 @@ class Workload:
 
     @property
     def experts_stay_gathered(self) -> bool:
-        """As ``ParallelDims.experts_one_rank`` decides, for this layout."""
+        """Expert parallelism over every data-parallel shard and context-parallel rank, without
+        TP, HSDP or pipeline stages: the routed experts' FSDP unit (``expert_shard``) spans one
+        rank, so its gathers and reductions are only copies and casts, done once a step (with
+        ``default`` resharding and the memory to keep them: ``held_for_speed.fitted``)."""
         one_rank = self.experts is not None and 1 < self.experts.ep == self.dp_shard * self.cp
         return self.gathers_one_rank_experts and one_rank and self.tp == 1 and self.pp == 1
 
