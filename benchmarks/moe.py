@@ -78,17 +78,17 @@ def tally_exchanges(model: torch.nn.Module, tally: dict[str, int]) -> int:
     global-batch balancing loss's counting pre-pass) or ``tally["forward"]``; the number wrapped."""
     wrapped = 0
     for moe in moe_layers(model):
-        exchange = moe.dispatch
+        exchange = moe.experts.dispatch
         if not isinstance(exchange, ExpertParallelDispatch):
             continue
 
-        def counted(routed, counts, experts, _moe=moe, _exchange=exchange):
+        def counted(rows, counts, experts, _moe=moe, _exchange=exchange):
             before = _exchange.bytes_sent
-            out = _exchange(routed, counts, experts)
+            out = _exchange(rows, counts, experts)
             tally["prepass" if _moe.balancing.prepass else "forward"] += _exchange.bytes_sent - before
             return out
 
-        moe.dispatch = counted
+        moe.experts.dispatch = counted
         wrapped += 1
     return wrapped
 

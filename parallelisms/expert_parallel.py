@@ -30,6 +30,7 @@ compile (the two exchanges run eagerly inside a compiled block, the experts betw
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
+from parallelisms import async_exchange
+from parallelisms.async_exchange import Pending, Route
 from parallelisms.model_parts import moe_layers
 from parallelisms.moe_split import SPLIT
 from parallelisms.token_permutation import inverse_permutation, permute_rows
@@ -67,7 +70,8 @@ def _even(total: int, parts: int) -> list[int]:
 
 
 class ExpertParallelDispatch:
-    """The routed tokens, sorted by global expert, through the experts of every EP rank."""
+    """The routed tokens, sorted by global expert, through the experts of every EP rank, in
+    parts whose exchanges overlap the other parts' experts (module docstring)."""
 
     def __init__(self, group: dist.ProcessGroup, ep: int, local_experts: int):
         self.group, self.ep, self.local_experts = group, ep, local_experts
@@ -75,56 +79,72 @@ class ExpertParallelDispatch:
         """Bytes this rank sent to other ranks in the token all-to-alls (for the benchmark)."""
         self.assumed: AssumedRouting | None = None
         """The routing ``--simulate`` states, used instead of the counts' values."""
-        self._splits: tuple[list[int], list[int]] = ([], [])
-        """The running exchange's ``(sent, received)`` rows per EP rank."""
 
-    def __call__(self, routed: torch.Tensor, counts: torch.Tensor, experts: nn.Module) -> torch.Tensor:
-        """The two exchanges run eagerly inside a compiled block (their sizes are the routing's
-        counts); the sort by local expert, the experts and the unsort between them compile with
-        the block."""
+    def __call__(
+        self, rows: list[torch.Tensor], counts: list[torch.Tensor], experts: Callable[..., torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """``rows``: chunks of this rank's routed rows, each sorted by global expert, ``counts``
+        of them per expert. Every chunk is sent before the first is waited for, and each chunk's
+        outputs are sent back as soon as its experts are done, so that the exchanges of one
+        chunk run under the experts of another, forward and backward. The sort by local expert,
+        the experts and the unsort compile with the block; the exchanges, whose sizes are the
+        routing's counts, run eagerly."""
         with SPLIT.part("dispatch"):
-            received, recv, perm = self._send(routed, counts)
-            inverse = inverse_permutation(perm)
-            sorted_tokens = permute_rows(received, perm, inverse)
-        out = experts(sorted_tokens, recv.sum(0))
+            routes, recv = self._routes([r.shape[0] for r in rows], torch.stack(counts))
+            in_flight = [self._start(r, route) for r, route in zip(rows, routes, strict=True)]
+        back = []
+        for c, ((received, pending), route) in enumerate(zip(in_flight, routes, strict=True)):
+            with SPLIT.part("dispatch"):
+                arrived = self._wait(received, pending)
+                perm = self._by_local_expert(recv[:, c], sum(route.received))
+                inverse = inverse_permutation(perm)
+                sorted_rows = permute_rows(arrived, perm, inverse)
+            out = experts(sorted_rows, recv[:, c].sum(0))
+            with SPLIT.part("combine"):
+                back.append(self._start(permute_rows(out, inverse, perm), route.reversed()))
         with SPLIT.part("combine"):
-            return self._send_back(permute_rows(out, inverse, perm))
+            return [self._wait(returned, pending) for returned, pending in back]
 
     @torch.compiler.disable
-    def _send(self, routed: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Every routed row to the rank of its expert: ``(received rows, received counts per
-        (source rank, local expert), the order that sorts the rows by local expert)``. The
-        splits wait for :meth:`_send_back` here, not in the compiled frame, which would
-        specialise on their values."""
-        send = counts.view(self.ep, self.local_experts)
+    def _routes(self, rows: list[int], counts: torch.Tensor) -> tuple[list[Route], torch.Tensor]:
+        """Each chunk's route, and the rows received per ``(source rank, chunk, local expert)``,
+        from ``counts`` per ``(chunk, expert)``. The splits are read here, once for every chunk,
+        not in the compiled frame, which would specialise on their values."""
+        send = counts.view(-1, self.ep, self.local_experts).transpose(0, 1).contiguous()
         # Functional, not in place: op-level checkpointing keeps its output (activation_checkpoint.py).
         recv = dtensor.all_to_all(send, self.group)
         if self.assumed is None:
-            in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
+            sent, received = torch.stack([send.sum(2), recv.sum(2)]).transpose(1, 2).tolist()
         else:
-            in_splits, out_splits = self.assumed.splits(routed.shape[0], self.ep, dist.get_rank(self.group))
-        received = dtensor.all_to_all_uneven(routed, out_splits, in_splits, self.group)
-        # Received in (source rank, expert) order; the experts want (expert, source rank).
+            rank = dist.get_rank(self.group)
+            sent, received = zip(*(self.assumed.splits(n, self.ep, rank) for n in rows), strict=True)
+        return [Route(list(s), list(r), self.group) for s, r in zip(sent, received, strict=True)], recv
+
+    def _by_local_expert(self, recv: torch.Tensor, rows: int) -> torch.Tensor:
+        """The order that sorts received rows, which come in (source rank, expert) order, by
+        (expert, source rank): what the experts want."""
         expert = torch.arange(self.local_experts, device=recv.device).view(1, -1)
         source = torch.arange(self.ep, device=recv.device).view(-1, 1)
         order = (expert * self.ep + source).flatten()
-        key = order.repeat_interleave(recv.flatten(), output_size=sum(out_splits))
-        self._splits = (in_splits, out_splits)
-        return received, recv, key.argsort(stable=True)
+        return order.repeat_interleave(recv.flatten(), output_size=rows).argsort(stable=True)
 
     @torch.compiler.disable
-    def _send_back(self, back: torch.Tensor) -> torch.Tensor:
-        """The experts' rows back to the ranks that routed them, in the order they were sent."""
-        in_splits, out_splits = self._splits
+    def _start(self, rows: torch.Tensor, route: Route) -> tuple[torch.Tensor, Pending]:
         rank = dist.get_rank(self.group)
-        row = back.element_size() * back.shape[1]
-        self.bytes_sent += row * (sum(in_splits) - in_splits[rank] + sum(out_splits) - out_splits[rank])
-        return dtensor.all_to_all_uneven(back, in_splits, out_splits, self.group)
+        self.bytes_sent += rows.element_size() * rows.shape[1] * (sum(route.sent) - route.sent[rank])
+        return async_exchange.start(rows, route)
+
+    @torch.compiler.disable
+    def _wait(self, rows: torch.Tensor, pending: Pending) -> torch.Tensor:
+        return async_exchange.wait(rows, pending)
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, checkpoint_mesh: DeviceMesh | None) -> None:
+def apply_expert_parallel(
+    model: nn.Module, ep_mesh: DeviceMesh, checkpoint_mesh: DeviceMesh | None, chunks: int = 1
+) -> None:
     """Keep this rank's experts of every MoE layer (on the meta device) and exchange tokens with
-    the other EP ranks; ``checkpoint_mesh`` places their shards in the whole stack on save."""
+    the other EP ranks, in ``chunks`` overlapped parts; ``checkpoint_mesh`` places their shards
+    in the whole stack on save."""
     ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
     for moe in moe_layers(model):
         experts = moe.experts
@@ -134,7 +154,8 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, checkpoint_mesh
             setattr(experts, name, nn.Parameter(torch.empty((local, *whole.shape[1:]), device=whole.device)))
         experts.first_expert = rank * local
         experts.checkpoint_mesh = checkpoint_mesh
-        moe.dispatch = ExpertParallelDispatch(ep_mesh.get_group(), ep, local)
+        experts.dispatch = ExpertParallelDispatch(ep_mesh.get_group(), ep, local)
+        moe.exchange_chunks = chunks
 
 
 def expert_params(model: nn.Module) -> list[nn.Parameter]:
@@ -153,5 +174,5 @@ def assume_routing(model: nn.Module, routing: AssumedRouting) -> None:
     experts split their rows by no counts' values (``GroupedExperts.assumed_split``)."""
     for moe in moe_layers(model):
         moe.experts.assumed_split = True
-        if isinstance(moe.dispatch, ExpertParallelDispatch):
-            moe.dispatch.assumed = routing
+        if isinstance(moe.experts.dispatch, ExpertParallelDispatch):
+            moe.experts.dispatch.assumed = routing

@@ -65,9 +65,10 @@ def model_settings(model: nn.Module) -> ModelSettings:
 
 
 def is_moe(module: nn.Module) -> bool:
-    """A Mixture-of-Experts feed-forward: routed ``experts`` and a swappable token ``dispatch``
+    """A Mixture-of-Experts feed-forward: routed ``experts`` with a swappable token ``dispatch``
     (``trainer/model/moe.py``'s ``MoE``)."""
-    return isinstance(getattr(module, "experts", None), nn.Module) and hasattr(module, "dispatch")
+    experts = getattr(module, "experts", None)
+    return isinstance(experts, nn.Module) and hasattr(experts, "dispatch")
 
 
 def moe_layers(model: nn.Module) -> list[Any]:

@@ -67,6 +67,8 @@ class ParallelSettings:
     param_dtype: torch.dtype = torch.float32
     reduce_dtype: torch.dtype = torch.float32
     reshard_after_forward: str = "default"
+    ep_overlap_chunks: int = 1
+    """Chunks of each MoE layer's tokens whose exchanges overlap the others' experts (``ep`` > 1)."""
     experts_stay_gathered: bool = False
     """The routed experts' unit, over one rank (``Workload.experts_stay_gathered``), is gathered
     once a step and its gradients reduced once, on the last micro-batch."""
@@ -247,7 +249,7 @@ def parallelize(
                 styles=tensor_parallel_styles(settings.float8),
             )
         if meshes.ep is not None:
-            apply_expert_parallel(part, meshes.ep, meshes.expert_checkpoint)
+            apply_expert_parallel(part, meshes.ep, meshes.expert_checkpoint, settings.ep_overlap_chunks)
         if context_parallel:
             context_parallel.apply(part)
         apply_activation_checkpointing(part, settings.ac_mode, settings.ac_option)

@@ -3,7 +3,7 @@
 Mesh flattening (one data-parallel dimension out of several), the box of a global tensor a rank
 holds, the TP styles' output hook (overridden by ``parallelisms/tensor_parallel.py``), the ring
 attention's rotation setting, the autograd all-to-alls of functional collectives (Ulysses, even;
-expert parallelism, uneven), and a
+expert parallelism, uneven) and an un-waited one, and a
 DTensor's local tensor as the simulator's dispatch mode sees it.
 """
 
@@ -76,6 +76,20 @@ def all_to_all_uneven(
     exchange). Waited for at once, as :func:`all_to_all`."""
     out = funcol.all_to_all_single_autograd(x.contiguous(), output_splits, input_splits, group)
     return funcol.wait_tensor(out)
+
+
+def start_all_to_all(
+    x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup
+) -> torch.Tensor:
+    """:func:`all_to_all_uneven` without autograd and without waiting: the result is being written
+    until :func:`wait` (``parallelisms/async_exchange.py`` gives it its gradient)."""
+    op = torch.ops._c10d_functional.all_to_all_single
+    return op(x.contiguous(), output_splits, input_splits, group.group_name)
+
+
+def wait(x: torch.Tensor) -> torch.Tensor:
+    """``x`` once the collective writing it is done (no op when none is)."""
+    return torch.ops._c10d_functional.wait_tensor(x)
 
 
 def local_tensor(t: DTensor) -> torch.Tensor:

@@ -19,6 +19,9 @@ MAX_BIAS_UPDATE_RATE = float(2**24)
 # The balancing loss's gradient is scaled by weight x the step's tokens in float32 (at most
 # 3.4e38): 1e9 leaves room for 1e20 tokens a step, and is 1e11 times the usual 0.01.
 MAX_BALANCE_LOSS_WEIGHT = 1e9
+# Each chunk of an MoE layer's exchanged tokens is a grouped matmul and a weight gradient of its
+# own: past a few, more chunks hide no more communication and add launches and gradient adds.
+MAX_OVERLAP_CHUNKS = 16
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from trainer.config.choices import CONTEXT_PARALLEL_BACKENDS, PIPELINE_SCHEDULES
 from trainer.config.fields import setting
+from trainer.config.limits import MAX_OVERLAP_CHUNKS
 
 
 @dataclass
@@ -34,6 +35,15 @@ class Parallelism:
         "Expert-parallel degree (`moe` models): the routed experts are split over this many of the "
         "`data_parallel_shard_degree` x `context_parallel_degree` ranks, which exchange tokens all-to-all; "
         "must divide that product.",
+    )
+    expert_parallel_overlap_chunks: int = setting(
+        2,
+        "With `expert_parallel_degree` > 1: each MoE layer exchanges its tokens in this many chunks, so "
+        "that one chunk's all-to-alls run while the experts compute another, forward and backward; 1 "
+        "exchanges all at once (fewer, larger matmuls, every exchange exposed). The result does not "
+        "depend on it.",
+        ge=1,
+        le=MAX_OVERLAP_CHUNKS,
     )
     context_parallel_backend: str = setting(
         "auto",

@@ -167,12 +167,23 @@ class Balancing:
     """The forward-only pre-pass: count the routing into ``global_counts``, nothing else."""
 
 
-Dispatch = Callable[[torch.Tensor, torch.Tensor, nn.Module], torch.Tensor]
+Experts = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""The routed experts' computation: rows sorted by expert and the rows per expert -> outputs."""
+Dispatch = Callable[[list[torch.Tensor], list[torch.Tensor], Experts], list[torch.Tensor]]
+"""Chunks of routed rows, each sorted by expert, and their rows per expert -> each chunk's outputs."""
 
 
-def local_dispatch(routed: torch.Tensor, counts: torch.Tensor, experts: nn.Module) -> torch.Tensor:
+def local_dispatch(rows: list[torch.Tensor], counts: list[torch.Tensor], experts: Experts) -> list[torch.Tensor]:
     """Every expert on this rank: the tokens, sorted by expert, go straight through."""
-    return experts(routed, counts)
+    return [experts(r, c) for r, c in zip(rows, counts, strict=True)]
+
+
+def _chunks(n: int, *tensors: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+    """``tensors`` cut into ``n`` parts along their first dimension (one part: themselves, not
+    a view whose gradient would be copied)."""
+    if n == 1:
+        return [tensors]
+    return list(zip(*(t.tensor_split(n) for t in tensors), strict=True))
 
 
 class Router(nn.Module):
@@ -253,11 +264,19 @@ class GroupedExperts(nn.Module):
         """Under expert parallelism, where a checkpoint places this rank's experts in the stack."""
         self.grouped_mm: Callable[..., torch.Tensor] = kernels.grouped_mm
         """The grouped kernel; float8 training swaps in torchao's (``parallelisms/float8.py``)."""
+        self.dispatch: Dispatch = local_dispatch
+        """How the rows reach the experts; expert parallelism swaps in the all-to-all exchange
+        with the other ranks' experts. It runs inside this module's forward, so that a module
+        hook (FSDP's gather and cast of the weights) fires once however often it computes."""
         self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def forward(self, rows: list[torch.Tensor], counts: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``rows``: chunks of routed rows, each sorted by expert, ``counts`` of them per expert."""
+        return self.dispatch(rows, counts, self.swiglu)
+
+    def swiglu(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``x``: tokens sorted by local expert, ``counts[e]`` of them for expert ``e``."""
         if self.assumed_split and x.dtype != torch.bfloat16:
             n, experts = x.shape[0], self.w1.shape[0]
@@ -299,8 +318,9 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(args.n_experts, args.dim, args.moe_hidden_dim)
         hidden = args.n_shared_experts * args.moe_hidden_dim
         self.shared_experts = FeedForward(args, hidden) if hidden else None
-        # Expert parallelism swaps in the all-to-all exchange with the other ranks' experts.
-        self.dispatch: Dispatch = local_dispatch
+        self.exchange_chunks = 1
+        """Parts of the tokens the dispatch exchanges one after another, each sorted by expert on
+        its own (``parallelisms/expert_parallel.py`` overlaps one's exchange with another's experts)."""
         self.balancing = Balancing()
         self.fused_combine = False
         """The combine's weighted sum over each token's k rows as elementwise ops and a reduction,
@@ -329,22 +349,37 @@ class MoE(nn.Module):
             probs, chosen, weights = self.router(flat, self.expert_bias)
             counts = expert_counts(chosen, self.n_experts)
             counted = self._count(counts)
+        # Where the dispatch overlaps chunks of the tokens, each chunk is sorted, sent and
+        # combined on its own, so that no routed row is copied to join or split the chunks.
+        parts = _chunks(self.exchange_chunks, flat, chosen, weights)
         with SPLIT.part("dispatch"):
             # One sort by expert and its inverse serve the dispatch, the combine and both backwards.
-            order = chosen.flatten().argsort(stable=True)
-            inverse = inverse_permutation(order)
-            sorted_tokens = expand_tokens(flat, order, inverse, self.top_k)
-        routed = self.dispatch(sorted_tokens, counts, self.experts)
+            orders = [chosen_part.flatten().argsort(stable=True) for _, chosen_part, _ in parts]
+            inverses = [inverse_permutation(order) for order in orders]
+            rows = [
+                expand_tokens(tokens, order, inverse, self.top_k)
+                for (tokens, _, _), order, inverse in zip(parts, orders, inverses, strict=True)
+            ]
+            part_counts = [counts] if len(parts) == 1 else [expert_counts(c, self.n_experts) for _, c, _ in parts]
+        routed = self.experts(rows, part_counts)
         with SPLIT.part("combine"):
-            unsorted = permute_rows(routed, inverse, order).view(-1, self.top_k, dim)
-            scale = weights.unsqueeze(1).to(unsorted.dtype)
-            if self.fused_combine:
-                out = (scale.transpose(1, 2) * unsorted).sum(1)
-            else:
-                out = torch.bmm(scale, unsorted).squeeze(1)
+            outs = [
+                self._combine(*args) for args in zip(routed, inverses, orders, [w for _, _, w in parts], strict=True)
+            ]
+            out = outs[0] if len(outs) == 1 else torch.cat(outs)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         return self._add_balance_loss(out, probs, chosen, counts, bsz, counted).view(bsz, seq, dim)
+
+    def _combine(
+        self, routed: torch.Tensor, inverse: torch.Tensor, order: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """Each token's output: its k routed rows, back in token order, weighted."""
+        unsorted = permute_rows(routed, inverse, order).view(-1, self.top_k, routed.shape[-1])
+        scale = weights.unsqueeze(1).to(unsorted.dtype)
+        if self.fused_combine:
+            return (scale.transpose(1, 2) * unsorted).sum(1)
+        return torch.bmm(scale, unsorted).squeeze(1)
 
     def _count(self, counts: torch.Tensor) -> bool:
         """Add the routing to the step's counts, once per real training forward (right after the

@@ -389,6 +389,7 @@ def parallel_settings(
         ac_option=config.activation_checkpoint.selective_ac_option,
         compile_model=compiles_blocks(config),
         fused_moe_combine=compiles_blocks(config),
+        ep_overlap_chunks=parallelism.expert_parallel_overlap_chunks,
         compile_loss=compile_config.enable and "loss" in compile_config.components,
         param_dtype=param_dtype(config.training.mixed_precision_param, device or device_type()),
         reduce_dtype=getattr(torch, config.training.mixed_precision_reduce),

@@ -46,8 +46,12 @@ ASSUMPTIONS = (
     "step's first all-gather and last reduce-scatter / all-reduce; what does not fit under the compute "
     "adds to the step",
     "tensor-parallel, context-parallel and loss/statistics collectives are exposed (no async TP)",
+    "a functional collective waited for later than it was started hides under what the rank computed "
+    "in between, up to that time (expert parallelism's chunked token exchanges, "
+    "`parallelism.expert_parallel_overlap_chunks`); collectives in flight together are not serialised, "
+    "and that compute also still hides FSDP's collectives",
     "Mixture-of-Experts: expert parallelism's token all-to-alls (dispatch and combine, and their "
-    "gradients) are exposed, NVLink when the EP group is inside a node, the network when it spans "
+    "gradients) are exposed except as above, NVLink when the EP group is inside a node, the network when it spans "
     "nodes; their splits follow the stated routing (`routing_imbalance`: the simulated rank receives "
     "that multiple of the average tokens, 1 = balanced); the experts run the grouped matmul, 2 x rows "
     "x dim x hidden FLOPs per product",
@@ -106,6 +110,9 @@ class Collective:
     times: float = 1.0
     """How many of it the step runs: more than one (or a fraction) where a traced micro-batch
     stands for micro-batches not traced (``microbatches.py``)."""
+    under: TracedCost | None = None
+    """What the rank computed while this collective was in flight: a functional collective
+    started and waited for later (``parallelisms/async_exchange.py``) hides under it."""
 
 
 @dataclass
@@ -268,6 +275,8 @@ class CostRecorder:
         self.where: Callable[[], tuple[str, bool]] = lambda: ("", False)
         """Where the running op is (a row of the breakdown) and whether compile would trace it."""
         self.fusion = Fusion()
+        self._in_flight: dict[int, TracedCost] = {}
+        """Functional collectives not yet waited for (by their result's storage) -> what ran since."""
 
     @property
     def cost(self) -> TracedCost:
@@ -280,7 +289,10 @@ class CostRecorder:
         flops = memory = 0
         kind = ""
         if func.namespace in ("c10d", "_c10d_functional"):
-            self._collective(name, args, out)
+            if name == "wait_tensor":
+                self._in_flight.pop(id(_storage(args[0])), None)
+            else:
+                self._collective(name, args, out, functional=func.namespace == "_c10d_functional")
         elif func.overloadpacket in flop_registry or name in (*ATTENTION_FORWARD, *ATTENTION_BACKWARD, GROUPED_MM):
             # A DTensor op computes on the local shards: count with their shapes. (``to_local``
             # would dispatch an op of its own per tensor, through every mode.)
@@ -301,7 +313,7 @@ class CostRecorder:
         where, compiled = self.where()
         fused = self.fusion.bytes(func, args, out, memory, compiled and not flops)
         cost = Cost(flops, memory, fused)
-        for traced in self._costs():
+        for traced in (*self._costs(), *self._in_flight.values()):
             traced.record(name, where, cost, "" if fp8 else kind, fp8=fp8)
 
     def _costs(self) -> list[TracedCost]:
@@ -309,7 +321,7 @@ class CostRecorder:
             return [self.costs.total]
         return [self.costs.total, self.costs.per_microbatch.setdefault(self.microbatch, TracedCost())]
 
-    def _collective(self, name: str, args: tuple, out: Any) -> None:
+    def _collective(self, name: str, args: tuple, out: Any, functional: bool) -> None:
         kind = next((k for k, names in KINDS.items() if name.startswith(names)), None)
         if kind is None or name.startswith("wait"):
             return
@@ -327,8 +339,11 @@ class CostRecorder:
         dim = "ep" if kind == "all_to_all" and info.dim in FSDP_DIMS else info.dim
         if self.microbatch is not None:
             self.costs.first_collective.setdefault(self.microbatch, len(self.costs.total.collectives))
+        under = None
+        if functional and isinstance(out, torch.Tensor):
+            under = self._in_flight[id(_storage(out))] = TracedCost()
         for cost in self._costs():
-            cost.collectives.append(Collective(kind, dim, n, bus, info.crosses_nodes))
+            cost.collectives.append(Collective(kind, dim, n, bus, info.crosses_nodes, under=under))
 
     def _group(self, args: tuple) -> GroupInfo | None:
         """The group a collective runs on: a name (functional collectives) or a process group
@@ -408,6 +423,14 @@ def memory_bandwidth(target: Target) -> float:
     return measured or target.hbm_bytes_per_s * target.hbm_efficiency
 
 
+def _busy_s(cost: TracedCost | None, target: Target, compiled: bool) -> float:
+    """Seconds the rank computes ``cost`` (no collective's)."""
+    if cost is None:
+        return 0.0
+    memory = (cost.fused_bytes if compiled else cost.memory_bytes) / memory_bandwidth(target)
+    return sum(compute_s(cost, target).values()) + memory
+
+
 def step_time(
     cost: TracedCost,
     target: Target,
@@ -437,7 +460,7 @@ def step_time(
         if id(c) in hidden:
             overlappable += seconds
         else:
-            exposed += seconds
+            exposed += max(0.0, seconds - _busy_s(c.under, target, compiled) * c.times)
     busy = compute + memory + exposed + max(0.0, overlappable - compute - memory)
     bubble = BUBBLE_FRACTION[schedule](pp, stages_per_rank, pipeline_microbatches) if pp > 1 else 0.0
     return StepTime(compute, memory, comm, exposed, busy, bubble, busy / (1.0 - bubble))
