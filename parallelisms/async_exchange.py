@@ -65,7 +65,10 @@ class _Wait(torch.autograd.Function):
     @staticmethod
     def forward(ctx, in_flight: torch.Tensor, pending: Pending) -> torch.Tensor:
         ctx.pending = pending
-        return dtensor.wait(in_flight).view_as(in_flight)
+        # Waiting completes the rows in place: the same tensor, not a view of it (a module
+        # returning a view warns under FSDP, whose backward hook an in-place op would drop).
+        ctx.mark_dirty(in_flight)
+        return dtensor.wait(in_flight)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:

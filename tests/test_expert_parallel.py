@@ -12,7 +12,12 @@ from moe_helpers import SKEW, TOLERANCE, differences, launch_moe
 # name: (world size, local batch size, extra argv); global batch 8, so accumulation = 8 / (local x dp)
 MESHES = {
     "ep=2, 2 micro-batches": (2, 2, ["--mesh", "dp_shard=2,ep=2"]),
-    "ep=4, 2 micro-batches": (4, 1, ["--mesh", "dp_shard=4,ep=4"]),
+    # Exchanges overlapped in 3 chunks of unequal tokens (default 2), and not at all below.
+    "ep=4, 2 micro-batches, 3 exchange chunks": (
+        4,
+        1,
+        ["--mesh", "dp_shard=4,ep=4", "--parallelism.expert_parallel_overlap_chunks", "3"],
+    ),
     # ep = dp_shard: the experts' FSDP unit spans one rank and stays gathered through the step.
     "ep=2, 4 micro-batches, full recompute": (
         2,
@@ -20,14 +25,18 @@ MESHES = {
         ["--mesh", "dp_shard=2,ep=2", "--activation_checkpoint.mode", "full"],
     ),
     "dp_shard=4 x ep=2, full recompute": (4, 1, ["--mesh", "dp_shard=4,ep=2", "--activation_checkpoint.mode", "full"]),
-    "dp_replicate=2 x ep=2, 2 micro-batches": (4, 1, ["--mesh", "dp_replicate=2,dp_shard=2,ep=2"]),
+    "dp_replicate=2 x ep=2, 2 micro-batches, 1 exchange chunk": (
+        4,
+        1,
+        ["--mesh", "dp_replicate=2,dp_shard=2,ep=2", "--parallelism.expert_parallel_overlap_chunks", "1"],
+    ),
 }
 BUGS = {
     "balancing loss per micro-batch": (4, 1, ["--mesh", "dp_shard=4,ep=2", "--moe.balance_loss_scope", "micro_batch"]),
     "tokens counted again in recompute": MESHES["dp_shard=4 x ep=2, full recompute"],
     # Under full recompute the step's own forwards count the routing (no pre-pass).
     "step's counts not summed over the routing mesh": MESHES["dp_shard=4 x ep=2, full recompute"],
-    "expert gradients divided by ep": MESHES["ep=4, 2 micro-batches"],
+    "expert gradients divided by ep": MESHES["ep=4, 2 micro-batches, 3 exchange chunks"],
 }
 
 

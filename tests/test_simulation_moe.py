@@ -4,6 +4,8 @@ simulated rank, and the estimate following the simulation."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from simulation_helpers import CONFIGS, simulate_job
 
@@ -12,7 +14,7 @@ from trainer.metrics import model_flops_per_token
 from trainer.planning.job_plan import resolve_job
 from trainer.planning.memory_limits import TARGET_MEMORY_BYTES
 from trainer.planning.memory_plan import estimate, estimates
-from trainer.simulation.cost_model import Collective, TracedCost, step_time
+from trainer.simulation.cost_model import Collective, TracedCost, memory_bandwidth, step_time
 from trainer.simulation.targets import target_named
 
 H100 = TARGET_MEMORY_BYTES["h100"]
@@ -95,6 +97,20 @@ def test_the_token_exchange_is_timed_over_nvlink_inside_a_node_and_the_network_a
     times = [step_time(TracedCost(collectives=[c]), target, 1, "1F1B", 1, 1) for c in (inside, across)]
     assert times[0].exposed_comm_s == pytest.approx(7 * target.nvlink_alpha_s + 2**30 / target.nvlink_bytes_per_s)
     assert times[1].exposed_comm_s == pytest.approx(7 * target.network_alpha_s + 2**30 / target.network_bytes_per_s)
+
+
+def test_an_exchange_waited_for_later_hides_under_what_ran_meanwhile():
+    """A collective started and waited for later (expert parallelism's chunked exchanges) is
+    exposed only for the seconds the compute in between does not cover, per time it runs."""
+    target = target_named("h100", {}, 8)
+    alone = Collective("all_to_all", "ep", 8, 2**30, crosses_nodes=False)
+    seconds = step_time(TracedCost(collectives=[alone]), target, 1, "1F1B", 1, 1).exposed_comm_s
+    half = TracedCost(memory_bytes=round(seconds / 2 * memory_bandwidth(target)))
+    twice = TracedCost(memory_bytes=2 * half.memory_bytes)
+    for under, times, exposed in ((half, 1, seconds / 2), (twice, 1, 0.0), (half, 4, 2 * seconds)):
+        hidden = replace(alone, under=under, times=times)
+        time = step_time(TracedCost(collectives=[hidden]), target, 1, "1F1B", 1, 1)
+        assert time.exposed_comm_s == pytest.approx(exposed, abs=1e-9)
 
 
 @pytest.mark.slow
