@@ -65,10 +65,10 @@ class _Wait(torch.autograd.Function):
     @staticmethod
     def forward(ctx, in_flight: torch.Tensor, pending: Pending) -> torch.Tensor:
         ctx.pending = pending
-        # Waiting completes the rows in place: the same tensor, not a view of it (a module
-        # returning a view warns under FSDP, whose backward hook an in-place op would drop).
-        ctx.mark_dirty(in_flight)
-        return dtensor.wait(in_flight)
+        # The arrived rows as a new tensor on the same memory, not autograd's view of the input
+        # (the experts' FSDP unit returns them, and FSDP warns of a returned view) and not the
+        # input marked dirty (op-level checkpointing keeps it, and refuses a mutated tensor).
+        return dtensor.wait(in_flight).detach()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:

@@ -13,6 +13,13 @@ also spans ``tp``). Under tensor parallelism the experts are expert-parallel, no
 each TP rank routes its own sequence shard (``parallelisms/tensor_parallel.py``) and exchanges its
 tokens with the EP ranks of its own TP index.
 
+Overlap: each MoE layer cuts its tokens into chunks (``MoE.exchange_chunks``, from
+``parallelism.expert_parallel_overlap_chunks``), each sorted by expert on its own; every chunk is
+sent before the first is waited for and each goes back as soon as its experts are done, so that
+one chunk's exchange runs while the experts compute another, forward and backward
+(``async_exchange.py``). The dispatch runs inside the experts' module, whose FSDP hooks then fire
+once per layer, not once per chunk.
+
 Gradients: an expert's gradient sums the contributions of every EP rank's tokens on the rank
 holding it, and FSDP sums over its own replicas (the other data-parallel, context-parallel and
 tensor-parallel ranks): a pure sum, divided by nothing, like every other

@@ -63,9 +63,11 @@ MICRO_BATCHES, MOE_LAYERS = 2, 3
 STEPS = 2
 """The second step routes with the biases, and steps with the optimizer state, the first left: what
 a third would check again."""
-EXCHANGES = 3
-"""All-to-alls of an MoE layer's forward under expert parallelism: the counts, the tokens there
-and back; the backward sends the tokens' gradients back and there (two)."""
+CHUNKS = 2
+"""``parallelism.expert_parallel_overlap_chunks``, as these runs leave it."""
+EXCHANGES = 1 + 2 * CHUNKS
+"""All-to-alls of an MoE layer's forward under expert parallelism: the counts, each chunk's tokens
+there and back; the backward sends each chunk's gradients back and there (``2 x CHUNKS``)."""
 
 
 class CollectivesInBackward(TorchDispatchMode):
@@ -142,7 +144,7 @@ def test_every_mode_matches_the_single_process_moe(case, launched):
 def test_op_level_recomputation_sends_no_token_again(launched):
     for case in ("dp_shard=2 x ep=2, AC op", "dp_shard=2 x ep=2, AC full"):
         recomputed = EXCHANGES if case.endswith("full") else 0
-        expected = (2 + recomputed) * MOE_LAYERS * MICRO_BATCHES * STEPS
+        expected = (2 * CHUNKS + recomputed) * MOE_LAYERS * MICRO_BATCHES * STEPS
         assert [r["sent in backward"] for r in launched[case]] == [expected] * 2, case
 
 
@@ -155,7 +157,7 @@ def test_torch_contexts_crash_on_the_experts_unit(launched):
 @pytest.mark.slow
 def test_recomputed_all_to_alls_are_caught(launched):
     sent = [r["sent in backward"] for r in launched["bug: all-to-alls recomputed"]]
-    assert sent == [(2 + EXCHANGES) * MOE_LAYERS * MICRO_BATCHES * STEPS] * 2
+    assert sent == [(2 * CHUNKS + EXCHANGES) * MOE_LAYERS * MICRO_BATCHES * STEPS] * 2
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ from parallelisms.pipeline_split import BUBBLE_FRACTION
 from parallelisms.torch_private import dtensor
 from parallelisms.torch_private.fake import process_group_name, tree_map_only
 from trainer.simulation.calibration import gemm_class
+from trainer.simulation.fusion import Fusion, nbytes, storage
 from trainer.simulation.memory_tracker import tensors_in
 from trainer.simulation.targets import Target
 
@@ -195,58 +196,6 @@ def group_infos(groups: dict[str, dist.ProcessGroup], gpus_per_node: int) -> dic
     return infos
 
 
-def _nbytes(value: Any) -> int:
-    """Bytes of the tensors in ``value``; a DTensor's are its local shard's."""
-    return sum(
-        t.numel() * t.element_size()
-        for t in (dtensor.local_tensor(t) if isinstance(t, DTensor) else t for t in tensors_in(value))
-    )
-
-
-FUSED_POINTWISE = ("_to_copy", "index_select", "index", "gather")
-"""Not tagged pointwise, fused like one: dtype casts, and gathers (an indirect load per element)."""
-FUSED_REDUCTIONS = (
-    "_softmax",
-    "_log_softmax",
-    "_softmax_backward_data",
-    "_log_softmax_backward_data",
-    "nll_loss_forward",
-    "nll_loss_backward",
-)
-"""Not tagged reductions, fused like them: the (log-)softmax and the loss over a row."""
-
-
-class Fusion:
-    """The bytes an op would move inside a compiled region, where Inductor fuses chains of
-    elementwise ops (and the reductions they feed) into one kernel: an op of a chain reads what
-    the chain made before it for free, and that intermediate is never written (the chain's
-    ops run back to back in dispatch order; any other op, a matmul or a copy, ends the chain).
-    Not modelled: fusion across a matmul's epilogue, or a fused intermediate that a later op outside
-    the chain reads again (counted as not written: an underestimate where it happens)."""
-
-    def __init__(self) -> None:
-        self._chain: dict[int, int] = {}
-        """Storages the running chain made -> the bytes written to them (refunded when read)."""
-
-    def bytes(self, func: Any, args: tuple, out: Any, eager: int, compiled: bool) -> int:
-        name = func.__name__.split(".")[0]
-        pointwise = torch.Tag.pointwise in func.tags or name in FUSED_POINTWISE
-        if not compiled or not (pointwise or torch.Tag.reduction in func.tags or name in FUSED_REDUCTIONS):
-            self._chain.clear()
-            return eager
-        moved = 0
-        for t in tensors_in(args):
-            key = id(_storage(t))
-            moved += -self._chain.pop(key) if key in self._chain else _nbytes(t)
-        if not pointwise:
-            self._chain.clear()
-        for t in tensors_in(out):
-            written = _nbytes(t)
-            moved += written
-            self._chain[id(_storage(t))] = written
-        return max(moved, 0)
-
-
 def _gemm_kind(flops: int, out: Any) -> str:
     """A dense matmul's shape class from its FLOPs and its output ``(..., M, N)``: ``K`` is what
     the FLOPs leave, and batched products count their batch in ``M``."""
@@ -257,10 +206,6 @@ def _gemm_kind(flops: int, out: Any) -> str:
     n = result.shape[-1]
     m = result.numel() // n
     return f"gemm_{gemm_class(m, n, max(1, flops // (2 * m * n)))}"
-
-
-def _storage(t: torch.Tensor) -> torch.UntypedStorage:
-    return (dtensor.local_tensor(t) if isinstance(t, DTensor) else t).untyped_storage()
 
 
 class CostRecorder:
@@ -290,7 +235,7 @@ class CostRecorder:
         kind = ""
         if func.namespace in ("c10d", "_c10d_functional"):
             if name == "wait_tensor":
-                self._in_flight.pop(id(_storage(args[0])), None)
+                self._in_flight.pop(id(storage(args[0])), None)
             else:
                 self._collective(name, args, out, functional=func.namespace == "_c10d_functional")
         elif func.overloadpacket in flop_registry or name in (*ATTENTION_FORWARD, *ATTENTION_BACKWARD, GROUPED_MM):
@@ -306,7 +251,7 @@ class CostRecorder:
             attention = name in (*ATTENTION_FORWARD, *ATTENTION_BACKWARD)
             kind = "attention" if attention else "grouped_gemm" if name == GROUPED_MM else _gemm_kind(flops, out)
         elif func.namespace == "aten" and not func.is_view and not name.startswith(("empty", "detach", "_local")):
-            memory = _nbytes(args) + _nbytes(out)
+            memory = nbytes(args) + nbytes(out)
         if not (flops or memory):
             return
         fp8 = bool(flops) and (name == SCALED_MM or any(map(_is_float8, tensors_in(args))))
@@ -328,7 +273,7 @@ class CostRecorder:
         info = self._group(args)
         if info is None:
             return
-        full = max([_nbytes(a) for a in args] + [_nbytes(out)])
+        full = max([nbytes(a) for a in args] + [nbytes(out)])
         n = info.size
         if kind in ("send", "recv", "broadcast"):
             bus = full
@@ -341,7 +286,7 @@ class CostRecorder:
             self.costs.first_collective.setdefault(self.microbatch, len(self.costs.total.collectives))
         under = None
         if functional and isinstance(out, torch.Tensor):
-            under = self._in_flight[id(_storage(out))] = TracedCost()
+            under = self._in_flight[id(storage(out))] = TracedCost()
         for cost in self._costs():
             cost.collectives.append(Collective(kind, dim, n, bus, info.crosses_nodes, under=under))
 

@@ -60,7 +60,7 @@ def breakdown(
 
 def build_report(plan: JobPlan, target: Target, runs: list[RoleRun], compiled: bool = False) -> dict[str, Any]:
     """The JSON document (see the module docstring); ``compiled``: the job compiles its blocks,
-    whose elementwise chains move fewer bytes (``cost_model.Fusion``)."""
+    whose elementwise chains move fewer bytes (``fusion.Fusion``)."""
     dims, training = plan.dims, plan.config.training
     tokens = plan.global_batch_size * training.seq_len
     per_token = model_flops_per_token(plan.model_args, training.seq_len)
