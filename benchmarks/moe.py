@@ -63,7 +63,8 @@ from trainer.config import load_config
 from trainer.data.datasets import load_dataset
 from trainer.entry.simulate import simulate
 from trainer.metrics.accounting import peak_rss_bytes
-from trainer.model.moe import grouped_swiglu, looped_swiglu, moe_layers
+from trainer.model.moe import moe_layers
+from trainer.model.routed_experts import grouped_swiglu, looped_swiglu
 from trainer.planning.job_plan import resolve_job
 from trainer.step import fetch_step, forward_backward, optimizer_step
 

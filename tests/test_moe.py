@@ -17,7 +17,8 @@ from trainer.config import ConfigError, load_config
 from trainer.config.choices import BALANCE_SCOPES, MODEL_FLAVORS
 from trainer.expert_balance import ExpertBalance
 from trainer.model.llama3 import Transformer, num_params, whole_model
-from trainer.model.moe import FLAVORS, Balancing, active_params, balance_part, grouped_swiglu, looped_swiglu, moe_layers
+from trainer.model.moe import FLAVORS, Balancing, active_params, balance_part, moe_layers
+from trainer.model.routed_experts import grouped_swiglu, looped_swiglu
 from trainer.planning.job_plan import resolve_job
 
 

@@ -16,9 +16,10 @@ from harness import BASE_ARGV, run_ranks, train_as_a_worker
 
 from parallelisms.moe_split import PARTS, SPLIT
 from trainer.metrics.reports import moe_split_line
-from trainer.model import moe
+from trainer.model import routed_experts
 from trainer.model.llama3 import Transformer
-from trainer.model.moe import FLAVORS, GroupedExperts, has_grouped_mm, moe_layers
+from trainer.model.moe import FLAVORS, moe_layers
+from trainer.model.routed_experts import GroupedExperts, has_grouped_mm
 
 TINY = replace(FLAVORS["debugmoe"], dim=64, vocab_size=256)
 
@@ -73,7 +74,7 @@ def test_the_experts_range_runs_the_grouped_matmul_where_chosen(monkeypatch: pyt
     calls: list[int] = []
     grouped_mm = experts.grouped_mm  # kernels.grouped_mm, or float8's where converted
     monkeypatch.setattr(experts, "grouped_mm", lambda *args, **kw: calls.append(1) or grouped_mm(*args, **kw))
-    monkeypatch.setattr(moe, "has_grouped_mm", lambda x: True)
+    monkeypatch.setattr(routed_experts, "has_grouped_mm", lambda x: True)
     with torch.no_grad():
         assert torch.equal(experts.swiglu(x, counts), looped.detach())
     assert len(calls) == 3

@@ -109,7 +109,7 @@ def grouped_gemm(cpu: bool) -> dict[str, float]:
     the elementwise product between them is in the time)."""
     import torch
 
-    from trainer.model.moe import grouped_swiglu
+    from trainer.model.routed_experts import grouped_swiglu
 
     n_experts, dim, hidden, rows = (8, 256, 256, 1024) if cpu else EXPERTS
     device, dtype = ("cpu", torch.float32) if cpu else ("cuda", torch.bfloat16)

@@ -172,7 +172,7 @@ def expert_path(shape: Shape) -> str:
     older GPU reads as the per-expert loop, not as a slow grouped matmul."""
     import torch
 
-    from trainer.model.moe import has_grouped_mm
+    from trainer.model.routed_experts import has_grouped_mm
 
     if not (shape.cpu or torch.cuda.is_available()):
         return "not known without a GPU"

@@ -90,7 +90,7 @@ def expert_kernels(cpu: bool) -> tuple[str, str, str, dict[str, Any]]:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from trainer.model.moe import GroupedExperts, grouped_swiglu, looped_swiglu
+    from trainer.model.routed_experts import GroupedExperts, grouped_swiglu, looped_swiglu
 
     device, dtype = ("cpu", torch.float32) if cpu else ("cuda", torch.bfloat16)
     n_experts, dim, hidden, rows = (8, 256, 256, 1024) if cpu else (128, 2048, 768, 8192 * 8)
