@@ -29,6 +29,7 @@ NAMES = (
     "_attention",
     "set_rotate_method",
     "_functional_collectives",
+    "_c10d_functional",
     "_local_tensor",
 )
 
