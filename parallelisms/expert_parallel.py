@@ -82,6 +82,7 @@ class ExpertParallelDispatch:
 
     def __init__(self, group: dist.ProcessGroup, ep: int, local_experts: int):
         self.group, self.ep, self.local_experts = group, ep, local_experts
+        self.rank = dist.get_rank(group)
         self.bytes_sent = 0
         """Bytes this rank sent to other ranks in the token all-to-alls (for the benchmark)."""
         self.assumed: AssumedRouting | None = None
@@ -123,8 +124,7 @@ class ExpertParallelDispatch:
         if self.assumed is None:
             sent, received = torch.stack([send.sum(2), recv.sum(2)]).transpose(1, 2).tolist()
         else:
-            rank = dist.get_rank(self.group)
-            sent, received = zip(*(self.assumed.splits(n, self.ep, rank) for n in rows), strict=True)
+            sent, received = zip(*(self.assumed.splits(n, self.ep, self.rank) for n in rows), strict=True)
         return [Route(list(s), list(r), self.group) for s, r in zip(sent, received, strict=True)], recv
 
     def _by_local_expert(self, recv: torch.Tensor, rows: int) -> torch.Tensor:
@@ -137,8 +137,7 @@ class ExpertParallelDispatch:
 
     @torch.compiler.disable
     def _start(self, rows: torch.Tensor, route: Route) -> tuple[torch.Tensor, Pending]:
-        rank = dist.get_rank(self.group)
-        self.bytes_sent += rows.element_size() * rows.shape[1] * (sum(route.sent) - route.sent[rank])
+        self.bytes_sent += rows.element_size() * rows.shape[1] * (sum(route.sent) - route.sent[self.rank])
         return async_exchange.start(rows, route)
 
     @torch.compiler.disable

@@ -2,9 +2,9 @@
 
 Mesh flattening (one data-parallel dimension out of several), the box of a global tensor a rank
 holds, the TP styles' output hook (overridden by ``parallelisms/tensor_parallel.py``), the ring
-attention's rotation setting, the autograd all-to-alls of functional collectives (Ulysses, even;
-expert parallelism, uneven) and an un-waited one, and a
-DTensor's local tensor as the simulator's dispatch mode sees it.
+attention's rotation setting, functional collectives' all-to-alls (even with autograd: Ulysses and
+expert parallelism's counts; uneven and un-waited: expert parallelism's tokens), and a DTensor's
+local tensor as the simulator's dispatch mode sees it.
 """
 
 from __future__ import annotations
@@ -69,21 +69,13 @@ def all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return funcol.wait_tensor(funcol.all_to_all_single_autograd(x.contiguous(), None, None, group))
 
 
-def all_to_all_uneven(
-    x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup
-) -> torch.Tensor:
-    """Rows ``input_splits[i]`` of ``x`` (in order) go to rank ``i``; the result holds
-    ``output_splits[i]`` rows from rank ``i``. Gradients route back (expert parallelism's token
-    exchange). Waited for at once, as :func:`all_to_all`."""
-    out = funcol.all_to_all_single_autograd(x.contiguous(), output_splits, input_splits, group)
-    return funcol.wait_tensor(out)
-
-
 def start_all_to_all(
     x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup
 ) -> torch.Tensor:
-    """:func:`all_to_all_uneven` without autograd and without waiting: the result is being written
-    until :func:`wait` (``parallelisms/async_exchange.py`` gives it its gradient)."""
+    """Rows ``input_splits[i]`` of ``x`` (in order) go to rank ``i``; the result holds
+    ``output_splits[i]`` rows from rank ``i``. No autograd and no wait: the result is being
+    written until :func:`wait` (``parallelisms/async_exchange.py`` gives it its gradient; expert
+    parallelism's token exchange)."""
     op = torch.ops._c10d_functional.all_to_all_single
     return op(x.contiguous(), output_splits, input_splits, group.group_name)
 
