@@ -22,9 +22,17 @@ for path in (ROOT, Path(__file__).resolve().parent):
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    heavy: dict[str, int] = {}
     for item in items:
-        if not any(item.get_closest_marker(name) for name in ("slow", "launcher")):
+        if any(item.get_closest_marker(name) for name in ("slow", "launcher")):
+            heavy[item.path.name] = heavy.get(item.path.name, 0) + 1
+        else:
             item.add_marker(pytest.mark.fast)
+    # The workers take a file at a time in this order (``--no-loadscope-reorder``): the files of
+    # multi-process runs first, most of them first, so that the last minutes are the fast files
+    # spread over both workers, not one worker finishing a long file while the other waits.
+    position = {id(item): i for i, item in enumerate(items)}
+    items.sort(key=lambda item: (-heavy.get(item.path.name, 0), position[id(item)]))
 
 
 @pytest.fixture(scope="session")

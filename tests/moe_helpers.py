@@ -147,12 +147,16 @@ def differences(result: dict, ref: dict) -> dict[str, float]:
 
 
 def launch_moe(
-    meshes: dict[str, tuple[int, int, list[str]]], bugs: dict[str, tuple[int, int, list[str]]], steps: int = STEPS
+    meshes: dict[str, tuple[int, int, list[str]]],
+    bugs: dict[str, tuple[int, int, list[str]]],
+    steps: int = STEPS,
+    also: dict[str, tuple[int, tuple]] | None = None,
 ) -> dict:
     """The 1-process reference (``reference``), every mesh and every injected bug (``bug: NAME``)
     through :func:`moe_steps` for ``steps`` steps, one launch per world size;
-    ``{name: (world, local batch, argv)}``."""
-    cases = {"reference": (1, (moe_steps, moe_argv(8, []), "", False, steps))}
+    ``{name: (world, local batch, argv)}``. ``also``: more cases for those launches, as
+    :func:`harness.run_by_world` takes them."""
+    cases = {"reference": (1, (moe_steps, moe_argv(8, []), "", False, steps)), **(also or {})}
     for name, (world, local, extra) in meshes.items():
         cases[name] = (world, (moe_steps, moe_argv(local, extra), "", False, steps))
     for name, (world, local, extra) in bugs.items():

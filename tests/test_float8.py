@@ -108,7 +108,6 @@ def test_the_float8_keys_do_nothing_without_the_converter():
 # name: (world size, local batch size, extra argv); accumulation = 8 / (local x dp), as in test_grad_accumulator
 LAYOUTS = {
     "1 rank x 4 micro-batches": (1, 2, []),
-    "FSDP 2 x 2": (2, 2, []),
     "FSDP 4 x 1": (4, 2, []),
     "HSDP (2,2) x 2": (4, 1, ["--mesh", "dp_replicate=2,dp_shard=2"]),
 }

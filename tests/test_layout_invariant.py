@@ -1,13 +1,13 @@
 """``debug.layout_invariant``: the same bits on every data-parallel layout.
 
-Through ``./run_train.sh``, 10 steps of ``shakespeare_dialogue`` (masked prompts and padding:
+Through ``./run_train.sh``, 4 steps of ``shakespeare_dialogue`` (masked prompts and padding:
 uneven valid tokens per micro-batch and rank) with clipping active, a global batch of 8
 micro-batches of 1: one process accumulating 8, FSDP on 4 ranks accumulating 2, HSDP 2 x 2
-accumulating 2, and the 4-rank run's step-5 checkpoint resumed on 2 ranks accumulating 4. Every
+accumulating 2, and the 4-rank run's step-2 checkpoint resumed on 2 ranks accumulating 4. Every
 step's exact loss, valid-token count and grad norm (the mode's console line, in hexadecimal)
-and every tensor of the step-10 checkpoints (weights, AdamW moments, step counters) must be
+and every tensor of the step-4 checkpoints (weights, AdamW moments, step counters) must be
 bit-identical. The mutation: the same single process with the mode off, which adds the
-micro-batch gradients in autograd's order instead of the canonical tree, must differ by its step-5
+micro-batch gradients in autograd's order instead of the canonical tree, must differ by its step-2
 checkpoint, so the comparison can fail; that checkpoint resumed with the mode on is named as one
 whose bits cannot match. The pieces the promise rests on are checked alone: the pairwise sums' trees,
 AdamW's and the clip scale's independence of where an element lies in its shard, the refusals,
@@ -34,7 +34,9 @@ from trainer.planning.job_plan import resolve_job
 sys.path.insert(0, str(ROOT / "scripts"))
 import compare_checkpoints
 
-STEPS = 10
+STEPS = 4
+SAVED = 2
+"""The step of the checkpoint the resume starts from and the mode-off run stops at."""
 COMMON = [
     "--training.dataset",
     "shakespeare_dialogue",
@@ -59,17 +61,17 @@ COMMON = [
     "5",
     "--checkpoint.enable",
     "--checkpoint.interval",
-    "5",
+    str(SAVED),
 ]
 ON = ["--debug.layout_invariant"]
 EXACT = re.compile(r"exact step values: (loss \S+, tokens \d+, grad norm \S+)")
 
-# name: (NGPU, extra args); the mode-off run stops at its step-5 checkpoint, all it is compared by.
+# name: (NGPU, extra args); the mode-off run stops at its first checkpoint, all it is compared by.
 LAYOUTS = {
     "1x8": (1, ON),
     "fsdp4x2": (4, ON),
     "hsdp2x2x2": (4, [*ON, "--mesh", "dp_replicate=2,dp_shard=2"]),
-    "off_1x8": (1, ["--training.steps", "5"]),
+    "off_1x8": (1, ["--training.steps", str(SAVED)]),
 }
 
 
@@ -95,12 +97,12 @@ def resume(ngpu: int, checkpoint: Path, dump: Path, extra: list[str]) -> Run:
 def runs(tmp_path_factory) -> dict[str, Run]:
     root = tmp_path_factory.mktemp("layouts")
     out = {name: launch(ngpu, root / name, extra) for name, (ngpu, extra) in LAYOUTS.items()}
-    out["resumed"] = resume(2, root / "fsdp4x2" / "checkpoint" / "step-5", root / "fsdp4_resumed_on_2", ON)
+    out["resumed"] = resume(2, root / "fsdp4x2" / "checkpoint" / f"step-{SAVED}", root / "fsdp4_resumed_on_2", ON)
     return out
 
 
 def final_tensors(dump: Path, step: int = STEPS) -> dict[str, torch.Tensor]:
-    """The tensors of the step-10 checkpoint: weights, optimizer state, step counters, the RNG state."""
+    """The tensors of the last checkpoint (or ``step``'s): weights, optimizer state, step counters, the RNG state."""
     return compare_checkpoints.read_tensors(dump / "checkpoint" / f"step-{step}")
 
 
@@ -113,7 +115,7 @@ def test_every_layout_and_a_resume_give_the_same_bits(runs):
     assert "train_state.rng_cpu" in expected
     for name in ("fsdp4x2", "hsdp2x2x2", "resumed"):
         dump, logged, _ = runs[name]
-        steps = reference[5:] if name == "resumed" else reference
+        steps = reference[SAVED:] if name == "resumed" else reference
         assert logged == steps, f"{name}: per-step exact values differ from 1 process x 8"
         result = compare_checkpoints.compare(expected, final_tensors(dump))
         assert result.compared == len(expected) and not result.differing, (name, result.differing[:3])
@@ -122,8 +124,8 @@ def test_every_layout_and_a_resume_give_the_same_bits(runs):
 @pytest.mark.launcher
 def test_another_summation_order_changes_the_bits(runs):
     """The mode off on the same single process: autograd adds the 8 micro-batch gradients one
-    after the other, not as the canonical tree, and the step-5 state differs."""
-    result = compare_checkpoints.compare(final_tensors(runs["1x8"].dump, 5), final_tensors(runs["off_1x8"].dump, 5))
+    after the other, not as the canonical tree, and the first checkpoint's state differs."""
+    result = compare_checkpoints.compare(final_tensors(runs["1x8"].dump, SAVED), final_tensors(runs["off_1x8"].dump, SAVED))
     assert result.differing and all(not k.endswith(".step") for k in result.differing)
     assert list(result.differing_kinds()) == ["model weights", "optimizer state"]
 
@@ -139,10 +141,10 @@ def test_a_resume_saves_the_state_of_a_run_never_interrupted_and_a_default_mode_
     assert "RNG state" in capsys.readouterr().out
     assert "layout_invariant` off" not in runs["resumed"].log, runs["resumed"].log[-3000:]
 
-    off = runs["off_1x8"].dump / "checkpoint" / "step-5"
-    done = resume(1, off, tmp_path / "default", [*ON, "--training.steps", "6"])
+    off = runs["off_1x8"].dump / "checkpoint" / f"step-{SAVED}"
+    done = resume(1, off, tmp_path / "default", [*ON, "--training.steps", str(SAVED + 1)])
     warned = [line for line in done.log.splitlines() if "written with `debug.layout_invariant` off" in line]
-    assert len(warned) == 1 and "step-5" in warned[0], done.log[-3000:]
+    assert len(warned) == 1 and f"step-{SAVED}" in warned[0], done.log[-3000:]
 
 
 # --------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from trainer.metrics.dashboard import Tag, moe_load_tag
 from trainer.model.moe import MoEArgs
 from trainer.runtime.errors import CheckpointError
 
-STEPS, SAVED = 4, 2
+STEPS, SAVED = 3, 2
 TOLERANCE = 5e-5
 WEIGHTS_TOLERANCE = 1e-6  # relative; measured at most 1.2e-7 (with TP), 9.1e-8 without
 LOSS_TAGS = (Tag.LOSS_AVG, Tag.GRAD_NORM)
@@ -77,7 +77,7 @@ SAVER = "shard4_ep2"
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
-    """``shard4_ep2`` saves at step 2 and runs on to step 4; the others resume its step 2
+    """``shard4_ep2`` saves at step 2 and runs on to step 3; the others resume its step 2
     (``pp2_ep2``: the MoE layers in two pipeline stages, the experts over ep = 2 in each)."""
     root = tmp_path_factory.mktemp("moe_checkpoint")
     saved = root / SAVER / "checkpoint" / f"step-{SAVED}"
