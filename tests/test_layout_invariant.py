@@ -125,7 +125,9 @@ def test_every_layout_and_a_resume_give_the_same_bits(runs):
 def test_another_summation_order_changes_the_bits(runs):
     """The mode off on the same single process: autograd adds the 8 micro-batch gradients one
     after the other, not as the canonical tree, and the first checkpoint's state differs."""
-    result = compare_checkpoints.compare(final_tensors(runs["1x8"].dump, SAVED), final_tensors(runs["off_1x8"].dump, SAVED))
+    result = compare_checkpoints.compare(
+        final_tensors(runs["1x8"].dump, SAVED), final_tensors(runs["off_1x8"].dump, SAVED)
+    )
     assert result.differing and all(not k.endswith(".step") for k in result.differing)
     assert list(result.differing_kinds()) == ["model weights", "optimizer state"]
 
