@@ -1,6 +1,6 @@
 """Shared fixtures and the markers that pick subsets of the suite.
 
-``pytest -m fast`` is the inner loop (about a minute): every test not marked ``slow``
+``pytest -m fast`` is the inner loop (under 2 minutes): every test not marked ``slow``
 (multi-process CPU runs) or ``launcher`` (through ``./run_train.sh``) is ``fast``.
 """
 
@@ -22,17 +22,9 @@ for path in (ROOT, Path(__file__).resolve().parent):
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    heavy: dict[str, int] = {}
     for item in items:
-        if any(item.get_closest_marker(name) for name in ("slow", "launcher")):
-            heavy[item.path.name] = heavy.get(item.path.name, 0) + 1
-        else:
+        if not any(item.get_closest_marker(name) for name in ("slow", "launcher")):
             item.add_marker(pytest.mark.fast)
-    # The workers take a file at a time in this order (``--no-loadscope-reorder``): the files of
-    # multi-process runs first, most of them first, so that the last minutes are the fast files
-    # spread over both workers, not one worker finishing a long file while the other waits.
-    position = {id(item): i for i, item in enumerate(items)}
-    items.sort(key=lambda item: (-heavy.get(item.path.name, 0), position[id(item)]))
 
 
 @pytest.fixture(scope="session")
