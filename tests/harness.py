@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -88,9 +89,20 @@ tests lengthen as they need."""
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nobody holds now. Under xdist, from the worker's own range below the kernel's
+    ephemeral ports (32768 up), so that another worker's ``localhost:0`` listener cannot take it
+    between this check and the store binding it."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw"):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    low = 20000 + 2000 * int(worker[2:])
+    for port in random.sample(range(low, low + 2000), 2000):
+        with socket.socket() as s, contextlib.suppress(OSError):
+            s.bind(("127.0.0.1", port))
+            return port
+    raise RuntimeError(f"no free port in {low}..{low + 1999} for xdist worker {worker}")
 
 
 def _entry(
