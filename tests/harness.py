@@ -88,21 +88,26 @@ tests lengthen as they need."""
 # --------------------------------------------------------------------------------------------
 
 
+EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
+WORKER_PORTS = 1000
+
+
 def free_port() -> int:
     """A port nobody holds now. Under xdist, from the worker's own range below the kernel's
-    ephemeral ports (32768 up), so that another worker's ``localhost:0`` listener cannot take it
-    between this check and the store binding it."""
+    ephemeral ports, so that another worker's ``localhost:0`` listener cannot take it between
+    this check and the store binding it (where the kernel leaves no room below them, port 0)."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
-    if not worker.startswith("gw"):
+    first_ephemeral = int(EPHEMERAL.read_text().split()[0]) if EPHEMERAL.is_file() else 32768
+    low = first_ephemeral - WORKER_PORTS * (int(worker[2:]) + 1) if worker.startswith("gw") else 0
+    if low < 1024:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             return s.getsockname()[1]
-    low = 20000 + 2000 * int(worker[2:])
-    for port in random.sample(range(low, low + 2000), 2000):
+    for port in random.sample(range(low, low + WORKER_PORTS), WORKER_PORTS):
         with socket.socket() as s, contextlib.suppress(OSError):
             s.bind(("127.0.0.1", port))
             return port
-    raise RuntimeError(f"no free port in {low}..{low + 1999} for xdist worker {worker}")
+    raise RuntimeError(f"no free port in {low}..{low + WORKER_PORTS - 1} for xdist worker {worker}")
 
 
 def _entry(
