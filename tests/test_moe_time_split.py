@@ -62,6 +62,13 @@ def test_the_line_gives_each_part_per_step_and_its_share():
     assert "20.0 ms of the 100.0 ms step (20%)" in line
 
 
+def test_compiled_layers_say_why_they_have_no_split():
+    """Compiled blocks open no part (compile fuses across them): the line says so, not 0 ms."""
+    line = moe_split_line(dict.fromkeys(PARTS, 0.0), 0.2, 2, 3)
+    assert line.startswith("MoE time split, steps 2-3: none; the MoE layers are compiled")
+    assert "0.0 ms" not in line
+
+
 def test_the_experts_range_runs_the_grouped_matmul_where_chosen(monkeypatch: pytest.MonkeyPatch):
     """Only CUDA bf16 at sm90+ picks ``torch._grouped_mm``; where picked, the experts go through it
     (one kernel per weight) and give the loop's bf16 result bit for bit (CPU's forward here; the

@@ -1,6 +1,6 @@
 """Private ops and switches: multi-tensor kernels, the grouped matmul, attention ops, async TP, CUDA
-memory history, whether autograd is running a backward (activation checkpointing recomputes), and
-selective checkpointing's dispatch modes."""
+memory history, whether autograd is running a backward (activation checkpointing recomputes) and an
+op that counts only outside it, and selective checkpointing's dispatch modes."""
 
 from __future__ import annotations
 
@@ -90,6 +90,20 @@ def in_backward() -> bool:
     """Whether autograd's engine is running a backward on this thread: a forward that runs now is
     activation checkpointing's recomputation, which must not count anything twice."""
     return torch._C._current_graph_task_id() != -1
+
+
+@torch.library.custom_op("meshtrain::add_unless_in_backward", mutates_args=("targets",))
+def add_unless_in_backward(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """``targets += sources`` unless :func:`in_backward`: an MoE layer's routing counts, once per
+    real forward. An op rather than a Python branch, so that ``torch.compile`` traces the block in
+    one graph and the check runs when the graph does (a recomputation inside backward included)."""
+    if not in_backward():
+        torch._foreach_add_(targets, sources)
+
+
+@add_unless_in_backward.register_fake
+def _(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    return None
 
 
 def enable_async_tp(group: torch.distributed.ProcessGroup) -> None:

@@ -112,6 +112,11 @@ class MoETimeReport:
 
 def moe_split_line(seconds: dict[str, float], step_seconds: float, first: int, last: int) -> str:
     steps = last - first + 1
+    if not any(seconds.values()):
+        return (
+            f"MoE time split, steps {first}-{last}: none; the MoE layers are compiled, and compile fuses across "
+            "the router, dispatch, experts and combine, so they have no time of their own (run eager to split them)"
+        )
     parts = ", ".join(
         f"{name} {1e3 * seconds[name] / steps:.1f} ms ({100 * seconds[name] / step_seconds:.0f}%)" for name in PARTS
     )

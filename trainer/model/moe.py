@@ -294,18 +294,19 @@ class MoE(nn.Module):
         return torch.bmm(scale, unsorted).squeeze(1)
 
     def _count(self, counts: torch.Tensor) -> bool:
-        """Add the routing to the step's counts, once per real training forward (right after the
-        router, which a recomputation always reaches); True when this forward was counted. A
-        pipeline stage learning its shapes runs a forward that is not one."""
+        """Add the routing to the step's counts, once per real training forward; True when this
+        forward counts. A pipeline stage learning its shapes runs a forward that is not one, nor
+        does activation checkpointing's recomputation, which the op itself skips when it runs
+        inside backward (a compiled block's recomputation runs no Python of this method)."""
         if pipelining.in_metadata_inference():
             return False
         if self.balancing.prepass:
             self.global_counts += counts
             return False
-        counted = torch.is_grad_enabled() and not kernels.in_backward()
-        if counted:
-            self.tokens_per_expert += counts
-        return counted
+        if not torch.is_grad_enabled():
+            return False
+        kernels.add_unless_in_backward([self.tokens_per_expert], [counts])
+        return True
 
     def _add_balance_loss(
         self,
@@ -324,9 +325,9 @@ class MoE(nn.Module):
             return out
         part = balance_part(probs, chosen, counts, self.global_counts, bsz, balancing)
         if counted and balancing.scope == "global_batch":
-            self.prob_sum += probs.detach().sum(0)
+            kernels.add_unless_in_backward([self.prob_sum], [probs.detach().sum(0)])
         elif counted:
-            self.balance_sum += part.detach()
+            kernels.add_unless_in_backward([self.balance_sum], [part.detach()])
         return _AddBalanceLoss.apply(out, part, balancing.grad_scale)
 
 
