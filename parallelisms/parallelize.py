@@ -64,6 +64,7 @@ class ParallelSettings:
     """MoE layers combine their routed rows as compile fuses them (``MoE.fused_combine``): with
     ``compile_model``, and when ``--simulate`` traces a compiled job eagerly."""
     compile_loss: bool = False
+    compile_backend: str = "inductor"
     param_dtype: torch.dtype = torch.float32
     reduce_dtype: torch.dtype = torch.float32
     reshard_after_forward: str = "default"
@@ -257,7 +258,7 @@ def parallelize(
             moe.fused_combine = settings.fused_moe_combine
         if settings.compile_model:
             for block in blocks(part).values():
-                block.compile()  # in place, so parameter names stay the same
+                block.compile(backend=settings.compile_backend)  # in place, so parameter names stay the same
         apply_fsdp(
             part,
             meshes.fsdp,

@@ -157,7 +157,9 @@ def build_step_parts(
         torch.set_num_threads(1)  # CPU kernels may split a reduction by thread: one thread everywhere
     torch.manual_seed(config.debug.seed)
     meshes = plan.dims.build_mesh(dev_type)
-    cross_entropy = torch.compile(cross_entropy_sum) if plan.parallel.compile_loss else cross_entropy_sum
+    cross_entropy = cross_entropy_sum
+    if plan.parallel.compile_loss:
+        cross_entropy = torch.compile(cross_entropy_sum, backend=plan.parallel.compile_backend)
     model, parallelized = build_model(plan, meshes, device, cross_entropy, fake_tensors)
     with fake_tensors or nullcontext():
         return _assemble(plan, dataset, device, meshes, model, parallelized, cross_entropy)

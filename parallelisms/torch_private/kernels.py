@@ -21,6 +21,7 @@ NAMES = (
     "_foreach_norm",
     "_foreach_mul_",
     "_foreach_copy_",
+    "_foreach_add_",
     "_grouped_mm",
     "_scaled_mm",
     "_C",

@@ -244,6 +244,13 @@ class ActivationCheckpoint:
 class Compile:
     enable: bool = setting(False, "Compile with torch.compile: each transformer block, and the loss.")
     components: StrList = setting(StrList(("model", "loss")), "What to compile when enabled.", ("model", "loss"))  # noqa: RUF009
+    backend: str = setting(
+        "inductor",
+        "torch.compile's backend: `inductor` (generated, fused kernels) or `aot_eager` (the same graphs, "
+        "recomputation and gradients through AOTAutograd, run by eager kernels: to tell a numerical "
+        "difference of the generated kernels from one of the graphs, and much quicker to compile).",
+        ("inductor", "aot_eager"),
+    )
 
 
 @dataclass

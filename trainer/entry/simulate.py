@@ -5,7 +5,7 @@ the job for that world size, then runs one rank of every pipeline stage (the ran
 differ only in which data and which shard they hold) through the trainer's real build and two
 real steps on fake tensors (``fake_job.py``), and reports each role's measured memory and
 estimated step time (``report.py``). Compile is off in the trace (it changes no memory the tracker
-can see and would trace for minutes); a compiled job's step is timed with the bytes its fusion
+can see and would trace for minutes); a job compiled by Inductor is timed with the bytes its fusion
 leaves (``cost_model.py``); the data are synthetic samples of the training shape (the job's data are not read: they may be
 on the cluster; ``--dry-run`` where they are checks them); context
 parallelism runs its ``allgather_kv`` attention, the one with a CPU path. The last line printed
@@ -46,7 +46,8 @@ def simulate(argv: list[str] | Request, nproc: int, nnodes: int) -> int:
     try:
         with stopped_by_signals():
             job_plan, runs = simulate_roles(request.argv, nproc, nnodes, target)
-            compiled = compiles_blocks(config)
+            # aot_eager runs the compiled graphs by eager kernels: nothing fused.
+            compiled = compiles_blocks(config) and config.compile.backend == "inductor"
             report = build_report(job_plan, target, runs, compiled)
             print(render(report))
             if not report["fits"]:

@@ -391,6 +391,7 @@ def parallel_settings(
         fused_moe_combine=compiles_blocks(config),
         ep_overlap_chunks=parallelism.expert_parallel_overlap_chunks,
         compile_loss=compile_config.enable and "loss" in compile_config.components,
+        compile_backend=compile_config.backend,
         param_dtype=param_dtype(config.training.mixed_precision_param, device or device_type()),
         reduce_dtype=getattr(torch, config.training.mixed_precision_reduce),
         reshard_after_forward="never" if dims.fsdp_one_rank and reshard == "default" else reshard,
