@@ -294,10 +294,10 @@ class MoE(nn.Module):
         return torch.bmm(scale, unsorted).squeeze(1)
 
     def _count(self, counts: torch.Tensor) -> bool:
-        """Add the routing to the step's counts, once per real training forward; True when this
-        forward counts. A pipeline stage learning its shapes runs a forward that is not one, nor
-        does activation checkpointing's recomputation, which the op itself skips when it runs
-        inside backward (a compiled block's recomputation runs no Python of this method)."""
+        """Add the routing to the step's counts, once per real training forward; False where this
+        forward cannot be one: a pipeline stage learning its shapes, the pre-pass, no grad. A
+        recomputation is none either, which the op itself skips when it runs inside backward (a
+        compiled block's recomputation runs no Python of this method)."""
         if pipelining.in_metadata_inference():
             return False
         if self.balancing.prepass:
