@@ -154,6 +154,17 @@ def test_the_one_line_cause_of_a_failed_run(output: str, line: str):
     assert measure.cause(output) == line
 
 
+def test_a_compiled_run_says_its_graphs_and_breaks_in_its_row():
+    """The start report's compile line, as the trainer writes it (``compile_line``), without its
+    reasons; an eager run's log has none."""
+    from trainer.metrics.reports import compile_line
+
+    line = compile_line(6, {"torch.* op returned non-Tensor": 4, "Skip calling a disabled function": 1})
+    output = f"[rank0]:[meshtrain] 10:00:00 INFO {line}\n[rank0]: step: 1"
+    assert measure.compiled_graphs(output) == "6 graph(s), 5 graph break(s)"
+    assert measure.compiled_graphs("[rank0]:[meshtrain] 10:00:00 INFO step: 1") == ""
+
+
 def test_a_run_past_its_time_is_stopped_with_its_children(tmp_path: Path):
     proc, started = measure.start(tmp_path, ["--training.steps", "100000"], cpu=True)
     run = measure.finish(proc, started, tmp_path, timeout=3)

@@ -17,7 +17,7 @@ from trainer.build import Run, build_run, build_step_parts
 from trainer.checkpoint.manager import create_seed_checkpoint
 from trainer.data.datasets import TokenDataset
 from trainer.data.loader import StoppedWaitingForData
-from trainer.metrics.reports import MoETimeReport, log_end
+from trainer.metrics.reports import MoETimeReport, log_compiled, log_end
 from trainer.planning.job_plan import JobPlan
 from trainer.profiling import profiling
 from trainer.runtime.distributed import CollectiveTimeouts
@@ -119,6 +119,8 @@ def loop(job_plan: JobPlan, run: Run, stop: StopRequests, timeouts: CollectiveTi
             if not trained:  # the first step done (a healed group's step number jumped to its peer's)
                 trained = True
                 timeouts.start_training([*parts.meshes.groups(), *filter(None, [stop.group])])
+                if job_plan.parallel.compile_model or job_plan.parallel.compile_loss:
+                    log_compiled(dist.get_rank())
     if moe is not None:
         moe.close()
     if stopping:

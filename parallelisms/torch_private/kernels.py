@@ -1,6 +1,6 @@
 """Private ops and switches: multi-tensor kernels, the grouped matmul, attention ops, async TP, CUDA
 memory history, whether autograd is running a backward (activation checkpointing recomputes) and an
-op that counts only outside it, and selective checkpointing's dispatch modes."""
+op that counts only outside it, what compile traced, and selective checkpointing's dispatch modes."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ NAMES = (
     "_foreach_mul_",
     "_foreach_copy_",
     "_foreach_add_",
+    "_dynamo",
     "_grouped_mm",
     "_scaled_mm",
     "_C",
@@ -105,6 +106,18 @@ def add_unless_in_backward(targets: list[torch.Tensor], sources: list[torch.Tens
 @add_unless_in_backward.register_fake
 def _(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
     return None
+
+
+def compiled_graphs() -> tuple[int, dict[str, int]]:
+    """What ``torch.compile`` has traced in this process so far: its distinct graphs, and its
+    graph breaks by the first line of their reason."""
+    from torch._dynamo.utils import counters
+
+    breaks: dict[str, int] = {}
+    for reason, count in counters["graph_break"].items():
+        first = str(reason).strip().splitlines()[0] if str(reason).strip() else "unknown"
+        breaks[first] = breaks.get(first, 0) + count
+    return counters["stats"]["unique_graphs"], breaks
 
 
 def enable_async_tp(group: torch.distributed.ProcessGroup) -> None:

@@ -313,6 +313,7 @@ class Check:
             self.results.add(Row(name, job.note, run.cause, "", "error", {"seconds": run.seconds}), run.output)
             return
         figures = {**measure.throughput(run), "seconds": run.seconds}
+        graphs = measure.compiled_graphs(run.output)
         mfu = f", MFU {figures['mfu_pct']:.1f}%" if "mfu_pct" in figures else ""
         self.results.add(
             Row(
@@ -320,7 +321,8 @@ class Check:
                 job.note,
                 f"{figures['tokens_per_s']:,.0f} tokens/s{mfu}, step {figures['step_s']:.3f} s, "
                 f"peak {figures['peak_active_gib']:.2f} GiB",
-                f"{figures['steps_measured']} steps after {measure.WARMUP_STEPS} warm-up, run {run.seconds:.0f} s",
+                f"{figures['steps_measured']} steps after {measure.WARMUP_STEPS} warm-up, run {run.seconds:.0f} s"
+                + (f"; compile: {graphs}" if graphs else ""),
                 "-",
                 figures,
             )

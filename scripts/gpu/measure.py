@@ -161,6 +161,13 @@ def throughput(run: Run) -> dict[str, float]:
     return figures
 
 
+def compiled_graphs(output: str) -> str:
+    """The start report's compile line (``trainer/metrics/reports.py``) without its reasons: how
+    many graphs and graph breaks compile made of the first step; empty for an eager run."""
+    lines = [line.split("compile: ", 1)[1] for line in output.splitlines() if "INFO compile: " in line]
+    return lines[-1].split(":", 1)[0].replace(" traced in the first step", "") if lines else ""
+
+
 def step_kernels(dump: Path, output: str, top: int = 8) -> dict[str, object]:
     """A profiled run's traced step (``--profiling.enable_profiling``): its top kernels by device
     time (ms; the CPU's top-level ops when no kernel ran) and the total, and the start report's

@@ -13,6 +13,7 @@ import torch
 
 from parallelisms.moe_split import PARTS, SPLIT
 from parallelisms.parallelize import pipeline_split
+from parallelisms.torch_private import kernels
 from trainer.checkpoint.folders import step_folders
 from trainer.config import cautions, changed_settings, to_toml
 from trainer.metrics.logger import MetricsLogger, format_duration
@@ -108,6 +109,23 @@ class MoETimeReport:
     def close(self) -> None:
         """A run that stopped while measuring leaves the layers untimed."""
         SPLIT.stop()
+
+
+def log_compiled(rank: int) -> None:
+    """After the first step of a compiled job, on rank 0: :func:`compile_line`."""
+    if rank == 0:
+        logger.info(compile_line(*kernels.compiled_graphs()))
+
+
+def compile_line(graphs: int, breaks: dict[str, int]) -> str:
+    """What compile made of the first step: compile fuses only inside a graph, so a graph break
+    where none is expected is speed lost."""
+    total = sum(breaks.values())
+    line = f"compile: {graphs} graph(s) traced in the first step, {total} graph break(s)"
+    if not total:
+        return line
+    reasons = "; ".join(f"{count} x {reason[:100]}" for reason, count in sorted(breaks.items(), key=lambda r: -r[1]))
+    return f"{line}: {reasons} (`TORCH_LOGS=graph_breaks` shows where)"
 
 
 def moe_split_line(seconds: dict[str, float], step_seconds: float, first: int, last: int) -> str:
