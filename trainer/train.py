@@ -85,7 +85,8 @@ def loop(job_plan: JobPlan, run: Run, stop: StopRequests, timeouts: CollectiveTi
     stop.checkpointing = job_plan.config.checkpoint.enable
     first_step, stats, trained = state.step + 1, None, False
     stopping = stop.stop_after_step()  # asked to stop while building: there is no step to save
-    moe = MoETimeReport(first_step, parts.device, dist.get_rank()) if parts.balance is not None else None
+    compiled = job_plan.parallel.compile_model
+    moe = MoETimeReport(first_step, parts.device, dist.get_rank(), compiled) if parts.balance is not None else None
     with profiling(job_plan.config.profiling, job_plan.config.job.dump_folder, dist.get_rank()) as profiler:
         while state.step < training.steps and not stopping:
             if run.replicas is not None:

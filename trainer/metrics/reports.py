@@ -89,8 +89,8 @@ class MoETimeReport:
 
     STEPS = 2
 
-    def __init__(self, first_step: int, device: torch.device, rank: int):
-        self.first, self.device, self.rank = first_step + 1, device, rank
+    def __init__(self, first_step: int, device: torch.device, rank: int, compiled: bool = False):
+        self.first, self.device, self.rank, self.compiled = first_step + 1, device, rank, compiled
         self.step_seconds = 0.0
 
     def before_step(self, step: int) -> None:
@@ -102,7 +102,7 @@ class MoETimeReport:
             return
         self.step_seconds += stats.step_time_s
         if step == self.first + self.STEPS - 1:
-            line = moe_split_line(SPLIT.stop(), self.step_seconds, self.first, step)
+            line = moe_split_line(SPLIT.stop(), self.step_seconds, self.first, step, self.compiled)
             if self.rank == 0:
                 logger.info(line)
 
@@ -128,13 +128,17 @@ def compile_line(graphs: int, breaks: dict[str, int]) -> str:
     return f"{line}: {reasons} (`TORCH_LOGS=graph_breaks` shows where)"
 
 
-def moe_split_line(seconds: dict[str, float], step_seconds: float, first: int, last: int) -> str:
+def moe_split_line(
+    seconds: dict[str, float], step_seconds: float, first: int, last: int, compiled: bool = False
+) -> str:
     steps = last - first + 1
-    if not any(seconds.values()):
+    if compiled:
         return (
             f"MoE time split, steps {first}-{last}: none; the MoE layers are compiled, and compile fuses across "
             "the router, dispatch, experts and combine, so they have no time of their own (run eager to split them)"
         )
+    if not any(seconds.values()):
+        return f"MoE time split, steps {first}-{last}: none; this rank holds no MoE layer"
     parts = ", ".join(
         f"{name} {1e3 * seconds[name] / steps:.1f} ms ({100 * seconds[name] / step_seconds:.0f}%)" for name in PARTS
     )
