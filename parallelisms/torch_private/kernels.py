@@ -115,7 +115,7 @@ def compiled_graphs() -> tuple[int, dict[str, int]]:
 
     breaks: dict[str, int] = {}
     for reason, count in counters["graph_break"].items():
-        first = str(reason).strip().splitlines()[0] if str(reason).strip() else "unknown"
+        first = (str(reason).strip().splitlines() or ["unknown"])[0]
         breaks[first] = breaks.get(first, 0) + count
     return counters["stats"]["unique_graphs"], breaks
 
