@@ -72,6 +72,7 @@ def test_rehearsal_runs_every_kind_of_row_on_the_cpu(tmp_path: Path):
         "probe attention",
         "probe grouped matmul",
         "probe copy",
+        "probe RMSNorm",
         "debug model bf16 vs fp32",
         "debug model GPU vs CPU",
         "throughput 30B-A3B x 2 layers",
@@ -89,6 +90,7 @@ def test_rehearsal_runs_every_kind_of_row_on_the_cpu(tmp_path: Path):
     assert all(calibration["gemm_flops"][c] > 0 for c in ("large", "medium", "small"))
     assert calibration["float8_gemm_flops"] > 0
     assert calibration["attention_flops"] > 0 and calibration["hbm_bytes_per_s"] > 0
+    assert calibration["probes"]["rms_norm"]["bytes_per_s"] > 0
     simulated = measured["simulator 30B-A3B x 2 layers"]
     assert "this check's probes" in simulated["setting"]
     assert str(tmp_path / "calibration" / "h100.json") in simulated["figures"]["calibration"]
@@ -163,6 +165,24 @@ def test_a_compiled_run_says_its_graphs_and_breaks_in_its_row():
     output = f"[rank0]:[meshtrain] 10:00:00 INFO {line}\n[rank0]: step: 1"
     assert measure.compiled_graphs(output) == "6 graph(s), 5 graph break(s)"
     assert measure.compiled_graphs("[rank0]:[meshtrain] 10:00:00 INFO step: 1") == ""
+
+
+def test_kernels_count_against_the_aten_op_that_launched_them():
+    """A kernel names no op: its ``External id``, or its launch's through the correlation, is the
+    innermost ATen op's. The kernels of one op add up; a kernel no op launched counts apart."""
+    events = [
+        {"cat": "cpu_op", "name": "aten::linear", "args": {"External id": 1}},
+        {"cat": "cpu_op", "name": "aten::mm", "args": {"External id": 2}},
+        {"cat": "cpu_op", "name": "aten::_fused_rms_norm", "args": {"External id": 3}},
+        {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "args": {"External id": 3, "correlation": 30}},
+        {"cat": "kernel", "name": "gemm a", "dur": 2000, "args": {"External id": 2, "correlation": 20}},
+        {"cat": "kernel", "name": "gemm b", "dur": 1000, "args": {"External id": 2, "correlation": 21}},
+        {"cat": "kernel", "name": "rms", "dur": 500, "args": {"correlation": 30}},
+        {"cat": "kernel", "name": "copy", "dur": 250, "args": {}},
+    ]
+    assert measure.kernels_by_op(events, 8) == {"aten::mm": 3.0, "aten::_fused_rms_norm": 0.5, "(no ATen op)": 0.25}
+    assert list(measure.kernels_by_op(events, 1)) == ["aten::mm"]
+    assert measure.kernels_by_op([e for e in events if e["cat"] == "cpu_op"], 8) == {}
 
 
 def test_a_run_past_its_time_is_stopped_with_its_children(tmp_path: Path):

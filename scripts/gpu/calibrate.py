@@ -2,8 +2,9 @@
 
 Each probe times one kernel the cost model charges, at the shapes the check's jobs run:
 dense bf16 matmuls of each shape class, the large one in float8, causal attention forward and backward, the experts'
-grouped matmul, and a device-to-device copy for the memory-bound ops. Nothing here runs a
-training job: the whole-job rows of the check stay the test of what these figures predict.
+grouped matmul, a device-to-device copy for the memory-bound ops, and ``nn.RMSNorm`` (a figure
+the cost model does not read yet: :func:`rms_norm`). Nothing here runs a training job: the
+whole-job rows of the check stay the test of what these figures predict.
 The result is one JSON file per GPU, which the check's simulations read at once and which a
 developer commits to ``trainer/simulation/calibrations/<target>.json``.
 """
@@ -23,6 +24,8 @@ ATTENTION = (32, 8, 128, 8192)
 EXPERTS = (128, 2048, 768, 65_536)
 """Experts, model width, expert width, routed rows: the 30B-A3B's experts for one sequence."""
 COPY_BYTES = 2 * 1024**3
+QUERY_NORM = (8192 * 32, 128)
+"""Rows and width of the 30B-A3B's per-head query norm over one sequence (32 heads of 128)."""
 
 
 def timed_ms(fn: Callable[..., Any], cpu: bool, repeats: int = 10) -> float:
@@ -139,6 +142,26 @@ def copy(cpu: bool) -> dict[str, float]:
     return {"bytes": size, "ms": ms, "bytes_per_s": 2 * size / ms * 1e3}
 
 
+def rms_norm(cpu: bool) -> dict[str, float]:
+    """Bytes per second of ``nn.RMSNorm`` forward and backward at the query norm's shape, over
+    the least a fused kernel moves: seven passes over the activations (forward reads the input
+    and writes the output; backward's input gradient reads the gradient and the input and writes
+    its result, the weight gradient reads both again). On CUDA torch runs it fused
+    (``_fused_rms_norm``); ``--simulate`` traces the CPU's float32 composite, which moved about
+    thirteen times these bytes on the Qwen3-30B-A3B preset. Whether rows of 128 values reach the
+    copy's rate decides what the fused kernel costs; the CPU's rehearsal runs the composite."""
+    import torch
+
+    rows, dim = QUERY_NORM
+    device, dtype, rows = ("cpu", torch.float32, rows // 64) if cpu else ("cuda", torch.bfloat16, rows)
+    norm = torch.nn.RMSNorm(dim, eps=1e-6, device=device, dtype=dtype)
+    x = torch.randn(rows, dim, device=device, dtype=dtype, requires_grad=True)
+    grad = torch.randn_like(x)
+    ms = timed_ms(lambda: torch.autograd.grad(norm(x), (x, norm.weight), grad), cpu)
+    passes = 7 * x.numel() * x.element_size()
+    return {"rows": rows, "dim": dim, "ms": ms, "bytes": passes, "bytes_per_s": passes / ms * 1e3}
+
+
 def calibrate(cpu: bool, gpu: str, target: str) -> dict[str, Any]:
     """Every probe, as the calibration file's fields (``Calibration`` and its ``target``)."""
     import torch
@@ -149,6 +172,7 @@ def calibrate(cpu: bool, gpu: str, target: str) -> dict[str, Any]:
         "attention": attention(cpu),
         "grouped_gemm": grouped_gemm(cpu),
         "copy": copy(cpu),
+        "rms_norm": rms_norm(cpu),
     }
     if not cpu:
         torch.cuda.empty_cache()

@@ -145,17 +145,9 @@ class Check:
                 )
             )
         probe = figures["probes"]["float8_gemm"]
-        fp8_peak = 1e12 * FP8_PEAK_TFLOPS.get(self.target, float("nan"))
-        self.results.add(
-            Row(
-                "probe float8 matmul",
-                f"{probe['m']} x {probe['n']} x {probe['k']}, e4m3, one scale per operand",
-                f"{probe['flops'] / 1e12:.0f} TFLOP/s",
-                f"{probe['flops'] / fp8_peak:.2f} of the float8 peak",
-                "-",
-                probe,
-            )
-        )
+        shape, rate = f"{probe['m']} x {probe['n']} x {probe['k']}, e4m3, one scale per operand", probe["flops"]
+        fraction = f"{rate / (1e12 * FP8_PEAK_TFLOPS.get(self.target, float('nan'))):.2f} of the float8 peak"
+        self.results.add(Row("probe float8 matmul", shape, f"{rate / 1e12:.0f} TFLOP/s", fraction, "-", probe))
         for name, key in (("attention", "attention"), ("grouped matmul", "grouped_gemm")):
             probe = figures["probes"][key]
             rate = probe["flops"]
@@ -169,7 +161,7 @@ class Check:
                     probe,
                 )
             )
-        probe = figures["probes"]["copy"]
+        probe, norm = figures["probes"]["copy"], figures["probes"]["rms_norm"]
         self.results.add(
             Row(
                 "probe copy",
@@ -179,6 +171,11 @@ class Check:
                 "-",
                 probe,
             )
+        )
+        shape, rate = f"{norm['rows']:,} rows x {norm['dim']}, forward + backward", norm["bytes_per_s"]
+        moved = f"{rate / 1e12:.2f} TB/s over its 7 passes, {norm['ms']:.2f} ms"
+        self.results.add(
+            Row("probe RMSNorm", shape, moved, f"{rate / probe['bytes_per_s']:.2f} of the copy's", "-", norm)
         )
 
     def device_name(self) -> str:
@@ -340,7 +337,9 @@ class Check:
             self.results.add(Row(name, job.note, f"{type(e).__name__}: {e}"[:300], "", "error"))
             return
         top = ", ".join(f"{k[:60]} {ms:.1f}" for k, ms in found["top_ms"].items())  # type: ignore[attr-defined]
+        by_op = ", ".join(f"{k.removeprefix('aten::')} {ms:.1f}" for k, ms in found["top_ops_ms"].items())  # type: ignore[attr-defined]
         measured = f"{found['kind']} ms of {found['total_ms']:.0f} in {found['trace']}: {top}"
+        measured += f"; by ATen op: {by_op}" if by_op else ""
         self.results.add(Row(name, job.note, measured, f"MoE time split: {found['moe_split']}", "-", found))
 
     def compare(self, job: Job, measured: dict[str, float]) -> None:

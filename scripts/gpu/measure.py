@@ -188,8 +188,32 @@ def step_kernels(dump: Path, output: str, top: int = 8) -> dict[str, object]:
         "kind": kind,
         "total_ms": sum(totals.values()),
         "top_ms": dict(ranked),
+        "top_ops_ms": kernels_by_op(events, top),
         "moe_split": split[-1].strip(" ,:") if split else "not in the log",
     }
+
+
+def kernels_by_op(events: list[dict[str, Any]], top: int) -> dict[str, float]:
+    """Kernel ms by the ATen op that launched them, the ``top`` largest: the rows ``--simulate``
+    prints by op, on the GPU (a kernel names no op; its launch's ``External id`` is the innermost
+    op's). Empty where no kernel ran."""
+    ops = {
+        e["args"]["External id"]: e["name"]
+        for e in events
+        if e.get("cat") == "cpu_op" and "External id" in e.get("args", {})
+    }
+    launched = {
+        e["args"]["correlation"]: e["args"].get("External id")
+        for e in events
+        if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
+    }
+    totals: dict[str, float] = {}
+    for e in events:
+        if e.get("cat") == "kernel":
+            args = e.get("args", {})
+            op = ops.get(args.get("External id") or launched.get(args.get("correlation")), "(no ATen op)")
+            totals[op] = totals.get(op, 0.0) + e.get("dur", 0) / 1e3
+    return dict(sorted(totals.items(), key=lambda item: -item[1])[:top])
 
 
 def start_simulation(
