@@ -181,13 +181,12 @@ def step_kernels(dump: Path, output: str, top: int = 8) -> dict[str, object]:
     for e in events:
         if e.get("cat") == kind:
             totals[e["name"]] = totals.get(e["name"], 0.0) + e.get("dur", 0) / 1e3
-    ranked = sorted(totals.items(), key=lambda item: -item[1])[:top]
     split = [line.split("MoE time split", 1)[1] for line in output.splitlines() if "MoE time split" in line]
     return {
         "trace": traces[-1].parent.name,
         "kind": kind,
         "total_ms": sum(totals.values()),
-        "top_ms": dict(ranked),
+        "top_ms": largest(totals, top),
         "top_ops_ms": kernels_by_op(events, top),
         "moe_split": split[-1].strip(" ,:") if split else "not in the log",
     }
@@ -213,6 +212,11 @@ def kernels_by_op(events: list[dict[str, Any]], top: int) -> dict[str, float]:
             args = e.get("args", {})
             op = ops.get(args.get("External id") or launched.get(args.get("correlation")), "(no ATen op)")
             totals[op] = totals.get(op, 0.0) + e.get("dur", 0) / 1e3
+    return largest(totals, top)
+
+
+def largest(totals: dict[str, float], top: int) -> dict[str, float]:
+    """The ``top`` largest of ``totals``, largest first."""
     return dict(sorted(totals.items(), key=lambda item: -item[1])[:top])
 
 
