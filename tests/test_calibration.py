@@ -1,16 +1,27 @@
 """The simulator's calibration (``trainer/simulation/calibration.py``): each kernel kind timed at
 its measured rate, a kind not measured at a stated stand-in, a figure the user states ruling,
-and compile's fusion counted from the ops the step runs."""
+compile's fusion counted from the ops the step runs, and the eager kernels that cast each element
+told from the vectorized ones (``eager_kernels.py``)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 
+from parallelisms.torch_private.fsdp import FSDP_SOURCE, called_from_fsdp
 from trainer.simulation.calibration import ENV, Calibration, gemm_class, load
-from trainer.simulation.cost_model import CostRecorder, TracedCost, compute_s, memory_bandwidth, step_time
+from trainer.simulation.cost_model import (
+    CostRecorder,
+    TracedCost,
+    compute_s,
+    memory_bandwidth,
+    memory_s,
+    step_time,
+)
 from trainer.simulation.memory_tracker import MemoryTracker
 from trainer.simulation.targets import resolve_target
 
@@ -105,10 +116,10 @@ def test_a_file_named_by_the_environment_stands_for_the_stored_one(tmp_path, mon
     assert load("h200") == (None, "")  # measured on another GPU: not used for this one
 
 
-def _traced(fn, *tensors):
+def _traced(fn, *tensors, compiled: bool = True):
     recorder = CostRecorder({})
     recorder.enabled = True
-    recorder.where = lambda: ("", True)  # inside a compiled region
+    recorder.where = lambda: ("", compiled)  # inside a compiled region, or not
     with MemoryTracker([recorder]):
         fn(*tensors)
     return recorder.cost
@@ -132,3 +143,69 @@ def test_compile_fusion_saves_the_reads_of_elementwise_intermediates_only():
     # the second relu reads the matmul's output: not fused; the first reads the input
     assert through_matmul.fused_bytes == through_matmul.memory_bytes
     assert chain.flops_by_kind == {} and through_matmul.flops_by_kind == {"gemm_small": 2 * 64 * 256 * 256}
+
+
+BF16, FP32 = torch.bfloat16, torch.float32
+CASTS: dict[str, tuple[Callable[..., object], tuple[tuple[int, torch.dtype], ...], bool]] = {
+    "fp32 += bf16 (a gradient's accumulation)": (lambda a, g: a.add_(g), ((64, FP32), (64, BF16)), True),
+    "bf16 + bf16": (torch.add, ((64, BF16), (64, BF16)), False),
+    "fp32 x a bf16 weight, broadcast": (torch.mul, ((64, FP32), (1, BF16)), True),
+    "bf16 x a 0-dim fp32 tensor (a scalar to CUDA)": (torch.mul, ((64, BF16), (0, FP32)), False),
+    "bf16 -> fp32 copy": (lambda x: x.float(), ((64, BF16),), True),
+    "bf16 -> fp16 copy": (lambda x: x.half(), ((64, BF16),), True),
+    "int64 -> fp32 copy": (lambda x: x.float(), ((64, torch.int64),), True),
+    "fp32 -> bf16 copy (a kernel of its own)": (lambda x: x.bfloat16(), ((64, FP32),), False),
+    "fp32 -> fp16 copy": (lambda x: x.half(), ((64, FP32),), False),
+    "fp32 -> float8 copy": (lambda x: x.to(torch.float8_e4m3fn), ((64, FP32),), False),
+    "copy_ of bf16 into fp32": (lambda t, s: t.copy_(s), ((64, FP32), (64, BF16)), True),
+    "copy_ of fp32 into bf16": (lambda t, s: t.copy_(s), ((64, BF16), (64, FP32)), False),
+    "foreach copy of bf16 into fp32": (lambda t, s: torch._foreach_copy_([t], [s]), ((64, FP32), (64, BF16)), True),
+    "a gather of bf16 rows (not elementwise)": (
+        lambda x: x.index_select(0, torch.arange(0, 64, 2)),
+        ((64, BF16),),
+        False,
+    ),
+}
+
+
+def _tensor(rows: int, dtype: torch.dtype) -> torch.Tensor:
+    if not rows:
+        return torch.tensor(2.0, dtype=dtype)
+    return torch.ones(rows, 32).to(dtype)
+
+
+@pytest.mark.parametrize("name", list(CASTS))
+def test_eager_kernels_that_cast_each_element_are_told_from_the_vectorized_ones(name):
+    """CUDA vectorizes an elementwise op whose operands share its dtype; mixed dtypes and copies
+    that convert (but float32 -> half types and into float8) run the unrolled kernel, whose bytes
+    the cost model times at the casting rate: eager only, a compiled region converts in registers."""
+    fn, shapes, casts = CASTS[name]
+    tensors = [_tensor(rows, dtype) for rows, dtype in shapes]
+    eager = _traced(fn, *tensors, compiled=False)
+    assert eager.memory_bytes > 0
+    assert eager.casting_bytes == (eager.memory_bytes if casts else 0)
+    assert eager.fused_casting_bytes == eager.casting_bytes
+    compiled = _traced(fn, *tensors)
+    assert compiled.casting_bytes == eager.casting_bytes and compiled.fused_casting_bytes == 0
+
+
+def test_eager_casting_kernels_at_their_probed_rate_else_at_the_copys():
+    target = resolve_target("h200", {}, 1)
+    probed = type(target)(**{**target.__dict__, "calibration": _calibration(casting_bytes_per_s=1e12)})
+    unprobed = type(target)(**{**target.__dict__, "calibration": _calibration()})
+    cost = TracedCost(memory_bytes=10**12, casting_bytes=4 * 10**11, fused_bytes=6 * 10**11, fused_casting_bytes=10**11)
+    assert memory_s(cost, probed, compiled=False) == pytest.approx(6e11 / 4e12 + 4e11 / 1e12)
+    assert memory_s(cost, probed, compiled=True) == pytest.approx(5e11 / 4e12 + 1e11 / 1e12)
+    assert memory_s(cost, unprobed, compiled=False) == pytest.approx(1e12 / 4e12)
+    assert step_time(cost, probed, 1, "1F1B", 1, 1).memory_s == pytest.approx(memory_s(cost, probed, False))
+    assert "casting kernels 1 TB/s (measured)" in probed.calibration_line()
+    assert "casting kernels not measured: the copy's" in unprobed.calibration_line()
+
+
+def test_ops_called_by_fsdp_are_told_from_the_blocks_own():
+    """FSDP's hooks (gathers, casts, the fp32 accumulation of each micro-batch's gradient) run
+    eagerly around a compiled block: the simulator finds them by FSDP's frames on the stack."""
+    namespace: dict[str, Callable[..., bool]] = {}
+    exec(compile("def hook(f):\n    return f()\n", str(Path(FSDP_SOURCE) / "hook.py"), "exec"), namespace)
+    assert namespace["hook"](called_from_fsdp) is True
+    assert called_from_fsdp() is False

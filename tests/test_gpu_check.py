@@ -72,6 +72,7 @@ def test_rehearsal_runs_every_kind_of_row_on_the_cpu(tmp_path: Path):
         "probe attention",
         "probe grouped matmul",
         "probe copy",
+        "probe casting",
         "probe RMSNorm",
         "debug model bf16 vs fp32",
         "debug model GPU vs CPU",
@@ -91,6 +92,7 @@ def test_rehearsal_runs_every_kind_of_row_on_the_cpu(tmp_path: Path):
     assert calibration["float8_gemm_flops"] > 0
     assert calibration["attention_flops"] > 0 and calibration["hbm_bytes_per_s"] > 0
     assert calibration["probes"]["rms_norm"]["bytes_per_s"] > 0
+    assert calibration["casting_bytes_per_s"] == calibration["probes"]["casting"]["bytes_per_s"] > 0
     simulated = measured["simulator 30B-A3B x 2 layers"]
     assert "this check's probes" in simulated["setting"]
     assert str(tmp_path / "calibration" / "h100.json") in simulated["figures"]["calibration"]

@@ -215,6 +215,11 @@ def test_the_breakdown_adds_up_and_one_fsdp_rank_copies_once_a_step(tmp_path):
     for part in ("router", "dispatch", "experts", "combine"):
         assert any(n.startswith("forward layers.*.feed_forward") and n.endswith(f"/{part}") for n in names), part
     assert role["memory_traffic_bytes_per_step"] < 0.9 * role["eager_memory_traffic_bytes_per_step"]
+    # FSDP's fp32 accumulation of each micro-batch's bf16 gradients casts each element, eagerly
+    # around the compiled blocks: CUDA's unrolled kernel, timed at its own rate.
+    assert sum(r["casting_bytes"] for r in role["by_op"]) == pytest.approx(role["casting_traffic_bytes_per_step"])
+    (accumulate,) = [r for r in role["by_op"] if r["name"] == "add_"]
+    assert accumulate["casting_bytes"] == pytest.approx(accumulate["fused_bytes"], rel=1e-3)
     # Traced as the compiled job runs it: the combine as the chain compile fuses, not eager's matmul.
     assert not any(r["name"] == "bmm" for r in role["by_op"])
     kept, resharded = (roles[n]["eager_memory_traffic_bytes_per_step"] for n in ("kept", "resharded"))

@@ -3,14 +3,18 @@
 ``fully_shard`` keeps, per unit, an ``FSDPParamGroup`` of ``FSDPParam`` objects; each holds the
 sharded DTensor the optimizer sees, and, between all-gather and reshard, the unsharded parameter
 autograd writes into. The layout-invariant reduction takes its gradients from there, and the
-simulator's memory tracker labels them. None of it is public API.
+simulator's memory tracker labels them, and tells FSDP's own ops (which run eagerly around a
+compiled block) from the block's. None of it is public API.
 """
 
 from __future__ import annotations
 
+import inspect
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.fsdp
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
@@ -54,3 +58,18 @@ def unsharded_buffers(fsdp_param: Any) -> tuple[list[torch.Tensor | None], list[
     params = [unsharded, *getattr(fsdp_param, "all_gather_outputs", [])]
     grads = [getattr(fsdp_param, "unsharded_accumulated_grad", None), unsharded.grad if unsharded is not None else None]
     return params, grads
+
+
+FSDP_SOURCE = str(Path(torch.distributed.fsdp.__file__).parent)
+
+
+def called_from_fsdp() -> bool:
+    """Whether the running op was called by FSDP's own code (its gathers, casts, gradient
+    accumulation and reductions), which a compiled block leaves eager: a frame of torch's
+    ``fsdp`` package on the Python stack."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        if frame.f_code.co_filename.startswith(FSDP_SOURCE):
+            return True
+        frame = frame.f_back
+    return False

@@ -2,9 +2,10 @@
 
 Each probe times one kernel the cost model charges, at the shapes the check's jobs run:
 dense bf16 matmuls of each shape class, the large one in float8, causal attention forward and backward, the experts'
-grouped matmul, a device-to-device copy for the memory-bound ops, and ``nn.RMSNorm`` (a figure
-the cost model does not read yet: :func:`rms_norm`). Nothing here runs a training job: the
-whole-job rows of the check stay the test of what these figures predict.
+grouped matmul, a device-to-device copy for the memory-bound ops, the eager kernels that cast each
+element (:func:`casting`), and ``nn.RMSNorm`` (a figure the cost model does not read yet:
+:func:`rms_norm`). Nothing here runs a training job: the whole-job rows of the check stay the
+test of what these figures predict.
 The result is one JSON file per GPU, which the check's simulations read at once and which a
 developer commits to ``trainer/simulation/calibrations/<target>.json``.
 """
@@ -24,6 +25,9 @@ ATTENTION = (32, 8, 128, 8192)
 EXPERTS = (128, 2048, 768, 65_536)
 """Experts, model width, expert width, routed rows: the 30B-A3B's experts for one sequence."""
 COPY_BYTES = 2 * 1024**3
+CASTING_ELEMENTS = 2**28
+"""A float32 gradient accumulator of 1 GiB and its bfloat16 gradient: the size of a 30B-A3B
+layer's routed experts' gradient on 8 EP ranks, in the order of magnitude of one gradient."""
 QUERY_NORM = (8192 * 32, 128)
 """Rows and width of the 30B-A3B's per-head query norm over one sequence (32 heads of 128)."""
 
@@ -142,6 +146,30 @@ def copy(cpu: bool) -> dict[str, float]:
     return {"bytes": size, "ms": ms, "bytes_per_s": 2 * size / ms * 1e3}
 
 
+def casting(cpu: bool) -> dict[str, float]:
+    """Bytes per second of the two eager kernels that cast each element (CUDA's unrolled
+    elementwise kernel, ``trainer/simulation/eager_kernels.py``): the float32 accumulation of a
+    bfloat16 gradient (``acc += grad``: 10 bytes an element) and a bfloat16 -> float32 copy
+    (6 bytes), together and each on its own."""
+    import torch
+
+    n = CASTING_ELEMENTS // (64 if cpu else 1)
+    device = "cpu" if cpu else "cuda"
+    accumulator = torch.zeros(n, device=device)
+    grad = torch.ones(n, device=device, dtype=torch.bfloat16)
+    upcast = torch.empty(n, device=device)
+    add_ms = timed_ms(lambda: accumulator.add_(grad), cpu)
+    cast_ms = timed_ms(lambda: upcast.copy_(grad), cpu)
+    return {
+        "elements": n,
+        "add_ms": add_ms,
+        "cast_ms": cast_ms,
+        "add_bytes_per_s": 10 * n / add_ms * 1e3,
+        "cast_bytes_per_s": 6 * n / cast_ms * 1e3,
+        "bytes_per_s": 16 * n / (add_ms + cast_ms) * 1e3,
+    }
+
+
 def rms_norm(cpu: bool) -> dict[str, float]:
     """Bytes per second of ``nn.RMSNorm`` forward and backward at the query norm's shape, over
     the least a fused kernel moves: seven passes over the activations (forward reads the input
@@ -172,6 +200,7 @@ def calibrate(cpu: bool, gpu: str, target: str) -> dict[str, Any]:
         "attention": attention(cpu),
         "grouped_gemm": grouped_gemm(cpu),
         "copy": copy(cpu),
+        "casting": casting(cpu),
         "rms_norm": rms_norm(cpu),
     }
     if not cpu:
@@ -186,8 +215,54 @@ def calibrate(cpu: bool, gpu: str, target: str) -> dict[str, Any]:
         "grouped_gemm_flops": probes["grouped_gemm"]["flops"],
         "hbm_bytes_per_s": probes["copy"]["bytes_per_s"],
         "float8_gemm_flops": probes["float8_gemm"]["flops"],
+        "casting_bytes_per_s": probes["casting"]["bytes_per_s"],
         "probes": probes,
     }
+
+
+Line = tuple[str, str, str, str, dict[str, Any]]
+"""A row of the check: what, its setting, the figure measured, what it is read against, the raw figures."""
+
+
+def probe_rows(figures: dict[str, Any], peak: float, fp8_peak: float, file: str) -> list[Line]:
+    """The check's rows of :func:`calibrate`'s ``figures``: each rate, and its fraction of the
+    peak (``peak``, ``fp8_peak``: FLOP/s) or of the copy's rate (which ``file`` now holds)."""
+    probes = figures["probes"]
+    lines: list[Line] = []
+    for cls, probe in probes["gemm"].items():
+        shape, rate = f"{probe['m']} x {probe['n']} x {probe['k']}", probe["flops"]
+        lines.append((f"probe matmul {cls}", shape, f"{rate / 1e12:.0f} TFLOP/s", f"{rate / peak:.2f} of peak", probe))
+    probe = probes["float8_gemm"]
+    shape, rate = f"{probe['m']} x {probe['n']} x {probe['k']}, e4m3, one scale per operand", probe["flops"]
+    fraction = f"{rate / fp8_peak:.2f} of the float8 peak"
+    lines.append(("probe float8 matmul", shape, f"{rate / 1e12:.0f} TFLOP/s", fraction, probe))
+    heads, kv_heads, head_dim, _ = ATTENTION
+    for name, key in (("attention", "attention"), ("grouped matmul", "grouped_gemm")):
+        probe = probes[key]
+        shape = (
+            f"causal, {heads}/{kv_heads} heads x {head_dim}, seq {probe['seq']:.0f}, forward + backward"
+            if key == "attention"
+            else f"{probe['experts']:.0f} experts {probe['dim']:.0f} -> {probe['hidden']:.0f}, "
+            f"{probe['rows']:,.0f} rows, SwiGLU forward"
+        )
+        measured = f"{probe['flops'] / 1e12:.0f} TFLOP/s, {probe['ms']:.2f} ms"
+        lines.append((f"probe {name}", shape, measured, f"{probe['flops'] / peak:.2f} of peak", probe))
+    copied = probes["copy"]
+    read_written = f"{copied['bytes_per_s'] / 1e12:.2f} TB/s read + written"
+    lines.append(("probe copy", f"{copied['bytes'] / 2**30:.0f} GiB device to device", read_written, file, copied))
+    cast = probes["casting"]
+    shape = f"fp32 += bf16 and a bf16 -> fp32 copy, {cast['elements']:,} elements"
+    measured = f"{cast['bytes_per_s'] / 1e12:.2f} TB/s (add {cast['add_ms']:.2f} ms, copy {cast['cast_ms']:.2f} ms)"
+    lines.append(
+        ("probe casting", shape, measured, f"{cast['bytes_per_s'] / copied['bytes_per_s']:.2f} of the copy's", cast)
+    )
+    norm = probes["rms_norm"]
+    shape = f"{norm['rows']:,} rows x {norm['dim']}, forward + backward"
+    measured = f"{norm['bytes_per_s'] / 1e12:.2f} TB/s over its 7 passes, {norm['ms']:.2f} ms"
+    lines.append(
+        ("probe RMSNorm", shape, measured, f"{norm['bytes_per_s'] / copied['bytes_per_s']:.2f} of the copy's", norm)
+    )
+    return lines
 
 
 def write(calibration: dict[str, Any], folder: Path) -> Path:

@@ -9,7 +9,8 @@ of value, each row written as soon as it is measured (``results.jsonl`` and ``ta
 ``--out``), so a run cut short keeps what it measured:
 
 0. **The kernel probes** that calibrate the simulator (``calibrate.py``): dense matmuls by shape
-   class, attention, the experts' grouped matmul, a copy; written to ``calibration/<target>.json``
+   class, attention, the experts' grouped matmul, a copy, the eager kernels that cast each element,
+   RMSNorm; written to ``calibration/<target>.json``
    in ``--out`` (commit it to ``trainer/simulation/calibrations/``) and read by this check's simulations.
 1. **The loss curve, like against like**: the debug model in bf16 against fp32, both on the GPU
    (every step within :data:`LOSS_TOLERANCE`), and fp32 on the GPU against fp32 on the CPU from
@@ -136,47 +137,10 @@ class Check:
             return
         self.calibration = calibrate.write(figures, self.results.out / "calibration")
         peak = 1e12 * PEAK_TFLOPS.get(self.target, float("nan"))
-        for cls, probe in figures["probes"]["gemm"].items():
-            shape = f"{probe['m']} x {probe['n']} x {probe['k']}"
-            rate = probe["flops"]
-            self.results.add(
-                Row(
-                    f"probe matmul {cls}", shape, f"{rate / 1e12:.0f} TFLOP/s", f"{rate / peak:.2f} of peak", "-", probe
-                )
-            )
-        probe = figures["probes"]["float8_gemm"]
-        shape, rate = f"{probe['m']} x {probe['n']} x {probe['k']}, e4m3, one scale per operand", probe["flops"]
-        fraction = f"{rate / (1e12 * FP8_PEAK_TFLOPS.get(self.target, float('nan'))):.2f} of the float8 peak"
-        self.results.add(Row("probe float8 matmul", shape, f"{rate / 1e12:.0f} TFLOP/s", fraction, "-", probe))
-        for name, key in (("attention", "attention"), ("grouped matmul", "grouped_gemm")):
-            probe = figures["probes"][key]
-            rate = probe["flops"]
-            self.results.add(
-                Row(
-                    f"probe {name}",
-                    calibration_setting(key, probe),
-                    f"{rate / 1e12:.0f} TFLOP/s, {probe['ms']:.2f} ms",
-                    f"{rate / peak:.2f} of peak",
-                    "-",
-                    probe,
-                )
-            )
-        probe, norm = figures["probes"]["copy"], figures["probes"]["rms_norm"]
-        self.results.add(
-            Row(
-                "probe copy",
-                f"{probe['bytes'] / 2**30:.0f} GiB device to device",
-                f"{probe['bytes_per_s'] / 1e12:.2f} TB/s read + written",
-                str(self.calibration.relative_to(self.results.out)),
-                "-",
-                probe,
-            )
-        )
-        shape, rate = f"{norm['rows']:,} rows x {norm['dim']}, forward + backward", norm["bytes_per_s"]
-        moved = f"{rate / 1e12:.2f} TB/s over its 7 passes, {norm['ms']:.2f} ms"
-        self.results.add(
-            Row("probe RMSNorm", shape, moved, f"{rate / probe['bytes_per_s']:.2f} of the copy's", "-", norm)
-        )
+        fp8_peak = 1e12 * FP8_PEAK_TFLOPS.get(self.target, float("nan"))
+        file = str(self.calibration.relative_to(self.results.out))
+        for check, setting, measured, reference, probe in calibrate.probe_rows(figures, peak, fp8_peak, file):
+            self.results.add(Row(check, setting, measured, reference, "-", probe))
 
     def device_name(self) -> str:
         import torch
@@ -417,16 +381,6 @@ class Check:
 def worst_relative(curve: dict[int, float], reference: dict[int, float]) -> float:
     """The largest relative difference over the steps both curves have."""
     return max(abs(curve[s] - reference[s]) / reference[s] for s in reference if s in curve)
-
-
-def calibration_setting(key: str, probe: dict[str, float]) -> str:
-    if key == "attention":
-        heads, kv_heads, head_dim, _ = calibrate.ATTENTION
-        return f"causal, {heads}/{kv_heads} heads x {head_dim}, seq {probe['seq']:.0f}, forward + backward"
-    return (
-        f"{probe['experts']:.0f} experts {probe['dim']:.0f} -> {probe['hidden']:.0f}, {probe['rows']:,.0f} rows, "
-        "SwiGLU forward"
-    )
 
 
 def predicted_text(predicted: dict[str, float]) -> str:

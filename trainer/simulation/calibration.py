@@ -60,6 +60,9 @@ class Calibration:
     """The raw measurements behind the rates (shapes, times), for whoever reads the file."""
     float8_gemm_flops: float | None = None
     """The large class's matmul in float8 (``torch._scaled_mm``, one scale per operand), FLOP/s."""
+    casting_bytes_per_s: float | None = None
+    """Eager kernels that cast each element (``eager_kernels.py``: ``fp32 += bf16``, a bf16 -> fp32
+    copy), bytes read and written per second; ``None``: timed at the copy's rate."""
 
     def float8_flops(self, bf16_peak: float, fp8_peak: float) -> tuple[float | None, str]:
         """Float8 matmul FLOP/s and where it comes from: its probe, or, not measured, the float8

@@ -23,6 +23,7 @@ from parallelisms.pipeline_split import BUBBLE_FRACTION
 from parallelisms.torch_private import dtensor
 from parallelisms.torch_private.fake import process_group_name, tree_map_only
 from trainer.simulation.calibration import gemm_class
+from trainer.simulation.eager_kernels import casts_each_element
 from trainer.simulation.fusion import Fusion, nbytes, storage
 from trainer.simulation.memory_tracker import tensors_in
 from trainer.simulation.targets import Target
@@ -35,7 +36,9 @@ ASSUMPTIONS = (
     "causal attention counts half its score and "
     "value matmuls (flash kernels skip the masked blocks)",
     "memory-bound ops: bytes every other op reads and writes at the calibration's measured copy bandwidth "
-    "(else the HBM bandwidth x `hbm_efficiency`), not overlapped with the matmuls; per-kernel launch costs "
+    "(else the HBM bandwidth x `hbm_efficiency`), not overlapped with the matmuls; an eager op that casts each "
+    "element (mixed float dtypes, such as fp32 += bf16, or a bf16 -> fp32 copy: CUDA's unrolled kernel, "
+    "trainer/simulation/eager_kernels.py) at the calibration's measured casting rate, else the copy's; per-kernel launch costs "
     "are not modelled; with `compile.enable` (the blocks and the loss compiled), chains of elementwise "
     "ops and the reductions they feed (softmax, the loss) inside a block or the loss count as one fused kernel "
     "(each chain's intermediates neither written nor read again), the rest as eager; fusion into matmul "
@@ -123,11 +126,17 @@ class Cost:
     flops: float = 0.0
     memory_bytes: float = 0.0
     fused_bytes: float = 0.0
+    casting_bytes: float = 0.0
+    """The part of ``memory_bytes`` that eager kernels casting each element move (``eager_kernels.py``)."""
+    fused_casting_bytes: float = 0.0
+    """The same part of ``fused_bytes``: such ops outside the compiled regions."""
 
     def add(self, other: Cost, weight: float = 1.0) -> None:
         self.flops += weight * other.flops
         self.memory_bytes += weight * other.memory_bytes
         self.fused_bytes += weight * other.fused_bytes
+        self.casting_bytes += weight * other.casting_bytes
+        self.fused_casting_bytes += weight * other.fused_casting_bytes
 
 
 @dataclass
@@ -139,6 +148,10 @@ class TracedCost:
     collectives: list[Collective] = field(default_factory=list)
     fused_bytes: int = 0
     """``memory_bytes`` as compile would move them (:class:`Fusion`)."""
+    casting_bytes: int = 0
+    """The part of ``memory_bytes`` moved by eager kernels that cast each element (``Cost``)."""
+    fused_casting_bytes: int = 0
+    """The same part of ``fused_bytes``."""
     flops_by_kind: dict[str, int] = field(default_factory=dict)
     """The FLOPs by kernel kind (``calibration.KINDS``), each timed at its own measured rate."""
     by_op: dict[str, Cost] = field(default_factory=dict)
@@ -153,6 +166,8 @@ class TracedCost:
         self.flops += round(weight * cost.flops)
         self.memory_bytes += round(weight * cost.memory_bytes)
         self.fused_bytes += round(weight * cost.fused_bytes)
+        self.casting_bytes += round(weight * cost.casting_bytes)
+        self.fused_casting_bytes += round(weight * cost.fused_casting_bytes)
         self.by_op.setdefault(op, Cost()).add(cost, weight)
         self.by_module.setdefault(where, Cost()).add(cost, weight)
 
@@ -161,6 +176,8 @@ class TracedCost:
         self.flops += round(weight * other.flops)
         self.memory_bytes += round(weight * other.memory_bytes)
         self.fused_bytes += round(weight * other.fused_bytes)
+        self.casting_bytes += round(weight * other.casting_bytes)
+        self.fused_casting_bytes += round(weight * other.fused_casting_bytes)
         self.fp8_flops += round(weight * other.fp8_flops)
         for kind, flops in other.flops_by_kind.items():
             self.flops_by_kind[kind] = self.flops_by_kind.get(kind, 0) + round(weight * flops)
@@ -257,7 +274,8 @@ class CostRecorder:
         fp8 = bool(flops) and (name == SCALED_MM or any(map(_is_float8, tensors_in(args))))
         where, compiled = self.where()
         fused = self.fusion.bytes(func, args, out, memory, compiled and not flops)
-        cost = Cost(flops, memory, fused)
+        casting = memory if memory and casts_each_element(func, args, out) else 0
+        cost = Cost(flops, memory, fused, casting, 0 if compiled else casting)
         for traced in (*self._costs(), *self._in_flight.values()):
             traced.record(name, where, cost, "" if fp8 else kind, fp8=fp8)
 
@@ -368,12 +386,26 @@ def memory_bandwidth(target: Target) -> float:
     return measured or target.hbm_bytes_per_s * target.hbm_efficiency
 
 
+def casting_bandwidth(target: Target) -> float:
+    """What eager kernels that cast each element reach: the calibration's probe, else the copy's rate."""
+    measured = target.calibration.casting_bytes_per_s if target.calibration else None
+    return measured or memory_bandwidth(target)
+
+
+def memory_s(cost: Cost | TracedCost, target: Target, compiled: bool) -> float:
+    """Seconds of ``cost``'s memory-bound ops: the casting kernels' bytes at their rate, the rest
+    at the copy's; ``compiled``: the bytes compile's fusion leaves."""
+    moved, casting = (
+        (cost.fused_bytes, cost.fused_casting_bytes) if compiled else (cost.memory_bytes, cost.casting_bytes)
+    )
+    return (moved - casting) / memory_bandwidth(target) + casting / casting_bandwidth(target)
+
+
 def _busy_s(cost: TracedCost | None, target: Target, compiled: bool) -> float:
     """Seconds the rank computes ``cost`` (no collective's)."""
     if cost is None:
         return 0.0
-    memory = (cost.fused_bytes if compiled else cost.memory_bytes) / memory_bandwidth(target)
-    return sum(compute_s(cost, target).values()) + memory
+    return sum(compute_s(cost, target).values()) + memory_s(cost, target, compiled)
 
 
 def step_time(
@@ -388,7 +420,7 @@ def step_time(
     """Seconds of one step on ``target`` under the model in :data:`ASSUMPTIONS`; ``compiled``:
     the memory-bound ops move the bytes compile's fusion leaves (:class:`Fusion`)."""
     compute = sum(compute_s(cost, target).values())
-    memory = (cost.fused_bytes if compiled else cost.memory_bytes) / memory_bandwidth(target)
+    memory = memory_s(cost, target, compiled)
     comm: dict[str, float] = {}
     overlappable = exposed = 0.0
     fsdp = [c for c in cost.collectives if c.dim in FSDP_DIMS]

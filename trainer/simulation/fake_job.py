@@ -36,7 +36,7 @@ from parallelisms.expert_parallel import AssumedRouting, assume_routing
 from parallelisms.moe_split import SPLIT
 from parallelisms.parallel_dims import Meshes
 from parallelisms.pipeline_parallel import Pipeline
-from parallelisms.torch_private import pipelining
+from parallelisms.torch_private import fsdp, pipelining
 from parallelisms.torch_private.fake import FakeStore, FakeTensorMode, PausingModTracker, disable_current_modes
 from trainer.build import build_step_parts
 from trainer.grad_accumulator import StepResult
@@ -193,6 +193,7 @@ def _where(tracker: MemoryTracker, modules: PausingModTracker) -> tuple[str, boo
     part = SPLIT.current
     # Expert parallelism's all-to-alls run eagerly inside a block: collectives and integer sorts.
     compiled = name.startswith("layers.") or name == "output"  # the output projection's chunked loss
+    compiled = compiled and not fsdp.called_from_fsdp()  # its hooks run around the compiled block
     return f"{tracker.phase} {name or '-'}" + (f"/{part}" if part else ""), compiled
 
 

@@ -22,7 +22,7 @@ from trainer.planning.job_plan import JobPlan
 from trainer.planning.loss_chunking import LossChunking
 from trainer.planning.memory_fixes import what_would_fit
 from trainer.planning.memory_plan import estimates
-from trainer.simulation.cost_model import ASSUMPTIONS, Cost, TracedCost, compute_s, memory_bandwidth, step_time
+from trainer.simulation.cost_model import ASSUMPTIONS, Cost, TracedCost, compute_s, memory_s, step_time
 from trainer.simulation.fake_job import RoleRun
 from trainer.simulation.memory_tracker import CATEGORIES
 from trainer.simulation.targets import Target
@@ -36,15 +36,14 @@ def breakdown(
 ) -> list[dict[str, Any]]:
     """Rows by time on ``target``, largest first: FLOPs at the step's compute rate (``whole``'s
     FLOPs over its seconds at the calibrated rate of each kernel kind; a row's own kinds are not
-    kept), bytes (eager and fused by compile) at the memory rate, the bytes also per token of the
-    rank."""
+    kept), bytes (eager and fused by compile) at the memory rates (``cost_model.memory_s``), the
+    bytes also per token of the rank."""
     compute = sum(compute_s(whole, target).values())
     rate = whole.flops / compute if compute else target.bf16_flops * target.efficiency
-    bandwidth = memory_bandwidth(target)
     rows = []
     for name, cost in costs.items():
         moved = cost.fused_bytes if compiled else cost.memory_bytes
-        seconds = cost.flops / rate + moved / bandwidth
+        seconds = cost.flops / rate + memory_s(cost, target, compiled)
         rows.append(
             {
                 "name": name,
@@ -52,6 +51,7 @@ def breakdown(
                 "flops": cost.flops,
                 "memory_bytes": cost.memory_bytes,
                 "fused_bytes": cost.fused_bytes,
+                "casting_bytes": cost.fused_casting_bytes if compiled else cost.casting_bytes,
                 "bytes_per_token": moved / tokens,
             }
         )
@@ -98,6 +98,7 @@ def build_report(plan: JobPlan, target: Target, runs: list[RoleRun], compiled: b
                 "memory_traffic_bytes_per_step": moved,
                 "memory_traffic_bytes_per_token": moved / rank_tokens,
                 "eager_memory_traffic_bytes_per_step": run.cost.memory_bytes,
+                "casting_traffic_bytes_per_step": run.cost.fused_casting_bytes if compiled else run.cost.casting_bytes,
                 "by_module": breakdown(run.cost.by_module, run.cost, target, compiled, rank_tokens),
                 "by_op": breakdown(run.cost.by_op, run.cost, target, compiled, rank_tokens),
                 "comm_bytes_per_step": run.cost.comm_bytes(),

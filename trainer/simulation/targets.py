@@ -83,10 +83,15 @@ class Target:
             _, source = c.float8_flops(self.bf16_flops, self.fp8_flops)
             rates.append(f"float8 matmuls {self.float8_flops() / 1e12:.0f} TFLOP/s ({source})")
         bandwidth = f"{c.hbm_bytes_per_s / 1e12:.3g} TB/s (measured)" if c.hbm_bytes_per_s else "HBM x efficiency"
+        casting = (
+            f"{c.casting_bytes_per_s / 1e12:.3g} TB/s (measured)"
+            if c.casting_bytes_per_s
+            else "not measured: the copy's"
+        )
         return (
             f"calibration: {self.calibration_file} ({c.gpu}, torch {c.torch}; {c.measured}): "
             + ", ".join(rates)
-            + f", memory-bound {bandwidth}"
+            + f", memory-bound {bandwidth}, casting kernels {casting}"
         )
 
 
