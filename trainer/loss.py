@@ -81,7 +81,7 @@ class _GradientsInForward(torch.autograd.Function):
         cross_entropy: CrossEntropy,
     ) -> torch.Tensor:
         step = chunk_tokens if chunk_tokens > 0 else max(hidden.shape[0], 1)
-        grad_hidden, grad_weight = torch.empty_like(hidden), torch.zeros_like(weight)
+        grad_hidden, grad_weight = torch.empty_like(hidden), torch.empty_like(weight)
         total = hidden.new_zeros((), dtype=torch.float32)
         for start in range(0, hidden.shape[0], step):
             chunk = hidden[start : start + step]
@@ -90,7 +90,10 @@ class _GradientsInForward(torch.autograd.Function):
                 loss = cross_entropy(logits, labels[start : start + step])
                 (grad_logits,) = torch.autograd.grad(loss, logits)
             torch.mm(grad_logits, weight, out=grad_hidden[start : start + step])
-            torch.addmm(grad_weight, grad_logits.t(), chunk, out=grad_weight)
+            if start:
+                torch.addmm(grad_weight, grad_logits.t(), chunk, out=grad_weight)
+            else:  # the first chunk's product is the sum so far: no zero-filled weight to add it to
+                torch.mm(grad_logits.t(), chunk, out=grad_weight)
             total += loss.detach()
         ctx.save_for_backward(grad_hidden, grad_weight)
         return total
