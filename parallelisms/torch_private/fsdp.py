@@ -10,6 +10,7 @@ compiled block) from the block's. None of it is public API.
 from __future__ import annotations
 
 import inspect
+import os
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +61,8 @@ def unsharded_buffers(fsdp_param: Any) -> tuple[list[torch.Tensor | None], list[
     return params, grads
 
 
-FSDP_SOURCE = str(Path(torch.distributed.fsdp.__file__).parent)
+FSDP_SOURCE = os.path.join(Path(torch.distributed.fsdp.__file__).parent, "")
+"""torch's ``fsdp`` package folder, with its trailing separator."""
 
 
 def called_from_fsdp() -> bool:
