@@ -204,6 +204,7 @@ def render(report: dict[str, Any]) -> str:
             f"  per step: {role['flops_per_step']:.3g} FLOPs, {gib(role['memory_traffic_bytes_per_step'])} "
             f"memory traffic ({role['memory_traffic_bytes_per_token'] / 1e6:.1f} MB per token"
             + (", compile's fusion modelled" if report["compiled"] else ", eager")
+            + f"; {gib(role['casting_traffic_bytes_per_step'])} in eager kernels that cast each element"
             + f"); communication {comm}",
             f"  time: compute {role['compute_s']:.3f} s + memory-bound {role['memory_bound_s']:.3f} s + exposed "
             f"communication {role['exposed_comm_s']:.3f} s, bubble {role['bubble']:.0%} -> step "
