@@ -392,12 +392,16 @@ def casting_bandwidth(target: Target) -> float:
     return measured or memory_bandwidth(target)
 
 
+def traffic(cost: Cost | TracedCost, compiled: bool) -> tuple[float, float]:
+    """``cost``'s bytes moved and the part of them in eager kernels that cast each element; ``compiled``:
+    as compile's fusion leaves them."""
+    return (cost.fused_bytes, cost.fused_casting_bytes) if compiled else (cost.memory_bytes, cost.casting_bytes)
+
+
 def memory_s(cost: Cost | TracedCost, target: Target, compiled: bool) -> float:
     """Seconds of ``cost``'s memory-bound ops: the casting kernels' bytes at their rate, the rest
-    at the copy's; ``compiled``: the bytes compile's fusion leaves."""
-    moved, casting = (
-        (cost.fused_bytes, cost.fused_casting_bytes) if compiled else (cost.memory_bytes, cost.casting_bytes)
-    )
+    at the copy's."""
+    moved, casting = traffic(cost, compiled)
     return (moved - casting) / memory_bandwidth(target) + casting / casting_bandwidth(target)
 
 

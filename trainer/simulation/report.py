@@ -22,7 +22,7 @@ from trainer.planning.job_plan import JobPlan
 from trainer.planning.loss_chunking import LossChunking
 from trainer.planning.memory_fixes import what_would_fit
 from trainer.planning.memory_plan import estimates
-from trainer.simulation.cost_model import ASSUMPTIONS, Cost, TracedCost, compute_s, memory_s, step_time
+from trainer.simulation.cost_model import ASSUMPTIONS, Cost, TracedCost, compute_s, memory_s, step_time, traffic
 from trainer.simulation.fake_job import RoleRun
 from trainer.simulation.memory_tracker import CATEGORIES
 from trainer.simulation.targets import Target
@@ -42,7 +42,7 @@ def breakdown(
     rate = whole.flops / compute if compute else target.bf16_flops * target.efficiency
     rows = []
     for name, cost in costs.items():
-        moved = cost.fused_bytes if compiled else cost.memory_bytes
+        moved, casting = traffic(cost, compiled)
         seconds = cost.flops / rate + memory_s(cost, target, compiled)
         rows.append(
             {
@@ -51,7 +51,7 @@ def breakdown(
                 "flops": cost.flops,
                 "memory_bytes": cost.memory_bytes,
                 "fused_bytes": cost.fused_bytes,
-                "casting_bytes": cost.fused_casting_bytes if compiled else cost.casting_bytes,
+                "casting_bytes": casting,
                 "bytes_per_token": moved / tokens,
             }
         )
@@ -76,7 +76,7 @@ def build_report(plan: JobPlan, target: Target, runs: list[RoleRun], compiled: b
             compiled=compiled,
         )
         rank_tokens = tokens / (dims.world_size // dims.pp)
-        moved = run.cost.fused_bytes if compiled else run.cost.memory_bytes
+        moved, casting = traffic(run.cost, compiled)
         at_peak = run.memory.at_peak
         needed = int(run.memory.peak_bytes + target.allocator_slack * at_peak["activations"] + target.runtime_bytes)
         seconds = time.step_s
@@ -98,7 +98,7 @@ def build_report(plan: JobPlan, target: Target, runs: list[RoleRun], compiled: b
                 "memory_traffic_bytes_per_step": moved,
                 "memory_traffic_bytes_per_token": moved / rank_tokens,
                 "eager_memory_traffic_bytes_per_step": run.cost.memory_bytes,
-                "casting_traffic_bytes_per_step": run.cost.fused_casting_bytes if compiled else run.cost.casting_bytes,
+                "casting_traffic_bytes_per_step": casting,
                 "by_module": breakdown(run.cost.by_module, run.cost, target, compiled, rank_tokens),
                 "by_op": breakdown(run.cost.by_op, run.cost, target, compiled, rank_tokens),
                 "comm_bytes_per_step": run.cost.comm_bytes(),
