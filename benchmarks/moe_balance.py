@@ -3,15 +3,18 @@
 The debug Mixture-of-Experts (``debug_moe.toml``) with full activation checkpointing and 8
 micro-batches a step trains in one process (gloo, one thread) through the trainer's own build
 and step (``build_step_parts``; ``fetch_step``, ``forward_backward``, ``optimizer_step``), in
-three settings built side by side:
+four settings built side by side:
 
 - ``micro_batch``: ``moe.balance_loss_scope = "micro_batch"``, what most frameworks do;
 - ``global_batch``: the exact scope as the trainer runs it here, every micro-batch's forward
   before the backwards, the step's own forwards counting the routing
   (``trainer/expert_balance.py``, ``Workload.holds_forwards``);
-- ``global_batch, pre-pass``: the exact scope forced back to the forward-only counting pre-pass
-  (``ExpertBalance.hold_forwards = False``), as under no or selective checkpointing and
-  pipeline parallelism, and as every mode ran it before.
+- ``global_batch, host``: the same with the held forwards' saved tensors in host memory
+  (``moe.held_forwards = host``, ``trainer/host_offload.py``): on a CPU a copy of each out and
+  back, the mechanism's own cost here, not a GPU's PCIe copies;
+- ``global_batch, pre-pass``: the exact scope with the forward-only counting pre-pass
+  (``moe.held_forwards = prepass``), as under no or selective checkpointing and pipeline
+  parallelism.
 
 Each round times ``--steps`` steps of each setting, interleaved (after ``--warmup`` unmeasured
 steps each), and prints each setting's median step time and its ratio to ``micro_batch`` in the
@@ -45,19 +48,20 @@ from trainer.data.datasets import load_dataset
 from trainer.planning.job_plan import resolve_job
 from trainer.step import StepParts, fetch_step, forward_backward, optimizer_step
 
+EXACT = ["--moe.balance_loss_scope", "global_batch", "--moe.held_forwards"]
 SETTINGS = {
-    "micro_batch": (["--moe.balance_loss_scope", "micro_batch"], True),
-    "global_batch": (["--moe.balance_loss_scope", "global_batch"], True),
-    "global_batch, pre-pass": (["--moe.balance_loss_scope", "global_batch"], False),
+    "micro_batch": ["--moe.balance_loss_scope", "micro_batch"],
+    "global_batch": [*EXACT, "device"],
+    "global_batch, host": [*EXACT, "host"],
+    "global_batch, pre-pass": [*EXACT, "prepass"],
 }
-"""Name: (trainer options, whether the exact scope may hold the step's forwards)."""
+"""Name: its trainer options."""
 
 
-def build(argv: list[str], hold_forwards: bool) -> StepParts:
+def build(argv: list[str]) -> StepParts:
     plan = resolve_job(load_config(argv), 1)
     parts = build_step_parts(plan, load_dataset(plan.config, plan.tokenizer, plan.global_batch_size))
     assert parts.balance is not None
-    parts.balance.hold_forwards = parts.balance.hold_forwards and hold_forwards
     return parts
 
 
@@ -104,8 +108,11 @@ def main() -> None:
         "--training.check_memory=false",
         *trainer_args,
     ]
-    jobs = {name: build([*base, *extra], hold) for name, (extra, hold) in SETTINGS.items()}
-    held = {name: parts.balance.hold_forwards for name, parts in jobs.items()}  # type: ignore[union-attr]
+    jobs = {name: build([*base, *extra]) for name, extra in SETTINGS.items()}
+    held = {
+        name: ("host" if parts.offload else "device") if parts.balance.hold_forwards else "no"  # type: ignore[union-attr]
+        for name, parts in jobs.items()
+    }
     print(f"{args.microbatches} micro-batches of {args.local_batch} x {args.seq_len} tokens, full AC; held: {held}")
     for parts in jobs.values():
         for _ in range(args.warmup):

@@ -33,7 +33,8 @@ sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "scripts" / "gpu")]
 from jobs import Job  # noqa: E402
 
 from trainer.entry.simulate import simulate_roles  # noqa: E402
-from trainer.simulation.cost_model import TracedCost, step_time  # noqa: E402
+from trainer.simulation.cost_model import TracedCost  # noqa: E402
+from trainer.simulation.step_time import step_time  # noqa: E402
 from trainer.simulation.targets import resolve_target  # noqa: E402
 
 RAN_WITH = ["--training.mixed_precision_param", "bfloat16", "--training.seq_len", "8192", "--training.steps", "8"]

@@ -110,6 +110,7 @@ def moe_steps(argv: list[str], bug: str = "", validate: bool = False, steps: int
         out["tokens"].append(stats.tokens_per_expert)
         if validate:
             out.setdefault("evaluated", []).append(evaluated(parts, microbatches))
+    out["to host"] = parts.offload.moved_bytes if parts.offload is not None else 0
     return out
 
 

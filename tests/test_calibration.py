@@ -14,15 +14,9 @@ import torch
 
 from parallelisms.torch_private.fsdp import FSDP_SOURCE, called_from_fsdp
 from trainer.simulation.calibration import ENV, Calibration, gemm_class, load
-from trainer.simulation.cost_model import (
-    CostRecorder,
-    TracedCost,
-    compute_s,
-    memory_bandwidth,
-    memory_s,
-    step_time,
-)
+from trainer.simulation.cost_model import CostRecorder, TracedCost
 from trainer.simulation.memory_tracker import MemoryTracker
+from trainer.simulation.step_time import compute_s, memory_bandwidth, memory_s, step_time
 from trainer.simulation.targets import resolve_target
 
 pytestmark = pytest.mark.fast

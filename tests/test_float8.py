@@ -152,7 +152,8 @@ def test_tensorwise_depends_on_how_the_batch_is_split(layouts):
 
 
 def test_the_simulator_times_float8_matmuls_at_the_float8_peak_where_the_gpu_has_one():
-    from trainer.simulation.cost_model import TracedCost, step_time
+    from trainer.simulation.cost_model import TracedCost
+    from trainer.simulation.step_time import step_time
     from trainer.simulation.targets import GPUS
 
     h100, a100 = GPUS["h100"], GPUS["a100"]

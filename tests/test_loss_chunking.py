@@ -96,8 +96,9 @@ def test_held_forwards_keep_their_loss_gradients_where_they_fit():
     """The held forwards of exact balancing compute their loss's gradients at once, keeping the
     output weight's gradient per micro-batch, without tensor parallelism (whose output weight is
     a DTensor); where that alone does not fit, the chunks' logits are recomputed in backward
-    instead, and where the held forwards do not fit either, the pre-pass counts. Routed experts
-    over one rank (ep 8 = dp_shard), kept gathered through the step, are given up before each."""
+    instead; where the held forwards do not fit on the GPU they wait in host memory, and where
+    that does not fit either, the pre-pass counts. Routed experts over one rank (ep 8 = dp_shard),
+    kept gathered through the step, are given up before each."""
     preset = ["--config", "qwen3_30b_a3b.toml"]
     held = _plan(preset, 8, 4 * H100).workload
     assert held.holds_loss_gradients and held.accumulation > 1
@@ -117,7 +118,16 @@ def test_held_forwards_keep_their_loss_gradients_where_they_fit():
     assert fitted(held, limit(resharded)) == resharded and not resharded.experts_stay_gathered
     both = replace(recomputed, gathers_one_rank_experts=False)
     assert fitted(held, limit(both)) == both and both.holds_forwards
+    # The preset on an H100: 71.0 GiB with the experts gathered, over 85% of its 79.2; every
+    # forward held on the GPU, over 90%; held in host memory (two micro-batches on the GPU), within.
+    host = replace(resharded, offload_forwards=True)
+    assert fitted(held, H100) == host and host.offloads_forwards and host.holds_loss_gradients
+    block_inputs = held.n_layers * held.local_batch_size * held.seq_len * held.dim * held.compute_bytes
+    assert estimate(resharded).total - estimate(host).total >= (held.accumulation - 2) * block_inputs
+    # Where those do not fit either, the pre-pass counts.
     prepass = replace(both, hold_forwards=False)
-    assert fitted(held, limit(replace(prepass, gathers_one_rank_experts=True))).experts_stay_gathered
-    # The preset on an H100: 71.0 GiB with the experts gathered, over 85% of its 79.2; 64.5 without.
-    assert fitted(held, H100) == prepass and not prepass.holds_forwards
+    assert fitted(held, limit(prepass)) == prepass and not prepass.holds_forwards
+    # A choice the user made stays (the memory check may refuse it); on a CPU the host is the device.
+    chosen = replace(held, fit_held_forwards=False)
+    assert fitted(chosen, H100).holds_forwards and not fitted(chosen, H100).offloads_forwards
+    assert not fitted(replace(held, device="cpu"), H100).offloads_forwards

@@ -47,6 +47,11 @@ CASES = {
     for mesh, (world, local, extra) in MESHES.items()
     for mode in MODES
 }
+CASES["dp_shard=2 x ep=2, AC full, held in host memory"] = (
+    2,
+    2,
+    ["--mesh", "dp_shard=2,ep=2", *MODES["full"], "--moe.held_forwards", "host"],
+)
 CASES["cp=2 x ep=2 ulysses, AC op"] = (
     2,
     4,
@@ -138,6 +143,7 @@ def test_every_mode_matches_the_single_process_moe(case, launched):
         assert rank_result["n"] == ref["n"]
         assert max(differences(rank_result, ref).values()) < TOLERANCE, differences(rank_result, ref)
         assert all(rank_result["split"][part] > 0 for part in PARTS), rank_result["split"]
+        assert (rank_result["to host"] > 0) == case.endswith("host memory"), rank_result["to host"]
 
 
 @pytest.mark.slow

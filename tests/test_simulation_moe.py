@@ -14,7 +14,8 @@ from trainer.metrics import model_flops_per_token
 from trainer.planning.job_plan import resolve_job
 from trainer.planning.memory_limits import TARGET_MEMORY_BYTES
 from trainer.planning.memory_plan import estimate, estimates
-from trainer.simulation.cost_model import Collective, TracedCost, memory_bandwidth, step_time
+from trainer.simulation.cost_model import Collective, TracedCost
+from trainer.simulation.step_time import memory_bandwidth, step_time
 from trainer.simulation.targets import target_named
 
 H100 = TARGET_MEMORY_BYTES["h100"]
@@ -252,3 +253,41 @@ def test_experts_over_one_fsdp_rank_stay_gathered_through_the_step(tmp_path):
     assert kept["memory"]["unsharded_params"] > 2 * resharded["memory"]["unsharded_params"]
     plan = resolve_job(load_config([*DEBUG_MOE[:2], *layout]), 2)
     assert plan.parallel.experts_stay_gathered and plan.workload.experts_stay_gathered
+
+
+@pytest.mark.slow
+def test_held_forwards_in_host_memory_leave_two_micro_batches_on_the_gpu(tmp_path):
+    """Exact balancing's held forwards in host memory (``moe.held_forwards = host``) against held
+    on the GPU, Qwen3-30B-A3B's blocks as the preset runs them (full checkpointing, ep 8, 4
+    micro-batches a rank): the peak keeps two micro-batches' block inputs, not four; the copies
+    are each block's input and the loss's two gradients (hidden states and output weight) of
+    every micro-batch, out and back, nothing more (no chunk's logits); they are timed on the host
+    link beside the compute; the estimate follows the simulated peak."""
+    job = [*QWEN3_BLOCKS[:3], "2", "--training.global_batch_size", "32"]
+    roles, plans = {}, {}
+    for where in ("device", "host"):
+        args = [*job, "--moe.held_forwards", where]
+        code, text, report = simulate_job(tmp_path / where, 8, *args, "--target-gpu", "h100")
+        assert code == 0, text
+        (roles[where],) = report["roles"]
+        plans[where] = resolve_job(load_config(args), 8, device="cuda", figures={}, limit=H100).workload
+    w = plans["host"]
+    assert w.offloads_forwards and not plans["device"].offloads_forwards and w.accumulation == 4
+    token_row = w.seq_len * w.dim * w.compute_bytes
+    per_microbatch = (w.n_layers + 1) * token_row + w.vocab_size * w.dim * w.compute_bytes
+    host, device = roles["host"], roles["device"]
+    # Beside those, the final norm's saved input (float32 too: the composite norm's) and RoPE's table.
+    norm = 6 * token_row
+    assert (
+        2 * w.accumulation * per_microbatch
+        <= host["host_bytes_per_step"]
+        <= 2 * w.accumulation * (per_microbatch + norm)
+    )
+    assert device["host_bytes_per_step"] == 0 and "host" not in device["comm_s"]
+    target = target_named("h100", {}, 8)
+    assert host["comm_s"]["host"] == pytest.approx(host["host_bytes_per_step"] / target.host_rate)
+    held_on_gpu = (w.accumulation - 2) * per_microbatch
+    assert device["memory"]["activations"] - host["memory"]["activations"] >= 0.9 * held_on_gpu
+    assert host["peak_bytes"] < device["peak_bytes"]
+    for where, role in roles.items():
+        assert estimate(plans[where]).total == pytest.approx(role["needed_bytes"], rel=0.15), where

@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from trainer.entry.simulate import simulate_roles
-from trainer.simulation.cost_model import Collective, step_time
+from trainer.simulation.cost_model import Collective
 from trainer.simulation.fake_job import create_adamw_state
 from trainer.simulation.microbatches import rank_count, schedule_count, traced_count
+from trainer.simulation.step_time import step_time
 from trainer.simulation.targets import target_named
 
 SEQ = ["--training.seq_len", "64"]

@@ -34,6 +34,7 @@ from trainer.data.datasets import TokenDataset, data_lines
 from trainer.data.loader import build_dataloader
 from trainer.expert_balance import ExpertBalance
 from trainer.grad_accumulator import GradAccumulator
+from trainer.host_offload import host_offload
 from trainer.layout_invariant import LayoutInvariantReduction
 from trainer.loss import CrossEntropy, ModelLoss, cross_entropy_sum
 from trainer.metrics import MetricsLogger, model_flops_per_token, peak_flops, use_color
@@ -244,6 +245,7 @@ def _assemble(
         document_bos_id=plan.tokenizer.bos_id if training.document_mask else None,
         pipeline=pipeline,
         balance=build_balance(plan, model, meshes),
+        offload=host_offload(device) if plan.workload.offloads_forwards else None,
         after_optimizer_step=float8_after_step(plan, parallelized, model),
     )
 

@@ -19,9 +19,10 @@ depend on the mesh or the accumulation count:
   (``hold_forwards``): under full activation checkpointing, whose forwards keep only each block's
   input, ``trainer/step.py`` runs the step's forwards, this sums their counts, then every
   micro-batch's backward recomputes its blocks with the step's ``f``: no extra compute, and the
-  step holds every micro-batch's block inputs until its backwards (the memory plan counts them
-  and falls back to the pre-pass where they would not fit: ``Workload.holds_forwards`` and
-  ``fitted`` in ``trainer/planning/held_for_speed.py``). Elsewhere (no or selective checkpointing,
+  step holds every micro-batch's block inputs until its backwards (the memory plan counts them;
+  where they would not fit on a GPU they wait in host memory, ``trainer/host_offload.py``, and
+  where that would not fit either the pre-pass counts: ``Workload.holds_forwards`` and ``fitted``
+  in ``trainer/planning/held_for_speed.py``, ``moe.held_forwards``). Elsewhere (no or selective checkpointing,
   whose held forwards would keep every micro-batch's activations; pipeline parallelism, whose
   schedules interleave forwards and backwards; the loss unchunked, whose logits would be held) a
   forward-only

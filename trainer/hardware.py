@@ -32,12 +32,14 @@ class Gpu:
     """Per GPU, between nodes (one NIC per GPU)."""
     fp8_flops: float = 0.0
     """Dense float8 tensor-core peak, FLOP/s; 0: no float8 tensor cores (float8 matmuls run at ``bf16_flops``)."""
+    host_bytes_per_s: float = 64e9
+    """Per direction, the GPU's link to host memory: PCIe Gen5 x16 (A100's Gen4: 32 GB/s)."""
 
 
 GPUS: dict[str, Gpu] = {
     "h100": Gpu(85_029_158_912, 989e12, 3.35e12, 450e9, 400e9 / 8, fp8_flops=1979e12),
     "h200": Gpu(150_754_820_096, 989e12, 4.8e12, 450e9, 400e9 / 8, fp8_flops=1979e12),
-    "a100": Gpu(85_089_697_792, 312e12, 2.0e12, 300e9, 200e9 / 8),
+    "a100": Gpu(85_089_697_792, 312e12, 2.0e12, 300e9, 200e9 / 8, host_bytes_per_s=32e9),
     "b200": Gpu(183_359 * 1024**2, 2.25e15, 8.0e12, 900e9, 400e9 / 8, fp8_flops=4.5e15),
 }
 """The GPUs a job can be planned and simulated for (``--target-gpu NAME``)."""

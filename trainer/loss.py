@@ -86,7 +86,9 @@ class _GradientsInForward(torch.autograd.Function):
         for start in range(0, hidden.shape[0], step):
             chunk = hidden[start : start + step]
             logits = F.linear(chunk, weight).requires_grad_()
-            with torch.enable_grad():
+            # This graph is used at once: what it saves stays where it is, whatever an outer hook
+            # does with the forward's saved tensors (held forwards in host memory).
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is):
                 loss = cross_entropy(logits, labels[start : start + step])
                 (grad_logits,) = torch.autograd.grad(loss, logits)
             torch.mm(grad_logits, weight, out=grad_hidden[start : start + step])
@@ -105,6 +107,10 @@ class _GradientsInForward(torch.autograd.Function):
         grad_hidden, grad_weight = ctx.saved_tensors  # type: ignore[attr-defined]
         scale = grad_output.to(grad_hidden.dtype)
         return grad_hidden * scale, grad_weight * scale.to(grad_weight.dtype), None, None, None
+
+
+def _as_is(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def linear_cross_entropy_sum_with_gradients(

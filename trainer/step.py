@@ -29,6 +29,7 @@ from trainer.data.documents import split_documents
 from trainer.data.loader import MicroBatchLoader
 from trainer.expert_balance import BalanceStats, ExpertBalance
 from trainer.grad_accumulator import GradAccumulator, StepResult
+from trainer.host_offload import HostOffload
 from trainer.loss import ModelLoss
 from trainer.model.llama3 import Transformer
 from trainer.replica_groups import ReplicaGroups, ReplicaStats
@@ -95,6 +96,8 @@ class StepParts:
     """A Mixture-of-Experts model's balancing over the step (None for a dense model)."""
     after_optimizer_step: Callable[[], None] | None = None
     """What must follow each optimizer step that changed the weights (float8's precomputed scales)."""
+    offload: HostOffload | None = None
+    """Where exact MoE balancing's held forwards wait in host memory (``moe.held_forwards``), else None."""
 
     @contextlib.contextmanager
     def compute_context(self) -> Iterator[None]:
@@ -207,15 +210,21 @@ def forwards_then_backwards(parts: StepParts, balance: ExpertBalance, microbatch
     """The step's forwards, all of them, then its backwards: what the forwards route gives the
     exact balancing loss its global counts before the first backward, with no forward run twice
     (``trainer/expert_balance.py``). Under full checkpointing a held forward keeps its blocks'
-    inputs and the final hidden states (the chunked loss recomputes its logits in backward)."""
-    accumulator = parts.accumulator
+    inputs and the final hidden states or its loss's gradients; with ``parts.offload`` in host
+    memory, each micro-batch's brought back while the one before it runs its backward."""
+    accumulator, offload = parts.accumulator, parts.offload
+    if offload is not None:
+        offload.begin_step()
     with parts.compute_context():
-        losses = [
-            parts.model_loss(parts.model, inputs, positions, document_ids, labels)
-            for inputs, labels, positions, document_ids in microbatches
-        ]
+        losses = []
+        for i, (inputs, labels, positions, document_ids) in enumerate(microbatches):
+            with offload.saving(i) if offload is not None else contextlib.nullcontext():
+                losses.append(parts.model_loss(parts.model, inputs, positions, document_ids, labels))
         balance.count_forwards()
         for i, loss in enumerate(losses):
+            if offload is not None:
+                offload.fetch(i)
+                offload.fetch(i + 1)
             accumulator.prepare_backward(i)
             loss.backward()
             accumulator.record_loss(loss)

@@ -126,7 +126,11 @@ def float8_jobs(shape: Shape, eight_b: list[str], layers: int) -> list[Job]:
 def moe_work_jobs(shape: Shape, moe: list[str], layers: int) -> list[Job]:
     """The MoE shape at ``layers`` blocks (``moe``: its options) as the preset runs it on each GPU,
     8 micro-batches a step with full activation checkpointing, for each balancing scope (the
-    preset's weight), eager and compiled; the exact scope's eager run also traces a step."""
+    preset's weight), eager and compiled; the exact scope's eager run also traces a step. Then
+    the exact scope eager with its held forwards in host memory (``moe.held_forwards = host``, as
+    the preset on 8 H100s holds them), beside the first row: what the copies cost on this GPU.
+    The first four come before the attention and resume rows (:data:`FIRST_JOBS`), the fifth
+    first after them."""
     experts = f"experts: {expert_path(shape)}"
     routing = ["--target.routing_imbalance", str(ROUTING_IMBALANCE)]
     work = [*MOE_WORK, "--activation_checkpoint.mode", "full", "--training.steps", str(MOE_WORK_STEPS)]
@@ -148,6 +152,9 @@ def moe_work_jobs(shape: Shape, moe: list[str], layers: int) -> list[Job]:
                     profiled,
                 )
             )
+    exact = [*moe, *work, "--moe.balance_loss_weight", "0.001", "--moe.balance_loss_scope", "global_batch"]
+    note = f"eager, full AC, 8 micro-batches, moe.balance_loss_scope=global_batch, moe.held_forwards=host, {experts}"
+    jobs.append(Job(f"30B-A3B x {layers} layers", [*exact, "--moe.held_forwards", "host"], note, routing))
     return jobs
 
 

@@ -32,3 +32,6 @@ BALANCE_SCOPES = ("global_batch", "sequence", "micro_batch")
 
 BALANCE_LAYERS = ("per_layer", "pooled")
 """What ``moe.balance_loss_layers`` may name (``trainer/expert_balance.py``)."""
+
+HELD_FORWARDS = ("auto", "device", "host", "prepass")
+"""What ``moe.held_forwards`` may name (``trainer/planning/held_for_speed.py``)."""

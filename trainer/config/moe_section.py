@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainer.config.choices import BALANCE_LAYERS, BALANCE_SCOPES
+from trainer.config.choices import BALANCE_LAYERS, BALANCE_SCOPES, HELD_FORWARDS
 from trainer.config.fields import setting
 from trainer.config.limits import MAX_BALANCE_LOSS_WEIGHT, MAX_BIAS_UPDATE_RATE
 
@@ -41,4 +41,12 @@ class MoE:
         "the log shows their mean) or `pooled` (transformers' `output_router_logits` aux loss: one loss over every "
         "layer's tokens together, `f` summing to top-k; needs the `global_batch` scope).",
         BALANCE_LAYERS,
+    )
+    held_forwards: str = setting(
+        "auto",
+        "Where the `global_batch` scope's counts come from under full activation checkpointing: the step's own "
+        "forwards, held until its backwards on the `device` or in pinned `host` memory (copied on a stream of "
+        "their own; on a CPU only a copy), or a forward-only `prepass`. `auto`: the device where the memory "
+        "plan has room for every micro-batch's block inputs, else host memory on a GPU, else the pre-pass.",
+        HELD_FORWARDS,
     )

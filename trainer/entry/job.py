@@ -168,6 +168,7 @@ def holding_as(plan: JobPlan, decided: Workload) -> JobPlan:
     workload = replace(
         plan.workload,
         hold_forwards=decided.hold_forwards,
+        offload_forwards=decided.offload_forwards,
         hold_loss_gradients=decided.hold_loss_gradients,
         gathers_one_rank_experts=decided.gathers_one_rank_experts,
     )

@@ -25,17 +25,24 @@ def fitted(w: Workload, limit: int | None) -> Workload:
     pre-pass (a forward); their loss's gradients, held, a third more of the output projection's
     work; routed experts over one rank kept gathered (within ``GATHERED_EXPERTS_SHARE``), a cast
     and a copy of them per micro-batch. So the experts go first, then the loss's gradients (the
-    experts tried again without them), then the held forwards."""
+    experts tried again without them), then the held forwards go to host memory on a GPU
+    (``moe.held_forwards = auto``: copies on a stream of their own, where the pre-pass would be
+    a forward of compute), and last to the pre-pass."""
     if limit is None:
         return w
+    places = [(w.hold_forwards, w.offload_forwards)]
+    if w.fit_held_forwards:
+        places = [(True, False), *([(True, True)] if w.device != "cpu" else []), (False, False)]
     candidates = [
         replace(
             w,
             hold_forwards=w.hold_forwards and forwards,
+            offload_forwards=offload,
             hold_loss_gradients=w.hold_loss_gradients and gradients,
             gathers_one_rank_experts=w.gathers_one_rank_experts and experts,
         )
-        for forwards, gradients in ((True, True), (True, False), (False, False))
+        for forwards, offload in places
+        for gradients in ((True, False) if forwards else (False,))
         for experts in (True, False)
     ]
 

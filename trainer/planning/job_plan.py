@@ -306,6 +306,9 @@ def memory_workload(
         pp_last_less=settings.pp_last_stage_less_layers,
         head_dim=args.head_dim,
         experts=routed_experts(args, dims.ep, imbalance, balance == "sequence", balance == "global_batch"),
+        hold_forwards=config.moe.held_forwards != "prepass",
+        offload_forwards=config.moe.held_forwards == "host",
+        fit_held_forwards=config.moe.held_forwards == "auto",
     )
 
 
@@ -330,6 +333,7 @@ def describe(plan: JobPlan, limit: int | None, where: str) -> str:
             + (f"ep={dims.ep} " if w.experts else "")
             + f"({dims.world_size} processes)",
             *([experts_line(w.experts, w.experts_stay_gathered)] if w.experts else []),
+            *held_forwards_line(w),
             f"batch: {plan.global_batch_size} x {training.seq_len} tokens per step = {plan.microbatches} "
             f"micro-batch(es) of {training.local_batch_size} per data-parallel rank; {training.steps} steps",
             *replica_groups_line(plan),
@@ -348,6 +352,21 @@ def experts_line(experts: RoutedExperts, stay_gathered: bool) -> str:
         f"{gathered}; the busiest rank assumed to receive {experts.imbalance:g}x the average routed tokens "
         "(`--target.routing_imbalance`)"
     )
+
+
+def held_forwards_line(w: Workload) -> list[str]:
+    """How exact balancing learns the step's routing counts, where it does (``moe.held_forwards``)."""
+    if w.experts is None or not w.experts.exact_balance:
+        return []
+    if not w.holds_forwards:
+        why = ""
+        if w.hold_forwards:  # the setting allowed it; the job's layout does not
+            why = ": held forwards need full activation checkpointing, no pipeline parallelism and the loss in chunks"
+        elif w.fit_held_forwards:
+            why = ": held forwards would not fit in 90% of the GPU, on it or in host memory"
+        return [f"balancing: `global_batch` counts by a forward-only pre-pass of the step (`moe.held_forwards`){why}"]
+    where = "in pinned host memory, two micro-batches on the device" if w.offloads_forwards else "on the device"
+    return [f"balancing: `global_batch` counts in the step's own forwards, held {where} (`moe.held_forwards`)"]
 
 
 def check_memory(plan: JobPlan, limit: int | None, where: str) -> None:

@@ -56,9 +56,12 @@ def resolve_loss_chunking(
         return LossChunking(setting, f"`training.loss_chunk_tokens` = {setting} as set")
     if device == "cpu":
         return LossChunking(AUTO_CHUNK_TOKENS, "auto, on the CPU (chunking costs nothing measurable there)")
-    # Held forwards in their smallest form (each chunk's logits recomputed); whether they keep
-    # their loss's gradients is held_for_speed.fitted's to decide.
-    chunked = replace(workload, loss_chunk_tokens=AUTO_CHUNK_TOKENS, hold_loss_gradients=False)
+    # Held forwards in their smallest form (each chunk's logits recomputed, in host memory where
+    # `moe.held_forwards` lets the plan choose); where they are held is held_for_speed.fitted's to decide.
+    offload = workload.offload_forwards or workload.fit_held_forwards
+    chunked = replace(
+        workload, loss_chunk_tokens=AUTO_CHUNK_TOKENS, hold_loss_gradients=False, offload_forwards=offload
+    )
     if chunked.holds_forwards and (limit is None or estimate(chunked).total <= FIT_FRACTION * limit):
         return LossChunking(
             AUTO_CHUNK_TOKENS,

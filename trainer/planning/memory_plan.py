@@ -133,6 +133,11 @@ class Workload:
     hold_loss_gradients: bool = True
     """Held forwards may keep their loss's gradients (:attr:`holds_loss_gradients`); False where
     ``held_for_speed.fitted`` found that they would not fit."""
+    offload_forwards: bool = False
+    """Held forwards wait in host memory (:attr:`offloads_forwards`)."""
+    fit_held_forwards: bool = True
+    """``moe.held_forwards = auto``: ``held_for_speed.fitted`` chooses where the forwards are held,
+    else the setting has (``hold_forwards``, ``offload_forwards``)."""
 
     @property
     def holds_forwards(self) -> bool:
@@ -145,6 +150,13 @@ class Workload:
         pipeline parallelism (whose schedules interleave forwards and backwards)."""
         exact = self.experts is not None and self.experts.exact_balance and self.hold_forwards
         return exact and self.ac_mode == "full" and self.pp == 1 and self.loss_chunk_tokens > 0
+
+    @property
+    def offloads_forwards(self) -> bool:
+        """Whether the held forwards' saved tensors wait in host memory (``trainer/host_offload.py``):
+        the device then holds two micro-batches' worth of them at most, the one in backward and
+        the next, brought back while it runs."""
+        return self.holds_forwards and self.offload_forwards
 
     @property
     def holds_loss_gradients(self) -> bool:
@@ -275,7 +287,8 @@ def _shares(w: Workload) -> list[_Share]:
         # Every micro-batch's forward is held until the step's backwards; its logits too when
         # it fits one chunk of the loss (not recomputed then) and its gradients are not held.
         whole = w.local_batch_size * w.seq_len / w.cp <= w.loss_chunk_tokens and not w.holds_loss_gradients
-        return [_Share(None, w.n_layers, True, True, w.accumulation, w.accumulation if whole else 1)]
+        held = min(w.accumulation, 2) if w.offloads_forwards else w.accumulation
+        return [_Share(None, w.n_layers, True, True, held, held if whole else 1)]
     if w.pp == 1:
         return [_Share(None, w.n_layers, True, True, 1, 1)]
     split = plan_split(w.n_layers, w.pp, w.pp_schedule, w.pp_layers_per_stage, w.pp_first_less, w.pp_last_less)

@@ -26,12 +26,15 @@ OVERRIDES: dict[str, tuple[str, float]] = {
     "runtime_gib": ("runtime_bytes", GIB),
     "allocator_slack": ("allocator_slack", 1.0),
     "routing_imbalance": ("routing_imbalance", 1.0),
+    "host_gb_per_s": ("host_bytes_per_s", 1e9),
+    "host_efficiency": ("host_efficiency", 1.0),
 }
 """``--target.KEY VALUE`` -> the target's field it sets and the unit it is given in."""
 
 LIMITS: dict[str, tuple[float, float, str]] = {
     "efficiency": (0.0, 1.0, "a fraction of the peak, above 0 and at most 1"),
     "hbm_efficiency": (0.0, 1.0, "a fraction of the bandwidth, above 0 and at most 1"),
+    "host_efficiency": (0.0, 1.0, "a fraction of the host link, above 0 and at most 1"),
     "allocator_slack": (0.0, 2.0, "a fraction of the activations, from 0 to 2 (CUDA's default is 0.1)"),
     "runtime_gib": (0.0, 1024.0, "GiB, from 0 to 1024"),
     "routing_imbalance": (1.0, 64.0, "the busiest expert-parallel rank's routed tokens over the average, from 1 to 64"),

@@ -40,6 +40,7 @@ from parallelisms.torch_private import fsdp, pipelining
 from parallelisms.torch_private.fake import FakeStore, FakeTensorMode, PausingModTracker, disable_current_modes
 from trainer.build import build_step_parts
 from trainer.grad_accumulator import StepResult
+from trainer.host_offload import MIN_BYTES, HostOffload
 from trainer.planning.job_plan import JobPlan
 from trainer.simulation.cost_model import CostRecorder, TracedCost, group_infos
 from trainer.simulation.memory_tracker import MemoryProfile, MemoryTracker, label_training_state
@@ -92,6 +93,25 @@ class _Allocating:
         stack, self._stack = self._stack, None
         if stack is not None:
             stack.close()
+
+
+class _SimulatedOffload(HostOffload):
+    """Held forwards in host memory, on fake tensors: what goes to the host leaves the device's
+    count (its host copy, made outside the modes on the meta device, is not tracked) and comes
+    back as a new device tensor; the recorder counts each copy's bytes."""
+
+    def __init__(self, device: torch.device, recorder: CostRecorder):
+        super().__init__(device, MIN_BYTES)  # the GPU's choice: the simulated device is one
+        self.recorder = recorder
+
+    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
+        self.recorder.host_copy(t.numel() * t.element_size())
+        with disable_current_modes():
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+    def _copy_back(self, host: torch.Tensor) -> tuple[torch.Tensor, None]:
+        self.recorder.host_copy(host.numel() * host.element_size())
+        return torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=self.device), None
 
 
 class PipelineMetadata:
@@ -152,6 +172,8 @@ def run_rank(
         for module in _modules(parts):
             assume_routing(module, AssumedRouting(experts.imbalance if experts else 1.0))
         recorder = CostRecorder(group_infos(mesh_groups(parts.meshes), gpus_per_node))
+        if parts.offload is not None:
+            parts.offload = _SimulatedOffload(parts.device, recorder)
         tracker.observers.append(recorder)
         _label_state(tracker, parts)
         tracker.label_live("buffers", keep=("params",))

@@ -22,9 +22,10 @@ from trainer.planning.job_plan import JobPlan
 from trainer.planning.loss_chunking import LossChunking
 from trainer.planning.memory_fixes import what_would_fit
 from trainer.planning.memory_plan import estimates
-from trainer.simulation.cost_model import ASSUMPTIONS, Cost, TracedCost, compute_s, memory_s, step_time, traffic
+from trainer.simulation.cost_model import Cost, TracedCost
 from trainer.simulation.fake_job import RoleRun
 from trainer.simulation.memory_tracker import CATEGORIES
+from trainer.simulation.step_time import ASSUMPTIONS, compute_s, memory_s, step_time, traffic
 from trainer.simulation.targets import Target
 
 TOP_ROWS = 8
@@ -36,7 +37,7 @@ def breakdown(
 ) -> list[dict[str, Any]]:
     """Rows by time on ``target``, largest first: FLOPs at the step's compute rate (``whole``'s
     FLOPs over its seconds at the calibrated rate of each kernel kind; a row's own kinds are not
-    kept), bytes (eager and fused by compile) at the memory rates (``cost_model.memory_s``), the
+    kept), bytes (eager and fused by compile) at the memory rates (``step_time.memory_s``), the
     bytes also per token of the rank."""
     compute = sum(compute_s(whole, target).values())
     rate = whole.flops / compute if compute else target.bf16_flops * target.efficiency
@@ -102,6 +103,7 @@ def build_report(plan: JobPlan, target: Target, runs: list[RoleRun], compiled: b
                 "by_module": breakdown(run.cost.by_module, run.cost, target, compiled, rank_tokens),
                 "by_op": breakdown(run.cost.by_op, run.cost, target, compiled, rank_tokens),
                 "comm_bytes_per_step": run.cost.comm_bytes(),
+                "host_bytes_per_step": run.cost.host_bytes,
                 "comm_s": time.comm_s,
                 "compute_s": time.compute_s,
                 "compute_s_by_kind": compute_s(run.cost, target),
@@ -191,6 +193,8 @@ def render(report: dict[str, Any]) -> str:
         parts = " + ".join(f"{gib(memory[c])} {c}" for c in CATEGORIES if memory.get(c))
         headroom = 1 - role["needed_bytes"] / target["memory_bytes"]
         comm = ", ".join(f"{dim} {gib(b)}" for dim, b in role["comm_bytes_per_step"].items()) or "none"
+        if role["host_bytes_per_step"]:
+            comm += f"; to and from host memory {gib(role['host_bytes_per_step'])} (held forwards)"
         lines += [
             f"pipeline stage {role['pp_stage']} (stages {role['stages']}, {role['ranks']} ranks; "
             f"rank {role['simulated_rank']} simulated in {role['simulated_in_s']:.1f} s)",

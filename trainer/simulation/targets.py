@@ -51,6 +51,16 @@ class Target:
     calibration_file: str = ""
     fp8_flops: float = 0.0
     """Dense float8 peak, at which the float8 matmuls run (``efficiency`` of it); 0: at ``bf16_flops``."""
+    host_bytes_per_s: float = 64e9
+    """Per direction, the GPU's link to host memory (the data sheet's)."""
+    host_efficiency: float = 0.5
+    """Fraction of ``host_bytes_per_s`` a pinned copy reaches while every GPU of the node copies
+    (they share the host's memory and PCIe switches): stated, not measured."""
+
+    @property
+    def host_rate(self) -> float:
+        """What copies between the device and host memory reach (held forwards in host memory)."""
+        return self.host_bytes_per_s * self.host_efficiency
 
     def to_json(self) -> dict[str, object]:
         figures = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -104,6 +114,7 @@ GPUS: dict[str, Target] = {
         gpu.nvlink_bytes_per_s,
         gpu.network_bytes_per_s,
         fp8_flops=gpu.fp8_flops,
+        host_bytes_per_s=gpu.host_bytes_per_s,
     )
     for name, gpu in hardware.GPUS.items()
 }
@@ -142,6 +153,8 @@ def cpu_target(ranks_per_node: int) -> Target:
         hbm_efficiency=1.0,
         runtime_bytes=RUNTIME_BYTES["cpu"],
         allocator_slack=ALLOCATOR_SLACK["cpu"],
+        host_bytes_per_s=copy_rate,
+        host_efficiency=1.0,
     )
 
 
