@@ -263,7 +263,7 @@ def test_held_forwards_in_host_memory_leave_two_micro_batches_on_the_gpu(tmp_pat
     are each block's input and the loss's two gradients (hidden states and output weight) of
     every micro-batch, out and back, nothing more (no chunk's logits); they are timed on the host
     link beside the compute; the estimate follows the simulated peak."""
-    job = [*QWEN3_BLOCKS[:3], "2", "--training.global_batch_size", "32"]
+    job = [*QWEN3_BLOCKS[:3], "1", "--training.global_batch_size", "32"]
     roles, plans = {}, {}
     for where in ("device", "host"):
         args = [*job, "--moe.held_forwards", where]
