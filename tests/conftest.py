@@ -22,14 +22,9 @@ for path in (ROOT, Path(__file__).resolve().parent):
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark ``fast``; then the files with multi-process tests first. xdist hands whole files to
-    its workers in this order (``--dist loadfile --no-loadscope-reorder``, pyproject.toml), so the
-    suite ends on short unit files, not on one worker running a long file while the other waits."""
     for item in items:
         if not any(item.get_closest_marker(name) for name in ("slow", "launcher")):
             item.add_marker(pytest.mark.fast)
-    slow_files = {item.path for item in items if not item.get_closest_marker("fast")}
-    items.sort(key=lambda item: item.path not in slow_files)
 
 
 @pytest.fixture(scope="session")
