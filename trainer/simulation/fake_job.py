@@ -43,6 +43,7 @@ from trainer.grad_accumulator import StepResult
 from trainer.host_offload import MIN_BYTES, HostOffload
 from trainer.planning.job_plan import JobPlan
 from trainer.simulation.cost_model import CostRecorder, TracedCost, group_infos
+from trainer.simulation.fusion import nbytes
 from trainer.simulation.memory_tracker import MemoryProfile, MemoryTracker, label_training_state
 from trainer.simulation.microbatches import extend, rank_count, schedule_count, steady_microbatches
 from trainer.step import StepParts, fetch_step, forward_backward, optimizer_step
@@ -105,12 +106,12 @@ class _SimulatedOffload(HostOffload):
         self.recorder = recorder
 
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
-        self.recorder.host_copy(t.numel() * t.element_size())
+        self.recorder.host_copy(nbytes(t))
         with disable_current_modes():
             return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
 
     def _copy_back(self, host: torch.Tensor) -> tuple[torch.Tensor, None]:
-        self.recorder.host_copy(host.numel() * host.element_size())
+        self.recorder.host_copy(nbytes(host))
         return torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=self.device), None
 
 
