@@ -48,8 +48,12 @@ def apply_fsdp(
     """
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
 
-    def shard(module: nn.Module | list[nn.Module], reshard: bool) -> None:
-        fully_shard(module, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
+    def shard(module: nn.Module | list[nn.Module], reshard: bool, over: DeviceMesh = mesh) -> None:
+        sharded = fully_shard(module, mesh=over, mp_policy=mp_policy, reshard_after_forward=reshard)
+        # Over one rank FSDP's reduction is a copy, already a sum; a divide factor, even 1,
+        # would add a division of every gradient by it, each micro-batch.
+        if over.size() > 1:
+            make_reduction_a_sum(sharded if isinstance(sharded, FSDPModule) else sharded[0])
 
     never = reshard_after_forward == "never"
     tok_embeddings, norm, output = end(model, "tok_embeddings"), end(model, "norm"), end(model, "output")
@@ -59,18 +63,18 @@ def apply_fsdp(
     if expert_mesh is not None:
         for moe in moe_layers(model):
             reshard = not (never or experts_stay_gathered)
-            fully_shard(moe.experts, mesh=expert_mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
+            shard(moe.experts, reshard, expert_mesh)
     if replicated_mesh is not None:
         for moe in moe_layers(model):
             # Without expert parallelism the routed experts are replicated over TP as well.
             experts = None if expert_mesh is not None else moe.experts
             replicated = [m for m in (moe.router, moe.shared_experts, experts) if m is not None]
-            fully_shard(replicated, mesh=replicated_mesh, mp_policy=mp_policy, reshard_after_forward=not never)
+            shard(replicated, not never, replicated_mesh)
         for block in units:
             attention = getattr(block, "attention", None)
             qk_norms = [m for name in ("q_norm", "k_norm") if (m := getattr(attention, name, None)) is not None]
             if qk_norms:
-                fully_shard(qk_norms, mesh=replicated_mesh, mp_policy=mp_policy, reshard_after_forward=not never)
+                shard(qk_norms, not never, replicated_mesh)
     for i, block in enumerate(units):
         # The last block's backward starts right after forward, so freeing it is wasted work.
         last = i == len(units) - 1
@@ -80,13 +84,6 @@ def apply_fsdp(
         assert norm is not None  # a stage holds norm and output together
         shard([norm, output], reshard_after_forward == "always")
     shard(model, reshard_after_forward == "always")
-    # Over one rank FSDP's reduction is a copy, already a sum; a divide factor, even 1, would
-    # make it a division by that factor too.
-    meshes = [m for m in (mesh, expert_mesh, replicated_mesh) if m is not None]
-    if any(m.size() > 1 for m in meshes):
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                make_reduction_a_sum(module)
     return model
 
 

@@ -233,7 +233,8 @@ def test_experts_over_one_fsdp_rank_stay_gathered_through_the_step(tmp_path):
     ``fsdp_reshard_after_forward = default`` keeps it gathered and its gradients unsharded for the
     step. Resharding it (``always``) copies the experts in and out and casts them in every
     micro-batch's forward and backward again; kept, they are copied once a step (fewer than half
-    the bytes of ``copy_``), and the gathered experts are in the peak."""
+    the bytes of ``copy_``), and the gathered experts are in the peak. Either way their reduction
+    over one rank is a copy that divides by nothing, while the blocks' (over two ranks) sum."""
     layout = ["--mesh", "dp_shard=2,ep=2", "--training.local_batch_size", "1", "--training.global_batch_size", "16"]
     job = [*DEBUG_MOE, *layout]
     roles = {}
@@ -243,12 +244,14 @@ def test_experts_over_one_fsdp_rank_stay_gathered_through_the_step(tmp_path):
         (roles[name],) = report["roles"]
         assert report["batch"]["microbatches"] == 8
 
-    def copied(role: dict) -> float:
-        return sum(r["memory_bytes"] for r in role["by_op"] if r["name"] == "copy_")
+    def moved(role: dict, op: str) -> float:
+        return sum(r["memory_bytes"] for r in role["by_op"] if r["name"] == op)
 
     kept, resharded = roles["default"], roles["always"]
     assert any(r["name"] == "bmm" and r["flops"] > 0 for r in kept["by_op"])  # eager's combine
-    assert copied(kept) < 0.5 * copied(resharded)
+    assert moved(kept, "copy_") < 0.5 * moved(resharded, "copy_")
+    # A divide factor of 1 on the one-rank unit would divide its gradients in each reduction.
+    assert moved(resharded, "div") == pytest.approx(moved(kept, "div"))
     assert kept["eager_memory_traffic_bytes_per_step"] < 0.95 * resharded["eager_memory_traffic_bytes_per_step"]
     assert kept["memory"]["unsharded_params"] > 2 * resharded["memory"]["unsharded_params"]
     plan = resolve_job(load_config([*DEBUG_MOE[:2], *layout]), 2)
