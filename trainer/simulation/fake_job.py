@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -109,6 +110,15 @@ class _SimulatedOffload(HostOffload):
         self.recorder.host_copy(nbytes(t))
         with disable_current_modes():
             return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+    def fetch(self, microbatch: int) -> None:
+        """What comes back counts as the cost of the micro-batch it belongs to, not of the one
+        whose backward runs meanwhile: a shortened trace's steady micro-batch has its own."""
+        running, self.recorder.microbatch = self.recorder.microbatch, microbatch
+        try:
+            super().fetch(microbatch)
+        finally:
+            self.recorder.microbatch = running
 
     def _copy_back(self, host: torch.Tensor) -> tuple[torch.Tensor, None]:
         self.recorder.host_copy(nbytes(host))
@@ -312,12 +322,28 @@ def create_adamw_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 def _attribute_microbatches(parts: StepParts, recorder: CostRecorder, tracker: MemoryTracker) -> None:
-    """Tell ``recorder`` which micro-batch runs: the accumulator starts each one; under PP the
-    schedule runs each stage's chunks (and the transfers after them) by micro-batch index. Before
-    each backward (after each pipeline backward), ``tracker`` learns what the gradients FSDP holds
-    unsharded are: the last one reduces and frees them before the step ends."""
+    """Tell ``recorder`` which micro-batch runs: the accumulator starts each one's backward, and
+    each forward is its micro-batch's, in the step's order, the counting pre-pass's and exact
+    balancing's held forwards too (which run before any backward); under PP the schedule runs
+    each stage's chunks (and the transfers after them) by micro-batch index. Before each backward
+    (after each pipeline backward), ``tracker`` learns what the gradients FSDP holds unsharded
+    are: the last one reduces and frees them before the step ends."""
     if parts.pipeline is None:
-        prepare: Callable[[int], None] = parts.accumulator.prepare_backward
+        accumulator = parts.accumulator
+        prepare: Callable[[int], None] = accumulator.prepare_backward
+        begin: Callable[[list[torch.Tensor]], None] = accumulator.begin_step
+        model_loss = parts.model_loss
+        forwards = itertools.count()
+        step_microbatches = 1
+
+        def beginning(labels: list[torch.Tensor]) -> None:
+            nonlocal forwards, step_microbatches
+            forwards, step_microbatches = itertools.count(), len(labels)
+            begin(labels)
+
+        def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
+            recorder.microbatch = next(forwards) % step_microbatches
+            return model_loss(*args, **kwargs)
 
         def starting(microbatch: int) -> None:
             recorder.microbatch = microbatch
@@ -326,7 +352,9 @@ def _attribute_microbatches(parts: StepParts, recorder: CostRecorder, tracker: M
             _label_state(tracker, parts)
             prepare(microbatch)
 
-        parts.accumulator.prepare_backward = starting  # type: ignore[method-assign]
+        accumulator.begin_step = beginning  # type: ignore[method-assign]
+        accumulator.prepare_backward = starting  # type: ignore[method-assign]
+        parts.model_loss = forward  # type: ignore[assignment]
     else:
         for stage in parts.pipeline.stages:
             for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):

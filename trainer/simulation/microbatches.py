@@ -12,8 +12,11 @@ many micro-batches as stages, which only matters when ranks exchange them; each 
 runs alone (``fake_job.fewer_pipeline_microbatches``). The other schedules are traced whole:
 GPipe runs every forward before any backward, so its peak grows with the count, and the looped
 and V-shaped ones keep more per micro-batch than the shortened trace accounts for. So does a
-step whose exact MoE balancing holds every forward before the backwards
-(``Workload.holds_forwards``): it too is traced whole.
+step whose exact MoE balancing holds every forward on the device before the backwards
+(``Workload.holds_forwards``): it too is traced whole. Held in host memory
+(``Workload.offloads_forwards``), they leave the device two micro-batches' worth at most, so
+the step is traced shortened; each forward then counts as its own micro-batch's cost, as the
+counting pre-pass's do (``fake_job._attribute_microbatches``).
 
 The traced micro-batches keep the job's shapes and the peak is measured on them as it is. Their
 cost (FLOPs, memory traffic, collectives) is made the job's with :func:`extend`: the traced ones
@@ -51,7 +54,8 @@ def traced_count(plan: JobPlan) -> int:
     count = schedule_count(plan)
     pp = plan.dims.pp
     if pp == 1:
-        return count if plan.workload.holds_forwards else min(count, ACCUMULATION_TRACED)
+        on_device = plan.workload.holds_forwards and not plan.workload.offloads_forwards
+        return count if on_device else min(count, ACCUMULATION_TRACED)
     if plan.parallel.pp_schedule in SHORTENED_SCHEDULES:
         return min(count, max(PIPELINE_TRACED, pp + 1))
     return count

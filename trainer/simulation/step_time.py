@@ -46,7 +46,7 @@ ASSUMPTIONS = (
     "pipeline send/recv overlaps compute; the schedule's bubble stretches the busy time: step = "
     "busy / (1 - bubble), bubble from parallelisms/pipeline_split.py (1F1B: (pp-1)/(m+pp-1))",
     "micro-batches: gradient accumulation traces 4 of them (all when exact MoE balancing holds every "
-    "forward before the backwards), 1F1B pipeline rank r max(3, pp - r + 1), other schedules all; the peak is measured on those, and the steady ones' average FLOPs, bytes "
+    "forward on the device before the backwards), 1F1B pipeline rank r max(3, pp - r + 1), other schedules all; the peak is measured on those, and the steady ones' average FLOPs, bytes "
     "and collectives stand for each one not traced",
     "data: synthetic samples of `training.seq_len` tokens, every label valid (the job's data are not "
     "read, so their size and format are not checked: `--dry-run` on the machine that holds them does)",
