@@ -94,7 +94,10 @@ def test_a_killed_or_stalled_group_is_left_out_heals_and_every_loss_is_over_the_
     alone = [s for s, groups in enumerate(participants, 1) if groups == [0]]
     assert len(healed) == 2 and healed[1] < STEPS - 2, (participants, healed)
     assert 4 < alone[0] <= healed[0] < alone[-1] <= healed[1], (participants, healed)  # left out twice
-    assert survivor.output().count("could not commit") >= 2  # the steps the kill and the stall broke: run again
+    # Broken steps run again: the survivor's step in flight when group 1 was killed, and the
+    # stalled group's own. A stall that falls between two steps breaks none of the survivor's
+    # (its next quorum forms without the silent group), as it did once on a loaded machine.
+    assert "could not commit" in survivor.output() and "could not commit" in failing.output()
     digests = weight_digests([survivor.output(), failing.output()])
     assert digests[0] and digests[0][-1:] == digests[1][-1:]
     # The end's line counts what each group trained itself, not the steps it took over by healing.
