@@ -23,9 +23,9 @@ from trainer.simulation.step_time import step_time
 from trainer.simulation.targets import target_named
 
 SEQ = ["--training.seq_len", "64"]
-MOE_PREPASS = ["--config", str(CONFIGS / "debug_moe.toml"), "--moe.balance_loss_scope", "global_batch"]
-MOE_PREPASS += ["--moe.held_forwards", "prepass"]
-HELD_ON_HOST = [*MOE_PREPASS[:4], "--moe.held_forwards", "host", "--activation_checkpoint.mode", "full"]
+EXACT_MOE = ["--config", str(CONFIGS / "debug_moe.toml"), "--moe.balance_loss_scope", "global_batch"]
+MOE_PREPASS = [*EXACT_MOE, "--moe.held_forwards", "prepass"]
+HELD_ON_HOST = [*EXACT_MOE, "--moe.held_forwards", "host", "--activation_checkpoint.mode", "full"]
 HELD_ON_HOST += ["--training.seq_len", "4096", "--training.loss_chunk_tokens", "1024"]
 PIPELINE_BATCH = ["--training.local_batch_size", "8", "--training.global_batch_size", "16"]
 TARGET = target_named("h100", {}, 8)
