@@ -245,6 +245,24 @@ def max_relative_error(grads: dict[str, torch.Tensor], expected: dict[str, torch
     return max(((grads[k] - expected[k]).norm() / expected[k].norm()).item() for k in expected)
 
 
+def assert_equal(got: Any, want: Any, where: str = "") -> None:
+    """Exactly equal, recursively: same keys, same tensor dtypes and values."""
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor), where
+        assert got.dtype == want.dtype and got.shape == want.shape, where
+        assert torch.equal(got, want), where
+    elif isinstance(want, dict):
+        assert isinstance(got, dict) and sorted(got) == sorted(want), where
+        for key in want:
+            assert_equal(got[key], want[key], f"{where}.{key}")
+    elif isinstance(want, (list, tuple)):
+        assert type(got) is type(want) and len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_equal(g, w, f"{where}[{i}]")
+    else:
+        assert got == want, f"{where}: {got!r} != {want!r}"
+
+
 def assert_matches(result: dict, ref: dict) -> None:
     import pytest
 
@@ -388,10 +406,11 @@ class Launched:
     def output(self) -> str:
         return self.log.read_text(errors="replace")
 
-    def wait_for(self, text: str, timeout: float = 180) -> None:
-        """Until ``text`` appears in the output; fails if the job ends or the time runs out first."""
+    def wait_for(self, text: str, timeout: float = 180, count: int = 1) -> None:
+        """Until ``text`` appears ``count`` times in the output; fails if the job ends or the time
+        runs out first."""
         deadline = time.monotonic() + timeout
-        while text not in self.output():
+        while self.output().count(text) < count:
             assert self.proc.poll() is None, (
                 f"job ended (exit {self.proc.returncode}) before {text!r}:\n{self.output()[-3000:]}"
             )

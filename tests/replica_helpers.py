@@ -27,7 +27,9 @@ failure history: 1.5e-5 in one run, 1.0e-4 at step 44 in another, 1.2e-3 at step
 1e-3 before it) in a third (full suites of 2026-11-27 and -28). The bugs it is for are off by
 1e-2 to 0.28 (averaging over the groups instead of their tokens), and the steps before round-off
 has grown are held tighter (``EARLY_TOLERANCE``)."""
-HEALED = r"replica group 1 healed from a live group at step (\d+)"
+HEALED_LINE = "replica group 1 healed from a live group at step"
+HEALED = HEALED_LINE + r" (\d+)"
+TRAINED_ALONE = "trained by groups [0] of 2"
 GROUP_ARGS = [
     *QUICK,
     "--training.dataset",
@@ -107,31 +109,46 @@ def surviving_batches_reference(
     return found
 
 
-def paced_until(survivor: Launched, joining: Launched, line: str, then_s: float = 2.0) -> None:
+def paced_until(survivor: Launched, joining: Launched, line: str, count: int = 1, then_s: float = 2.0) -> None:
     """Slow the survivor (stopped 0.3 s of every 0.5 s: within the lighthouse's 1 s heartbeat
-    timeout and the groups' collective timeout) until ``joining`` logs ``line`` once more, and
-    ``then_s`` after. torchft's lighthouse forms a "fast" quorum of the last quorum's groups without
-    waiting for one that heartbeats again, so a woken or restarted group joins only once it asks
-    (after its broken collective times out, or its start and build); on a loaded machine the
-    survivor could finish every step before then and leave it alone (docs/faults.md)."""
-    pids, seen = survivor.workers(), joining.output().count(line)
+    timeout and the groups' collective timeout) until ``joining`` has logged ``line`` ``count``
+    times in all, and ``then_s`` after. torchft's lighthouse forms a "fast" quorum of the last
+    quorum's groups without waiting for one that heartbeats again, so a woken or restarted group
+    joins only once it asks (after its broken collective times out, or its start and build); on a
+    loaded machine the survivor could finish every step before then and leave it alone
+    (docs/faults.md). The count is of the whole log, not of what follows the call: a woken group
+    may log ``line`` before the call looks."""
+    pids = survivor.workers()
     deadline, until = time.monotonic() + 180, float("inf")
     try:
         while time.monotonic() < until:
-            assert survivor.proc.poll() is None and time.monotonic() < deadline, joining.output()[-3000:]
-            if until == float("inf") and joining.output().count(line) > seen:
+            ended = survivor.proc.poll() is not None or not all(map(_running, pids))
+            assert not ended and time.monotonic() < deadline, (
+                f"the survivor {'ended' if ended else 'ran 180 s'} before the joining group logged {line!r} "
+                f"{count} time(s):\n{survivor.output()[-1500:]}\n--- the joining group:\n{joining.output()[-3000:]}"
+            )
+            if until == float("inf") and joining.output().count(line) >= count:
                 until = time.monotonic() + then_s
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):  # it ended: asserted above next time round
-                    os.kill(pid, signal.SIGSTOP)
+            _signal(pids, signal.SIGSTOP)
             time.sleep(0.3)
-            for pid in pids:
-                os.kill(pid, signal.SIGCONT)
+            _signal(pids, signal.SIGCONT)
             time.sleep(0.2)
     finally:
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
+        _signal(pids, signal.SIGCONT)
+
+
+def _signal(pids: list[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):  # it ended: the pacing loop asserts it next time round
+            os.kill(pid, sig)
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie its launcher has yet to reap."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 @contextlib.contextmanager

@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from harness import run_ranks
+from harness import assert_equal, run_ranks
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.data import Dataset
@@ -102,24 +102,6 @@ def load_fixture(dump_folder: str) -> dict[str, Any]:
         "dataloader": loader.state_dict(),
         "train_state": {"step": train_state.step, "n_skipped_steps": train_state.n_skipped_steps, "rng_cpu": rng_cpu},
     }
-
-
-def assert_equal(got: Any, want: Any, where: str = "") -> None:
-    """Exactly equal, recursively: same keys, same tensor dtypes and values."""
-    if isinstance(want, torch.Tensor):
-        assert isinstance(got, torch.Tensor), where
-        assert got.dtype == want.dtype and got.shape == want.shape, where
-        assert torch.equal(got, want), where
-    elif isinstance(want, dict):
-        assert isinstance(got, dict) and sorted(got) == sorted(want), where
-        for key in want:
-            assert_equal(got[key], want[key], f"{where}.{key}")
-    elif isinstance(want, (list, tuple)):
-        assert type(got) is type(want) and len(got) == len(want), where
-        for i, (g, w) in enumerate(zip(got, want)):
-            assert_equal(g, w, f"{where}[{i}]")
-    else:
-        assert got == want, f"{where}: {got!r} != {want!r}"
 
 
 def assert_loaded(got: dict[str, Any]) -> None:

@@ -20,15 +20,18 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 import pytest
 import torch
-from harness import ROOT, Launched, free_port, run_ranks, tensorboard_scalars
+from harness import ROOT, Launched, assert_equal, free_port, full, run_ranks, tensorboard_scalars, trainer_for
 from replica_helpers import (
     GROUPS,
     HEALED,
+    HEALED_LINE,
     MOE_ARGS,
     STEPS,
+    TRAINED_ALONE,
     TRAJECTORY_TOLERANCE,
     ending,
     group_args,
@@ -39,12 +42,16 @@ from replica_helpers import (
     trained_alike,
     weight_digests,
 )
+from torch.utils._pytree import tree_map
 
 from trainer.config import FaultTolerance, load_config
 from trainer.metrics.dashboard import Tag, moe_load_tag
 from trainer.planning.job_plan import describe, resolve_job
 from trainer.replica_groups import ReplicaGroups, check_lighthouse, job_identity
 from trainer.runtime.errors import ConfigError, JobError
+from trainer.step import train_step
+from trainer.train import local_tokens_per_step
+from trainer.train_state import TrainState
 
 pytest.importorskip("torchft")
 
@@ -75,16 +82,18 @@ def test_a_killed_or_stalled_group_is_left_out_heals_and_every_loss_is_over_the_
         failing.wait_for(f"step: 4/{STEPS}")
         for pid in failing.workers():
             os.kill(pid, signal.SIGKILL)
-        paced_until(survivor, failing, "model built and initialised")
-        failing.wait_for("replica group 1 healed from a live group at step")
+        paced_until(survivor, failing, HEALED_LINE)
         first_heal = int(re.findall(HEALED, failing.output())[0])
         failing.wait_for(f"step: {first_heal + 2}/{STEPS}")
-        # A stall longer than `fault_tolerance.timeout_seconds`: left out, then it heals again.
+        # A stall longer than `fault_tolerance.timeout_seconds`, until the survivor has trained a
+        # step without it: left out, then it heals again.
         [stalled] = failing.workers()
+        alone_before = survivor.output().count(TRAINED_ALONE)
         os.kill(stalled, signal.SIGSTOP)
         time.sleep(STALL_S)
+        survivor.wait_for(TRAINED_ALONE, count=alone_before + 1)
         os.kill(stalled, signal.SIGCONT)
-        paced_until(survivor, failing, "could not commit")
+        paced_until(survivor, failing, HEALED_LINE, count=2)
         assert survivor.finish(timeout=240) == 0, survivor.output()[-3000:]
         assert failing.finish(timeout=60) == 0, failing.output()[-3000:]
     alive, _ = trained_alike(survivor, failing, STEPS)
@@ -94,10 +103,6 @@ def test_a_killed_or_stalled_group_is_left_out_heals_and_every_loss_is_over_the_
     alone = [s for s, groups in enumerate(participants, 1) if groups == [0]]
     assert len(healed) == 2 and healed[1] < STEPS - 2, (participants, healed)
     assert 4 < alone[0] <= healed[0] < alone[-1] <= healed[1], (participants, healed)  # left out twice
-    # Broken steps run again: the survivor's step in flight when group 1 was killed, and the
-    # stalled group's own. A stall that falls between two steps breaks none of the survivor's
-    # (its next quorum forms without the silent group), as it did once on a loaded machine.
-    assert "could not commit" in survivor.output() and "could not commit" in failing.output()
     digests = weight_digests([survivor.output(), failing.output()])
     assert digests[0] and digests[0][-1:] == digests[1][-1:]
     # The end's line counts what each group trained itself, not the steps it took over by healing.
@@ -152,19 +157,15 @@ def test_an_moe_step_is_exact_over_the_groups_that_trained_it_and_every_group_mo
         stalling.wait_for(f"step: 2/{MOE_STEPS}")
         [stalled] = stalling.workers()
         os.kill(stalled, signal.SIGSTOP)
-        deadline = time.monotonic() + 120
-        while "trained by groups [0] of 2" not in survivor.output():
-            assert survivor.proc.poll() is None and time.monotonic() < deadline, survivor.output()[-3000:]
-            time.sleep(0.2)
+        survivor.wait_for(TRAINED_ALONE, timeout=120)
         os.kill(stalled, signal.SIGCONT)
-        paced_until(survivor, stalling, "could not commit")
+        paced_until(survivor, stalling, HEALED_LINE)
         for job in jobs:
             assert job.finish(timeout=180) == 0, job.output()[-3000:]
     alive, rejoined = trained_alike(survivor, stalling, MOE_STEPS)
     participants = [alive[s][0] for s in range(1, MOE_STEPS + 1)]
     assert [0] in participants and participants[-1] == [0, 1], participants
     assert re.search(HEALED, stalling.output()), stalling.output()[-3000:]
-    assert "could not commit" in survivor.output()  # a bias move was made and taken back
     digests = weight_digests([job.output() for job in jobs])
     assert digests[0] and digests[0] == digests[1]
     [expected] = run_ranks(surviving_batches_reference, 1, participants, MOE_ARGS)
@@ -261,8 +262,58 @@ def groups_without_torchft(**identity: str) -> ReplicaGroups:
     groups.config = FaultTolerance(
         enable=True, replica_id=1, group_count=2, min_replica_size=2, max_uncommitted_steps=3
     )
-    groups.uncommitted_steps = groups.consecutive_uncommitted = 0
+    groups.uncommitted_steps = groups.consecutive_uncommitted = groups.committed_steps = 0
     return groups
+
+
+class _Breaking(_Manager):
+    """A quorum that breaks in the given attempts (numbered from 1): their commit is refused."""
+
+    def __init__(self, broken: set[int]):
+        self.broken, self.attempts = broken, 0
+
+    def should_commit(self) -> bool:
+        self.attempts += 1
+        return self.attempts not in self.broken
+
+
+def steps_with_broken_attempts(broken: set[int], steps: int) -> dict[str, Any]:
+    """The debug MoE (moving routing biases) trained ``steps`` steps as the loop trains them, with
+    the attempts in ``broken`` not committed: each step's loss, and at the end all of its state."""
+    plan, parts = trainer_for([*MOE_ARGS, "--training.steps", str(steps)])
+    groups = groups_without_torchft()
+    groups.manager, groups._tokens, groups._present = _Breaking(broken), [0, 0], [True, False]
+    state, losses = TrainState(), []
+    while state.step < steps:
+        state.step += 1
+        stats = train_step(parts, state, local_tokens_per_step(plan), replicas=groups)
+        if not stats.committed:
+            state.step -= 1
+            continue
+        losses.append(stats.result.loss_avg)
+    found = {
+        "loss": losses,
+        "model": parts.model.state_dict(),
+        "optimizer": parts.optimizer.state_dict(),
+        "lr_scheduler": parts.scheduler.state_dict(),
+        "dataloader": parts.loader.state_dict(),
+        "uncommitted": groups.uncommitted_steps,
+    }
+    return tree_map(lambda leaf: full(leaf) if isinstance(leaf, torch.Tensor) else leaf, found)
+
+
+@pytest.mark.slow
+def test_a_step_that_does_not_commit_keeps_nothing_and_its_rerun_is_the_step_never_broken():
+    """Whether a fault breaks a step of the launched groups depends on when it lands; here the
+    quorum breaks twice in a row in step 2 and once in step 3. The weights, routing biases,
+    optimizer, schedule and data position then equal those of a run never broken, bit for bit."""
+    [[broken, whole]] = run_ranks(_each_run, 1, [{2, 3, 5}, set()])
+    assert broken["uncommitted"] == 3 and whole["uncommitted"] == 0
+    assert_equal(broken, {**whole, "uncommitted": 3})
+
+
+def _each_run(runs: list[set[int]]) -> list[dict[str, Any]]:
+    return [steps_with_broken_attempts(broken, 4) for broken in runs]
 
 
 def test_a_group_of_another_job_cannot_heal_and_names_what_differs():

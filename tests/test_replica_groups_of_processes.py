@@ -14,6 +14,7 @@ from harness import Launched, run_ranks
 from replica_helpers import (
     GROUP_ARGS,
     HEALED,
+    HEALED_LINE,
     MOE_ARGS,
     TRAJECTORY_TOLERANCE,
     ending,
@@ -60,7 +61,7 @@ def test_groups_of_two_processes_leave_out_a_killed_group_and_heal_it_exactly(la
         failing.wait_for(f"step: 3/{PAIR_STEPS}")
         for pid in failing.workers():
             os.kill(pid, signal.SIGKILL)
-        paced_until(survivor, failing, "replica group 1 healed from a live group at step")
+        paced_until(survivor, failing, HEALED_LINE)
         assert survivor.finish(timeout=240) == 0, survivor.output()[-3000:]
         assert failing.finish(timeout=60) == 0, failing.output()[-3000:]
     alive, _ = trained_alike(survivor, failing, PAIR_STEPS)
