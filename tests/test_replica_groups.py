@@ -3,7 +3,8 @@ mid-run is left out while the other trains on, heals from it when restarted or a
 step's loss equals one process fed exactly the batches of the groups that trained that step;
 checkpoints resume every group together; each failure around the groups is one line. A
 Mixture-of-Experts run's balancing loss and expert loads are held to the same reference, and
-its groups' routing biases end equal.
+its groups' routing biases end equal. A step whose quorum broke keeps nothing of itself (tested
+in one process, since whether a launched fault breaks a step is a matter of when it lands).
 
 The groups here are one process each (2 x 1); ``test_replica_groups_of_processes.py`` runs two
 groups of two processes each, with a shorter run, as it takes twice the cores. The data is
