@@ -258,12 +258,15 @@ class _Manager:
 
 
 def groups_without_torchft(**identity: str) -> ReplicaGroups:
+    """Group 1 of 2 with the state ``ReplicaGroups.__init__`` gives it, and a stand-in for torchft's
+    manager (no lighthouse, no process group)."""
     groups = ReplicaGroups.__new__(ReplicaGroups)
     groups.group, groups.group_count, groups.identity, groups.manager = 1, 2, job_identity(**identity), _Manager()
     groups.config = FaultTolerance(
         enable=True, replica_id=1, group_count=2, min_replica_size=2, max_uncommitted_steps=3
     )
     groups.uncommitted_steps = groups.consecutive_uncommitted = groups.committed_steps = 0
+    groups._tokens, groups._present = [0] * groups.group_count, [False] * groups.group_count
     return groups
 
 
@@ -283,7 +286,7 @@ def steps_with_broken_attempts(broken: set[int], steps: int) -> dict[str, Any]:
     the attempts in ``broken`` not committed: each step's loss, and at the end all of its state."""
     plan, parts = trainer_for([*MOE_ARGS, "--training.steps", str(steps)])
     groups = groups_without_torchft()
-    groups.manager, groups._tokens, groups._present = _Breaking(broken), [0, 0], [True, False]
+    groups.manager = _Breaking(broken)
     state, losses = TrainState(), []
     while state.step < steps:
         state.step += 1
