@@ -232,6 +232,10 @@ def test_adamw_and_the_clip_scale_update_an_element_the_same_in_any_shard(implem
         (["--training.mixed_precision_reduce", "bfloat16"], "training.mixed_precision_reduce"),
         (["--training.defer_gradient_reduction"], "training.defer_gradient_reduction"),
         (["--optimizer.implementation", "fused"], "optimizer.implementation"),
+        (
+            ["--model.converters", "float8", "--float8.enable_fsdp_float8_all_gather"],
+            "float8.enable_fsdp_float8_all_gather",
+        ),
     ],
 )
 def test_what_breaks_the_bits_is_refused_naming_both_keys(extra, key):

@@ -15,10 +15,10 @@ FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 class Float8:
     recipe_name: str = setting(
         "tensorwise",
-        "Scaling: `tensorwise` (one scale per tensor; fastest; the loss depends on how the global batch is split "
-        "into ranks and micro-batches), `rowwise` (one scale per row; the loss does not depend on the split, the "
-        "weight gradients do) or `rowwise_with_gw_hp` (rowwise with the weight gradient in high precision: loss "
-        "and gradients the same on every data-parallel layout). See docs/float8.md.",
+        "Scaling: `tensorwise` (one scale per tensor; fastest; the loss depends on the micro-batch size), "
+        "`rowwise` (one scale per row) or `rowwise_with_gw_hp` (rowwise with the weight gradient in high "
+        "precision). What each keeps of the same loss on every layout, per step and over a run (with "
+        "`debug.layout_invariant`: the same bits): docs/float8.md.",
         FLOAT8_RECIPES,
     )
     enable_fsdp_float8_all_gather: bool = setting(

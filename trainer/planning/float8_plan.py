@@ -39,11 +39,6 @@ def check_float8_job(config: JobConfig, settings: ParallelSettings, n_experts: i
     """Raise :class:`ConfigError` for a float8 setting that cannot work on this job."""
     if settings.float8 is None:
         return
-    if config.debug.layout_invariant:
-        raise ConfigError(
-            '`debug.layout_invariant` cannot be combined with `model.converters` = ["float8"]: its bitwise sums '
-            "are not checked through torchao's float8 kernels; turn one of them off."
-        )
     try:
         check_float8(
             settings.float8,

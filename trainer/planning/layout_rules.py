@@ -47,6 +47,12 @@ def check_layout_invariant(config: JobConfig, dims: ParallelDims, settings: Para
             "the layout-invariant mode sends each micro-batch's gradient to its owners itself",
         ),
         (
+            settings.float8 is not None and settings.float8.fsdp_float8_all_gather,
+            "`float8.enable_fsdp_float8_all_gather`",
+            "the mode takes each gradient from FSDP's unsharded parameters, which the float8 all-gather makes "
+            "float8 tensors of; that path has run on no machine (gloo cannot move float8)",
+        ),
+        (
             config.optimizer.implementation == "fused",
             '`optimizer.implementation` = "fused"',
             'the fused AdamW\'s update of an element depends on where it lies in its shard (use "foreach" or "auto")',
