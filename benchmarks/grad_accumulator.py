@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from parallelisms.torch_private import kernels
-from trainer.grad_accumulator import GradAccumulator
 from trainer.loss import IGNORE_INDEX
+from trainer.step.grad_accumulator import GradAccumulator
 
 N_VALID_TOKENS = 3_000
 

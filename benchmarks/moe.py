@@ -13,7 +13,7 @@ unmeasured steps, then ``--steps`` measured ones. Per ``ep``:
   (token rows a rank sends to the other EP ranks in the dispatch and combine of every MoE layer):
   ``a2a_forward_mib`` in the training forward; ``a2a_prepass_mib`` in the counting pre-pass that
   the ``global_batch`` balancing loss runs before it (a no-grad forward of every micro-batch,
-  ``trainer/expert_balance.py``), which exchanges the same tokens; ``a2a_step_mib`` = 2 x forward
+  ``trainer/step/expert_balance.py``), which exchanges the same tokens; ``a2a_step_mib`` = 2 x forward
   + pre-pass, as the backward sends as much as the forward (the gradient of an all-to-all is the
   reverse all-to-all, not counted by ``bytes_sent``). The small exchange of per-expert counts is
   left out. ep = 1 exchanges nothing.

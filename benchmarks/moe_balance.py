@@ -8,9 +8,9 @@ four settings built side by side:
 - ``micro_batch``: ``moe.balance_loss_scope = "micro_batch"``, what most frameworks do;
 - ``global_batch``: the exact scope as the trainer runs it here, every micro-batch's forward
   before the backwards, the step's own forwards counting the routing
-  (``trainer/expert_balance.py``, ``Workload.holds_forwards``);
+  (``trainer/step/expert_balance.py``, ``Workload.holds_forwards``);
 - ``global_batch, host``: the same with the held forwards' saved tensors in host memory
-  (``moe.held_forwards = host``, ``trainer/host_offload.py``): on a CPU a copy of each out and
+  (``moe.held_forwards = host``, ``trainer/step/host_offload.py``): on a CPU a copy of each out and
   back, the mechanism's own cost here, not a GPU's PCIe copies;
 - ``global_batch, pre-pass``: the exact scope with the forward-only counting pre-pass
   (``moe.held_forwards = prepass``), as under no or selective checkpointing and pipeline

@@ -12,9 +12,9 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from trainer.grad_accumulator import StepResult
 from trainer.metrics import MetricsLogger
 from trainer.step import StepStats
+from trainer.step.grad_accumulator import StepResult
 
 CPU_TAGS = {
     "loss_metrics/global_avg_loss",

@@ -349,7 +349,7 @@ def test_a_routing_bias_move_that_is_not_finite_skips_the_step(tmp_path):
 def overflowing_bias_worker(argv: list[str]) -> list[str]:
     import logging
 
-    import trainer.expert_balance as balance
+    import trainer.step.expert_balance as balance
 
     original = balance.ExpertBalance.__init__
 

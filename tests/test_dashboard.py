@@ -32,9 +32,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.util import tensor_util
 
-from trainer.expert_balance import BalanceStats
 from trainer.metrics import DASHBOARD_ALIASES
 from trainer.metrics.dashboard import DASHBOARD
+from trainer.step.expert_balance import BalanceStats
 from trainer.validation import ValidationResult
 
 

@@ -23,9 +23,9 @@ from harness import (
     trainer_for,
 )
 
-from trainer.grad_accumulator import GradAccumulator
 from trainer.loss import IGNORE_INDEX, cross_entropy_sum
 from trainer.step import fetch_step, forward_backward
+from trainer.step.grad_accumulator import GradAccumulator
 
 # name: (world size, local batch size, extra argv); accumulation = 8 / (local x dp)
 MESHES = {

@@ -1,4 +1,4 @@
-"""Held forwards in host memory (``trainer/host_offload.py``): what moves (each block's input and
+"""Held forwards in host memory (``trainer/step/host_offload.py``): what moves (each block's input and
 what the forward saves outside the checkpointed blocks, a tensor saved by every block once, no
 parameter, nothing an inner graph of the forward uses at once), that the forward's own tensors
 are then freed, and that the gradients are bit for bit those held in place, whether a fetch
@@ -17,9 +17,9 @@ from torch.utils.checkpoint import checkpoint
 
 from trainer.config import load_config
 from trainer.config.validate import cautions
-from trainer.host_offload import HostOffload
 from trainer.loss import linear_cross_entropy_sum_with_gradients
 from trainer.planning.job_plan import held_forwards_line, resolve_job
+from trainer.step.host_offload import HostOffload
 
 MICRO_BATCHES, BLOCKS, ROWS, DIM = 3, 3, 8, 64
 

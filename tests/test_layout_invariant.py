@@ -28,8 +28,8 @@ import torch.distributed.checkpoint as dcp
 from harness import ROOT, run_train
 
 from trainer.config import ConfigError, load_config
-from trainer.layout_invariant import PairwiseSum, pairwise_rows
 from trainer.planning.job_plan import resolve_job
+from trainer.step.layout_invariant import PairwiseSum, pairwise_rows
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import compare_checkpoints

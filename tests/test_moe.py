@@ -15,11 +15,11 @@ from parallelisms.token_permutation import expand_tokens, inverse_permutation, p
 from parallelisms.torch_private import kernels
 from trainer.config import ConfigError, load_config
 from trainer.config.choices import BALANCE_SCOPES, MODEL_FLAVORS
-from trainer.expert_balance import ExpertBalance
 from trainer.model.llama3 import Transformer, num_params, whole_model
 from trainer.model.moe import FLAVORS, Balancing, active_params, balance_part, moe_layers
 from trainer.model.routed_experts import grouped_swiglu, looped_swiglu
 from trainer.planning.job_plan import resolve_job
+from trainer.step.expert_balance import ExpertBalance
 
 
 @pytest.mark.parametrize(

@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from trainer.expert_balance import ExpertBalance
 from trainer.model.llama3 import Transformer
 from trainer.model.moe import FLAVORS, moe_layers
+from trainer.step.expert_balance import ExpertBalance
 
 transformers_moe = pytest.importorskip("transformers.models.qwen3_moe.modeling_qwen3_moe")
 

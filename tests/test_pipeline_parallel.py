@@ -30,11 +30,11 @@ from parallelisms.tensor_parallel import loss_context
 from trainer.build import resume
 from trainer.config import ConfigError, load_config
 from trainer.data.datasets import load_dataset
-from trainer.grad_accumulator import _total_norm
 from trainer.loss import IGNORE_INDEX
 from trainer.model.llama3 import FLAVORS, Transformer
 from trainer.planning.job_plan import resolve_job
 from trainer.step import fetch_step, forward_backward, train_step
+from trainer.step.grad_accumulator import _total_norm
 
 # name: (local batch size, extra argv); global batch 8, seq_len 64, debug model (6 blocks)
 TWO_RANKS = {

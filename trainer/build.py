@@ -32,10 +32,6 @@ from parallelisms.pipeline_parallel import Pipeline
 from trainer.checkpoint.manager import CheckpointManager
 from trainer.data.datasets import TokenDataset, data_lines
 from trainer.data.loader import build_dataloader
-from trainer.expert_balance import ExpertBalance
-from trainer.grad_accumulator import GradAccumulator
-from trainer.host_offload import host_offload
-from trainer.layout_invariant import LayoutInvariantReduction
 from trainer.loss import CrossEntropy, ModelLoss, cross_entropy_sum
 from trainer.metrics import MetricsLogger, model_flops_per_token, peak_flops, use_color
 from trainer.metrics.reports import log_start, save_config
@@ -46,7 +42,11 @@ from trainer.planning.float8_plan import check_float8_backend
 from trainer.planning.job_plan import JobPlan
 from trainer.replica_groups import HealedParts, ReplicaGroups, job_identity
 from trainer.runtime.distributed import init_distributed
-from trainer.step import StepParts
+from trainer.step.expert_balance import ExpertBalance
+from trainer.step.grad_accumulator import GradAccumulator
+from trainer.step.host_offload import host_offload
+from trainer.step.layout_invariant import LayoutInvariantReduction
+from trainer.step.train_step import StepParts
 from trainer.train_state import TrainState
 from trainer.validation import Validator
 

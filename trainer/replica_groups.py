@@ -210,7 +210,7 @@ class ReplicaGroups:
             ) from None
 
     # The sums the gradient accumulator and the experts' balancing ask for
-    # (``trainer/grad_accumulator.py``, ``trainer/expert_balance.py``).
+    # (``trainer/step/grad_accumulator.py``, ``trainer/step/expert_balance.py``).
 
     def participants(self) -> int:
         """The groups in this step's quorum, every one of which trains it (the quorum is

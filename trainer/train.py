@@ -2,7 +2,7 @@
 a stop request.
 
 Parallelism was applied to the model once, while building (``trainer/build.py``); one step is
-``trainer/step.py``. Exit codes and the preparation that precedes the loop are the worker's
+``trainer/step/train_step.py``. Exit codes and the preparation that precedes the loop are the worker's
 (``trainer/entry/worker.py``).
 """
 
@@ -23,7 +23,7 @@ from trainer.profiling import profiling
 from trainer.runtime.distributed import CollectiveTimeouts
 from trainer.runtime.errors import JobError
 from trainer.runtime.stop_requests import StopRequests
-from trainer.step import StepStats, train_step
+from trainer.step.train_step import StepStats, train_step
 from trainer.train_state import TrainState
 
 logger = logging.getLogger("meshtrain")

@@ -35,7 +35,7 @@ from trainer.loss import IGNORE_INDEX
 
 if TYPE_CHECKING:
     from trainer.data.datasets import TokenDataset
-    from trainer.step import StepParts
+    from trainer.step.train_step import StepParts
 
 
 @dataclass(frozen=True)

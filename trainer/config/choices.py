@@ -31,7 +31,7 @@ BALANCE_SCOPES = ("global_batch", "sequence", "micro_batch")
 """What ``moe.balance_loss_scope`` may name (``trainer/model/moe.py``)."""
 
 BALANCE_LAYERS = ("per_layer", "pooled")
-"""What ``moe.balance_loss_layers`` may name (``trainer/expert_balance.py``)."""
+"""What ``moe.balance_loss_layers`` may name (``trainer/step/expert_balance.py``)."""
 
 HELD_FORWARDS = ("auto", "device", "host", "prepass")
 """What ``moe.held_forwards`` may name (``trainer/planning/held_for_speed.py``)."""

@@ -1,4 +1,4 @@
-"""The ``[moe]`` section: how a Mixture-of-Experts model is kept balanced (``trainer/expert_balance.py``)."""
+"""The ``[moe]`` section: how a Mixture-of-Experts model is kept balanced (``trainer/step/expert_balance.py``)."""
 
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 from trainer.metrics.accounting import MemoryStats, device_memory, tokens_per_second_per_device
 from trainer.metrics.dashboard import DASHBOARD_ALIASES, Tag, layout_summary, moe_load_tag, written_tags
 from trainer.runtime.errors import JobError
-from trainer.step import StepStats
+from trainer.step.train_step import StepStats
 
 logger = logging.getLogger("meshtrain")
 

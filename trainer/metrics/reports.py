@@ -18,7 +18,7 @@ from trainer.checkpoint.folders import step_folders
 from trainer.config import cautions, changed_settings, to_toml
 from trainer.metrics.logger import MetricsLogger, format_duration
 from trainer.model.llama3 import num_params, whole_model
-from trainer.step import StepStats
+from trainer.step.train_step import StepStats
 
 if TYPE_CHECKING:
     from trainer.planning.job_plan import JobPlan

@@ -7,7 +7,7 @@ the first ``n_dense_layers`` blocks stay dense (DeepSeek). Routing is **dropless
 reaches its k experts, there is no capacity factor, so the loss cannot depend on how experts
 are laid out over ranks.
 
-Balancing (``trainer/expert_balance.py`` drives it per step):
+Balancing (``trainer/step/expert_balance.py`` drives it per step):
 
 - the aux-loss-free bias (DeepSeek-V3) is added to the scores for the top-k choice only, never to
   the weights; each layer counts the tokens it routed in ``tokens_per_expert``, once per real
@@ -149,7 +149,7 @@ def active_params(args: MoEArgs, total: int) -> int:
 @dataclass
 class Balancing:
     """What the MoE layers need to know about the step, shared by all of them and set by
-    ``trainer/expert_balance.py``: the balancing loss's weight and scope, and the global sizes
+    ``trainer/step/expert_balance.py``: the balancing loss's weight and scope, and the global sizes
     its parts are divided by."""
 
     weight: float = 0.0

@@ -1,5 +1,5 @@
 """What ``debug.layout_invariant`` cannot be combined with, checked before any process group exists
-(``trainer/planning/job_plan.py`` resolves the job; ``trainer/layout_invariant.py`` is the mode itself)."""
+(``trainer/planning/job_plan.py`` resolves the job; ``trainer/step/layout_invariant.py`` is the mode itself)."""
 
 from __future__ import annotations
 

@@ -142,7 +142,7 @@ class Workload:
     @property
     def holds_forwards(self) -> bool:
         """Whether exact (``global_batch``) balancing counts the step's routing in the step's own
-        forwards, all run before the first backward (``trainer/expert_balance.py``), instead of
+        forwards, all run before the first backward (``trainer/step/expert_balance.py``), instead of
         a forward-only pre-pass: where a held forward keeps little, under full checkpointing
         (each block's input) with the loss computed in chunks (``training.loss_chunk_tokens``:
         at most one chunk's logits held per micro-batch; whole logits would be held otherwise,
@@ -153,7 +153,7 @@ class Workload:
 
     @property
     def offloads_forwards(self) -> bool:
-        """Whether the held forwards' saved tensors wait in host memory (``trainer/host_offload.py``):
+        """Whether the held forwards' saved tensors wait in host memory (``trainer/step/host_offload.py``):
         the device then holds two micro-batches' worth of them at most, the one in backward and
         the next, brought back while it runs."""
         return self.holds_forwards and self.offload_forwards

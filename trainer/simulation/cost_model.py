@@ -110,7 +110,7 @@ class TracedCost:
     """The FLOPs by kernel kind (``calibration.KINDS``), each timed at its own measured rate."""
     host_bytes: int = 0
     """Bytes copied between the device and host memory, both ways (held forwards in host memory:
-    ``trainer/host_offload.py``), by copy engines beside the kernels."""
+    ``trainer/step/host_offload.py``), by copy engines beside the kernels."""
     by_op: dict[str, Cost] = field(default_factory=dict)
     by_module: dict[str, Cost] = field(default_factory=dict)
     """Where the cost arose: ``phase module[/moe part]`` (``CostRecorder.where``)."""
@@ -238,7 +238,7 @@ class CostRecorder:
             traced.record(name, where, cost, "" if fp8 else kind, fp8=fp8)
 
     def host_copy(self, nbytes: int) -> None:
-        """A copy between the device and host memory (``trainer/host_offload.py``), which no op reports."""
+        """A copy between the device and host memory (``trainer/step/host_offload.py``), which no op reports."""
         if self.enabled:
             for cost in self._costs():
                 cost.host_bytes += nbytes

@@ -40,14 +40,14 @@ from parallelisms.pipeline_parallel import Pipeline
 from parallelisms.torch_private import fsdp, pipelining
 from parallelisms.torch_private.fake import FakeStore, FakeTensorMode, PausingModTracker, disable_current_modes
 from trainer.build import build_step_parts
-from trainer.grad_accumulator import StepResult
-from trainer.host_offload import MIN_BYTES, HostOffload
 from trainer.planning.job_plan import JobPlan
 from trainer.simulation.cost_model import CostRecorder, TracedCost, group_infos
 from trainer.simulation.fusion import nbytes
 from trainer.simulation.memory_tracker import MemoryProfile, MemoryTracker, label_training_state
 from trainer.simulation.microbatches import extend, rank_count, schedule_count, steady_microbatches
-from trainer.step import StepParts, fetch_step, forward_backward, optimizer_step
+from trainer.step.grad_accumulator import StepResult
+from trainer.step.host_offload import MIN_BYTES, HostOffload
+from trainer.step.train_step import StepParts, fetch_step, forward_backward, optimizer_step
 
 
 @dataclass

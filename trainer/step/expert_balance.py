@@ -17,10 +17,10 @@ depend on the mesh or the accumulation count:
   forward's values do not depend on ``f`` (only the loss's gradient does), so where the step can
   run every micro-batch's forward before any backward, its own forwards count them
   (``hold_forwards``): under full activation checkpointing, whose forwards keep only each block's
-  input, ``trainer/step.py`` runs the step's forwards, this sums their counts, then every
+  input, ``trainer/step/train_step.py`` runs the step's forwards, this sums their counts, then every
   micro-batch's backward recomputes its blocks with the step's ``f``: no extra compute, and the
   step holds every micro-batch's block inputs until its backwards (the memory plan counts them;
-  where they would not fit on a GPU they wait in host memory, ``trainer/host_offload.py``, and
+  where they would not fit on a GPU they wait in host memory, ``trainer/step/host_offload.py``, and
   where that would not fit either the pre-pass counts: ``Workload.holds_forwards`` and ``fitted``
   in ``trainer/planning/held_for_speed.py``, ``moe.held_forwards``). Elsewhere (no or selective checkpointing,
   whose held forwards would keep every micro-batch's activations; pipeline parallelism, whose

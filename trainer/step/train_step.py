@@ -4,7 +4,7 @@
 device, its sequence shard under context parallelism), runs forward and backward on each
 (:func:`forward_backward`; under pipeline parallelism the schedule runs them,
 :func:`pipeline_forward_backward`), lets the gradient accumulator normalise and clip
-(``trainer/grad_accumulator.py``), steps the optimizer and returns the step's
+(``trainer/step/grad_accumulator.py``), steps the optimizer and returns the step's
 :class:`StepStats`. The loss is ``trainer/loss.py``'s, the model ``trainer/model/llama3.py``;
 the loop around the steps is ``trainer/train.py``.
 """
@@ -27,12 +27,12 @@ from parallelisms.pipeline_parallel import Pipeline
 from parallelisms.tensor_parallel import loss_context
 from trainer.data.documents import split_documents
 from trainer.data.loader import MicroBatchLoader
-from trainer.expert_balance import BalanceStats, ExpertBalance
-from trainer.grad_accumulator import GradAccumulator, StepResult
-from trainer.host_offload import HostOffload
 from trainer.loss import ModelLoss
 from trainer.model.llama3 import Transformer
 from trainer.replica_groups import ReplicaGroups, ReplicaStats
+from trainer.step.expert_balance import BalanceStats, ExpertBalance
+from trainer.step.grad_accumulator import GradAccumulator, StepResult
+from trainer.step.host_offload import HostOffload
 from trainer.train_state import TrainState
 
 logger = logging.getLogger("meshtrain")
@@ -209,7 +209,7 @@ def forward_backward(parts: StepParts, microbatches: list[MicroBatch]) -> StepRe
 def forwards_then_backwards(parts: StepParts, balance: ExpertBalance, microbatches: list[MicroBatch]) -> StepResult:
     """The step's forwards, all of them, then its backwards: what the forwards route gives the
     exact balancing loss its global counts before the first backward, with no forward run twice
-    (``trainer/expert_balance.py``). Under full checkpointing a held forward keeps its blocks'
+    (``trainer/step/expert_balance.py``). Under full checkpointing a held forward keeps its blocks'
     inputs and the final hidden states or its loss's gradients; with ``parts.offload`` in host
     memory, each micro-batch's brought back while the one before it runs its backward."""
     accumulator, offload = parts.accumulator, parts.offload
@@ -233,7 +233,7 @@ def forwards_then_backwards(parts: StepParts, balance: ExpertBalance, microbatch
 
 def counting_prepass(parts: StepParts, microbatches: list[MicroBatch]) -> None:
     """Every micro-batch's forward, without autograd: the MoE layers count the step's routing
-    (``trainer/expert_balance.py``)."""
+    (``trainer/step/expert_balance.py``)."""
     with parts.compute_context():
         for inputs, labels, positions, document_ids in microbatches:
             parts.model_loss(parts.model, inputs, positions, document_ids, labels)

@@ -2,7 +2,7 @@
 has no room for them.
 
 Exact (``global_batch``) balancing under full checkpointing runs every micro-batch's forward
-before any backward (``trainer/expert_balance.py``), so each micro-batch's block inputs and its
+before any backward (``trainer/step/expert_balance.py``), so each micro-batch's block inputs and its
 loss's saved tensors wait for the step's backwards: 12 GiB a GPU for the Qwen3-30B-A3B preset on
 8 H100s, where the alternative is a counting pre-pass, a whole extra forward. :class:`HostOffload`
 moves what a held forward saves for backward into pinned host memory as the forward makes it, on

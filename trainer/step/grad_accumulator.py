@@ -29,7 +29,7 @@ logged loss are summed once more, over the groups that take part in the step, be
 the step is exact over whoever trained it.
 
 With ``debug.layout_invariant`` the micro-batch gradients, the norm and the logged loss sum are
-added in one order whatever the layout (``trainer/layout_invariant.py``) instead of by autograd
+added in one order whatever the layout (``trainer/step/layout_invariant.py``) instead of by autograd
 and FSDP; N, the clip coefficient and the one scale stay as they are.
 """
 
@@ -46,9 +46,9 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from parallelisms.torch_private import kernels
-from trainer.layout_invariant import LayoutInvariantReduction
 from trainer.loss import IGNORE_INDEX
 from trainer.replica_groups import ReplicaGroups
+from trainer.step.layout_invariant import LayoutInvariantReduction
 
 logger = logging.getLogger("meshtrain")
 
@@ -205,7 +205,7 @@ class GradAccumulator:
 
     def global_count(self) -> int:
         """The step's N, once its all-reduce is done: what the MoE balancing loss is scaled by
-        before the first backward (``trainer/expert_balance.py``)."""
+        before the first backward (``trainer/step/expert_balance.py``)."""
         return int(self._count().item())
 
     def _count(self) -> torch.Tensor:
