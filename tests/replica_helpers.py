@@ -1,6 +1,7 @@
-"""What the replica-group tests share (``test_replica_groups*.py``): the groups' arguments, what
-their logs say, the one-process reference fed the surviving groups' batches, and the pacing of a
-survivor while a group joins."""
+"""What the replica-group tests share (``test_replica_groups*.py``, ``test_replica_identity.py``):
+the groups' arguments, a one-process group started as torchrun would, what their logs say, the
+one-process reference fed the surviving groups' batches, and the pacing of a survivor while a
+group joins."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ import contextlib
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from harness import QUICK, Launched, trainer_for
+from harness import QUICK, ROOT, Launched, free_port, trainer_for
 
 from trainer.step import fetch_step, forward_backward, optimizer_step
 
@@ -67,6 +70,22 @@ def group_args(group: int, lighthouse: str, dump: Path, base: list[str] = GROUP_
         "--job.dump_folder",
         str(dump),
     ]
+
+
+def worker(args: list[str]) -> subprocess.Popen:
+    """One group of one process, as torchrun starts it (the manager needs torchrun's store)."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }
+    command = [sys.executable, "-m", "trainer.entry.worker", *args]
+    return subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def steps_logged(output: str) -> dict[int, tuple[list[int], float]]:

@@ -188,9 +188,10 @@ LIMITED = [
 def test_declared_limits_refuse_just_outside_and_accept_just_inside(tmp_path: Path, key, typ, limits):
     """Every bound of every limited number, on the command line and in a TOML file: the value
     just past it is refused naming the key, the value at (or just inside) it and every sentinel
-    are accepted. The base is the code's defaults, so no other rule gets in the way."""
+    are accepted. The base is the code's defaults, so no other rule gets in the way (with fault
+    tolerance on for its own keys, which are refused without it)."""
     section, name = key.split(".")
-    base = write(tmp_path, "", "base.toml")
+    base = write(tmp_path, "[fault_tolerance]\nenable = true\n" if section == "fault_tolerance" else "", "base.toml")
     edges = limit_edges(typ, limits)
     assert edges, key
     for bad, good in edges:

@@ -18,14 +18,17 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
+from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from harness import ROOT, Launched, assert_equal, free_port, full, run_ranks, tensorboard_scalars, trainer_for
+from harness import Launched, assert_equal, free_port, full, run_ranks, tensorboard_scalars, trainer_for
 from replica_helpers import (
     GROUPS,
     HEALED,
@@ -42,13 +45,15 @@ from replica_helpers import (
     tokens_logged,
     trained_alike,
     weight_digests,
+    worker,
 )
 from torch.utils._pytree import tree_map
 
 from trainer.config import FaultTolerance, load_config
 from trainer.metrics.dashboard import Tag, moe_load_tag
 from trainer.planning.job_plan import describe, resolve_job
-from trainer.replica_groups import ReplicaGroups, check_lighthouse, job_identity
+from trainer.replica_groups import ReplicaGroups, check_lighthouse
+from trainer.replica_identity import Meeting
 from trainer.runtime.errors import ConfigError, JobError
 from trainer.step import train_step
 from trainer.train import local_tokens_per_step
@@ -183,22 +188,6 @@ def test_an_moe_step_is_exact_over_the_groups_that_trained_it_and_every_group_mo
     assert losses == pytest.approx(expected["loss"], rel=MOE_TOLERANCE)
 
 
-def worker(args: list[str]) -> subprocess.Popen:
-    """One group of one process, as torchrun starts it (the manager needs torchrun's store)."""
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "RANK": "0",
-        "LOCAL_RANK": "0",
-        "WORLD_SIZE": "1",
-        "LOCAL_WORLD_SIZE": "1",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
-    }
-    command = [sys.executable, "-m", "trainer.entry.worker", *args]
-    return subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
 @pytest.mark.slow
 def test_each_failure_around_the_groups_is_one_line(tmp_path):
     """The lighthouse unreachable, a quorum that never forms, and a group that starts while no
@@ -248,20 +237,13 @@ class _Manager:
     def num_participants(self) -> int:
         return 1
 
-    def allreduce(self, tensor: torch.Tensor, reduce_op: object) -> _Manager:
-        """As if a second group with the same id had added the same table."""
-        tensor.mul_(2)
-        return self
-
-    def wait(self) -> bool:
-        return True
-
 
 def groups_without_torchft(**identity: str) -> ReplicaGroups:
     """Group 1 of 2 with the state ``ReplicaGroups.__init__`` gives it, and a stand-in for torchft's
     manager (no lighthouse, no process group)."""
     groups = ReplicaGroups.__new__(ReplicaGroups)
-    groups.group, groups.group_count, groups.identity, groups.manager = 1, 2, job_identity(**identity), _Manager()
+    groups.group, groups.group_count, groups.identity, groups.manager = 1, 2, identity, _Manager()
+    groups.meeting = Meeting(1, identity, timedelta(seconds=1), torch.distributed.HashStore())
     groups.config = FaultTolerance(
         enable=True, replica_id=1, group_count=2, min_replica_size=2, max_uncommitted_steps=3
     )
@@ -321,11 +303,11 @@ def _each_run(runs: list[set[int]]) -> list[dict[str, Any]]:
 
 
 def test_a_group_of_another_job_cannot_heal_and_names_what_differs():
-    groups = groups_without_torchft(model="debugmodel", optimizer="lr=0.0008")
+    groups = groups_without_torchft(**{"model.flavor": "debugmodel", "optimizer.lr": "0.0008"})
     with pytest.raises(
-        ConfigError, match="cannot heal from its peer: optimizer differs .peer 'lr=0.002', this group 'lr=0.0008'"
+        ConfigError, match="cannot heal from its peer: `optimizer.lr` is 0.0008 here, 0.002 in the peer; every group"
     ):
-        groups._load_state_dict({"identity": job_identity(model="debugmodel", optimizer="lr=0.002")})
+        groups._load_state_dict({"identity": {"model.flavor": "debugmodel", "optimizer.lr": "0.002"}})
 
 
 def test_a_group_left_below_min_replica_size_ends_after_the_allowed_attempts():
@@ -360,11 +342,6 @@ def test_dry_run_describes_one_group_of_the_job():
     assert "replica groups: this is group 0 of 3, each a job of the mesh above; 3 x 16 sequences per step" in described
 
 
-def test_two_groups_of_one_id_are_refused_at_their_first_step():
-    with pytest.raises(JobError, match="2 replica groups run with `fault_tolerance.replica_id` = 1: each would train"):
-        groups_without_torchft().sum_count(torch.tensor([100]))
-
-
 @pytest.mark.parametrize(
     "lighthouse, expected",
     [
@@ -377,3 +354,47 @@ def test_the_launcher_refuses_a_lighthouse_it_cannot_reach_before_any_process_st
     monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
     with pytest.raises(ConfigError, match=re.escape(expected)):
         check_lighthouse(FaultTolerance(enable=True, lighthouse=lighthouse, connect_timeout_seconds=1))
+
+
+@pytest.mark.slow
+def test_a_lighthouse_lost_mid_run_is_named_as_lost(tmp_path):
+    """The lighthouse SIGKILLed while a group trains: the group's next quorum cannot form, and
+    it ends saying the lighthouse is gone (not that too few groups run), exit 1."""
+    port = free_port()
+    binary = Path(sys.executable).with_name("torchft_lighthouse")
+    server = subprocess.Popen(
+        [str(binary), "--min_replicas", "1", "--join_timeout_ms", "100", "--bind", f"[::]:{port}"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_for_port(port)
+        group = worker(
+            [
+                *group_args(0, f"http://127.0.0.1:{port}", tmp_path / "group", steps=500),
+                *("--fault_tolerance.group_count", "1", "--fault_tolerance.quorum_timeout_seconds", "5"),
+            ]
+        )
+        assert group.stdout is not None
+        for line in group.stdout:
+            if "step: 2/500" in line:
+                break
+        server.kill()
+        output = group.communicate(timeout=120)[0]
+    finally:
+        server.kill()
+        group.kill()
+    assert group.returncode == 1, output[-3000:]
+    assert f"replica group 0 lost the torchft lighthouse at http://127.0.0.1:{port} (" in output, output[-3000:]
+    assert "Traceback" not in output and "fewer groups are running" not in output, output[-3000:]
+
+
+def wait_for_port(port: int, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            assert time.monotonic() < deadline, f"nothing listens on port {port}"
+            time.sleep(0.1)

@@ -1,6 +1,6 @@
 """Replica groups of several processes (FSDP, TP, PP or EP over two ranks inside a group): a
-killed group is restarted whole by torchrun and heals exactly, and a restarted group forgets the manager address
-its killed attempt left in torchrun's store."""
+killed group is restarted whole by torchrun and heals exactly, a restarted group forgets the manager address
+its killed attempt left in torchrun's store, and groups of different process counts stop on every rank."""
 
 from __future__ import annotations
 
@@ -97,3 +97,26 @@ def test_a_restarted_group_forgets_the_killed_attempts_manager_before_any_rank_r
     restarted group must not read the dead manager address its killed rank 0 published (they
     would time out connecting to it: seen with groups of two processes)."""
     assert run_ranks(_stale_manager_forgotten, 2) == [[False, False], [False, False]]
+
+
+@pytest.mark.launcher
+def test_groups_of_another_process_count_stop_on_every_rank_naming_it(lighthouse, tmp_path):
+    """Group 0 of two processes meets group 1 of one: local rank 1 of group 0 has no peer to meet,
+    and would wait for one until a timeout; instead every rank of both groups stops at once with
+    the line that names the process count, before any step."""
+    jobs = [
+        Launched(ngpu, group_args(g, lighthouse, tmp_path / f"group{g}", GROUP_ARGS, 6), tmp_path / f"{g}.log")
+        for g, ngpu in enumerate((2, 1))
+    ]
+    with ending(*jobs):
+        codes = [job.finish(timeout=240) for job in jobs]
+    lines = [
+        f"config error: replica group {g} cannot train with group {1 - g}: processes per group (NGPU x NNODES) is "
+        f"{here} here, {there} in group {1 - g}"
+        for g, (here, there) in enumerate([(2, 1), (1, 2)])
+    ]
+    for job, code, line in zip(jobs, codes, lines):
+        output = job.output()
+        assert code == 1 and f"the job failed (exit 1): local rank 0: {line}" in output, output[-3000:]
+        assert "replica groups: step" not in output, output[-3000:]
+    assert f"local rank 1 (not shown: LOG_RANK=0) failed: {lines[0]}" in jobs[0].output(), jobs[0].output()[-3000:]

@@ -40,7 +40,8 @@ from trainer.model.moe import MoEArgs
 from trainer.optimizer import build_lr_scheduler, build_optimizer
 from trainer.planning.float8_plan import check_float8_backend
 from trainer.planning.job_plan import JobPlan
-from trainer.replica_groups import HealedParts, ReplicaGroups, job_identity
+from trainer.replica_groups import HealedParts, ReplicaGroups
+from trainer.replica_identity import job_identity
 from trainer.runtime.distributed import init_distributed
 from trainer.step.expert_balance import ExpertBalance
 from trainer.step.grad_accumulator import GradAccumulator
@@ -330,20 +331,7 @@ def build_replicas(plan: JobPlan, parts: StepParts, dataset: TokenDataset, state
     config = plan.config
     if not config.fault_tolerance.enable:
         return None
-    dims = plan.dims
-    identity = job_identity(
-        model=plan.model_args,
-        mesh=f"pp={dims.pp} dp_shard={dims.dp_shard} cp={dims.cp} tp={dims.tp} ep={dims.ep}",
-        group_count=config.fault_tolerance.group_count,
-        batch=f"{plan.global_batch_size} x {config.training.seq_len}, {plan.microbatches} micro-batches",
-        data=getattr(dataset, "identity", None),
-        seed=config.debug.seed,
-        optimizer=config.optimizer,
-        balancing=config.moe if isinstance(plan.model_args, MoEArgs) else None,
-        lr_scheduler=config.lr_scheduler,
-        steps=config.training.steps,
-        torch=torch.__version__,
-    )
+    identity = job_identity(plan, getattr(dataset, "identity", None))
     healed = HealedParts(parts.model, parts.optimizer, parts.scheduler, parts.loader, state)
     replicas = ReplicaGroups(config.fault_tolerance, healed, identity, parts.device)
     replicas.resume_at(state.step)

@@ -17,7 +17,8 @@ A step during which the quorum broke is not committed (torchft's ``should_commit
 optimizer, schedule and data position stay those before it, and the step is run again with the
 new quorum. A group that joins behind the others (restarted, or new) heals at the start of a step
 from a live peer's same local rank: weights, optimizer state, schedule, data position and train
-state, after checking that both groups run the same job (:func:`job_identity`).
+state. Groups of different jobs never train together: every new quorum compares the groups'
+identities before their process group meets (``trainer/replica_identity.py``).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from torch.distributed.tensor import DTensor
 
 from trainer.config import FaultTolerance
 from trainer.data.loader import MicroBatchLoader
+from trainer.replica_identity import Meeting, difference_line, meeting_process_group
 from trainer.runtime.errors import ConfigError, JobError, UserError
 from trainer.train_state import TrainState
 
@@ -89,20 +91,11 @@ def check_lighthouse(config: FaultTolerance) -> None:
             "`fault_tolerance.enable` needs the torchft lighthouse's address: set `fault_tolerance.lighthouse` "
             "(http://host:port) or TORCHFT_LIGHTHOUSE."
         )
-    url = urllib.parse.urlsplit(address if "://" in address else f"http://{address}")
-    try:
-        socket.create_connection((url.hostname, url.port or 80), timeout=config.connect_timeout_seconds).close()
-    except (OSError, ValueError) as e:
+    if unreachable := _unreachable(address, config.connect_timeout_seconds):
         raise ConfigError(
-            f"cannot reach the torchft lighthouse at {address!r} ({e}): start it (`torchft_lighthouse "
+            f"cannot reach the torchft lighthouse at {address!r} ({unreachable}): start it (`torchft_lighthouse "
             "--min_replicas 1`) or fix `fault_tolerance.lighthouse`."
-        ) from None
-
-
-def job_identity(**fields: object) -> dict[str, str]:
-    """What two groups must share for one to heal from the other (the mesh of a group, the model,
-    the data order, the versions), as strings to compare and name."""
-    return {key: str(value) for key, value in fields.items()}
+        )
 
 
 class ReplicaGroups:
@@ -120,18 +113,19 @@ class ReplicaGroups:
         for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
             logging.getLogger(name).setLevel(logging.WARNING)
         from torchft.manager import Manager
-        from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
         self.config, self.parts, self.identity, self.device = config, parts, identity, device
         self.group, self.group_count = config.replica_id, config.group_count
         lighthouse = lighthouse_address(config)
         self.lighthouse = lighthouse
         timeout = timedelta(seconds=config.timeout_seconds)
-        pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # a restart's quorums may number anew
+        verdicts = dist.PrefixStore(f"meshtrain/attempt-{attempt}/meeting", _group_store())
+        self.meeting = Meeting(self.group, identity, timeout, verdicts)
         _forget_an_earlier_attempts_manager()
         try:
             self.manager = Manager(
-                pg=pg,
+                pg=meeting_process_group(self.meeting, device, timeout),
                 load_state_dict=self._load_state_dict,
                 state_dict=self._state_dict,
                 min_replica_size=config.min_replica_size,
@@ -191,11 +185,16 @@ class ReplicaGroups:
             self._quorum()
 
     def _quorum(self) -> None:
+        """One quorum; a group of another job met in it ends this one before anything else
+        (what follows from meeting it, a failed transfer or process group, is its consequence)."""
         try:
             self.manager.start_quorum()
         except UserError:
             raise
         except TimeoutError:
+            self._raise_conflict()
+            if unreachable := _unreachable(self.lighthouse, self.config.connect_timeout_seconds):
+                raise self._lost_lighthouse(unreachable) from None
             raise JobError(
                 f"replica group {self.group}: no quorum formed within `fault_tolerance.quorum_timeout_seconds` = "
                 f"{self.config.quorum_timeout_seconds} s (lighthouse {self.lighthouse}): fewer groups are running "
@@ -203,11 +202,20 @@ class ReplicaGroups:
                 "already written are kept."
             ) from None
         except RuntimeError as e:
-            raise JobError(
-                f"replica group {self.group} lost the torchft lighthouse at {self.lighthouse}: "
-                f"{str(e).splitlines()[0][:200]}. Restart the lighthouse, then this group: it heals from a live "
-                "group, or resumes from its newest checkpoint."
-            ) from None
+            self._raise_conflict()
+            raise self._lost_lighthouse(str(e).splitlines()[0][:200]) from None
+        self._raise_conflict()
+
+    def _raise_conflict(self) -> None:
+        if self.meeting.conflict is not None:
+            raise self.meeting.conflict
+
+    def _lost_lighthouse(self, why: str) -> JobError:
+        return JobError(
+            f"replica group {self.group} lost the torchft lighthouse at {self.lighthouse} ({why}): restart the "
+            "lighthouse, then this group: it heals from a live group, or resumes from its newest checkpoint. "
+            "Checkpoints already written are kept."
+        )
 
     # The sums the gradient accumulator and the experts' balancing ask for
     # (``trainer/step/grad_accumulator.py``, ``trainer/step/expert_balance.py``).
@@ -227,12 +235,6 @@ class ReplicaGroups:
         table[n + self.group] = 1
         self.manager.allreduce(table, reduce_op=ReduceOp.SUM).wait()
         values = table.tolist()
-        twice = [g for g in range(n) if values[n + g] > 1]
-        if twice and not self.manager.errored():
-            raise JobError(
-                f"{values[n + twice[0]]} replica groups run with `fault_tolerance.replica_id` = {twice[0]}: each "
-                "would train the same data shard; give every group its own id below `fault_tolerance.group_count`."
-            )
         self._tokens, self._present = values[:n], [bool(v) for v in values[n:]]
         return table[:n].sum().reshape(1)
 
@@ -325,13 +327,12 @@ class ReplicaGroups:
         }
 
     def _load_state_dict(self, received: dict[str, Any]) -> None:
-        theirs = received["identity"]
-        differ = sorted(k for k in self.identity.keys() | theirs.keys() if self.identity.get(k) != theirs.get(k))
-        if differ:
-            key = differ[0]
+        self._raise_conflict()
+        difference = difference_line(self.identity, received["identity"], "in the peer")
+        if difference:
             raise ConfigError(
-                f"replica group {self.group} cannot heal from its peer: {key} differs (peer {theirs.get(key)!r}, "
-                f"this group {self.identity.get(key)!r}); every group must run the same config, mesh and versions."
+                f"replica group {self.group} cannot heal from its peer: {difference}; every group must run the same "
+                "settings, mesh and versions."
             )
         parts = self.parts
         with torch.no_grad():
@@ -380,6 +381,23 @@ class ReplicaGroups:
         self.manager.shutdown(wait=False)
 
 
+def _unreachable(address: str, timeout_s: float) -> str:
+    """Why the lighthouse at ``address`` does not answer (``""``: it does)."""
+    url = urllib.parse.urlsplit(address if "://" in address else f"http://{address}")
+    try:
+        socket.create_connection((url.hostname, url.port or 80), timeout=timeout_s).close()
+    except (OSError, ValueError) as e:
+        return str(e)
+    return ""
+
+
+def _group_store() -> dist.Store:
+    """This group's torchrun store, where torchft's Manager meets the group's ranks."""
+    return dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, wait_for_workers=False
+    )
+
+
 def _forget_an_earlier_attempts_manager() -> None:
     """torchft's Manager publishes the group's rank 0 manager address in torchrun's store, which
     outlives a restart of the group's processes: a restarted group's other ranks could read the
@@ -388,8 +406,7 @@ def _forget_an_earlier_attempts_manager() -> None:
     from torchft.manager import MANAGER_ADDR_KEY, REPLICA_ID_KEY
 
     if dist.get_rank() == 0:
-        address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-        store = dist.TCPStore(address, port, is_master=False, wait_for_workers=False)
+        store = _group_store()
         for key in (MANAGER_ADDR_KEY, REPLICA_ID_KEY):
             store.delete_key(key)
     dist.barrier()

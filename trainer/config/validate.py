@@ -7,10 +7,12 @@ parallelisms' own constraints beside them, in ``parallelisms/parallelize.py``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
 from trainer.config.choices import PACKED_DATASET_KINDS
+from trainer.config.fault_tolerance_section import FaultTolerance
 from trainer.config.fields import FloatList
 from trainer.config.limits import Limits
 from trainer.config.schema import FIELDS, JobConfig, Training
@@ -145,6 +147,7 @@ def _fault_tolerance(config: JobConfig) -> None:
     with the mesh (``trainer/planning/job_plan.py``)."""
     ft = config.fault_tolerance
     if not ft.enable:
+        _ignored_without_enable(ft)
         return
     if ft.replica_id >= ft.group_count:
         raise ConfigError(
@@ -161,3 +164,14 @@ def _fault_tolerance(config: JobConfig) -> None:
             "`debug.layout_invariant` fixes the order of every sum inside one job; the sum over replica groups "
             "is outside it: turn off one of `debug.layout_invariant` and `fault_tolerance.enable`."
         )
+
+
+def _ignored_without_enable(ft: FaultTolerance) -> None:
+    """A ``[fault_tolerance]`` key set while fault tolerance is off would change nothing: refused,
+    so that a job meant to be one replica group never trains alone as a plain job."""
+    for f in dataclasses.fields(ft):
+        if f.name != "enable" and getattr(ft, f.name) != f.default:
+            raise ConfigError(
+                f"`fault_tolerance.{f.name}` = {getattr(ft, f.name)!r} is set but `fault_tolerance.enable` is off, so "
+                "it would change nothing: set `fault_tolerance.enable` to run this job as a replica group, or drop it."
+            )

@@ -41,7 +41,8 @@ def validation_seq_len(config: JobConfig) -> int:
 
 def load_dataset(config: JobConfig, tokenizer: Tokenizer, global_batch_size: int) -> TokenDataset:
     """The samples of ``training.dataset``: from the bundled plays, one path, or the mixture of
-    several (``training.dataset_path``, ``training.dataset_weights``), at least one global batch."""
+    several (``training.dataset_path``, ``training.dataset_weights``), at least one global batch
+    of the whole job (each of ``fault_tolerance.group_count`` replica groups reads its own)."""
     training = config.training
     paths = [resolve_path(path) for path in training.dataset_path]
     _check_named_once(paths)
@@ -53,12 +54,16 @@ def load_dataset(config: JobConfig, tokenizer: Tokenizer, global_batch_size: int
         if len(set(names)) < len(names):
             names = list(training.dataset_path)
         dataset = MixtureDataset(members, names, training.dataset_weights or [1.0] * len(paths))
-    if len(dataset) < global_batch_size:
+    ft = config.fault_tolerance
+    groups = ft.group_count if ft.enable else 1
+    if len(dataset) < groups * global_batch_size:
         where = f"`training.dataset_path` = {', '.join(training.dataset_path)}" if paths else "the bundled plays"
+        of_groups = f" ({groups} replica groups of {global_batch_size})" if groups > 1 else ""
         raise DataError(
             f"{where} gives {len(dataset):,} samples of `training.seq_len` = {training.seq_len} tokens, fewer than "
-            f"one global batch of {global_batch_size}, so every batch would repeat samples; add data, or lower "
-            "`training.global_batch_size` (or `training.local_batch_size`) or `training.seq_len`."
+            f"one global batch of {groups * global_batch_size}{of_groups}, so every batch would repeat samples; add "
+            "data, or lower `training.global_batch_size` (or `training.local_batch_size`), `training.seq_len`"
+            f"{' or `fault_tolerance.group_count`' if groups > 1 else ''}."
         )
     return dataset
 

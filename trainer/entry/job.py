@@ -18,6 +18,7 @@ from trainer.planning.job_plan import JobPlan, check_memory, describe, resolve_j
 from trainer.planning.memory_limits import memory_limit, target_device
 from trainer.planning.memory_plan import Workload
 from trainer.planning.target_figures import parse_overrides
+from trainer.replica_groups import check_lighthouse, lighthouse_address
 from trainer.runtime.dump_folder import check_dump_folder
 from trainer.runtime.errors import ConfigError
 
@@ -178,10 +179,11 @@ def holding_as(plan: JobPlan, decided: Workload) -> JobPlan:
 
 def describe_job(request: Request, world_size: int, local_ranks: int) -> None:
     """``--dry-run``: check everything and print what the job would be, the plan and memory
-    estimate first, so that they are shown even when the memory check refuses the job."""
+    estimate first, so that they are shown even when the memory check refuses the job; a
+    replica group's lighthouse must answer, as for the launch."""
     lines: list[str] = []
     try:
-        prepare(
+        job = prepare(
             request.argv,
             world_size,
             local_ranks=local_ranks,
@@ -189,5 +191,9 @@ def describe_job(request: Request, world_size: int, local_ranks: int) -> None:
             figures=request.figures,
             describe_to=lines,
         )
+        ft = job.plan.config.fault_tolerance
+        if ft.enable:  # as the launch would: a missing or silent lighthouse is refused before any process starts
+            check_lighthouse(ft)
+            lines.append(f"lighthouse: {lighthouse_address(ft)} answers")
     finally:
         print("\n".join(lines), flush=True)
