@@ -23,7 +23,11 @@ from torch import nn
 
 from parallelisms.torch_private import kernels
 from trainer.loss import IGNORE_INDEX
+from trainer.step.batches import MicroBatch
 from trainer.step.grad_accumulator import GradAccumulator
+from trainer.step.grad_sync import GradSync
+from trainer.step.part import StepResult
+from trainer.step.sums import StepSums
 
 N_VALID_TOKENS = 3_000
 
@@ -65,16 +69,16 @@ def main() -> None:
     max_norm = 1.0
     labels = torch.full((N_VALID_TOKENS * 2,), IGNORE_INDEX)
     labels[:N_VALID_TOKENS] = 0
-    accumulator = GradAccumulator(model, loss_group=None, num_microbatches=1, max_norm=max_norm, hsdp=False)
+    sums = StepSums.alone()
+    accumulator = GradAccumulator(sums, GradSync(model, sums, microbatches=1), microbatches=1, max_norm=max_norm)
 
     def restore() -> None:
         kernels.foreach_copy_(grads, backup)
 
     def finalize() -> None:
-        accumulator.begin_step([labels])
-        accumulator.prepare_backward(0)
-        accumulator.record_loss(torch.tensor(1.0))
-        accumulator.finalize()
+        accumulator.begin([MicroBatch(labels, labels, None, None)])
+        accumulator.after_backward(0, torch.tensor(1.0))
+        accumulator.finish(StepResult())
 
     def clip_only() -> None:
         torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)

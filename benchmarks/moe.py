@@ -3,10 +3,10 @@ and the experts' grouped matmul against the exact per-expert fallback.
 
 Training: for each ``ep``, ``--world`` ranks (spawned here, gloo, one thread each) train
 ``debug_moe.toml`` with ``--mesh dp_shard=<world>,ep=<ep>`` through the trainer's own build and
-step (``build_step_parts``; ``fetch_step``, ``forward_backward``, ``optimizer_step``): ``--warmup``
+step (``build_training``; ``run_step`` on each fetched step): ``--warmup``
 unmeasured steps, then ``--steps`` measured ones. Per ``ep``:
 
-- ``step_s``: the slowest rank's median time of ``forward_backward`` + ``optimizer_step``;
+- ``step_s``: the slowest rank's median time of ``run_step`` (the step without its fetch);
 - ``peak_rss_mib``: the largest peak resident memory of a rank (the whole process: Python,
   torch, the model, its gradients and AdamW state, the activations; CPU has no allocator stats);
 - all-to-all MiB per rank (mean over ranks) and step, from ``ExpertParallelDispatch.bytes_sent``
@@ -58,7 +58,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from parallelisms.expert_parallel import ExpertParallelDispatch
-from trainer.build import build_step_parts
+from trainer.build import build_training
 from trainer.config import load_config
 from trainer.data.datasets import load_dataset
 from trainer.entry.simulate import simulate
@@ -66,7 +66,7 @@ from trainer.metrics.accounting import peak_rss_bytes
 from trainer.model.moe import moe_layers
 from trainer.model.routed_experts import grouped_swiglu, looped_swiglu
 from trainer.planning.job_plan import resolve_job
-from trainer.step import fetch_step, forward_backward, optimizer_step
+from trainer.step.train_step import run_step
 
 
 def rss_mib() -> float:
@@ -105,19 +105,18 @@ def rank_main(rank: int, world: int, port: int, argv: list[str], warmup: int, st
     )
     torch.set_num_threads(1)
     job_plan = resolve_job(load_config(argv), world)
-    job = build_step_parts(job_plan, load_dataset(job_plan.config, job_plan.tokenizer, job_plan.global_batch_size))
+    job = build_training(job_plan, load_dataset(job_plan.config, job_plan.tokenizer, job_plan.global_batch_size))
     tally = {"forward": 0, "prepass": 0}
     wrapped = tally_exchanges(job.model, tally)
     for _ in range(warmup):
-        optimizer_step(job, forward_backward(job, fetch_step(job)))
+        run_step(job.step, job.step.batches.fetch())
     tally.update(forward=0, prepass=0)
     step_times = []
     for _ in range(steps):
-        microbatches = fetch_step(job)
+        microbatches = job.step.batches.fetch()
         dist.barrier()
         start = time.perf_counter()
-        result = forward_backward(job, microbatches)
-        optimizer_step(job, result)
+        result = run_step(job.step, microbatches)
         step_times.append(time.perf_counter() - start)
     torch.save(
         {

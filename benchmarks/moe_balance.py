@@ -2,7 +2,7 @@
 
 The debug Mixture-of-Experts (``debug_moe.toml``) with full activation checkpointing and 8
 micro-batches a step trains in one process (gloo, one thread) through the trainer's own build
-and step (``build_step_parts``; ``fetch_step``, ``forward_backward``, ``optimizer_step``), in
+and step (``build_training``; ``run_step`` on each fetched step), in
 four settings built side by side:
 
 - ``micro_batch``: ``moe.balance_loss_scope = "micro_batch"``, what most frameworks do;
@@ -42,11 +42,13 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from trainer.build import build_step_parts
+from trainer.build import build_training
 from trainer.config import load_config
 from trainer.data.datasets import load_dataset
 from trainer.planning.job_plan import resolve_job
-from trainer.step import StepParts, fetch_step, forward_backward, optimizer_step
+from trainer.step.schedules import HeldForwards
+from trainer.step.train_step import run_step
+from trainer.step.training import Training
 
 EXACT = ["--moe.balance_loss_scope", "global_batch", "--moe.held_forwards"]
 SETTINGS = {
@@ -58,20 +60,25 @@ SETTINGS = {
 """Name: its trainer options."""
 
 
-def build(argv: list[str]) -> StepParts:
+def build(argv: list[str]) -> Training:
     plan = resolve_job(load_config(argv), 1)
-    parts = build_step_parts(plan, load_dataset(plan.config, plan.tokenizer, plan.global_batch_size))
-    assert parts.balance is not None
-    return parts
+    return build_training(plan, load_dataset(plan.config, plan.tokenizer, plan.global_batch_size))
 
 
-def step_seconds(parts: StepParts) -> tuple[float, float]:
+def step_seconds(training: Training) -> tuple[float, float]:
     """One step's CPU seconds and wall-clock seconds."""
-    microbatches = fetch_step(parts)
+    microbatches = training.step.batches.fetch()
     cpu, wall = time.process_time(), time.perf_counter()
-    optimizer_step(parts, forward_backward(parts, microbatches))
-    parts.balance.finish_step(False)  # type: ignore[union-attr]
+    run_step(training.step, microbatches)
     return time.process_time() - cpu, time.perf_counter() - wall
+
+
+def held(training: Training) -> str:
+    """Where the step holds its forwards: on the device, in host memory, or not at all (a pre-pass)."""
+    schedule = training.step.schedule
+    if not isinstance(schedule, HeldForwards):
+        return "no"
+    return "host" if schedule.offload is not None else "device"
 
 
 def main() -> None:
@@ -109,11 +116,8 @@ def main() -> None:
         *trainer_args,
     ]
     jobs = {name: build([*base, *extra]) for name, extra in SETTINGS.items()}
-    held = {
-        name: ("host" if parts.offload else "device") if parts.balance.hold_forwards else "no"  # type: ignore[union-attr]
-        for name, parts in jobs.items()
-    }
-    print(f"{args.microbatches} micro-batches of {args.local_batch} x {args.seq_len} tokens, full AC; held: {held}")
+    where = {name: held(training) for name, training in jobs.items()}
+    print(f"{args.microbatches} micro-batches of {args.local_batch} x {args.seq_len} tokens, full AC; held: {where}")
     for parts in jobs.values():
         for _ in range(args.warmup):
             step_seconds(parts)

@@ -2,8 +2,8 @@
 ``global_batch`` balancing loss's counting pre-pass costs under PP, and compiled against eager.
 
 Pipeline rows: ``--world`` ranks (spawned here, gloo, one thread each) train ``debug_moe.toml``
-with ``--mesh pp=<world>`` through the trainer's own build and step (``build_step_parts``;
-``fetch_step``, ``forward_backward``, ``optimizer_step``), ``--warmup`` unmeasured steps, then
+with ``--mesh pp=<world>`` through the trainer's own build and step (``build_training``;
+``run_step`` on each fetched step), ``--warmup`` unmeasured steps, then
 ``--steps`` measured ones, for three balancing settings: the loss off (no pre-pass), the
 ``micro_batch`` scope (no pre-pass) and the ``global_batch`` scope, whose pre-pass runs the step's
 batch forward-only through the pipeline; with it the schedule switches between ``eval`` and
@@ -12,7 +12,7 @@ forward, and for ``step`` its input backward). ``shape_passes`` counts the stage
 those per rank and step (a rank runs one per stage it holds).
 Compile rows: one process, the same step eager and with ``--compile.enable`` (per-block compile;
 the routing's data-dependent parts run eagerly inside the blocks), after the warm-up steps that
-compile. ``step_s``: the slowest rank's median ``forward_backward`` + ``optimizer_step``.
+compile. ``step_s``: the slowest rank's median ``run_step`` (the step without its fetch).
 
 Prints a table and one JSON line. Extra trainer options after ``--``:
 
@@ -38,11 +38,11 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from parallelisms.torch_private import pipelining
-from trainer.build import build_step_parts
+from trainer.build import build_training
 from trainer.config import load_config
 from trainer.data.datasets import load_dataset
 from trainer.planning.job_plan import resolve_job
-from trainer.step import fetch_step, forward_backward, optimizer_step
+from trainer.step.train_step import run_step
 
 BALANCING = {
     "balancing loss off": ["--moe.balance_loss_weight", "0"],
@@ -62,7 +62,7 @@ def rank_main(rank: int, world: int, port: int, argv: list[str], warmup: int, st
     )
     torch.set_num_threads(1)
     job_plan = resolve_job(load_config(argv), world)
-    job = build_step_parts(job_plan, load_dataset(job_plan.config, job_plan.tokenizer, job_plan.global_batch_size))
+    job = build_training(job_plan, load_dataset(job_plan.config, job_plan.tokenizer, job_plan.global_batch_size))
     shape_passes = [0]
 
     def count_shape_pass(module: torch.nn.Module, inputs: object) -> None:
@@ -71,15 +71,14 @@ def rank_main(rank: int, world: int, port: int, argv: list[str], warmup: int, st
     for stage in job.pipeline.stages if job.pipeline else []:
         stage.submod.register_forward_pre_hook(count_shape_pass)
     for _ in range(warmup):
-        optimizer_step(job, forward_backward(job, fetch_step(job)))
+        run_step(job.step, job.step.batches.fetch())
     shape_passes[0] = 0
     step_times = []
     for _ in range(steps):
-        microbatches = fetch_step(job)
+        microbatches = job.step.batches.fetch()
         dist.barrier()
         start = time.perf_counter()
-        result = forward_backward(job, microbatches)
-        optimizer_step(job, result)
+        result = run_step(job.step, microbatches)
         step_times.append(time.perf_counter() - start)
     torch.save(
         {"step_s": statistics.median(step_times), "shape_passes": shape_passes[0] / steps, "loss": result.loss_avg},

@@ -36,12 +36,12 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from parallelisms.pipeline_split import BUBBLE_FRACTION, SCHEDULES
-from trainer.build import build_step_parts
+from trainer.build import build_training
 from trainer.config import load_config
 from trainer.data.datasets import load_dataset
 from trainer.metrics.accounting import peak_rss_bytes
 from trainer.planning.job_plan import resolve_job
-from trainer.step import fetch_step, forward_backward, optimizer_step
+from trainer.step.train_step import run_step
 
 COMPUTE_METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 
@@ -77,25 +77,24 @@ def rank_main(rank: int, world: int, port: int, argv: list[str], warmup: int, st
     )
     torch.set_num_threads(1)
     job_plan = resolve_job(load_config(argv), world)
-    job = build_step_parts(job_plan, load_dataset(job_plan.config, job_plan.tokenizer, job_plan.global_batch_size))
+    job = build_training(job_plan, load_dataset(job_plan.config, job_plan.tokenizer, job_plan.global_batch_size))
     pipeline = job.pipeline
     assert pipeline is not None  # main() asks for pp >= 2
     clock = {"compute": 0.0}
     for stage in pipeline.stages:
         instrument(stage, clock)
     for _ in range(warmup):
-        optimizer_step(job, forward_backward(job, fetch_step(job)))
+        run_step(job.step, job.step.batches.fetch())
     built = rss_mib()
     step_times, compute_times = [], []
     for _ in range(steps):
-        microbatches = fetch_step(job)
+        microbatches = job.step.batches.fetch()
         dist.barrier()
         clock["compute"] = 0.0
         start = time.perf_counter()
-        result = forward_backward(job, microbatches)
+        result = run_step(job.step, microbatches)
         step_times.append(time.perf_counter() - start)
         compute_times.append(clock["compute"])
-        optimizer_step(job, result)
     step_s, compute_s = statistics.median(step_times), statistics.median(compute_times)
     torch.save(
         {

@@ -29,14 +29,13 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from trainer.build import build_step_parts
+from trainer.build import build_training
 from trainer.config import load_config
 from trainer.data.datasets import load_dataset
 from trainer.metrics import device_memory, model_flops_per_token, peak_flops, tokens_per_second_per_device
 from trainer.model.llama3 import num_params, whole_model
 from trainer.planning.job_plan import resolve_job
-from trainer.step import fetch_step, forward_backward, optimizer_step
-from trainer.train import local_tokens_per_step
+from trainer.step.train_step import run_step
 
 
 def synchronize(device: torch.device) -> None:
@@ -56,7 +55,7 @@ def main() -> None:
         ["--config", args.config, "--training.steps", str(total), "--metrics.enable_tensorboard=false", *trainer_args]
     )
     job_plan = resolve_job(config, int(os.environ.get("WORLD_SIZE", 1)))
-    job = build_step_parts(job_plan, load_dataset(job_plan.config, job_plan.tokenizer, job_plan.global_batch_size))
+    job = build_training(job_plan, load_dataset(job_plan.config, job_plan.tokenizer, job_plan.global_batch_size))
     training, dims, margs = config.training, job_plan.dims, job_plan.model_args
 
     times = []
@@ -65,14 +64,12 @@ def main() -> None:
             torch.cuda.reset_peak_memory_stats(job.device)
         synchronize(job.device)
         start = time.perf_counter()
-        optimizer_step(job, forward_backward(job, fetch_step(job)))
+        run_step(job.step, job.step.batches.fetch())
         synchronize(job.device)
         if step > args.warmup:
             times.append(time.perf_counter() - start)
 
-    tps = tokens_per_second_per_device(
-        local_tokens_per_step(job_plan), statistics.median(times), dims.pp * dims.tp * dims.cp
-    )
+    tps = tokens_per_second_per_device(job.step.tokens, statistics.median(times), dims.pp * dims.tp * dims.cp)
     fpt = model_flops_per_token(margs, training.seq_len)
     peak = peak_flops(job.device, override=training.peak_flops or None)
     memory = device_memory(job.device)

@@ -70,9 +70,11 @@ class Pipeline:
         stage_ids = split.rank_stages(self.pp_rank)
         self.holds_first = 0 in stage_ids
         self.holds_last = split.num_stages - 1 in stage_ids
+        self.schedule_name = split.schedule
         self.microbatches = microbatches
         self.microbatch_size = microbatch_size
         self.positions = positions
+        self._rows: int | None = None
         self.labels_to_model = labels_to_model
         self.document_mask = document_mask
         self.stages = [
@@ -117,6 +119,9 @@ class Pipeline:
         ``positions`` and ``document_ids`` (``batch, seq``): the samples' own, under document
         masking."""
         losses: list[torch.Tensor] = []
+        if self._rows is not None:  # a shortened trace (:meth:`shorten`)
+            inputs, labels = inputs[: self._rows], labels[: self._rows]
+            positions, document_ids = (t[: self._rows] if t is not None else None for t in (positions, document_ids))
         self.schedule.step(
             *self._inputs(inputs),
             target=self._target(labels),
@@ -126,6 +131,19 @@ class Pipeline:
             **self._step_kwargs,
         )
         return losses
+
+    def shorten(self, count: int, real: int) -> None:
+        """Run the first ``count`` of the step's ``real`` micro-batches while each stage still
+        holds what it holds for ``real`` of them (``--simulate`` traces one rank alone: torch's
+        stages allocate every micro-batch's receive buffers before the step, and keep them)."""
+        pipelining.run_fewer_microbatches(self.schedule, self.stages, count, real)
+        self.microbatches = count
+        self._rows = count * self.microbatch_size
+
+    def observe_chunks(self, running: Callable[[int], None], after_backward: Callable[[], None]) -> None:
+        """``running(chunk)`` before each stage computes micro-batch ``chunk``, ``after_backward()``
+        after each backward (``--simulate`` attributes the step's costs to micro-batches)."""
+        pipelining.observe_chunks(self.stages, running, after_backward)
 
     @torch.no_grad()
     def evaluate(

@@ -73,9 +73,9 @@ def resume_worker(argv: list[str]) -> dict:
         p.config.checkpoint,
         p.config.job.dump_folder,
         model=job.model,
-        optimizer=job.optimizer,
-        lr_scheduler=job.scheduler,
-        dataloader=job.loader,
+        optimizer=job.optimizer.optimizer,
+        lr_scheduler=job.optimizer.scheduler,
+        dataloader=job.step.batches.loader,
         train_state=train_state,
         model_args=p.model_args,
         total_steps=p.config.training.steps,
@@ -85,7 +85,7 @@ def resume_worker(argv: list[str]) -> dict:
         name: (prm.full_tensor() if hasattr(prm, "full_tensor") else prm).detach().clone()
         for name, prm in job.model.named_parameters()
     }
-    return {"start": start, "warnings": records, "loader": job.loader.state_dict(), "weights": weights}
+    return {"start": start, "warnings": records, "loader": job.step.batches.loader.state_dict(), "weights": weights}
 
 
 def small_argv(dump: Path, *extra: str) -> list[str]:

@@ -26,8 +26,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from step_helpers import fetch_step, forward_backward, part_of, trainer_for
 
-from trainer.build import build_step_parts
 from trainer.config import load_config
 from trainer.data.datasets import load_dataset
 from trainer.data.loader import global_order
@@ -35,7 +35,9 @@ from trainer.entry.job import prepare
 from trainer.loss import IGNORE_INDEX, cross_entropy_sum
 from trainer.model.llama3 import Transformer
 from trainer.planning.job_plan import resolve_job
-from trainer.step import StepParts, fetch_step, forward_backward
+from trainer.step.grad_accumulator import GradAccumulator
+from trainer.step.part import StepResult
+from trainer.step.training import Training
 from trainer.train import train
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -183,14 +185,6 @@ def run_by_world(cases: dict[str, tuple[int, tuple]]) -> dict[str, list[Any]]:
     return out
 
 
-def trainer_for(argv: list[str]) -> tuple[Any, StepParts]:
-    """``(plan, parts)`` for ``argv`` on this process's world size, built as training builds it."""
-    job_plan = resolve_job(load_config(argv), int(os.environ.get("WORLD_SIZE", 1)))
-    return job_plan, build_step_parts(
-        job_plan, load_dataset(job_plan.config, job_plan.tokenizer, job_plan.global_batch_size)
-    )
-
-
 # --------------------------------------------------------------------------------------------
 # The reference and the comparison
 # --------------------------------------------------------------------------------------------
@@ -294,23 +288,23 @@ def passes_over(tensors: list[torch.Tensor], versions_before: list[int]) -> list
 
 def step_worker(argv: list[str]) -> dict | None:
     """One training step through the trainer's own code; rank 0 returns the full gradients and
-    how often finalize wrote each gradient (exactly once: no second scaling pass)."""
-    p, parts = trainer_for(argv)
-    params = list(parts.model.parameters())
-    finalize = parts.accumulator.finalize
+    how often the accumulator's finish wrote each gradient (exactly once: no second scaling pass)."""
+    p, training = trainer_for(argv)
+    params = list(training.model.parameters())
+    accumulator = part_of(training, GradAccumulator)
+    finish = accumulator.finish
     writes: list[float] = []
 
-    def counting_finalize():
+    def counting_finish(result: StepResult) -> None:
         locals_ = [prm.grad._local_tensor for prm in params]
         before = [t._version for t in locals_]
-        out = finalize()
+        finish(result)
         writes.extend(passes_over(locals_, before))
-        return out
 
-    parts.accumulator.finalize = counting_finalize
-    microbatches = fetch_step(parts)
-    result = forward_backward(parts, microbatches)
-    grads = {name: full(prm.grad) for name, prm in parts.model.named_parameters()}
+    accumulator.finish = counting_finish  # type: ignore[method-assign]
+    microbatches = fetch_step(training)
+    result = forward_backward(training, microbatches)
+    grads = {name: full(prm.grad) for name, prm in training.model.named_parameters()}
     counts = [int((mb.labels != IGNORE_INDEX).sum()) for mb in microbatches]
     out = {
         "loss": result.loss_avg,
@@ -322,15 +316,15 @@ def step_worker(argv: list[str]) -> dict | None:
         "writes": writes,
     }
     if p.dims.dp_replicate == 1 and p.dims.dp > 1 and p.dims.tp == 1:
-        out["rank_mean_grads"] = per_rank_mean_then_average(parts, microbatches)
+        out["rank_mean_grads"] = per_rank_mean_then_average(training, microbatches)
     return out if dist.get_rank() == 0 else {"counts": counts}
 
 
 @contextlib.contextmanager
-def counting_hsdp_collectives(parts: StepParts) -> Iterator[dict[str, int]]:
+def counting_hsdp_collectives(training: Training) -> Iterator[dict[str, int]]:
     """Count FSDP's reduce-scatters and its all-reduces over the replicate dimension (HSDP's
     cross-replica reduction) while the block runs."""
-    replicate_group = parts.meshes.fsdp["dp_replicate"].get_group()
+    replicate_group = training.meshes.fsdp["dp_replicate"].get_group()
     counts = {"all_reduce_replicate": 0, "reduce_scatter": 0}
     originals = {}
 
@@ -356,15 +350,16 @@ def counting_hsdp_collectives(parts: StepParts) -> Iterator[dict[str, int]]:
             setattr(dist, name, original)
 
 
-def per_rank_mean_then_average(parts: StepParts, microbatches) -> dict[str, torch.Tensor]:
+def per_rank_mean_then_average(training: Training, microbatches) -> dict[str, torch.Tensor]:
     """The DDP/FSDP-default bug: each rank normalises by its own tokens, ranks are averaged."""
-    parts.model.zero_grad(set_to_none=True)
+    model = training.model
+    model.zero_grad(set_to_none=True)
     local_n = sum(int((mb.labels != IGNORE_INDEX).sum()) for mb in microbatches)
     for i, (inputs, labels, positions, document_ids) in enumerate(microbatches):
-        parts.model.set_is_last_backward(i == len(microbatches) - 1)
-        logits = parts.model(inputs, positions, document_ids)
+        model.set_is_last_backward(i == len(microbatches) - 1)
+        logits = model(inputs, positions, document_ids)
         (cross_entropy_sum(logits, labels) / local_n / dist.get_world_size()).backward()
-    return {name: full(prm.grad) for name, prm in parts.model.named_parameters()}
+    return {name: full(prm.grad) for name, prm in model.named_parameters()}
 
 
 # --------------------------------------------------------------------------------------------

@@ -13,8 +13,8 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from trainer.metrics import MetricsLogger
-from trainer.step import StepStats
-from trainer.step.grad_accumulator import StepResult
+from trainer.step.part import StepResult
+from trainer.step.train_step import StepStats
 
 CPU_TAGS = {
     "loss_metrics/global_avg_loss",
@@ -91,9 +91,11 @@ def _stats(step: int, **overrides: object) -> StepStats:
         n_valid_tokens=400 + step,
         skipped=False,
         skip_reason="",
+        lr=1e-3 * step,
+        values={},
     )
     fields: dict[str, object] = dict(
-        step=step, lr=1e-3 * step, local_tokens=LOCAL_TOKENS, n_skipped_steps=0, data_time_s=0.1, step_time_s=0.5
+        step=step, local_tokens=LOCAL_TOKENS, n_skipped_steps=0, data_time_s=0.1, step_time_s=0.5
     )
     for name, value in overrides.items():
         (result if name in result else fields)[name] = value

@@ -9,12 +9,17 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from harness import BASE_ARGV, run_by_world, trainer_for
+from step_helpers import fetch_step, forward_backward, optimizer_step, part_of, sums_of
 
 from parallelisms import parallel_dims, parallelize
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.torch_private import kernels, pipelining
 from trainer.model.moe import moe_layers
-from trainer.step import MicroBatch, StepParts, fetch_step, forward_backward, optimizer_step
+from trainer.step.batches import MicroBatch
+from trainer.step.expert_balance import BalanceSettings, ExpertBalance
+from trainer.step.schedules import HeldForwards
+from trainer.step.sums import AcrossGroups, Ranks, StepSums
+from trainer.step.training import Training
 
 STEPS = 3
 TOLERANCE = 5e-5
@@ -79,29 +84,31 @@ def moe_steps(argv: list[str], bug: str = "", validate: bool = False, steps: int
         parallel_dims.expert_rank_grid = experts_replicated_over(bug.rsplit(" ", 1)[1])
     if bug == "router and shared experts not summed over tp":
         parallelize.apply_fsdp = without_replicated_unit(parallelize.apply_fsdp)
-    p, parts = trainer_for(argv)
-    layers = moe_layers(parts.model)
+    p, training = trainer_for(argv)
+    layers = moe_layers(training.model)
     for layer in layers:
         layer.expert_bias.copy_(SKEW)
     if bug == "expert gradients divided by ep":
         for layer in layers:
             layer.experts.set_gradient_divide_factor(float(p.dims.ep))
-    assert parts.balance is not None
+    balance, sums = part_of(training, ExpertBalance), sums_of(training)
     if bug == "counting pre-pass skipped under PP":
-        parts.pipeline.forward_only = lambda *args: []
+        assert training.pipeline is not None
+        training.pipeline.forward_only = lambda *args: []  # type: ignore[method-assign]
     if bug == "statistics not gathered over the stages":
-        parts.balance.stats_group = parts.balance.loss_group
+        sums.groups[Ranks.MODEL] = sums.groups[Ranks.ROUTING]
     if bug == "step's counts not summed over the routing mesh":
-        parts.balance.loss_group = None
+        sums.groups[Ranks.ROUTING] = None
     out: dict[str, list] = {"loss": [], "norm": [], "n": [], "balance": [], "bias": [], "tokens": [], "local": []}
-    out["rows"] = parts.balance.rows  # under PP, the whole model's rows of this rank's layers
+    out["rows"] = balance.rows  # under PP, the whole model's rows of this rank's layers
     for _ in range(steps):
-        microbatches = fetch_step(parts)
-        result = forward_backward(parts, microbatches)
+        microbatches = fetch_step(training)
+        result = forward_backward(training, microbatches)
         local = [layer.tokens_per_expert.clone() for layer in layers]
         out["local"].append(torch.stack(local) if local else torch.zeros(0, len(SKEW)))
-        optimizer_step(parts, result)
-        stats = parts.balance.finish_step(result.skipped)
+        optimizer_step(training, result)
+        stats = balance.last
+        assert stats is not None
         out["loss"].append(result.loss_avg)
         out["norm"].append(result.grad_norm)
         out["n"].append(result.n_valid_tokens)
@@ -109,28 +116,27 @@ def moe_steps(argv: list[str], bug: str = "", validate: bool = False, steps: int
         out["bias"].append(stats.expert_bias)
         out["tokens"].append(stats.tokens_per_expert)
         if validate:
-            out.setdefault("evaluated", []).append(evaluated(parts, microbatches))
-    out["to host"] = parts.offload.moved_bytes if parts.offload is not None else 0
+            out.setdefault("evaluated", []).append(evaluated(training, microbatches))
+    schedule = training.step.schedule
+    offload = schedule.offload if isinstance(schedule, HeldForwards) else None
+    out["to host"] = offload.moved_bytes if offload is not None else 0
     return out
 
 
-def evaluated(parts: StepParts, microbatches: list[MicroBatch]) -> float:
+def evaluated(training: Training, microbatches: list[MicroBatch]) -> float:
     """The summed loss of ``microbatches`` on every rank, forward only (the pipeline's
     ``evaluate`` under PP, as validation calls it)."""
-    with parts.compute_context(), torch.no_grad():
-        if parts.pipeline is not None:
+    with training.forward.context(), torch.no_grad():
+        if training.pipeline is not None:
             inputs, labels = (
                 torch.cat([mb.inputs for mb in microbatches]),
                 torch.cat([mb.labels for mb in microbatches]),
             )
-            total = parts.pipeline.evaluate(inputs, labels)
+            total = training.pipeline.evaluate(inputs, labels)
         else:
-            total = sum(
-                parts.model_loss(parts.model, mb.inputs, mb.positions, mb.document_ids, mb.labels)
-                for mb in microbatches
-            )
+            total = sum(training.forward(mb) for mb in microbatches)
     total = torch.as_tensor(total, dtype=torch.float32).reshape(())
-    dist.all_reduce(total, group=parts.meshes.loss.get_group())
+    dist.all_reduce(total, group=training.meshes.loss.get_group())
     return total.item()
 
 
@@ -163,3 +169,37 @@ def launch_moe(
     for name, (world, local, extra) in bugs.items():
         cases[f"bug: {name}"] = (world, (moe_steps, moe_argv(local, extra), name, False, steps))
     return run_by_world(cases)
+
+
+def balance_alone(
+    model: torch.nn.Module,
+    *,
+    rate: float = 0.0,
+    weight: float = 0.0,
+    scope: str = "global_batch",
+    layers: str = "per_layer",
+    sizes: tuple[int, int, int] = (1, 1, 1),
+    counting: str = "none",
+    groups: AcrossGroups | None = None,
+) -> ExpertBalance:
+    """The step's balancing part on one process (``groups``: replica groups standing in), for
+    tests that run a model's forwards and backwards themselves: its ``begin`` needs the step's
+    sums begun (``sums.begin``), as the accumulator begins them."""
+    args = model.args
+    settings = BalanceSettings(
+        bias_update_rate=rate,
+        loss_weight=weight,
+        loss_scope=scope,
+        loss_layers=layers,
+        global_sizes=sizes,
+        moe_layer_ids=tuple(range(args.n_dense_layers, args.n_layers)),
+        n_experts=args.n_experts,
+        counting=counting,
+    )
+    return ExpertBalance(model, StepSums(dict.fromkeys(Ranks), replicas=groups), settings)
+
+
+def begin_alone(balance: ExpertBalance, n_valid_tokens: int = 1) -> None:
+    """Begin a step of ``balance`` (and of its sums) whose N is ``n_valid_tokens``."""
+    balance.sums.begin(torch.tensor([n_valid_tokens]))
+    balance.begin([])

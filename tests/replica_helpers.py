@@ -6,6 +6,7 @@ group joins."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 import signal
@@ -16,8 +17,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from harness import QUICK, ROOT, Launched, free_port, trainer_for
+from step_helpers import fetch_step, forward_backward, optimizer_step, part_of
 
-from trainer.step import fetch_step, forward_backward, optimizer_step
+from trainer.model.moe import MoEArgs
+from trainer.step.expert_balance import ExpertBalance
+from trainer.step.grad_accumulator import GradAccumulator
+from trainer.step.grad_sync import GradSync
 
 os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side reads it once: no line per quorum here
 
@@ -109,21 +114,23 @@ def surviving_batches_reference(
     micro-batch m is the reference's ``m * GROUPS * ranks + g * ranks + r``. An MoE's global
     sizes are those of the step's kept micro-batches."""
     argv = [*argv, "--training.global_batch_size", str(4 * GROUPS), "--training.steps", str(len(participants))]
-    plan, parts = trainer_for(argv)
+    plan, training = trainer_for(argv)
+    accumulator, sync = part_of(training, GradAccumulator), part_of(training, GradSync)
+    balance = part_of(training, ExpertBalance) if isinstance(plan.model_args, MoEArgs) else None
     found: dict[str, list] = {"loss": [], "balance_loss": [], "max_load": []}
     for groups in participants:
-        kept = [mb for i, mb in enumerate(fetch_step(parts)) if i % (GROUPS * ranks) // ranks in groups]
-        parts.accumulator.num_microbatches = len(kept)
-        if parts.balance is not None:
+        kept = [mb for i, mb in enumerate(fetch_step(training)) if i % (GROUPS * ranks) // ranks in groups]
+        accumulator.microbatches = sync.microbatches = len(kept)
+        if balance is not None:
             sequences = sum(mb.inputs.shape[0] for mb in kept)
-            parts.balance.group_sizes = (sequences * plan.config.training.seq_len, sequences, len(kept))
-        result = forward_backward(parts, kept)
-        if parts.balance is not None:
-            balance = parts.balance.finish_step(result.skipped)
-            assert not parts.balance.bias_skipped
-            found["balance_loss"].append(balance.balance_loss)
-            found["max_load"].append(balance.max_load)
-        optimizer_step(parts, result)
+            sizes = (sequences * plan.config.training.seq_len, sequences, len(kept))
+            balance.settings = dataclasses.replace(balance.settings, global_sizes=sizes)
+        result = forward_backward(training, kept)
+        if balance is not None:
+            assert balance.last is not None and not result.skipped
+            found["balance_loss"].append(balance.last.balance_loss)
+            found["max_load"].append(balance.last.max_load)
+        optimizer_step(training, result)
         found["loss"].append(result.loss_avg)
     return found
 

@@ -148,20 +148,28 @@ def test_a_non_finite_state_is_never_published(tmp_path):
 
 def poisoned_worker(argv: list[str], poison_step: int) -> None:
     """Train; after optimizer step ``poison_step``, a NaN appears in one weight on rank 1 only."""
-    import trainer.step as step
+    import trainer.train
+    from trainer.step.optimizer_step import OptimizerStep
 
-    original, calls = step.optimizer_step, []
+    build, calls = trainer.train.build_training, []
 
-    def poisoning_step(parts, result):
-        lr = original(parts, result)
-        calls.append(1)
-        if len(calls) == poison_step and int(os.environ["RANK"]) == 1:
-            weight = dict(parts.model.named_parameters())["layers.1.feed_forward.w2.weight"]
-            with torch.no_grad():
-                weight.to_local().view(-1)[0] = float("nan")
-        return lr
+    def poisoned(*args, **kwargs):
+        training = build(*args, **kwargs)
+        (optimizer_step,) = [p for p in training.step.parts.parts if isinstance(p, OptimizerStep)]
+        finish = optimizer_step.finish
 
-    step.optimizer_step = poisoning_step
+        def poisoning_finish(result):
+            finish(result)
+            calls.append(1)
+            if len(calls) == poison_step and int(os.environ["RANK"]) == 1:
+                weight = dict(training.model.named_parameters())["layers.1.feed_forward.w2.weight"]
+                with torch.no_grad():
+                    weight.to_local().view(-1)[0] = float("nan")
+
+        optimizer_step.finish = poisoning_finish
+        return training
+
+    trainer.train.build_training = poisoned
     train_as_a_worker(argv)
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from harness import BASE_ARGV, argv_for, assert_matches, full, run_by_world, step_worker, trainer_for
+from step_helpers import fetch_step, forward_backward, sums_of
 
 from parallelisms.context_parallel import AllGatherKVAttention, attend_local_chunks
 from parallelisms.parallel_dims import ParallelDims, ParallelismError
@@ -20,7 +21,7 @@ from trainer.loss import IGNORE_INDEX
 from trainer.model.llama3 import causal_attention, document_causal_mask
 from trainer.planning.job_plan import resolve_job
 from trainer.runtime.distributed import init_distributed
-from trainer.step import fetch_step, forward_backward
+from trainer.step.sums import Ranks
 
 ULYSSES = ["--parallelism.context_parallel_backend", "ulysses"]
 
@@ -202,11 +203,11 @@ def cp_bug_worker(argv: list[str]) -> dict:
     data-parallel ranks only), and the gradient scaled by the CP degree."""
     p, job = trainer_for(argv)
     microbatches = fetch_step(job)
-    job.accumulator.loss_group = job.meshes.batch.get_group()
+    sums_of(job).groups[Ranks.TOKENS] = job.meshes.batch.get_group()
     per_shard = forward_backward(job, microbatches)
     per_shard_grads = {name: full(prm.grad) for name, prm in job.model.named_parameters()}
-    job.optimizer.zero_grad(set_to_none=True)
-    job.accumulator.loss_group = job.meshes.loss.get_group()
+    job.model.zero_grad(set_to_none=True)
+    sums_of(job).groups[Ranks.TOKENS] = job.meshes.loss.get_group()
     right = forward_backward(job, microbatches)
     scaled = {name: full(prm.grad) * p.dims.cp for name, prm in job.model.named_parameters()}
     return {"per_shard": _summary(per_shard, per_shard_grads), "scaled": _summary(right, scaled)}

@@ -34,7 +34,6 @@ from tensorboard.util import tensor_util
 
 from trainer.metrics import DASHBOARD_ALIASES
 from trainer.metrics.dashboard import DASHBOARD
-from trainer.step.expert_balance import BalanceStats
 from trainer.validation import ValidationResult
 
 
@@ -157,9 +156,7 @@ def test_frontend_model_reproduces_the_parentheses_bug() -> None:
 
 
 MOE_TAGS = {"moe/balance_loss", "moe/load_max_over_mean/layer_1", "moe/load_max_over_mean/layer_3"}
-MOE_BALANCE = BalanceStats(
-    balance_loss=1.01, max_load=[1.5, 1.25], tokens_per_expert=torch.ones(2, 8), expert_bias=torch.zeros(2, 8)
-)
+MOE_VALUES = {"moe/balance_loss": 1.01, "moe/load_max_over_mean/layer_1": 1.5, "moe/load_max_over_mean/layer_3": 1.25}
 
 
 @pytest.mark.parametrize(
@@ -180,7 +177,7 @@ def test_custom_scalars_layout_charts_every_written_tag_drawably(
     assert logger.tb_dir is not None
     if validation:
         logger.log_validation(1, ValidationResult(loss=2.0, n_valid_tokens=100, batches=2, seconds=0.5))
-    _run(logger, [_stats(1, balance=MOE_BALANCE if moe else None)])
+    _run(logger, [_stats(1, values=MOE_VALUES if moe else {})])
 
     acc = _read_events(logger.tb_dir)
     charts = _layout_charts(acc)

@@ -16,16 +16,8 @@ import random
 
 import pytest
 import torch
-from harness import (
-    GLOBAL_BATCH,
-    MAX_NORM,
-    assert_matches,
-    clipped,
-    full,
-    max_relative_error,
-    run_ranks,
-    trainer_for,
-)
+from harness import GLOBAL_BATCH, MAX_NORM, assert_matches, clipped, full, max_relative_error, run_ranks, trainer_for
+from step_helpers import fetch_step, forward_backward
 
 from parallelisms.context_parallel import attend_local_chunks, local_chunk_masks, resolve_backend
 from parallelisms.sequence_shards import head_tail_positions
@@ -36,7 +28,7 @@ from trainer.data.loader import GlobalOrder
 from trainer.loss import IGNORE_INDEX, cross_entropy_sum
 from trainer.model.llama3 import ModelArgs, Transformer, causal_attention, document_causal_mask
 from trainer.planning.job_plan import resolve_job
-from trainer.step import MicroBatch, fetch_step, forward_backward
+from trainer.step.batches import MicroBatch
 
 BOS, EOS = 1, 2
 SMALL = ModelArgs(

@@ -22,10 +22,14 @@ from harness import (
     step_worker,
     trainer_for,
 )
+from step_helpers import fetch_step, forward_backward
 
 from trainer.loss import IGNORE_INDEX, cross_entropy_sum
-from trainer.step import fetch_step, forward_backward
+from trainer.step.batches import MicroBatch
 from trainer.step.grad_accumulator import GradAccumulator
+from trainer.step.grad_sync import GradSync
+from trainer.step.part import StepResult
+from trainer.step.sums import StepSums
 
 # name: (world size, local batch size, extra argv); accumulation = 8 / (local x dp)
 MESHES = {
@@ -95,28 +99,32 @@ def test_per_microbatch_mean_bug_is_caught(ref):
     assert max_relative_error(buggy, ref["grads"]) > 100 * TOLERANCE
 
 
+def alone(model: torch.nn.Module, microbatches: int, max_norm: float, kind: type = GradAccumulator):
+    """The step's parts that normalise the loss, on one process: an accumulator and FSDP's reduction."""
+    sums = StepSums.alone()
+    return kind(sums, GradSync(model, sums, microbatches=microbatches), microbatches=microbatches, max_norm=max_norm)
+
+
 def test_second_scaling_pass_is_caught():
-    """A two-pass finalize (divide by N, then clip) writes each gradient twice."""
+    """A two-pass finish (divide by N, then clip) writes each gradient twice."""
 
     class TwoPass(GradAccumulator):
-        def finalize(self):
-            result = super().finalize()
-            torch._foreach_mul_([p.grad for p in self.model.parameters()], 1.0)
-            return result
+        def finish(self, result):
+            super().finish(result)
+            torch._foreach_mul_([p.grad for p in self.reduction.model.parameters()], 1.0)
 
     model = torch.nn.Linear(4, 3)
-    for cls, expected in ((GradAccumulator, 1), (TwoPass, 2)):
-        acc = cls(model, loss_group=None, num_microbatches=2, max_norm=1.0, hsdp=False)
+    for kind, expected in ((GradAccumulator, 1), (TwoPass, 2)):
+        acc = alone(model, microbatches=2, max_norm=1.0, kind=kind)
         labels = [torch.tensor([0, 1, IGNORE_INDEX]), torch.tensor([2, IGNORE_INDEX, IGNORE_INDEX])]
-        acc.begin_step(labels)
+        acc.begin([MicroBatch(lab, lab, None, None) for lab in labels])
         for i, lab in enumerate(labels):
-            acc.prepare_backward(i)
             loss = cross_entropy_sum(model(torch.randn(1, 3, 4)), lab.view(1, 3))
             loss.backward()
-            acc.record_loss(loss)
+            acc.after_backward(i, loss)
         grads = [p.grad for p in model.parameters()]
         before = [g._version for g in grads]
-        acc.finalize()
+        acc.finish(StepResult())
         assert passes_over(grads, before) == [expected] * 2
         model.zero_grad(set_to_none=True)
 
@@ -126,16 +134,16 @@ def test_unclipped_and_single_microbatch_also_scale_once():
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
     inputs, labels = torch.randn(1, 5, 4), torch.tensor([[0, 1, IGNORE_INDEX, 2, IGNORE_INDEX]])
-    acc = GradAccumulator(model, loss_group=None, num_microbatches=1, max_norm=0.0, hsdp=False)
-    acc.begin_step([labels])
-    acc.prepare_backward(0)
+    acc = alone(model, microbatches=1, max_norm=0.0)
+    acc.begin([MicroBatch(inputs, labels, None, None)])
     loss = cross_entropy_sum(model(inputs), labels)
     loss.backward()
-    acc.record_loss(loss)
+    acc.after_backward(0, loss)
     raw = [p.grad.clone() for p in model.parameters()]
     grads = [p.grad for p in model.parameters()]
     before = [g._version for g in grads]
-    result = acc.finalize()
+    result = StepResult()
+    acc.finish(result)
     assert passes_over(grads, before) == [1, 1]
     for g, r in zip((p.grad for p in model.parameters()), raw):
         torch.testing.assert_close(g, r / 3)
@@ -146,18 +154,18 @@ def test_unclipped_and_single_microbatch_also_scale_once():
 @pytest.mark.parametrize("bad", ["all_masked", "nan"])
 def test_degenerate_step_is_skipped_and_counted(bad, caplog):
     model = torch.nn.Linear(4, 3)
-    acc = GradAccumulator(model, loss_group=None, num_microbatches=1, max_norm=1.0, hsdp=False)
+    acc = alone(model, microbatches=1, max_norm=1.0)
     labels = torch.full((1, 3), IGNORE_INDEX) if bad == "all_masked" else torch.tensor([[0, 1, 2]])
     inputs = torch.randn(1, 3, 4)
     if bad == "nan":
         inputs[0, 0, 0] = math.nan
-    acc.begin_step([labels])
-    acc.prepare_backward(0)
+    acc.begin([MicroBatch(inputs, labels, None, None)])
     loss = cross_entropy_sum(model(inputs), labels)
     loss.backward()
-    acc.record_loss(loss)
+    acc.after_backward(0, loss)
+    result = StepResult()
     with caplog.at_level("WARNING", logger="meshtrain"):
-        result = acc.finalize()
+        acc.finish(result)
     assert result.skipped
     assert "skipping the optimizer step" in caplog.text
     assert result.n_valid_tokens == (0 if bad == "all_masked" else 3)

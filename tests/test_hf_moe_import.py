@@ -17,7 +17,7 @@ from harness import BASE_ARGV, ROOT, run_by_world
 from hf_helpers import assert_same_tensors, one_at_a_time
 from hf_tokenizer import build
 
-from trainer.build import build_step_parts
+from trainer.build import build_training
 from trainer.checkpoint import hf_load
 from trainer.checkpoint.folders import write_dcp_model
 from trainer.checkpoint.hf_folders import HFFolder, export_hf_folder, load_hf_folder, save_hf_folder
@@ -67,8 +67,8 @@ def import_worker(argv: list[str], folder: str, bug: str = "") -> dict:
     parameters whose shard differs from the whole folder's conversion, sliced, the experts read
     and the bytes read and held."""
     plan = qwen3_plan(argv, int(os.environ["WORLD_SIZE"]))
-    parts = build_step_parts(plan, load_dataset(plan.config, plan.tokenizer, plan.global_batch_size))
-    model, args = parts.model, plan.model_args
+    training = build_training(plan, load_dataset(plan.config, plan.tokenizer, plan.global_batch_size))
+    model, args = training.model, plan.model_args
     experts: set[int] = set()
     read_bytes = 0
     original = HFFolder.read

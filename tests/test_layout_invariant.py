@@ -29,7 +29,7 @@ from harness import ROOT, run_train
 
 from trainer.config import ConfigError, load_config
 from trainer.planning.job_plan import resolve_job
-from trainer.step.layout_invariant import PairwiseSum, pairwise_rows
+from trainer.step.ordered_sums import PairwiseSum, pairwise_rows
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import compare_checkpoints

@@ -40,7 +40,7 @@ from trainer.metrics import (
     use_color,
 )
 from trainer.runtime.errors import JobError
-from trainer.step import StepStats
+from trainer.step.train_step import StepStats
 from trainer.validation import ValidationResult
 
 __all__ = ["fake_cuda"]  # the fixture, used by name

@@ -23,7 +23,7 @@ import torch
 from harness import MODEL_SEED, MODEL_SEQ_LEN, run_by_world
 from init_reference import reference_state
 
-from trainer.build import PROGRESS_MIN_PARAMS, InitProgress
+from trainer.build_model import PROGRESS_MIN_PARAMS, InitProgress
 from trainer.model.llama3 import FLAVORS, ModelArgs, Transformer, model_args, num_params
 from trainer.model.tiled_init import TILE, fill_local_, local_box, tile_shape
 

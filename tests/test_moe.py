@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from moe_helpers import balance_alone, begin_alone
 from torch.utils.checkpoint import checkpoint
 
 from parallelisms.token_permutation import expand_tokens, inverse_permutation, permute_rows
@@ -19,7 +20,7 @@ from trainer.model.llama3 import Transformer, num_params, whole_model
 from trainer.model.moe import FLAVORS, Balancing, active_params, balance_part, moe_layers
 from trainer.model.routed_experts import grouped_swiglu, looped_swiglu
 from trainer.planning.job_plan import resolve_job
-from trainer.step.expert_balance import ExpertBalance
+from trainer.step.part import StepResult
 
 
 @pytest.mark.parametrize(
@@ -97,11 +98,14 @@ def test_bias_moves_the_choice_not_the_weights():
 
 def test_recompute_counts_each_token_once(monkeypatch):
     """Under activation checkpointing the router runs again in backward; the step's tokens per
-    expert must equal those of a run without recompute. The injected bug counts twice."""
+    expert must equal those of a run without recompute. The injected bug counts twice. (With a
+    balancing loss on, the recomputation runs through the routing hook, which makes the loss's
+    part; without one it may stop before it.)"""
     tokens = torch.randint(0, 256, (2, 32))
 
-    def counts(recompute: bool) -> torch.Tensor:
+    def counts(recompute: bool, weight: float = 0.01) -> torch.Tensor:
         model = debug_moe()
+        begin_alone(balance_alone(model, weight=weight, scope="micro_batch"))
         if recompute:
             for block in model.layers.values():
                 block.checkpoint_fn = lambda fn, *a: checkpoint(fn, *a, use_reentrant=False)
@@ -111,6 +115,7 @@ def test_recompute_counts_each_token_once(monkeypatch):
     plain = counts(False)
     assert plain.sum() == 2 * 32 * 2 * 3  # tokens x top-2 x 3 MoE layers
     torch.testing.assert_close(counts(True), plain)
+    torch.testing.assert_close(counts(True, weight=0.0), plain)
     monkeypatch.setattr(kernels, "in_backward", lambda: False)
     assert counts(True).sum() == 2 * plain.sum()
 
@@ -183,21 +188,21 @@ def test_tensor_and_context_parallel_moe_meshes_are_accepted(world, mesh, ep):
     ],
 )
 def test_a_routing_bias_move_that_is_not_finite_is_refused(rate, start, moves):
-    """``finish_step`` moves every bias or none: a move leaving any bias non-finite is refused
-    and reported, so the step can be skipped as for a non-finite gradient."""
+    """``finish`` moves every bias or none: a move leaving any bias non-finite is refused and
+    the step skipped, as for a non-finite gradient."""
     model = Transformer(replace(FLAVORS["debugmoe"], vocab_size=64, max_seq_len=8))
-    balance = ExpertBalance(
-        model, None, bias_update_rate=rate, loss_weight=0.0, loss_scope="global_batch", global_batch=1,
-        seq_len=8, global_microbatches=1,
-    )  # fmt: skip
+    balance = balance_alone(model, rate=rate, sizes=(8, 1, 1))
     layers = moe_layers(model)
     for i, layer in enumerate(layers):
         layer.expert_bias.fill_(start)
         layer.tokens_per_expert.copy_(torch.arange(layer.n_experts, dtype=torch.float32) + i)
     before = torch.stack([layer.expert_bias.clone() for layer in layers])
-    stats = balance.finish_step(skipped=False)
+    result = StepResult()
+    balance.finish(result)
+    stats = balance.last
+    assert stats is not None
     after = torch.stack([layer.expert_bias for layer in layers])
-    assert balance.bias_skipped == (not moves)
+    assert result.skipped == (not moves)
     if not moves:
         assert torch.equal(after, before) and torch.equal(stats.expert_bias, before)
     elif rate > 0:
@@ -206,14 +211,21 @@ def test_a_routing_bias_move_that_is_not_finite_is_refused(rate, start, moves):
 
 class _TwinGroup:
     """A second fault-tolerant replica group in the step that trained the same micro-batches as
-    this one: every sum over the groups doubles."""
+    this one: every sum over the groups doubles (N excepted: both steps fix it at 1, the
+    accumulator's concern)."""
 
     def participants(self) -> int:
         return 2
 
+    def sum_count(self, count: torch.Tensor) -> torch.Tensor:
+        return count
+
     def sum_(self, tensors: list[torch.Tensor]) -> None:
         for t in tensors:
             t.mul_(2)
+
+    def max_(self, tensor: torch.Tensor) -> None:
+        return None
 
 
 @pytest.mark.parametrize(
@@ -243,18 +255,22 @@ def test_a_replica_groups_balancing_is_one_process_over_the_participants_batches
         if held:
             for block in model.layers.values():
                 block.checkpoint_fn = lambda fn, *a: checkpoint(fn, *a, use_reentrant=False)
-        balance = ExpertBalance(
-            model, None, bias_update_rate=0.01, loss_weight=1.0, loss_scope=scope, loss_layers=layers,
-            global_batch=sum(len(mb) for mb in feed), seq_len=32, global_microbatches=len(feed), hold_forwards=held,
+        sizes = (32 * sum(len(mb) for mb in feed), sum(len(mb) for mb in feed), len(feed))
+        balance = balance_alone(
+            model, rate=0.01, weight=1.0, scope=scope, layers=layers, sizes=sizes,
+            counting="forwards" if held else "prepass", groups=groups,
         )  # fmt: skip
-        balance.groups = groups
-        balance.begin_step(lambda: [model(mb) for mb in feed], lambda: 1)
+        begin_alone(balance)
+        if balance.counting == "prepass":
+            with torch.no_grad():
+                for mb in feed:
+                    model(mb)
         outputs = [model(mb) for mb in feed] if held else []
-        if held:
-            balance.count_forwards()
+        balance.forwards_done()
         for i, mb in enumerate(feed):
             (outputs[i] if held else model(mb)).sum().mul(0).backward()  # only the balancing loss has a gradient
-        stats = balance.finish_step(skipped=False)
+        balance.finish(StepResult())
+        stats = balance.last
         grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
         return stats, grads
 

@@ -17,6 +17,7 @@ from dataclasses import replace
 import pytest
 import torch
 import torch._dynamo
+from moe_helpers import balance_alone, begin_alone
 
 from parallelisms.activation_checkpoint import apply_activation_checkpointing, blocks
 from parallelisms.torch_private import kernels
@@ -24,7 +25,7 @@ from trainer.loss import cross_entropy_sum
 from trainer.metrics.reports import compile_line
 from trainer.model import routed_experts
 from trainer.model.llama3 import Transformer
-from trainer.model.moe import FLAVORS, Balancing, moe_layers
+from trainer.model.moe import FLAVORS, moe_layers
 
 TINY = replace(FLAVORS["qwen3_moe_debug"], dim=64, vocab_size=256, n_layers=2)
 MICRO_BATCHES = 2
@@ -42,9 +43,10 @@ def _train(scope: str, ac_mode: str, compiled: bool) -> tuple[torch.nn.Module, l
     torch.manual_seed(0)
     model = Transformer(TINY)
     model.init_weights(1)
-    balancing = Balancing(weight=0.01, scope=scope, grad_scale=torch.tensor(0.01 * 64), global_tokens=64)
+    # N = 64 (the balancing loss's gradient scale 0.01 x 64); the step's global counts as a
+    # pre-pass would have set them.
+    begin_alone(balance_alone(model, weight=0.01, scope=scope, sizes=(64, 1, 1)), n_valid_tokens=64)
     for moe in moe_layers(model):
-        moe.balancing = balancing
         moe.experts.grouped_mm = gathered_grouped_mm
         moe.global_counts.fill_(TINY.top_k * 64 / TINY.n_experts)
         moe.fused_combine = compiled

@@ -10,11 +10,12 @@ from dataclasses import replace
 
 import pytest
 import torch
+from moe_helpers import balance_alone, begin_alone
 from torch.utils.checkpoint import checkpoint
 
 from trainer.model.llama3 import Transformer
 from trainer.model.moe import FLAVORS, moe_layers
-from trainer.step.expert_balance import ExpertBalance
+from trainer.step.part import StepResult
 
 transformers_moe = pytest.importorskip("transformers.models.qwen3_moe.modeling_qwen3_moe")
 
@@ -33,28 +34,29 @@ def test_pooled_balancing_loss_is_transformers_aux_loss(held):
         for block in model.layers.values():
             block.checkpoint_fn = functools.partial(checkpoint, use_reentrant=False)
     tokens = torch.randint(0, args.vocab_size, (BATCH, SEQ))
-    balance = ExpertBalance(
+    balance = balance_alone(
         model,
-        None,
-        bias_update_rate=0.0,
-        loss_weight=1.0,
-        loss_scope="global_batch",
-        loss_layers="pooled",
-        global_batch=BATCH,
-        seq_len=SEQ,
-        global_microbatches=MICROBATCHES,
-        hold_forwards=held,
+        weight=1.0,
+        scope="global_batch",
+        layers="pooled",
+        sizes=(BATCH * SEQ, BATCH, MICROBATCHES),
+        counting="forwards" if held else "prepass",
     )
     microbatches = tokens.chunk(MICROBATCHES)
     # N = 1: the gradient the accumulator would divide by N is the loss's own.
-    balance.begin_step(lambda: [model(mb) for mb in microbatches], lambda: 1)
+    begin_alone(balance, n_valid_tokens=1)
+    if not held:  # the counting pre-pass
+        with torch.no_grad():
+            for mb in microbatches:
+                model(mb)
     outputs = [model(mb) for mb in microbatches] if held else []
-    if held:
-        balance.count_forwards()
+    balance.forwards_done()
     for i, mb in enumerate(microbatches):
         out = outputs[i] if held else model(mb)
         (out.sum() * 0).backward()  # only the balancing loss has a gradient
-    ours = balance.finish_step(skipped=False).balance_loss
+    balance.finish(StepResult())
+    assert balance.last is not None
+    ours = balance.last.balance_loss
     our_grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
     model.zero_grad()

@@ -17,6 +17,7 @@ import pytest
 import torch
 from data_helpers import cache_dir  # noqa: F401 (the autouse token-cache fixture)
 from harness import run_cases, run_train, trainer_for
+from step_helpers import fetch_step, forward_backward, optimizer_step
 
 from trainer.build import build_validator
 from trainer.data import parquet
@@ -28,7 +29,6 @@ from trainer.data.shards import verify
 from trainer.data.sources import read_sources
 from trainer.data.tokenizer import Tokenizer, load_tokenizer
 from trainer.runtime.errors import DataError
-from trainer.step import fetch_step, forward_backward, optimizer_step
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENIZER = str(ROOT / "assets" / "tokenizer" / "shakespeare.model")

@@ -24,17 +24,18 @@ from harness import (
     run_ranks,
     trainer_for,
 )
+from step_helpers import fetch_step, forward_backward, part_of
 
 from parallelisms.pipeline_split import BUBBLE_FRACTION, SCHEDULES, plan_split, split_model
-from parallelisms.tensor_parallel import loss_context
 from trainer.build import resume
 from trainer.config import ConfigError, load_config
 from trainer.data.datasets import load_dataset
 from trainer.loss import IGNORE_INDEX
 from trainer.model.llama3 import FLAVORS, Transformer
 from trainer.planning.job_plan import resolve_job
-from trainer.step import fetch_step, forward_backward, train_step
-from trainer.step.grad_accumulator import _total_norm
+from trainer.step.grad_accumulator import GradAccumulator
+from trainer.step.grad_sync import total_norm
+from trainer.step.train_step import train_step
 
 # name: (local batch size, extra argv); global batch 8, seq_len 64, debug model (6 blocks)
 TWO_RANKS = {
@@ -220,34 +221,35 @@ def pp_step(argv: list[str], bug: bool = False) -> dict | None:
     ``bug`` also returns torchtitan's PP gradients: the summed-loss gradients clipped by their
     own norm, with N used only for the logged loss.
     """
-    p, parts = trainer_for(argv)
-    params = list(parts.model.parameters())
-    finalize = parts.accumulator.finalize
+    p, training = trainer_for(argv)
+    params = list(training.model.parameters())
+    accumulator = part_of(training, GradAccumulator)
+    finish = accumulator.finish
     seen: dict = {"writes": []}
 
-    def counting_finalize():
+    def counting_finish(result):
         locals_ = [prm.grad._local_tensor for prm in params]
         before = [t._version for t in locals_]
         if bug:
-            raw = {name: full(prm.grad) for name, prm in parts.model.named_parameters()}
-            norm = _total_norm([prm.grad for prm in params], p.dims.pp).item()
+            raw = {name: full(prm.grad) for name, prm in training.model.named_parameters()}
+            norm = total_norm([prm.grad for prm in params], p.dims.pp).item()
             seen["bug"] = {"norm": norm, "grads": {k: g * min(1.0, MAX_NORM / (norm + 1e-6)) for k, g in raw.items()}}
-        out = finalize()
+        finish(result)
         seen["writes"].extend(passes_over(locals_, before))
-        return out
 
-    parts.accumulator.finalize = counting_finalize
-    microbatches = fetch_step(parts)
-    result = forward_backward(parts, microbatches)
-    grads = {name: full(prm.grad) for name, prm in parts.model.named_parameters()}
+    accumulator.finish = counting_finish
+    microbatches = fetch_step(training)
+    result = forward_backward(training, microbatches)
+    grads = {name: full(prm.grad) for name, prm in training.model.named_parameters()}
     out = {"loss": result.loss_avg, "loss_max": result.loss_max, "norm": result.grad_norm, "n": result.n_valid_tokens}
     # Every schedule evaluates (forward only, as validation does: inside the loss context, which under
     # loss parallel the last stage's vocabulary-sharded loss needs), its own training order notwithstanding.
     inputs, labels = torch.cat([mb.inputs for mb in microbatches]), torch.cat([mb.labels for mb in microbatches])
-    with loss_context(parts.loss_parallel):
-        out["evaluated"] = parts.pipeline.evaluate(inputs, labels).item()
-        out["evaluated_short"] = parts.pipeline.evaluate(inputs[:3], labels[:3]).item()
-    owner = parts.meshes.loss.get_local_rank() == 0 and parts.meshes.tp.get_local_rank() == 0
+    assert training.pipeline is not None
+    with training.forward.context():
+        out["evaluated"] = training.pipeline.evaluate(inputs, labels).item()
+        out["evaluated_short"] = training.pipeline.evaluate(inputs[:3], labels[:3]).item()
+    owner = training.meshes.loss.get_local_rank() == 0 and training.meshes.tp.get_local_rank() == 0
     if owner:
         out.update(grads=grads, writes=seen["writes"], bug=seen.get("bug"))
     return out
@@ -340,19 +342,22 @@ def reshard_worker(dump: str) -> dict:
         ],
     )
     losses = {}
-    p, parts = trainer_for(common + ["--mesh", "pp=2,dp_shard=2"])
-    state, checkpointer = resume(p, load_dataset(p.config, p.tokenizer, p.global_batch_size), parts)
+    p, training = trainer_for(common + ["--mesh", "pp=2,dp_shard=2"])
+    state, checkpointer = training.state, resume(p, load_dataset(p.config, p.tokenizer, p.global_batch_size), training)
     for _ in range(2):
         state.step += 1
-        losses.setdefault("pp=2 x dp_shard=2", []).append(train_step(parts, state, 0).result.loss_avg)
+        losses.setdefault("pp=2 x dp_shard=2", []).append(train_step(training.step, state).result.loss_avg)
         checkpointer.maybe_save(state.step)
     checkpointer.close()
     for mesh in ("dp_shard=4", "pp=2,tp=2"):
-        p, parts = trainer_for(common + ["--mesh", mesh, "--checkpoint.load_step", "1"])
-        state, checkpointer = resume(p, load_dataset(p.config, p.tokenizer, p.global_batch_size), parts)
+        p, training = trainer_for(common + ["--mesh", mesh, "--checkpoint.load_step", "1"])
+        state, checkpointer = (
+            training.state,
+            resume(p, load_dataset(p.config, p.tokenizer, p.global_batch_size), training),
+        )
         assert state.step == 1
         state.step += 1
-        losses[mesh] = [train_step(parts, state, 0).result.loss_avg]
+        losses[mesh] = [train_step(training.step, state).result.loss_avg]
         checkpointer.close()
     return losses
 

@@ -15,6 +15,7 @@ from the reference.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import signal
@@ -55,8 +56,10 @@ from trainer.planning.job_plan import describe, resolve_job
 from trainer.replica_groups import ReplicaGroups, check_lighthouse
 from trainer.replica_identity import Meeting
 from trainer.runtime.errors import ConfigError, JobError
-from trainer.step import train_step
-from trainer.train import local_tokens_per_step
+from trainer.step.group_commit import GroupCommit
+from trainer.step.optimizer_step import OptimizerStep
+from trainer.step.part import Parts
+from trainer.step.train_step import train_step
 from trainer.train_state import TrainState
 
 pytest.importorskip("torchft")
@@ -266,23 +269,26 @@ class _Breaking(_Manager):
 def steps_with_broken_attempts(broken: set[int], steps: int) -> dict[str, Any]:
     """The debug MoE (moving routing biases) trained ``steps`` steps as the loop trains them, with
     the attempts in ``broken`` not committed: each step's loss, and at the end all of its state."""
-    plan, parts = trainer_for([*MOE_ARGS, "--training.steps", str(steps)])
+    _, training = trainer_for([*MOE_ARGS, "--training.steps", str(steps)])
     groups = groups_without_torchft()
     groups.manager = _Breaking(broken)
+    parts = list(training.step.parts.parts)
+    at = next(i for i, part in enumerate(parts) if isinstance(part, OptimizerStep))
+    step = dataclasses.replace(training.step, parts=Parts([*parts[:at], GroupCommit(groups), *parts[at:]]))
     state, losses = TrainState(), []
     while state.step < steps:
         state.step += 1
-        stats = train_step(parts, state, local_tokens_per_step(plan), replicas=groups)
-        if not stats.committed:
+        stats = train_step(step, state)
+        if not stats.result.committed:
             state.step -= 1
             continue
         losses.append(stats.result.loss_avg)
     found = {
         "loss": losses,
-        "model": parts.model.state_dict(),
-        "optimizer": parts.optimizer.state_dict(),
-        "lr_scheduler": parts.scheduler.state_dict(),
-        "dataloader": parts.loader.state_dict(),
+        "model": training.model.state_dict(),
+        "optimizer": training.optimizer.optimizer.state_dict(),
+        "lr_scheduler": training.optimizer.scheduler.state_dict(),
+        "dataloader": training.step.batches.loader.state_dict(),
         "uncommitted": groups.uncommitted_steps,
     }
     return tree_map(lambda leaf: full(leaf) if isinstance(leaf, torch.Tensor) else leaf, found)

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from harness import BASE_ARGV, argv_for, assert_matches, full, run_by_world, step_worker, trainer_for
+from step_helpers import fetch_step, forward_backward, sums_of
 from torch.distributed.tensor import DTensor, Shard
 
 from parallelisms import parallelize
@@ -15,7 +16,7 @@ from parallelisms.parallelize import ModelShape, ParallelSettings
 from trainer.config import ConfigError, load_config
 from trainer.model.llama3 import padded_vocab_size
 from trainer.planning.job_plan import SETTING_KEYS, resolve_job
-from trainer.step import fetch_step, forward_backward
+from trainer.step.sums import Ranks
 
 # name: (world size, local batch size, extra argv); global batch 8
 MESHES = {
@@ -109,8 +110,8 @@ def tp_bug_worker(argv: list[str]) -> dict:
     true_sq = sum(full(prm.grad).double().square().sum() for prm in job.model.parameters())
     naive_sq = sum(prm.grad.to_local().double().square().sum() for prm in job.model.parameters())
     dist.all_reduce(naive_sq)
-    job.optimizer.zero_grad(set_to_none=True)
-    job.accumulator.loss_group = dist.group.WORLD  # counts every TP rank's copy of the tokens
+    job.model.zero_grad(set_to_none=True)
+    sums_of(job).groups[Ranks.TOKENS] = dist.group.WORLD  # counts every TP rank's copy of the tokens
     over_counted = forward_backward(job, microbatches)
     grads = {name: full(prm.grad) for name, prm in job.model.named_parameters()}
     return {

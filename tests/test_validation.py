@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from harness import run_ranks, trainer_for
+from step_helpers import fetch_step, forward_backward, optimizer_step
 
 from trainer.build import build_validator
 from trainer.config import ConfigError, load_config
@@ -19,7 +20,6 @@ from trainer.data.documents import split_documents
 from trainer.loss import IGNORE_INDEX, cross_entropy_sum
 from trainer.model.llama3 import Transformer
 from trainer.planning.job_plan import resolve_job
-from trainer.step import fetch_step, forward_backward, optimizer_step
 from trainer.validation import Validator
 
 

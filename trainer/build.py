@@ -1,41 +1,37 @@
 """Build everything the training loop uses, once, with every parallelism already applied.
 
 The job was prepared before any process group existed (``trainer/entry/job.py``: config, plan,
-data). :func:`build_step_parts` joins the process group and builds what a training step uses: the
-mesh, the sharded model, the optimizer, the loader, the gradient accumulator, the pipeline.
-:func:`build_run` adds what the loop around the steps uses: the train state restored from the
-newest checkpoint, the checkpointer, the metrics and the validator. Building a large model takes a
-while, so rank 0 says which phase it is in and how far the initialisation has got: a silent minute
-looks like a hang.
+data). :func:`build_training` joins the process group, builds the sharded model
+(``build_model.py``), the optimizer and the data, and the step: its schedule and its parts, in the
+order they take part (:func:`step_parts`). :func:`build_run` adds what the loop around the steps
+uses: the train state restored from the newest checkpoint, the checkpointer, the metrics and the
+validator.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
-import time
-from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
-from parallelisms.expert_parallel import expert_params, gathered_experts
-from parallelisms.float8 import describe as describe_float8
 from parallelisms.float8 import precompute_scales
 from parallelisms.parallel_dims import Meshes, device_type
-from parallelisms.parallelize import Parallelized, parallelize
+from parallelisms.parallelize import Parallelized
 from parallelisms.pipeline_parallel import Pipeline
+from trainer.build_model import build_model
 from trainer.checkpoint.manager import CheckpointManager
 from trainer.data.datasets import TokenDataset, data_lines
-from trainer.data.loader import build_dataloader
+from trainer.data.loader import MicroBatchLoader, build_dataloader
 from trainer.loss import CrossEntropy, ModelLoss, cross_entropy_sum
 from trainer.metrics import MetricsLogger, model_flops_per_token, peak_flops, use_color
 from trainer.metrics.reports import log_start, save_config
-from trainer.model.llama3 import Transformer, num_params
+from trainer.model.llama3 import Transformer
 from trainer.model.moe import MoEArgs
 from trainer.optimizer import build_lr_scheduler, build_optimizer
 from trainer.planning.float8_plan import check_float8_backend
@@ -43,112 +39,48 @@ from trainer.planning.job_plan import JobPlan
 from trainer.replica_groups import HealedParts, ReplicaGroups
 from trainer.replica_identity import job_identity
 from trainer.runtime.distributed import init_distributed
-from trainer.step.expert_balance import ExpertBalance
+from trainer.step.batches import StepBatches
+from trainer.step.expert_balance import BalanceSettings, ExpertBalance
+from trainer.step.forward import Forward
 from trainer.step.grad_accumulator import GradAccumulator
-from trainer.step.host_offload import host_offload
+from trainer.step.grad_sync import GradSync
+from trainer.step.group_commit import GroupCommit
+from trainer.step.host_offload import HostOffload, host_offload
 from trainer.step.layout_invariant import LayoutInvariantReduction
-from trainer.step.train_step import StepParts
+from trainer.step.optimizer_step import AfterOptimizerStep, OptimizerStep
+from trainer.step.part import Parts, StepPart
+from trainer.step.schedules import HeldForwards, Interleaved, Pipelined, StepSchedule
+from trainer.step.sums import Ranks, StepSums
+from trainer.step.train_step import Step
+from trainer.step.training import Training
 from trainer.train_state import TrainState
 from trainer.validation import Validator
 
-logger = logging.getLogger("meshtrain")
 
-PROGRESS_MIN_PARAMS = 100_000_000
-"""Models at least this big report how far their initialisation has got; smaller ones (the
-debug model) initialise in about a second and only log the phases."""
-PROGRESS_EVERY_PERCENT = 10
-PROGRESS_EVERY_S = 10.0
+class Substitutes(Protocol):
+    """What ``--simulate`` builds a rank with instead (``trainer/simulation/fake_job.py``): every
+    tensor made after parallelising in its fake mode, its host offload, and its parts that watch
+    the step (first in the list, and just before the optimizer step)."""
 
+    @property
+    def tensors(self) -> AbstractContextManager[object]: ...
 
-def build_model(
-    plan: JobPlan,
-    meshes: Meshes,
-    device: torch.device,
-    cross_entropy: CrossEntropy = cross_entropy_sum,
-    fake_tensors: AbstractContextManager[object] | None = None,
-) -> tuple[Transformer, Parallelized]:
-    """Build on the meta device, parallelise, then materialise and initialise only the local shards
-    (under pipeline parallelism: of this rank's stages).
+    def watchers(
+        self, meshes: Meshes, model: torch.nn.Module, pipeline: Pipeline | None, optimizer: torch.optim.Optimizer
+    ) -> tuple[StepPart, StepPart]: ...
 
-    ``fake_tensors`` (the simulator's, ``trainer/simulation``): materialise inside that context,
-    after parallelising outside it, and draw no initial values (fake tensors hold none).
-    """
-    start = time.monotonic()
-    rank0 = dist.get_rank() == 0
-    with torch.device("meta"):
-        model = Transformer(plan.model_args)
-    if model.output is not None:  # the whole model: no pipeline split yet
-        model.output.chunk_tokens = plan.loss_chunking.tokens
-        model.output.gradients_in_forward = plan.workload.holds_loss_gradients
-        model.output.cross_entropy = cross_entropy
-    total = num_params(model)
-    if rank0:
-        logger.info("parallelising the model (%s parameters) on the meta device", f"{total:,}")
-    parallelized = parallelize(model, meshes, plan.dims, plan.parallel, device.type)
-    parts = parallelized.stage_modules or [model]
-    if rank0 and parallelized.float8_linears is not None:
-        logger.info(
-            "float8 (%s): %s",
-            plan.parallel.float8.recipe if plan.parallel.float8 else "",
-            describe_float8(parallelized.float8_linears, model),
-        )
-    local = num_params(model)
-    if rank0:
-        logger.info("allocating this rank's shards on %s", device.type)
-    with fake_tensors or nullcontext():
-        for part in parts:
-            part.to_empty(device=device)
-    if fake_tensors is None:
-        seed = plan.config.debug.seed
-        if rank0:
-            logger.info("initialising the weights (seed %d)", seed)
-        progress = InitProgress(local) if rank0 and local >= PROGRESS_MIN_PARAMS else None
-        for part in parts:
-            assert isinstance(part, Transformer)  # a stage view is an instance of the model's class
-            part.init_weights(seed, progress=progress)
-    if rank0:
-        logger.info("model built and initialised in %.1f s", time.monotonic() - start)
-    return model, parallelized
+    def offload(self, device: torch.device) -> HostOffload: ...
 
 
-class InitProgress:
-    """Told each parameter's size as it is initialised, logs a line when another
-    ``PROGRESS_EVERY_PERCENT`` of the parameters is done or ``PROGRESS_EVERY_S`` have passed
-    since the last line, whichever comes first, with the time since initialisation began."""
+def build_training(plan: JobPlan, dataset: Dataset, substitutes: Substitutes | None = None) -> Training:
+    """Join the process group and build the sharded model, the optimizer, the data and the step.
 
-    def __init__(self, total: int, clock: Callable[[], float] = time.monotonic):
-        self.total, self.done, self.clock = total, 0, clock
-        self.start = self.last = clock()
-        self.next_percent = PROGRESS_EVERY_PERCENT
-
-    def __call__(self, numel: int) -> None:
-        self.done += numel
-        now = self.clock()
-        percent = 100 * self.done // self.total
-        if percent < self.next_percent and now - self.last < PROGRESS_EVERY_S:
-            return
-        logger.info(
-            "initialised %d%% of the parameters (%s of %s) in %.1f s",
-            percent,
-            f"{self.done:,}",
-            f"{self.total:,}",
-            now - self.start,
-        )
-        self.last = now
-        self.next_percent = (percent // PROGRESS_EVERY_PERCENT + 1) * PROGRESS_EVERY_PERCENT
-
-
-def build_step_parts(
-    plan: JobPlan, dataset: Dataset, fake_tensors: AbstractContextManager[object] | None = None
-) -> StepParts:
-    """Join the process group and build the sharded model, optimizer, data and accumulator.
-
-    ``fake_tensors``: the simulator's context for every tensor made after parallelising (see
-    :func:`build_model`); it joins a fake process group beforehand.
+    ``substitutes``: the simulator's (see :class:`Substitutes`); it joins a fake process group
+    beforehand and builds the model on the meta device outside its fake mode.
     """
     config = plan.config
     dev_type = device_type()
-    if fake_tensors is None:
+    if substitutes is None:
         check_float8_backend(plan.parallel, plan.dims, "nccl" if dev_type == "cuda" else "gloo")
     device = init_distributed(dev_type, config.comm.init_timeout_seconds)
     layout_invariant = config.debug.layout_invariant
@@ -162,31 +94,121 @@ def build_step_parts(
     cross_entropy = cross_entropy_sum
     if plan.parallel.compile_loss:
         cross_entropy = torch.compile(cross_entropy_sum, backend=plan.parallel.compile_backend)
-    model, parallelized = build_model(plan, meshes, device, cross_entropy, fake_tensors)
-    with fake_tensors or nullcontext():
-        return _assemble(plan, dataset, device, meshes, model, parallelized, cross_entropy)
+    fake = substitutes.tensors if substitutes is not None else None
+    model, parallelized = build_model(plan, meshes, device, cross_entropy, fake)
+    with fake or nullcontext():
+        return _assemble(plan, dataset, Built(device, meshes, model, parallelized), cross_entropy, substitutes)
+
+
+@dataclass(frozen=True)
+class Built:
+    """The model as ``build_model`` leaves it, on its meshes and device."""
+
+    device: torch.device
+    meshes: Meshes
+    model: Transformer
+    parallelized: Parallelized
 
 
 def _assemble(
+    plan: JobPlan, dataset: Dataset, built: Built, cross_entropy: CrossEntropy, substitutes: Substitutes | None
+) -> Training:
+    """The optimizer, the data, the replica groups and the step around the built model."""
+    config, training, device, model = plan.config, plan.config.training, built.device, built.model
+    cp = built.parallelized.context_parallel
+    positions = cp.positions.to(device) if cp else None
+    optimizer = build_optimizer(model, config.optimizer, device.type, config.debug.layout_invariant)
+    optimizer_step = OptimizerStep(optimizer, build_lr_scheduler(optimizer, training.steps, config.lr_scheduler))
+    loader = build_loader(plan, dataset, built.meshes, device)
+    state = TrainState()
+    replicas = build_replicas(plan, model, optimizer_step, loader, state, dataset, device)
+    forward = Forward(model, ModelLoss(plan.loss_in_model, cross_entropy), plan.parallel.loss_parallel, cp)
+    pipeline = build_pipeline(plan, built, cross_entropy, positions)
+    sums = StepSums(sum_groups(plan, built.meshes), replicas=replicas, ordered=config.debug.layout_invariant)
+    balance = build_balance(plan, model, built.meshes, sums)
+    watchers = substitutes.watchers(built.meshes, model, pipeline, optimizer) if substitutes else (None, None)
+    parts = step_parts(plan, built, pipeline, sums, balance, replicas, optimizer_step, watchers)
+    step = Step(
+        StepBatches(loader, device, cp, positions, plan.tokenizer.bos_id if training.document_mask else None),
+        build_schedule(plan, forward, pipeline, balance, substitutes, device),
+        Parts(parts),
+        tokens=plan.microbatches * training.local_batch_size * training.seq_len,
+    )
+    return Training(device, built.meshes, model, optimizer_step, state, step, forward, pipeline, replicas)
+
+
+def step_parts(
     plan: JobPlan,
-    dataset: Dataset,
+    built: Built,
+    pipeline: Pipeline | None,
+    sums: StepSums,
+    balance: ExpertBalance | None,
+    replicas: ReplicaGroups | None,
+    optimizer_step: OptimizerStep,
+    watchers: tuple[StepPart | None, StepPart | None] = (None, None),
+) -> list[StepPart]:
+    """The step's parts, in the order they take part: the gradients' normalisation and their
+    reduction, the MoE balancing, the replica groups' commit, the optimizer step and what follows."""
+    model, dims, training = built.model, plan.dims, plan.config.training
+    reduction: GradSync | LayoutInvariantReduction
+    if plan.config.debug.layout_invariant:
+        reduction = LayoutInvariantReduction(model, built.meshes.batch.get_group(), dims.dp_shard)
+    else:
+        reduction = GradSync(
+            model,
+            sums,
+            microbatches=plan.microbatches,
+            hsdp=dims.hsdp,
+            defer=training.defer_gradient_reduction,
+            keep_gathered=dims.fsdp_one_rank and plan.parallel.reshard_after_forward == "never",
+            experts_stay_gathered=plan.parallel.experts_stay_gathered,
+            degrees=(dims.pp, dims.ep),
+        )
+    backwards = plan.pipeline_microbatches if pipeline is not None else plan.microbatches
+    holds_loss = pipeline is None or pipeline.holds_last
+    accumulator = GradAccumulator(
+        sums, reduction, microbatches=backwards, max_norm=training.max_norm, holds_loss=holds_loss
+    )
+    watch_first, watch_optimizer = watchers
+    float8 = plan.parallel.float8
+    after: list[StepPart] = []
+    if float8 is not None and float8.precompute_scales:
+        modules = built.parallelized.stage_modules or [model]
+        after.append(
+            AfterOptimizerStep(
+                "float8: every gathered weight's scale in one all-reduce", lambda: precompute_scales(modules)
+            )
+        )
+    parts = [watch_first, accumulator, reduction, balance, GroupCommit(replicas) if replicas else None]
+    return [p for p in [*parts, watch_optimizer, optimizer_step, *after] if p is not None]
+
+
+def build_schedule(
+    plan: JobPlan,
+    forward: Forward,
+    pipeline: Pipeline | None,
+    balance: ExpertBalance | None,
+    substitutes: Substitutes | None,
     device: torch.device,
-    meshes: Meshes,
-    model: Transformer,
-    parallelized: Parallelized,
-    cross_entropy: CrossEntropy,
-) -> StepParts:
-    """The optimizer, loader, accumulator and pipeline around the built model."""
-    config, training, dev_type = plan.config, plan.config.training, device.type
-    layout_invariant = config.debug.layout_invariant
-    context_parallel = parallelized.context_parallel
-    model_loss = ModelLoss(plan.loss_in_model, cross_entropy)
-    positions = context_parallel.positions.to(device) if context_parallel else None
-    optimizer = build_optimizer(model, config.optimizer, dev_type, layout_invariant)
-    # Replica groups shard the data further: group g reads shard g of every step's N-group batch.
+) -> StepSchedule:
+    """How the step's forwards and backwards run (``trainer/step/schedules.py``)."""
+    prepass = balance is not None and balance.counting == "prepass"
+    if pipeline is not None:
+        return Pipelined(pipeline, forward, prepass)
+    if balance is not None and balance.counting == "forwards":
+        offload = None
+        if plan.workload.offloads_forwards:
+            offload = substitutes.offload(device) if substitutes is not None else host_offload(device)
+        return HeldForwards(forward, offload)
+    return Interleaved(forward, prepass)
+
+
+def build_loader(plan: JobPlan, dataset: Dataset, meshes: Meshes, device: torch.device) -> MicroBatchLoader:
+    """Replica groups shard the data further: group g reads shard g of every step's N-group batch."""
+    config, training = plan.config, plan.config.training
     ft = config.fault_tolerance
     group, groups = (ft.replica_id, ft.group_count) if ft.enable else (0, 1)
-    loader = build_dataloader(
+    return build_dataloader(
         dataset,
         microbatches=plan.microbatches,
         local_batch_size=training.local_batch_size,
@@ -194,95 +216,45 @@ def _assemble(
         dp_degree=groups * plan.dims.dp,
         seed=config.debug.seed,
         num_workers=training.num_workers,
-        pin_memory=dev_type == "cuda",
+        pin_memory=device.type == "cuda",
         prefetch_factor=training.prefetch_factor if training.num_workers > 0 else None,
         allow_data_change=config.checkpoint.allow_data_change,
         timeout_s=training.data_timeout_seconds,
     )
-    accumulator = GradAccumulator(
-        model,
-        loss_group=meshes.loss.get_group(),
-        num_microbatches=plan.microbatches,
-        max_norm=training.max_norm,
-        hsdp=plan.dims.hsdp,
-        defer_gradient_reduction=training.defer_gradient_reduction,
-        keep_gathered=plan.dims.fsdp_one_rank and plan.parallel.reshard_after_forward == "never",
-        gathered_experts=gathered_experts(model) if plan.parallel.experts_stay_gathered else None,
-        stats_group=meshes.stats.get_group() if plan.dims.pp > 1 else None,
-        pp_degree=plan.dims.pp,
-        layout_invariant=(
-            LayoutInvariantReduction(model, meshes.batch.get_group(), plan.dims.dp_shard) if layout_invariant else None
-        ),
-        expert_params=expert_params(model),
-        ep_degree=plan.dims.ep,
-    )
-    pipeline = None
-    if parallelized.split is not None:
-        assert parallelized.stage_modules is not None  # parallelize sets both under pipeline parallelism
-        pipeline = Pipeline(
-            parallelized.stage_modules,
-            parallelized.split,
-            meshes.pp,
-            device,
-            cross_entropy,
-            labels_to_model=plan.loss_in_model,
-            microbatches=plan.pipeline_microbatches,
-            microbatch_size=plan.parallel.pp_microbatch_size,
-            positions=positions if positions is not None else torch.arange(training.seq_len, device=device),
-            document_mask=training.document_mask,
-        )
-    return StepParts(
-        device=device,
-        meshes=meshes,
-        model=model,
-        optimizer=optimizer,
-        scheduler=build_lr_scheduler(optimizer, training.steps, config.lr_scheduler),
-        loader=loader,
-        accumulator=accumulator,
-        loss_parallel=plan.parallel.loss_parallel,
-        model_loss=model_loss,
-        context_parallel=context_parallel,
-        positions=positions,
-        document_bos_id=plan.tokenizer.bos_id if training.document_mask else None,
-        pipeline=pipeline,
-        balance=build_balance(plan, model, meshes),
-        offload=host_offload(device) if plan.workload.offloads_forwards else None,
-        after_optimizer_step=float8_after_step(plan, parallelized, model),
-    )
 
 
-def float8_after_step(plan: JobPlan, parallelized: Parallelized, model: Transformer) -> Callable[[], None] | None:
-    """With float8 weights gathered by FSDP: their scales in one all-reduce after each optimizer step."""
-    float8 = plan.parallel.float8
-    if float8 is None or not float8.precompute_scales:
+def build_pipeline(
+    plan: JobPlan, built: Built, cross_entropy: CrossEntropy, positions: torch.Tensor | None
+) -> Pipeline | None:
+    parallelized, device, training = built.parallelized, built.device, plan.config.training
+    if parallelized.split is None or parallelized.stage_modules is None:
         return None
-    modules = parallelized.stage_modules or [model]
-    return lambda: precompute_scales(modules)
-
-
-def build_balance(plan: JobPlan, model: Transformer, meshes: Meshes) -> ExpertBalance | None:
-    """The step's expert balancing, for a Mixture-of-Experts model (also on a pipeline rank
-    whose stages hold no MoE layer: it joins the sums over the stages)."""
-    args = plan.model_args
-    if not isinstance(args, MoEArgs):
-        return None
-    moe, pipelined = plan.config.moe, plan.dims.pp > 1
-    return ExpertBalance(
-        model,
-        meshes.routing.get_group(),
-        bias_update_rate=moe.bias_update_rate,
-        loss_weight=moe.balance_loss_weight,
-        loss_scope=moe.balance_loss_scope,
-        loss_layers=moe.balance_loss_layers,
-        global_batch=plan.global_batch_size,
-        seq_len=plan.config.training.seq_len,
-        global_microbatches=(plan.pipeline_microbatches if pipelined else plan.microbatches) * meshes.routing.size(),
-        moe_layer_ids=range(args.n_dense_layers, args.n_layers),
-        n_experts=args.n_experts,
-        stats_group=routing_stats_group(plan, meshes) if pipelined else None,
-        pp_group=meshes.pp.get_group() if pipelined else None,
-        hold_forwards=plan.workload.holds_forwards,
+    return Pipeline(
+        parallelized.stage_modules,
+        parallelized.split,
+        built.meshes.pp,
+        device,
+        cross_entropy,
+        labels_to_model=plan.loss_in_model,
+        microbatches=plan.pipeline_microbatches,
+        microbatch_size=plan.parallel.pp_microbatch_size,
+        positions=positions if positions is not None else torch.arange(training.seq_len, device=device),
+        document_mask=training.document_mask,
     )
+
+
+def sum_groups(plan: JobPlan, meshes: Meshes) -> dict[Ranks, dist.ProcessGroup | None]:
+    """The process group of each set of ranks the step's sums run over (``trainer/step/sums.py``)."""
+    pipelined = plan.dims.pp > 1
+    loss, routing = meshes.loss.get_group(), meshes.routing.get_group()
+    return {
+        Ranks.TOKENS: loss,
+        Ranks.STAGES: meshes.stats.get_group() if pipelined else loss,
+        Ranks.ROUTING: routing,
+        Ranks.MODEL: routing_stats_group(plan, meshes) if pipelined else routing,
+        Ranks.PIPELINE: meshes.pp.get_group() if pipelined else None,
+        Ranks.WORLD: dist.group.WORLD,
+    }
 
 
 def routing_stats_group(plan: JobPlan, meshes: Meshes) -> dist.ProcessGroup:
@@ -296,63 +268,87 @@ def routing_stats_group(plan: JobPlan, meshes: Meshes) -> dist.ProcessGroup:
     return world
 
 
-@dataclass
-class Run:
-    """Everything the loop uses: the step's parts, the train state (restored from the newest
-    checkpoint, if any), the checkpointer, the metrics and the validator."""
-
-    parts: StepParts
-    state: TrainState
-    checkpointer: CheckpointManager
-    metrics: MetricsLogger
-    validator: Validator | None
-    replicas: ReplicaGroups | None = None
-    """This job's fault-tolerant replica groups (``fault_tolerance.enable``), else None."""
-
-
-def build_run(plan: JobPlan, parts: StepParts, dataset: TokenDataset, validation_dataset: TokenDataset | None) -> Run:
-    """Resume from the newest checkpoint, open the metrics and the validator; rank 0 saves the
-    resolved config and says what is about to run."""
-    state, checkpointer = resume(plan, dataset, parts)
-    rank = dist.get_rank()
-    metrics = build_metrics(plan, parts.device, rank, resumed=state.step > 0)
-    if rank == 0:
-        save_config(plan)
-        log_start(
-            plan, parts.device, metrics, data_lines(plan.config, plan.global_batch_size, dataset, validation_dataset)
-        )
-    replicas = build_replicas(plan, parts, dataset, state)
-    return Run(parts, state, checkpointer, metrics, build_validator(plan, parts, validation_dataset), replicas)
+def build_balance(plan: JobPlan, model: Transformer, meshes: Meshes, sums: StepSums) -> ExpertBalance | None:
+    """The step's expert balancing, for a Mixture-of-Experts model (also on a pipeline rank
+    whose stages hold no MoE layer: it joins the sums over the stages)."""
+    args = plan.model_args
+    if not isinstance(args, MoEArgs):
+        return None
+    moe, pipelined, seq_len = plan.config.moe, plan.dims.pp > 1, plan.config.training.seq_len
+    microbatches = (plan.pipeline_microbatches if pipelined else plan.microbatches) * meshes.routing.size()
+    settings = BalanceSettings(
+        bias_update_rate=moe.bias_update_rate,
+        loss_weight=moe.balance_loss_weight,
+        loss_scope=moe.balance_loss_scope,
+        loss_layers=moe.balance_loss_layers,
+        global_sizes=(plan.global_batch_size * seq_len, plan.global_batch_size, microbatches),
+        moe_layer_ids=tuple(range(args.n_dense_layers, args.n_layers)),
+        n_experts=args.n_experts,
+        counting="forwards" if plan.workload.holds_forwards else "prepass",
+    )
+    return ExpertBalance(model, sums, settings)
 
 
-def build_replicas(plan: JobPlan, parts: StepParts, dataset: TokenDataset, state: TrainState) -> ReplicaGroups | None:
-    """Join the replica groups, after the resume: torchft's step starts at the resumed one, so a
-    group resumed from an older checkpoint heals from the others."""
+def build_replicas(
+    plan: JobPlan,
+    model: Transformer,
+    optimizer_step: OptimizerStep,
+    loader: MicroBatchLoader,
+    state: TrainState,
+    dataset: Dataset,
+    device: torch.device,
+) -> ReplicaGroups | None:
+    """Join the replica groups (``fault_tolerance.enable``); the resume tells them its step."""
     config = plan.config
     if not config.fault_tolerance.enable:
         return None
     identity = job_identity(plan, getattr(dataset, "identity", None))
-    healed = HealedParts(parts.model, parts.optimizer, parts.scheduler, parts.loader, state)
-    replicas = ReplicaGroups(config.fault_tolerance, healed, identity, parts.device)
-    replicas.resume_at(state.step)
-    parts.accumulator.replicas = replicas
-    if parts.balance is not None:
-        parts.balance.groups = replicas
-    return replicas
+    healed = HealedParts(model, optimizer_step.optimizer, optimizer_step.scheduler, loader, state)
+    return ReplicaGroups(config.fault_tolerance, healed, identity, device)
 
 
-def resume(plan: JobPlan, dataset: TokenDataset, parts: StepParts) -> tuple[TrainState, CheckpointManager]:
-    """The train state and the checkpoint manager, restored from the newest checkpoint if any."""
+@dataclass
+class Run:
+    """Everything the loop uses: what it trains with (the train state restored from the newest
+    checkpoint, if any), the checkpointer, the metrics and the validator."""
+
+    training: Training
+    checkpointer: CheckpointManager
+    metrics: MetricsLogger
+    validator: Validator | None
+
+
+def build_run(plan: JobPlan, training: Training, dataset: TokenDataset, validation_dataset: TokenDataset | None) -> Run:
+    """Resume from the newest checkpoint, open the metrics and the validator; rank 0 saves the
+    resolved config and says what is about to run."""
+    checkpointer = resume(plan, dataset, training)
+    rank = dist.get_rank()
+    metrics = build_metrics(plan, training.device, rank, resumed=training.state.step > 0)
+    if rank == 0:
+        save_config(plan)
+        log_start(
+            plan,
+            training.device,
+            metrics,
+            data_lines(plan.config, plan.global_batch_size, dataset, validation_dataset),
+        )
+    if training.replicas is not None:
+        # torchft's step is the resumed one: a group resumed from an older checkpoint heals from the others.
+        training.replicas.resume_at(training.state.step)
+    return Run(training, checkpointer, metrics, build_validator(plan, training, validation_dataset))
+
+
+def resume(plan: JobPlan, dataset: TokenDataset, training: Training) -> CheckpointManager:
+    """The checkpoint manager, the train state restored from the newest checkpoint if any."""
     config = plan.config
-    state = TrainState()
     checkpointer = CheckpointManager(
         config.checkpoint,
         config.job.dump_folder,
-        model=parts.model,
-        optimizer=parts.optimizer,
-        lr_scheduler=parts.scheduler,
-        dataloader=parts.loader,
-        train_state=state,
+        model=training.model,
+        optimizer=training.optimizer.optimizer,
+        lr_scheduler=training.optimizer.scheduler,
+        dataloader=training.step.batches.loader,
+        train_state=training.state,
         model_args=plan.model_args,
         total_steps=config.training.steps,
         data_identity=getattr(dataset, "identity", None),
@@ -360,7 +356,7 @@ def resume(plan: JobPlan, dataset: TokenDataset, parts: StepParts) -> tuple[Trai
         layout_invariant=config.debug.layout_invariant,
     )
     checkpointer.load()
-    return state, checkpointer
+    return checkpointer
 
 
 def build_metrics(plan: JobPlan, device: torch.device, rank: int, resumed: bool = False) -> MetricsLogger:
@@ -390,14 +386,14 @@ def build_metrics(plan: JobPlan, device: torch.device, rank: int, resumed: bool 
     )
 
 
-def build_validator(plan: JobPlan, parts: StepParts, dataset: TokenDataset | None) -> Validator | None:
+def build_validator(plan: JobPlan, training: Training, dataset: TokenDataset | None) -> Validator | None:
     if dataset is None:
         return None
     validation = plan.config.validation
     return Validator(
         dataset,
         local_batch_size=validation.local_batch_size,
-        dp_rank=parts.meshes.batch.get_local_rank(),
+        dp_rank=training.meshes.batch.get_local_rank(),
         dp_degree=plan.dims.dp,
         steps=validation.steps,
         freq=validation.freq,

@@ -13,11 +13,12 @@ import time
 
 import torch.distributed as dist
 
-from trainer.build import Run, build_run, build_step_parts
+from trainer.build import Run, build_run, build_training
 from trainer.checkpoint.manager import create_seed_checkpoint
 from trainer.data.datasets import TokenDataset
 from trainer.data.loader import StoppedWaitingForData
 from trainer.metrics.reports import MoETimeReport, log_compiled, log_end
+from trainer.model.moe import MoEArgs
 from trainer.planning.job_plan import JobPlan
 from trainer.profiling import profiling
 from trainer.runtime.distributed import CollectiveTimeouts
@@ -41,36 +42,38 @@ def train(
     stop = stop or StopRequests()
     timeouts = CollectiveTimeouts(config.comm.init_timeout_seconds, config.comm.train_timeout_seconds)
     with timeouts.explained():
-        parts = build_step_parts(job_plan, dataset)
+        training = build_training(job_plan, dataset)
         if config.checkpoint.create_seed_checkpoint:
-            path = create_seed_checkpoint(config.checkpoint, config.job.dump_folder, parts.model, job_plan.model_args)
+            path = create_seed_checkpoint(
+                config.checkpoint, config.job.dump_folder, training.model, job_plan.model_args
+            )
             logger.info("seed checkpoint written to %s", path)
             dist.destroy_process_group()
             return
-        run = build_run(job_plan, parts, dataset, validation_dataset)
-        first_step, start = run.state.step + 1, time.monotonic()
+        run = build_run(job_plan, training, dataset, validation_dataset)
+        replicas, state = training.replicas, training.state
+        first_step, start = state.step + 1, time.monotonic()
         try:
             last = loop(job_plan, run, stop, timeouts)
-            if run.replicas is not None:
-                run.replicas.log_digests()
+            if replicas is not None:
+                replicas.log_digests()
         finally:
-            parts.loader.close()
-            if run.replicas is not None:
-                run.replicas.shutdown()
+            training.step.batches.loader.close()
+            if replicas is not None:
+                replicas.shutdown()
         run.checkpointer.close()
         run.metrics.close()
         if dist.get_rank() == 0 and last is not None:
-            steps = run.state.step - first_step + 1
             log_end(
                 job_plan,
-                run.state.step,
-                run.state.n_skipped_steps,
+                state.step,
+                state.n_skipped_steps,
                 last,
-                steps,
+                state.step - first_step + 1,
                 time.monotonic() - start,
                 run.checkpointer.folder,
                 run.metrics,
-                trained=run.replicas.committed_steps if run.replicas is not None else None,
+                trained=replicas.committed_steps if replicas is not None else None,
             )
         dist.barrier()
         dist.destroy_process_group()
@@ -79,47 +82,49 @@ def train(
 def loop(job_plan: JobPlan, run: Run, stop: StopRequests, timeouts: CollectiveTimeouts) -> StepStats | None:
     """Step, log, validate when due, stop if asked, checkpoint; until the last step or a stop
     request. Returns the last step's stats (None if no step ran)."""
-    training, parts, state = job_plan.config.training, run.parts, run.state
+    training, steps = run.training, job_plan.config.training.steps
+    state, replicas = training.state, training.replicas
     # On GPUs the stop flag travels on a CPU group of its own, so it never syncs the device.
-    stop.group = dist.new_group(backend="gloo") if parts.device.type == "cuda" else None
+    stop.group = dist.new_group(backend="gloo") if training.device.type == "cuda" else None
     stop.checkpointing = job_plan.config.checkpoint.enable
     first_step, stats, trained = state.step + 1, None, False
     stopping = stop.stop_after_step()  # asked to stop while building: there is no step to save
-    compiled = job_plan.parallel.compile_model
-    moe = MoETimeReport(first_step, parts.device, dist.get_rank(), compiled) if parts.balance is not None else None
+    moe = None
+    if isinstance(job_plan.model_args, MoEArgs):
+        moe = MoETimeReport(first_step, training.device, dist.get_rank(), job_plan.parallel.compile_model)
     with profiling(job_plan.config.profiling, job_plan.config.job.dump_folder, dist.get_rank()) as profiler:
-        while state.step < training.steps and not stopping:
-            if run.replicas is not None:
-                run.replicas.begin_step()  # may heal this group: the step and the data position with it
-                if state.step >= training.steps:
+        while state.step < steps and not stopping:
+            if replicas is not None:
+                replicas.begin_step()  # may heal this group: the step and the data position with it
+                if state.step >= steps:
                     break
             state.step += 1
             if moe is not None:
                 moe.before_step(state.step)
             try:
-                stats = train_step(parts, state, local_tokens_per_step(job_plan), stop.requested, run.replicas)
+                stats = train_step(training.step, state, stop.requested)
             except StoppedWaitingForData as waited:
                 state.step -= 1
                 stop_while_waiting(job_plan, run, state, first_step, str(waited))
                 stopping = True
                 break
-            if not stats.committed:
+            if not stats.result.committed:
                 state.step -= 1
                 continue
-            if run.replicas is not None:
-                run.replicas.log_step(state.step, stats.result.loss_avg)
+            if replicas is not None:
+                replicas.log_step(state.step, stats.result.loss_avg)
             run.metrics.log(stats)
             if moe is not None:
                 moe.after_step(state.step, stats)
-            if run.validator is not None and run.validator.due(state.step, training.steps):
-                run.metrics.log_validation(state.step, run.validator.run(parts))
-            check_skipped_steps(state, stats, training.max_consecutive_skipped_steps)
+            if run.validator is not None and run.validator.due(state.step, steps):
+                run.metrics.log_validation(state.step, run.validator.run(training))
+            check_skipped_steps(state, stats, job_plan.config.training.max_consecutive_skipped_steps)
             stopping = stop.stop_after_step()
             run.checkpointer.maybe_save(state.step, stopping=stopping)
             profiler.step(state.step)
             if not trained:  # the first step done (a healed group's step number jumped to its peer's)
                 trained = True
-                timeouts.start_training([*parts.meshes.groups(), *filter(None, [stop.group])])
+                timeouts.start_training([*training.meshes.groups(), *filter(None, [stop.group])])
                 if job_plan.parallel.compile_model or job_plan.parallel.compile_loss:
                     log_compiled(dist.get_rank())
     if moe is not None:
@@ -166,8 +171,3 @@ def check_skipped_steps(state: TrainState, stats: StepStats, limit: int) -> None
             "check the data, and resume from a checkpoint before the divergence (`checkpoint.load_step`); "
             "`training.max_consecutive_skipped_steps = 0` never stops a run for this."
         )
-
-
-def local_tokens_per_step(plan: JobPlan) -> int:
-    """Input tokens one rank's data-parallel replica processes per step (before CP sharding)."""
-    return plan.microbatches * plan.config.training.local_batch_size * plan.config.training.seq_len

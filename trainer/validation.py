@@ -35,7 +35,7 @@ from trainer.loss import IGNORE_INDEX
 
 if TYPE_CHECKING:
     from trainer.data.datasets import TokenDataset
-    from trainer.step.train_step import StepParts
+    from trainer.step.training import Training
 
 
 @dataclass(frozen=True)
@@ -89,25 +89,24 @@ class Validator:
         return inputs, torch.full_like(labels, IGNORE_INDEX)
 
     @torch.no_grad()
-    def run(self, parts: StepParts) -> ValidationResult:
+    def run(self, training: Training) -> ValidationResult:
         """Evaluate every batch of this rank's share; all-reduce the sum and the count."""
         start = time.perf_counter()
-        totals = torch.zeros(2, dtype=torch.float64, device=parts.device)
-        with parts.compute_context():
+        forward, place, pipeline = training.forward, training.step.batches.place, training.pipeline
+        totals = torch.zeros(2, dtype=torch.float64, device=training.device)
+        with forward.context():
             for indices in self._indices:
                 samples = [self._sample(i) for i in indices]
-                batch = parts.place(torch.stack([s[0] for s in samples]), torch.stack([s[1] for s in samples]))
-                if parts.pipeline is not None:  # the summed loss, known on every pipeline rank
-                    loss = parts.pipeline.evaluate(batch.inputs, batch.labels, batch.positions, batch.document_ids)
+                batch = place(torch.stack([s[0] for s in samples]), torch.stack([s[1] for s in samples]))
+                if pipeline is not None:  # the summed loss, known on every pipeline rank
+                    loss = pipeline.evaluate(batch.inputs, batch.labels, batch.positions, batch.document_ids)
                 else:
-                    loss = parts.model_loss(
-                        parts.model, batch.inputs, batch.positions, batch.document_ids, batch.labels
-                    )
+                    loss = forward(batch)
                 if isinstance(loss, DTensor):  # loss parallel: replicated over TP, counted once
                     loss = loss.to_local()
                 totals[0] += loss.double()
                 totals[1] += (batch.labels != IGNORE_INDEX).sum()
-        dist.all_reduce(totals, group=parts.meshes.loss.get_group())
+        dist.all_reduce(totals, group=training.meshes.loss.get_group())
         loss_sum, count = totals.tolist()
         return ValidationResult(
             loss=loss_sum / count if count else math.nan,

@@ -231,3 +231,31 @@ def _inferring(prepare: Callable[..., Any]) -> Callable[..., Any]:
 def buffer_is_persistent(module: nn.Module, name: str) -> bool:
     """Whether ``module``'s own buffer ``name`` goes into its state dict."""
     return name not in module._non_persistent_buffers_set
+
+
+CHUNK_METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+
+
+def observe_chunks(stages: list[Any], running: Callable[[int], None], after_backward: Callable[[], None]) -> None:
+    """Call ``running(chunk)`` before each stage computes one of a step's micro-batches (and its
+    transfers after it), ``after_backward()`` after each backward one: torch's schedules offer no
+    hook, so each stage's chunk methods are wrapped."""
+    for stage in stages:
+        for name in CHUNK_METHODS:
+            setattr(
+                stage, name, _observed(getattr(stage, name), running, after_backward if "backward" in name else None)
+            )
+
+
+def _observed(
+    method: Callable[..., Any], running: Callable[[int], None], after: Callable[[], None] | None
+) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def observed(chunk: int, *args: Any, **kwargs: Any) -> Any:
+        running(chunk)
+        result = method(chunk, *args, **kwargs)
+        if after is not None:
+            after()
+        return result
+
+    return observed

@@ -33,6 +33,9 @@ from trainer.step.train_step import StepStats
 
 logger = logging.getLogger("meshtrain")
 
+EVERY_STEP = frozenset({Tag.REPLICA_GROUPS, Tag.REPLICA_TOKENS, Tag.UNCOMMITTED})
+"""Written at every step, not only log steps."""
+
 CONSOLE_TTY_ENV = "MESHTRAIN_CONSOLE_TTY"
 """Set by ``./run_train.sh`` for the workers: "1" when its own stderr is a terminal, else "0"."""
 
@@ -197,17 +200,10 @@ class MetricsLogger:
         self._window_data_time += stats.data_time_s
         self._window_step_time += stats.step_time_s
         self._n_skipped_steps = stats.n_skipped_steps
-        if stats.replicas is not None and self._writer is not None:
+        every_step = {tag: v for tag, v in stats.result.values.items() if tag in EVERY_STEP}
+        if every_step and self._writer is not None:
             # Every step, not only log steps: a group's absence may last one step.
-            replicas = stats.replicas
-            self._write(
-                {
-                    Tag.REPLICA_GROUPS: len(replicas.groups),
-                    Tag.REPLICA_TOKENS: sum(replicas.tokens),
-                    Tag.UNCOMMITTED: replicas.uncommitted_steps,
-                },
-                stats.step,
-            )
+            self._write(every_step, stats.step)
 
         if not (stats.step == 1 or stats.step % self._log_freq == 0 or stats.step == self._total_steps):
             return
@@ -230,7 +226,7 @@ class MetricsLogger:
                 Tag.LOSS_AVG: stats.result.loss_avg,
                 Tag.LOSS_MAX: stats.result.loss_max,
                 Tag.GRAD_NORM: stats.result.grad_norm,
-                Tag.LR: stats.lr,
+                Tag.LR: stats.result.lr,
                 Tag.VALID_TOKENS: stats.result.n_valid_tokens,
                 Tag.TOKENS_SEEN: self._global_tokens_per_step * stats.step,
                 Tag.TPS: tps,
@@ -249,10 +245,7 @@ class MetricsLogger:
                 Tag.OOMS: memory.num_ooms,
             }
             scalars.update({tag: value for tag, value in optional.items() if value is not None})
-            if stats.balance is not None:
-                if stats.balance.balance_loss is not None:
-                    scalars[Tag.MOE_BALANCE_LOSS] = stats.balance.balance_loss
-                scalars.update(zip(map(moe_load_tag, self._moe_layers), stats.balance.max_load))
+            scalars.update({tag: v for tag, v in stats.result.values.items() if tag not in EVERY_STEP})
             self._write(scalars, stats.step)
 
         self._window_steps = 0
@@ -322,10 +315,11 @@ class MetricsLogger:
         ]
         if mfu is not None:
             fields.append(f"{c['magenta']}mfu: {mfu:.2f}%")
-        if stats.balance is not None:
-            if stats.balance.balance_loss is not None:
-                fields.append(f"{c['yellow']}balance loss: {stats.balance.balance_loss:.4f}")
-            loads = " ".join(f"{load:.2f}" for load in stats.balance.max_load)
+        values = stats.result.values
+        if Tag.MOE_BALANCE_LOSS in values:
+            fields.append(f"{c['yellow']}balance loss: {values[Tag.MOE_BALANCE_LOSS]:.4f}")
+        if self._moe_layers and all(moe_load_tag(layer) in values for layer in self._moe_layers):
+            loads = " ".join(f"{values[moe_load_tag(layer)]:.2f}" for layer in self._moe_layers)
             fields.append(f"{c['yellow']}expert load max/mean per layer: {loads}")
         fields.append(f"{c['white']}eta: {format_duration(eta_s)}")
         if self._n_skipped_steps:

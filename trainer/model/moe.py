@@ -7,35 +7,27 @@ the first ``n_dense_layers`` blocks stay dense (DeepSeek). Routing is **dropless
 reaches its k experts, there is no capacity factor, so the loss cannot depend on how experts
 are laid out over ranks.
 
-Balancing (``trainer/step/expert_balance.py`` drives it per step):
-
-- the aux-loss-free bias (DeepSeek-V3) is added to the scores for the top-k choice only, never to
-  the weights; each layer counts the tokens it routed in ``tokens_per_expert``, once per real
-  forward: a forward inside autograd's backward is activation checkpointing's recomputation and
-  is not counted, nor is a pipeline stage's shape-learning pass;
-- the load-balancing loss ``E * sum_i f_i P_i`` (``f_i``: share of the k x T choices that went to
-  expert i, ``P_i``: mean router probability of expert i) has a scope. Over the ``global_batch``
-  it is a sum over tokens once ``f`` is known, so each micro-batch adds its tokens' part with the
-  step's global ``f`` and the parts add up to the whole batch's loss on every mesh. ``f`` is
-  known before the first backward, either from a forward-only pre-pass or, under full activation
-  checkpointing, from the step's own forwards (all run before any backward: the recomputation in
-  backward reads ``global_counts`` then). Its gradient enters the backward of the summed
-  cross-entropy scaled by ``weight x N``, so the accumulator's one ``1 / N`` leaves it at
-  ``weight``: never divided twice. The logged loss is made from each layer's summed
-  probabilities (``prob_sum``) once the step is over, whichever way ``f`` was learnt.
+The balancing (``trainer/step/expert_balance.py``) is the step's: each MoE layer hands what it
+routed to the routing hooks the step registers (:meth:`MoE.register_routing_hook`), which count
+it and may attach the load-balancing loss ``E * sum_i f_i P_i`` (``f_i``: share of the k x T
+choices that went to expert i, ``P_i``: mean router probability of expert i), whose definition in
+each scope is here (:func:`balance_part`). The aux-loss-free bias (DeepSeek-V3) is a buffer of
+the layer, added to the scores for the top-k choice only, never to the weights.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from parallelisms.moe_split import SPLIT
 from parallelisms.token_permutation import expand_tokens, inverse_permutation, permute_rows
-from parallelisms.torch_private import kernels, pipelining
 from trainer.model.llama3 import FeedForward, ModelArgs, TransformerBlock
 from trainer.model.routed_experts import GroupedExperts
 
@@ -162,8 +154,23 @@ class Balancing:
     global_microbatches: int = 1
     pooled_layers: int = 0
     """transformers' definition: the number of MoE layers whose tokens form one loss (0: per layer)."""
-    prepass: bool = False
-    """The forward-only pre-pass: count the routing into ``global_counts``, nothing else."""
+
+
+class Routed(NamedTuple):
+    """What an MoE layer routed in one forward, for its routing hooks."""
+
+    probs: torch.Tensor
+    """``(tokens, experts)`` float32 router probabilities, summing to one per token."""
+    chosen: torch.Tensor
+    """``(tokens, k)`` the experts each token went to."""
+    counts: torch.Tensor
+    """``(experts,)`` tokens routed to each expert."""
+    sequences: int
+    """The micro-batch's sequences (``tokens / sequences`` tokens each)."""
+
+
+RoutingHook = Callable[["MoE", Routed, torch.Tensor], torch.Tensor]
+"""``hook(layer, routed, out) -> out``: may count ``routed`` and return ``out`` with a loss attached."""
 
 
 def _chunks(n: int, *tensors: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
@@ -201,7 +208,7 @@ def expert_counts(chosen: torch.Tensor, n_experts: int) -> torch.Tensor:
     return flat.new_zeros(n_experts).scatter_add_(0, flat, torch.ones_like(flat))
 
 
-class _AddBalanceLoss(torch.autograd.Function):
+class AddBalanceLoss(torch.autograd.Function):
     """The identity on ``out``, whose backward also gives ``loss`` the gradient ``scale``: the
     balancing loss joins the backward without changing what the model returns."""
 
@@ -233,7 +240,7 @@ class MoE(nn.Module):
         self.exchange_chunks = 1
         """Parts of the tokens the dispatch exchanges one after another, each sorted by expert on
         its own (``parallelisms/expert_parallel.py`` overlaps one's exchange with another's experts)."""
-        self.balancing = Balancing()
+        self._routing_hooks: OrderedDict[int, RoutingHook] = OrderedDict()
         self.fused_combine = False
         """The combine's weighted sum over each token's k rows as elementwise ops and a reduction,
         which compile fuses with the gather into one kernel (``parallelize`` sets it for compiled
@@ -249,6 +256,12 @@ class MoE(nn.Module):
         self.expert_bias.zero_()
         self.reset_counters()
 
+    def register_routing_hook(self, hook: RoutingHook) -> RemovableHandle:
+        """Call ``hook`` with what every forward routed, in the forward (a recomputation's too)."""
+        handle = RemovableHandle(self._routing_hooks)
+        self._routing_hooks[handle.id] = hook
+        return handle
+
     def reset_counters(self) -> None:
         """Clear what a step counts (at its start)."""
         for buffer in (self.tokens_per_expert, self.global_counts, self.balance_sum, self.prob_sum):
@@ -260,7 +273,6 @@ class MoE(nn.Module):
         with SPLIT.part("router"):
             probs, chosen, weights = self.router(flat, self.expert_bias)
             counts = expert_counts(chosen, self.n_experts)
-            counted = self._count(counts)
         # Where the dispatch overlaps chunks of the tokens, each chunk is sorted, sent and
         # combined on its own, so that no routed row is copied to join or split the chunks.
         parts = _chunks(self.exchange_chunks, flat, chosen, weights)
@@ -273,15 +285,19 @@ class MoE(nn.Module):
                 for (tokens, _, _), order, inverse in zip(parts, orders, inverses, strict=True)
             ]
             part_counts = [counts] if len(parts) == 1 else [expert_counts(c, self.n_experts) for _, c, _ in parts]
-        routed = self.experts(rows, part_counts)
+        expert_rows = self.experts(rows, part_counts)
         with SPLIT.part("combine"):
             outs = [
-                self._combine(*args) for args in zip(routed, inverses, orders, [w for _, _, w in parts], strict=True)
+                self._combine(*args)
+                for args in zip(expert_rows, inverses, orders, [w for _, _, w in parts], strict=True)
             ]
             out = outs[0] if len(outs) == 1 else torch.cat(outs)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
-        return self._add_balance_loss(out, probs, chosen, counts, bsz, counted).view(bsz, seq, dim)
+        routed = Routed(probs, chosen, counts, bsz)
+        for hook in self._routing_hooks.values():
+            out = hook(self, routed, out)
+        return out.view(bsz, seq, dim)
 
     def _combine(
         self, routed: torch.Tensor, inverse: torch.Tensor, order: torch.Tensor, weights: torch.Tensor
@@ -292,43 +308,6 @@ class MoE(nn.Module):
         if self.fused_combine:
             return (scale.transpose(1, 2) * unsorted).sum(1)
         return torch.bmm(scale, unsorted).squeeze(1)
-
-    def _count(self, counts: torch.Tensor) -> bool:
-        """Add the routing to the step's counts, once per real training forward; False where this
-        forward cannot be one: a pipeline stage learning its shapes, the pre-pass, no grad. A
-        recomputation is none either, which the op itself skips when it runs inside backward (a
-        compiled block's recomputation runs no Python of this method)."""
-        if pipelining.in_metadata_inference():
-            return False
-        if self.balancing.prepass:
-            self.global_counts += counts
-            return False
-        if not torch.is_grad_enabled():
-            return False
-        kernels.add_unless_in_backward([self.tokens_per_expert], [counts])
-        return True
-
-    def _add_balance_loss(
-        self,
-        out: torch.Tensor,
-        probs: torch.Tensor,
-        chosen: torch.Tensor,
-        counts: torch.Tensor,
-        bsz: int,
-        counted: bool,
-    ) -> torch.Tensor:
-        """Attach this micro-batch's part of the balancing loss, also when recomputed (the
-        recomputed graph is the one backward uses); log it once: in the ``global_batch`` scope
-        by its probabilities, summed, whose loss the step's end makes (``global_balance``)."""
-        balancing = self.balancing
-        if balancing.prepass or balancing.weight == 0 or not torch.is_grad_enabled():
-            return out
-        part = balance_part(probs, chosen, counts, self.global_counts, bsz, balancing)
-        if counted and balancing.scope == "global_batch":
-            kernels.add_unless_in_backward([self.prob_sum], [probs.detach().sum(0)])
-        elif counted:
-            kernels.add_unless_in_backward([self.balance_sum], [part.detach()])
-        return _AddBalanceLoss.apply(out, part, balancing.grad_scale)
 
 
 def balance_part(

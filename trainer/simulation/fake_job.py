@@ -1,7 +1,7 @@
 """One rank of the real job, run in this process on fake tensors and a fake process group.
 
 The rank joins a fake process group of the job's world size (collectives move no data and
-return at once), then the trainer's own code builds it: ``build_step_parts`` makes the mesh and
+return at once), then the trainer's own code builds it: ``build_training`` makes the mesh and
 parallelises the model on the meta device outside the fake mode (FSDP x TP mesh concatenation
 reads tensor values, which fake tensors do not have), then materialises it (drawing no initial
 values: fake tensors hold none) and builds the optimizer, the accumulator and the pipeline
@@ -20,13 +20,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import re
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,15 +37,17 @@ from parallelisms.parallel_dims import Meshes
 from parallelisms.pipeline_parallel import Pipeline
 from parallelisms.torch_private import fsdp, pipelining
 from parallelisms.torch_private.fake import FakeStore, FakeTensorMode, PausingModTracker, disable_current_modes
-from trainer.build import build_step_parts
+from trainer.build import build_training
 from trainer.planning.job_plan import JobPlan
 from trainer.simulation.cost_model import CostRecorder, TracedCost, group_infos
 from trainer.simulation.fusion import nbytes
 from trainer.simulation.memory_tracker import MemoryProfile, MemoryTracker, label_training_state
 from trainer.simulation.microbatches import extend, rank_count, schedule_count, steady_microbatches
-from trainer.step.grad_accumulator import StepResult
 from trainer.step.host_offload import MIN_BYTES, HostOffload
-from trainer.step.train_step import StepParts, fetch_step, forward_backward, optimizer_step
+from trainer.step.part import StepPart, StepResult
+from trainer.step.train_step import train_step
+from trainer.step.training import Training
+from trainer.train_state import TrainState
 
 
 @dataclass
@@ -174,41 +174,32 @@ def run_rank(
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=plan.dims.world_size)
     try:
         tracker = MemoryTracker()
-        allocating = _Allocating(FakeTensorMode(allow_non_fake_inputs=True), tracker)
+        simulated = Simulated(_Allocating(FakeTensorMode(allow_non_fake_inputs=True), tracker), gpus_per_node)
         samples = SyntheticSamples(plan.global_batch_size, plan.config.training.seq_len)
-        parts = build_step_parts(plan, samples, allocating)
-        if parts.pipeline is not None:
-            metadata.attach(parts.pipeline)
+        training = build_training(plan, samples, simulated)
+        recorder = simulated.recorder
+        if training.pipeline is not None:
+            metadata.attach(training.pipeline)
         experts = plan.workload.experts
-        for module in _modules(parts):
+        for module in _modules(training):
             assume_routing(module, AssumedRouting(experts.imbalance if experts else 1.0))
-        recorder = CostRecorder(group_infos(mesh_groups(parts.meshes), gpus_per_node))
-        if parts.offload is not None:
-            parts.offload = _SimulatedOffload(parts.device, recorder)
         tracker.observers.append(recorder)
-        _label_state(tracker, parts)
+        _label_state(tracker, training)
         tracker.label_live("buffers", keep=("params",))
-        with allocating:
-            _create_optimizer_state(parts, tracker)
-        _phase_finalize(parts, tracker, recorder)
-        _attribute_microbatches(parts, recorder, tracker)
-        pp_rank = parts.meshes.pp.get_local_rank()
+        with simulated.tensors:
+            _create_optimizer_state(training, tracker)
+        pp_rank = training.meshes.pp.get_local_rank()
         traced = rank_count(plan, pp_rank) if shorten else schedule_count(plan)
-        if parts.pipeline is not None and traced < real_microbatches:
-            fewer_pipeline_microbatches(parts.pipeline, traced, real_microbatches)
-        microbatches = fetch_step(parts)
+        if training.pipeline is not None and traced < real_microbatches:
+            training.pipeline.shorten(traced, real_microbatches)
         recorder.enabled = True
         modules = PausingModTracker(pipelining.in_metadata_inference)
         recorder.where = functools.partial(_where, tracker, modules)
         SPLIT.naming = True
-        with modules, allocating, _attention_biases_outside_the_fake_mode():
-            tracker.set_phase("forward", 1)
-            tracker.stepping = True
-            result: StepResult = forward_backward(parts, microbatches)
-            tracker.set_phase("optimizer")
-            optimizer_step(parts, result)
-            _label_state(tracker, parts)
-        stages = [s.stage_index for s in parts.pipeline.stages] if parts.pipeline is not None else [0]
+        with modules, simulated.tensors, _attention_biases_outside_the_fake_mode():
+            train_step(training.step, TrainState())
+            _label_state(tracker, training)
+        stages = [s.stage_index for s in training.pipeline.stages] if training.pipeline is not None else [0]
         profile = tracker.profile()
         dist.barrier()
     finally:
@@ -216,6 +207,86 @@ def run_rank(
     steady = steady_microbatches(plan, traced)
     cost = extend(recorder.costs, traced, real_microbatches, steady, reduces_last=plan.dims.pp > 1)
     return RoleRun(rank, pp_rank, stages, profile, cost, traced, time.monotonic() - start)
+
+
+class Simulated:
+    """What a simulated rank is built with instead (``trainer.build.Substitutes``): the fake mode
+    with the memory tracker inside it, the recorder of the step's costs, its host offload, and
+    the parts that watch the step through the same phases as every other part."""
+
+    def __init__(self, tensors: _Allocating, gpus_per_node: int):
+        self.tensors = tensors
+        self.gpus_per_node = gpus_per_node
+        self._recorder: CostRecorder | None = None
+
+    @property
+    def recorder(self) -> CostRecorder:
+        if self._recorder is None:
+            raise RuntimeError("the recorder is made with the step's watchers, once the meshes exist")
+        return self._recorder
+
+    def watchers(
+        self, meshes: Meshes, model: torch.nn.Module, pipeline: Pipeline | None, optimizer: torch.optim.Optimizer
+    ) -> tuple[StepPart, StepPart]:
+        """The first part of the step and the one just before its optimizer step."""
+        self._recorder = CostRecorder(group_infos(mesh_groups(meshes), self.gpus_per_node))
+        watch = WatchedStep(self.tensors.tracker, self._recorder, [model], optimizer)
+        if pipeline is not None:
+            watch.modules += [s.submod for s in pipeline.stages]
+            pipeline.observe_chunks(watch.running, watch.label)
+        return watch, OptimizerPhase(self.tensors.tracker)
+
+    def offload(self, device: torch.device) -> HostOffload:
+        return _SimulatedOffload(device, self.recorder)
+
+
+class WatchedStep(StepPart):
+    """The simulator's first part: which micro-batch each forward and backward is (each forward
+    is its micro-batch's, a counting pre-pass's and held forwards' too, which run before any
+    backward; under PP the schedule's chunks tell), the step's phases for the memory tracker,
+    and before each backward what FSDP holds unsharded (the last one reduces and frees it)."""
+
+    def __init__(
+        self,
+        tracker: MemoryTracker,
+        recorder: CostRecorder,
+        modules: list[torch.nn.Module],
+        optimizer: torch.optim.Optimizer,
+    ):
+        self.tracker, self.recorder, self.modules, self.optimizer = tracker, recorder, modules, optimizer
+
+    def begin(self, batch: list) -> None:
+        self.tracker.set_phase("forward", 1)
+        self.tracker.stepping = True
+
+    def before_forward(self, microbatch: int) -> None:
+        self.recorder.microbatch = microbatch
+
+    def before_backward(self, microbatch: int) -> None:
+        self.recorder.microbatch = microbatch
+        self.label()
+
+    def running(self, chunk: int) -> None:
+        self.recorder.microbatch = chunk
+
+    def label(self) -> None:
+        label_training_state(self.tracker, self.modules, self.optimizer)
+
+    def finish(self, result: StepResult) -> None:
+        """The finalize: a phase of its own, run by no micro-batch; labels the gradients it is
+        about to scale."""
+        self.tracker.stepping = False
+        self.recorder.microbatch = None
+        self.tracker.set_phase("finalize")
+        self.label()
+
+
+class OptimizerPhase(StepPart):
+    def __init__(self, tracker: MemoryTracker):
+        self.tracker = tracker
+
+    def finish(self, result: StepResult) -> None:
+        self.tracker.set_phase("optimizer")
 
 
 def _where(tracker: MemoryTracker, modules: PausingModTracker) -> tuple[str, bool]:
@@ -269,39 +340,14 @@ def mesh_groups(meshes: Meshes) -> dict[str, dist.ProcessGroup]:
     return groups
 
 
-def fewer_pipeline_microbatches(pipeline: Pipeline, count: int, real: int) -> None:
-    """Run ``count`` of the step's pipeline micro-batches, the first ones, while each stage
-    still holds what it holds for ``real`` of them: torch's stages allocate every micro-batch's
-    receive buffers (activations, gradients) before the step, and keep them through it.
-
-    Torch's schedules refuse fewer micro-batches than stages when they are built, because every
-    rank must run as many as the others; a simulated rank runs alone (``microbatches.py``).
-    Through the schedule's and the stages' internals (``parallelisms/torch_private/pipelining.py``)."""
-    rows = count * pipeline.microbatch_size
-    step = pipeline.step
-
-    def shortened(
-        inputs: torch.Tensor,
-        labels: torch.Tensor,
-        positions: torch.Tensor | None = None,
-        document_ids: torch.Tensor | None = None,
-    ) -> list[torch.Tensor]:
-        per_sample = [t[:rows] if t is not None else None for t in (positions, document_ids)]
-        return step(inputs[:rows], labels[:rows], *per_sample)
-
-    pipelining.run_fewer_microbatches(pipeline.schedule, pipeline.stages, count, real)
-    pipeline.microbatches = count
-    pipeline.step = shortened  # type: ignore[method-assign]
-
-
-def _create_optimizer_state(parts: StepParts, tracker: MemoryTracker) -> None:
+def _create_optimizer_state(training: Training, tracker: MemoryTracker) -> None:
     """Make AdamW's state before the traced step, so that it is a steady one, as every step
     after the first is. The state is made as AdamW's first step makes it (``create_adamw_state``),
     not by that step: DTensor plans a fused or multi-tensor op over a rank's hundreds of
     parameters for seconds, a cost the traced step pays once already."""
     tracker.set_phase("optimizer", 0)
-    create_adamw_state(parts.optimizer)
-    _label_state(tracker, parts)
+    create_adamw_state(training.optimizer.optimizer)
+    _label_state(tracker, training)
 
 
 def create_adamw_state(optimizer: torch.optim.Optimizer) -> None:
@@ -321,79 +367,9 @@ def create_adamw_state(optimizer: torch.optim.Optimizer) -> None:
                 state["max_exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
 
 
-def _attribute_microbatches(parts: StepParts, recorder: CostRecorder, tracker: MemoryTracker) -> None:
-    """Tell ``recorder`` which micro-batch runs: the accumulator starts each one's backward, and
-    each forward is its micro-batch's, in the step's order, the counting pre-pass's and exact
-    balancing's held forwards too (which run before any backward); under PP the schedule runs
-    each stage's chunks (and the transfers after them) by micro-batch index. Before each backward
-    (after each pipeline backward), ``tracker`` learns what the gradients FSDP holds unsharded
-    are: the last one reduces and frees them before the step ends."""
-    if parts.pipeline is None:
-        accumulator = parts.accumulator
-        prepare: Callable[[int], None] = accumulator.prepare_backward
-        begin: Callable[[list[torch.Tensor]], None] = accumulator.begin_step
-        model_loss = parts.model_loss
-        forwards = itertools.count()
-        step_microbatches = 1
-
-        def beginning(labels: list[torch.Tensor]) -> None:
-            nonlocal forwards, step_microbatches
-            forwards, step_microbatches = itertools.count(), len(labels)
-            begin(labels)
-
-        def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
-            recorder.microbatch = next(forwards) % step_microbatches
-            return model_loss(*args, **kwargs)
-
-        def starting(microbatch: int) -> None:
-            recorder.microbatch = microbatch
-            # The gradients FSDP accumulates unsharded (deferred reduction) exist from the first
-            # backward on and are freed by the last one's reduction, before the step labels them.
-            _label_state(tracker, parts)
-            prepare(microbatch)
-
-        accumulator.begin_step = beginning  # type: ignore[method-assign]
-        accumulator.prepare_backward = starting  # type: ignore[method-assign]
-        parts.model_loss = forward  # type: ignore[assignment]
-    else:
-        for stage in parts.pipeline.stages:
-            for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
-                after = functools.partial(_label_state, tracker, parts) if name.startswith("backward") else None
-                setattr(stage, name, _running_chunk(getattr(stage, name), recorder, after))
+def _label_state(tracker: MemoryTracker, training: Training) -> None:
+    label_training_state(tracker, _modules(training), training.optimizer.optimizer)
 
 
-def _running_chunk(
-    method: Callable[..., Any], recorder: CostRecorder, after: Callable[[], None] | None
-) -> Callable[..., Any]:
-    @functools.wraps(method)
-    def running(chunk: int, *args: Any, **kwargs: Any) -> Any:
-        recorder.microbatch = chunk
-        result = method(chunk, *args, **kwargs)
-        if after is not None:
-            after()
-        return result
-
-    return running
-
-
-def _phase_finalize(parts: StepParts, tracker: MemoryTracker, recorder: CostRecorder) -> None:
-    """Mark the accumulator's finalize as a phase of its own (the loop calls it inside
-    ``forward_backward``), run by no micro-batch, and label the gradients it is about to scale."""
-    finalize: Callable[[], StepResult] = parts.accumulator.finalize
-
-    def phased() -> StepResult:
-        tracker.stepping = False
-        recorder.microbatch = None
-        tracker.set_phase("finalize")
-        _label_state(tracker, parts)
-        return finalize()
-
-    parts.accumulator.finalize = phased  # type: ignore[method-assign]
-
-
-def _label_state(tracker: MemoryTracker, parts: StepParts) -> None:
-    label_training_state(tracker, _modules(parts), parts.optimizer)
-
-
-def _modules(parts: StepParts) -> list[torch.nn.Module]:
-    return [parts.model] + ([s.submod for s in parts.pipeline.stages] if parts.pipeline else [])
+def _modules(training: Training) -> list[torch.nn.Module]:
+    return [training.model] + ([s.submod for s in training.pipeline.stages] if training.pipeline else [])

@@ -1,14 +1,3 @@
-"""One training step: what it is made of (``train_step.py``), how it normalises the loss
-(``grad_accumulator.py``) and the parts that take part in it."""
-
-from trainer.step.train_step import (
-    MicroBatch,
-    StepParts,
-    StepStats,
-    fetch_step,
-    forward_backward,
-    optimizer_step,
-    train_step,
-)
-
-__all__ = ["MicroBatch", "StepParts", "StepStats", "fetch_step", "forward_backward", "optimizer_step", "train_step"]
+"""One training step and what it is made of: the schedule of its forwards and backwards, its parts
+(the gradient accumulator that normalises the loss, the gradients' reduction, MoE balancing, the
+replica groups' commit, the optimizer step), and the one owner of its sums over ranks."""

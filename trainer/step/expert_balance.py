@@ -1,75 +1,65 @@
 """Balancing a Mixture-of-Experts over the whole step, exactly, on every mesh.
 
-Two mechanisms, both defined on the step's *global* batch so that, like the loss, they do not
+Both mechanisms are defined on the step's *global* batch, so that, like the loss, they do not
 depend on the mesh or the accumulation count:
 
-- **aux-loss-free bias** (DeepSeek-V3): after the step's backward, the tokens every MoE layer
-  routed to each expert, summed over the step's micro-batches and the routing mesh (data-parallel
-  ranks, context-parallel shards and tensor-parallel ranks, which route their own sequence
-  shards: ``Meshes.routing``), move each expert's routing bias by ``bias_update_rate``
-  towards the mean load (``sign``, centred). Counts are integers summed exactly, and each token
-  is counted once: the layers skip the recomputation of activation checkpointing. A move that
-  would leave a bias non-finite is not made, and the optimizer step is skipped as for a
-  non-finite gradient.
-- **balancing loss** ``E x sum_i f_i P_i`` per layer, in one of three scopes. For
-  ``global_batch`` the frequencies ``f`` must be those of the whole step before the first
-  backward, summed over the routing mesh (one all-reduce of layers x experts counts). The
-  forward's values do not depend on ``f`` (only the loss's gradient does), so where the step can
-  run every micro-batch's forward before any backward, its own forwards count them
-  (``hold_forwards``): under full activation checkpointing, whose forwards keep only each block's
-  input, ``trainer/step/train_step.py`` runs the step's forwards, this sums their counts, then every
-  micro-batch's backward recomputes its blocks with the step's ``f``: no extra compute, and the
-  step holds every micro-batch's block inputs until its backwards (the memory plan counts them;
-  where they would not fit on a GPU they wait in host memory, ``trainer/step/host_offload.py``, and
-  where that would not fit either the pre-pass counts: ``Workload.holds_forwards`` and ``fitted``
-  in ``trainer/planning/held_for_speed.py``, ``moe.held_forwards``). Elsewhere (no or selective checkpointing,
-  whose held forwards would keep every micro-batch's activations; pipeline parallelism, whose
-  schedules interleave forwards and backwards; the loss unchunked, whose logits would be held) a
-  forward-only
-  **counting pre-pass** runs the step's micro-batches through the model without autograd first:
-  one extra forward per micro-batch, about a quarter to a third of a step's compute (measured in
-  ``benchmarks/moe_balance.py``). The loss's gradient is scaled by ``weight x N`` (the step's
-  valid tokens) so that the accumulator's single ``1 / N`` leaves it at ``weight``.
+- **aux-loss-free bias** (DeepSeek-V3): after the step's backward, the tokens each MoE layer routed
+  to each expert, summed over the micro-batches and the routing mesh (``sums.Ranks.ROUTING``),
+  move each expert's bias by ``bias_update_rate`` towards the mean load (``sign``, centred). A
+  move that would leave a bias non-finite is not made, and the step is skipped.
+- **balancing loss** ``E x sum_i f_i P_i`` in a scope. For ``global_batch`` the frequencies ``f``
+  are those of the whole step, known before the first backward: the schedule counts them first
+  (``schedules.py``), in a forward-only pre-pass, or in the step's own forwards when they are held
+  until the backwards (full activation checkpointing: the backwards' recomputations then read
+  ``f``). Its gradient enters the summed loss's backward scaled by ``weight x N``, so the
+  accumulator's one ``1 / N`` leaves it at ``weight``. With ``pooled`` layers (transformers' aux
+  loss) one loss over every MoE layer's tokens, whose counts are summed over the stages too.
 
-**Layers pooled** (``balance_loss_layers = "pooled"``, transformers' ``output_router_logits``
-aux loss): one ``E x sum_i f_i P_i`` over every MoE layer's tokens together, ``f_i`` the choices
-of expert ``i`` per token-layer (summing to k), ``P_i`` its mean probability over token-layers.
-In the ``global_batch`` scope each layer's part uses the counts of all layers summed, so the
-parts add up to the pooled loss; the step's counts are therefore summed over the pipeline
-stages too.
-
-**Pipeline parallelism.** A rank holds only its stages' MoE layers. The pre-pass runs the
-step's micro-batches forward-only through the pipeline (``Pipeline.forward_only``) and each stage
-counts its own layers; per layer, those counts are summed over the routing mesh alone. The step's
-statistics, and the pooled loss's counts, are whole-model tables ``(MoE layers, experts)``, a
-rank filling the rows of its layers and leaving zeros elsewhere, so one sum over the pipeline
-ranks and the routing mesh gives every rank the whole model's.
-
-**Fault-tolerant replica groups** (``trainer/replica_groups.py``): a step is one process's step
-over the micro-batches of the groups that took part in it. Each sum above, once done over the
-routing mesh, is done again over the participating groups (:class:`AcrossGroups`), and the
-step's global sizes (``Balancing.global_tokens`` and the others) are the group's times the
-participants, set after the step's quorum and before its first forward. Every group then
-decides and makes the same bias move, or refuses the same non-finite one, from the same sums;
-a group that was left out receives its peers' biases when it heals (they are model buffers).
-A move made in a step that does not commit is taken back (:meth:`ExpertBalance.undo_bias_move`).
-
-The step's statistics (:class:`BalanceStats`): the balancing loss (mean over MoE layers, or the
-pooled loss, summed over the routing mesh) and each layer's max / mean expert load.
+Every layer hands what it routed to :meth:`ExpertBalance.routed`, which decides: a forward inside
+backward (a recomputation) or a pipeline stage learning its shapes counts nothing, a validation
+forward (between steps) neither counts nor carries the loss. Under pipeline parallelism a rank
+holds only its stages' layers; the step's statistics are whole-model tables ``(MoE layers,
+experts)``, each rank filling its rows, summed over the stages and the routing mesh. With replica
+groups every sum goes on over the participating groups (``sums.py``), so every group moves the
+same biases; a move in a step that did not commit is taken back (:meth:`ExpertBalance.undo`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from parallelisms.model_parts import blocks
-from trainer.model.moe import Balancing, MoE, global_balance, moe_layers
+from parallelisms.torch_private import kernels, pipelining
+from trainer.model.moe import AddBalanceLoss, Balancing, MoE, Routed, balance_part, global_balance, moe_layers
+from trainer.step.part import StepPart, StepResult
+from trainer.step.sums import Ranks, StepSums
+
+logger = logging.getLogger("meshtrain")
+
+COUNTING = ("prepass", "forwards", "none")
+"""How the step learns the routing before its first backward: a forward-only pre-pass, its own
+held forwards, or not at all (no ``global_batch`` balancing loss)."""
+
+
+@dataclass(frozen=True)
+class BalanceSettings:
+    """The balancing as the plan resolves it (``moe.*``), with the step's global sizes."""
+
+    bias_update_rate: float
+    loss_weight: float
+    loss_scope: str
+    loss_layers: str
+    global_sizes: tuple[int, int, int]
+    """One replica group's tokens, sequences and micro-batches per step."""
+    moe_layer_ids: tuple[int, ...]
+    """The block index of every MoE layer of the whole model."""
+    n_experts: int
+    counting: str = "none"
 
 
 @dataclass(frozen=True)
@@ -85,73 +75,32 @@ class BalanceStats:
     """``(layers, experts)`` routing biases after the update."""
 
 
-class AcrossGroups(Protocol):
-    """The fault-tolerant replica groups of the step, as the balancing sees them."""
+class ExpertBalance(StepPart):
+    """Resets the layers' counters as the step begins, shares the counting forwards' routing,
+    and after the step sums the tables and moves the biases (or skips the step)."""
 
-    def participants(self) -> int:
-        """How many groups take part in the step (known once its quorum is agreed)."""
-        ...
-
-    def sum_(self, tensors: list[torch.Tensor]) -> None:
-        """Sum each tensor in place over the groups that take part in the step."""
-        ...
-
-
-class ExpertBalance:
-    """Per step: ``begin_step`` before the first forward, ``finish_step`` after the last backward,
-    before the optimizer step (which it may skip: ``bias_skipped``)."""
-
-    def __init__(
-        self,
-        model: nn.Module,
-        loss_group: dist.ProcessGroup | None,
-        *,
-        bias_update_rate: float,
-        loss_weight: float,
-        loss_scope: str,
-        global_batch: int,
-        seq_len: int,
-        global_microbatches: int,
-        loss_layers: str = "per_layer",
-        moe_layer_ids: Sequence[int] | None = None,
-        n_experts: int = 0,
-        stats_group: dist.ProcessGroup | None = None,
-        pp_group: dist.ProcessGroup | None = None,
-        hold_forwards: bool = False,
-    ):
-        """``moe_layer_ids``: the block index of every MoE layer of the whole model (default:
-        those ``model`` holds); under pipeline parallelism ``stats_group`` is the routing mesh times
-        the pipeline ranks and ``pp_group`` the pipeline ranks alone (a stage may hold no MoE
-        layer; ``n_experts`` then sizes its rows). ``hold_forwards``: the step runs every forward
-        before any backward and calls ``count_forwards`` in between, instead of the pre-pass
-        (``Workload.holds_forwards`` in ``trainer/planning/memory_plan.py`` decides)."""
+    def __init__(self, model: nn.Module, sums: StepSums, settings: BalanceSettings):
         held = [(int(name), layer) for name, block in blocks(model).items() for layer in moe_layers(block)]
-        ids = list(moe_layer_ids) if moe_layer_ids is not None else [i for i, _ in held]
+        ids = list(settings.moe_layer_ids)
         self.layers: list[MoE] = [layer for _, layer in held]
         self.rows = [ids.index(i) for i, _ in held]
         """The whole model's row of each of this rank's MoE layers."""
         self.n_rows = len(ids)
-        self.n_experts = self.layers[0].n_experts if self.layers else n_experts
+        self.n_experts = settings.n_experts
         self.device = self.layers[0].expert_bias.device if self.layers else next(model.parameters()).device
-        self.loss_group = loss_group
-        self.stats_group = stats_group or loss_group
-        self.pp_group = pp_group
-        self.bias_update_rate = bias_update_rate
-        self.bias_skipped = False
-        """Whether the last ``finish_step`` refused a bias move that was not finite."""
-        self.hold_forwards = hold_forwards and loss_weight > 0 and loss_scope == "global_batch"
-        self.pooled = loss_layers == "pooled"
-        self.group_sizes = (global_batch * seq_len, global_batch, global_microbatches)
-        """This job's tokens, sequences and micro-batches per step: the step's, times the
-        participating replica groups under fault tolerance."""
-        self.groups: AcrossGroups | None = None
-        """Fault-tolerant replica groups, set with them (``trainer/build.py``), else None."""
+        self.sums = sums
+        self.settings = settings
+        self.pooled = settings.loss_layers == "pooled"
+        exact = settings.loss_weight > 0 and settings.loss_scope == "global_batch"
+        self.counting = settings.counting if exact else "none"
+        self.last: BalanceStats | None = None
+        """The statistics of the last step that finished."""
         self._bias_before: list[torch.Tensor] = []
-        """This rank's biases before the last step's move, which ``undo_bias_move`` restores."""
-        tokens, sequences, microbatches = self.group_sizes
+        self._phase = "between steps"
+        tokens, sequences, microbatches = settings.global_sizes
         self.balancing = Balancing(
-            weight=loss_weight,
-            scope=loss_scope,
+            weight=settings.loss_weight,
+            scope=settings.loss_scope,
             global_tokens=tokens,
             global_sequences=sequences,
             global_microbatches=microbatches,
@@ -159,73 +108,81 @@ class ExpertBalance:
             grad_scale=torch.zeros((), device=self.device),
         )
         for layer in self.layers:
-            layer.balancing = self.balancing
+            layer.register_routing_hook(self.routed)
 
-    @property
-    def counting_prepass(self) -> bool:
-        return self.balancing.weight > 0 and self.balancing.scope == "global_batch" and not self.hold_forwards
-
-    def begin_step(self, prepass: Callable[[], None], n_valid_tokens: Callable[[], int]) -> None:
-        """Clear the step's counters; for the balancing loss, learn the step's N and (global scope,
-        unless the step holds its forwards) run ``prepass`` (every micro-batch's forward) to count
-        the global routing."""
+    def begin(self, batch: list) -> None:
+        """Clear the step's counters and set its global sizes (times the participating replica
+        groups); for the balancing loss, its gradient's scale ``weight x N``."""
         for layer in self.layers:
             layer.reset_counters()
         self._bias_before = []
-        participants = self.groups.participants() if self.groups is not None else 1
-        tokens, sequences, microbatches = self.group_sizes
+        participants = self.sums.participants()
+        tokens, sequences, microbatches = self.settings.global_sizes
         self.balancing.global_tokens = participants * tokens
         self.balancing.global_sequences = participants * sequences
         self.balancing.global_microbatches = participants * microbatches
-        if self.balancing.weight == 0:
-            return
-        self.balancing.grad_scale.fill_(self.balancing.weight * n_valid_tokens())
-        if not self.counting_prepass:
-            return
-        self.balancing.prepass = True
-        try:
-            with torch.no_grad():
-                prepass()
-        finally:
-            self.balancing.prepass = False
-        self._share([layer.global_counts for layer in self.layers])
+        if self.balancing.weight > 0:
+            self.balancing.grad_scale.fill_(self.balancing.weight * int(self.sums.count().item()))
+        self._phase = "pre-pass" if self.counting == "prepass" else "step"
 
-    def count_forwards(self) -> None:
-        """With ``hold_forwards``, after the step's forwards and before its first backward: the
-        step's global counts from what the forwards counted, for the recomputations to read."""
-        self._share([layer.tokens_per_expert for layer in self.layers])
+    def forwards_done(self) -> None:
+        """The counting forwards have run: every layer's ``global_counts`` becomes the step's."""
+        if self.counting == "prepass":
+            self._share([layer.global_counts for layer in self.layers])
+        elif self.counting == "forwards":
+            self._share([layer.tokens_per_expert for layer in self.layers])
+        self._phase = "step"
+
+    def routed(self, layer: MoE, routed: Routed, out: torch.Tensor) -> torch.Tensor:
+        """A layer's routing hook: count what a training forward routed (once: not in a
+        recomputation, which the op itself skips, nor in a stage's shape-learning pass) and attach
+        the layer's part of the balancing loss to its output."""
+        if self._phase == "between steps" or pipelining.in_metadata_inference():
+            return out
+        if self._phase == "pre-pass":
+            layer.global_counts += routed.counts
+            return out
+        if not torch.is_grad_enabled():
+            return out
+        kernels.add_unless_in_backward([layer.tokens_per_expert], [routed.counts])
+        balancing = self.balancing
+        if balancing.weight == 0:
+            return out
+        probs, chosen, counts, sequences = routed
+        part = balance_part(probs, chosen, counts, layer.global_counts, sequences, balancing)
+        # The logged loss: in the global scope made from the summed probabilities at the step's end.
+        if balancing.scope == "global_batch":
+            kernels.add_unless_in_backward([layer.prob_sum], [probs.detach().sum(0)])
+        else:
+            kernels.add_unless_in_backward([layer.balance_sum], [part.detach()])
+        return AddBalanceLoss.apply(out, part, balancing.grad_scale)
 
     def _share(self, local: list[torch.Tensor]) -> None:
         """Set every layer's ``global_counts`` to the step's: ``local`` (a row per layer) summed
-        over the routing mesh (then the participating replica groups), and for pooled layers
-        over the layers and pipeline stages too.
+        over the routing mesh, and for pooled layers over the layers and stages too.
 
         Written through ``.data``: under compile a checkpointed block's graph may keep the
         buffer itself for its recomputation, which must read the new counts, and an in-place
         write autograd sees would make that backward refuse a modified saved tensor."""
-        if self.pooled:
-            # Every layer's part needs all layers' counts, those of the other stages included.
+        if self.pooled:  # every layer's part needs all layers' counts, the other stages' included
             counts = self._whole(local)
-            self._sum(counts, self.stats_group)
-            self._sum_groups(counts)
+            self.sums.sum_([counts], Ranks.MODEL)
             for layer in self.layers:
                 layer.global_counts.data.copy_(counts.sum(0))
             return
         if not self.layers:  # nor do the routing mesh's other ranks: they run the same stages
             return
         counts = torch.stack([row.detach() for row in local])
-        self._sum(counts, self.loss_group)
-        self._sum_groups(counts)
+        self.sums.sum_([counts], Ranks.ROUTING)
         for layer, row in zip(self.layers, counts):
             layer.global_counts.data.copy_(row)
 
-    def finish_step(self, skipped: bool) -> BalanceStats:
-        """Sum the step's counts and balancing loss over the routing mesh and the pipeline stages
-        (then the participating replica groups); move the biases unless the optimizer step is
-        skipped, or the move would leave a bias non-finite: then ``bias_skipped`` is set and the
-        caller skips the optimizer step too, as for a non-finite gradient (a NaN bias would route
-        every later token by garbage). Every group decides alike: it moves from the same biases
-        by the same sums."""
+    def finish(self, result: StepResult) -> None:
+        """Sum the step's counts and balancing loss over the model's ranks; move the biases unless
+        the step is skipped, or the move would leave a bias non-finite: then the step is skipped,
+        as for a non-finite gradient (a NaN bias would route every later token by garbage). Every
+        rank and group decides alike: it moves from the same biases by the same sums."""
+        self._phase = "between steps"
         if self.balancing.weight > 0 and self.balancing.scope == "global_batch":
             for layer in self.layers:
                 layer.balance_sum.copy_(
@@ -234,18 +191,22 @@ class ExpertBalance:
         counts = self._whole([layer.tokens_per_expert for layer in self.layers])
         losses = self._whole([layer.balance_sum.reshape(1) for layer in self.layers], 1)[:, 0]
         summed = torch.cat([counts.flatten(), losses])
-        self._sum(summed, self.stats_group)
-        self._sum_groups(summed)
+        self.sums.sum_([summed], Ranks.MODEL)
         counts, losses = summed[: counts.numel()].view_as(counts), summed[counts.numel() :]
-        moving = not skipped and self.bias_update_rate > 0
+        rate = self.settings.bias_update_rate
+        moving = not result.skipped and rate > 0
         moved = [layer.expert_bias for layer in self.layers]
         if moving:
             moved = [layer.expert_bias + self._bias_step(counts[row]) for layer, row in zip(self.layers, self.rows)]
         # Now and moved, whole-model, in one sum over the stages: every rank decides alike.
         biases = torch.stack([self._whole([layer.expert_bias for layer in self.layers]), self._whole(moved)])
-        self._sum(biases, self.pp_group)
-        self.bias_skipped = moving and not bool(torch.isfinite(biases[1]).all())
-        if moving and not self.bias_skipped:
+        self.sums.sum_([biases], Ranks.PIPELINE)
+        refused = moving and not bool(torch.isfinite(biases[1]).all())
+        if refused:
+            reason = f"non-finite routing bias after its move by `moe.bias_update_rate` = {rate:g}"
+            logger.warning("skipping the optimizer step: %s", reason)
+            result.skip(reason)
+        elif moving:
             self._bias_before = [biases[0, row] for row in self.rows]  # the table above already copied them
             for layer, bias in zip(self.layers, moved):
                 layer.expert_bias.copy_(bias)
@@ -253,38 +214,34 @@ class ExpertBalance:
         balance_loss = None
         if self.balancing.weight > 0:
             balance_loss = (losses.sum() if self.pooled else losses.mean()).item()
-        return BalanceStats(
-            balance_loss=balance_loss,
-            max_load=max_load,
-            tokens_per_expert=counts,
-            expert_bias=biases[int(not self.bias_skipped)],
-        )
+        self.last = BalanceStats(balance_loss, max_load, counts, biases[int(not refused)])
+        if balance_loss is not None:
+            result.values["moe/balance_loss"] = balance_loss
+        for layer_id, load in zip(self.settings.moe_layer_ids, max_load):
+            result.values[f"moe/load_max_over_mean/layer_{layer_id}"] = load
 
-    def undo_bias_move(self) -> None:
+    def undo(self) -> None:
         """The step did not commit (its replica groups' quorum broke): its bias move is taken
         back with the rest of it, so that the step run again moves from the same biases."""
         for layer, bias in zip(self.layers, self._bias_before):
             layer.expert_bias.copy_(bias)
         self._bias_before = []
 
+    def describe(self) -> str:
+        s = self.settings
+        how = {"prepass": "counted by a forward-only pre-pass", "forwards": "counted in the held forwards"}
+        loss = f"; loss weight {s.loss_weight:g} per {s.loss_scope} ({how.get(self.counting, 'no counting')})"
+        return f"MoE balancing: bias rate {s.bias_update_rate:g}" + (loss if s.loss_weight > 0 else "")
+
     def _bias_step(self, load: torch.Tensor) -> torch.Tensor:
         """Each expert's bias move: ``bias_update_rate`` towards the mean load, centred."""
-        step = self.bias_update_rate * torch.sign(load.mean() - load)
+        step = self.settings.bias_update_rate * torch.sign(load.mean() - load)
         return step - step.mean()
 
-    def _whole(self, rows: list[torch.Tensor], width: int | None = None) -> torch.Tensor:
+    def _whole(self, rows: Sequence[torch.Tensor], width: int | None = None) -> torch.Tensor:
         """The whole model's ``(MoE layers, width)`` table (width: experts by default) with this
         rank's ``rows`` filled in."""
         table = torch.zeros((self.n_rows, width or self.n_experts), device=self.device)
         for row, values in zip(self.rows, rows):
             table[row] = values.detach()
         return table
-
-    def _sum_groups(self, t: torch.Tensor) -> None:
-        if self.groups is not None:
-            self.groups.sum_([t])
-
-    @staticmethod
-    def _sum(t: torch.Tensor, group: dist.ProcessGroup | None) -> None:
-        if group is not None:
-            dist.all_reduce(t, group=group)

@@ -17,7 +17,7 @@ each of those changes the last bits. Here every sum has one order, fixed by the 
   replicas compute the same sums instead of all-reducing.
 - The gradient norm adds squares per row (FSDP shards along rows, so a row never straddles two
   ranks) with a fixed tree, gathers the row sums and adds them in global row order.
-- The logged loss sum adds the per-micro-batch sums in ``g`` order.
+- The logged loss sum adds the per-micro-batch sums in ``g`` order (``sums.py``, ordered).
 
 Each addition is an elementwise IEEE add, whose result does not depend on where the element
 sits in a tensor (vectorised body or scalar tail). AdamW's ``foreach`` and ``for-loop`` kernels
@@ -26,6 +26,7 @@ have the same property on CPU (``tests/test_layout_invariant.py`` checks it), ``
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -38,52 +39,10 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.utils.hooks import RemovableHandle
 
 from parallelisms.torch_private import fsdp
+from trainer.step.ordered_sums import PairwiseSum, pairwise_rows
+from trainer.step.part import StepPart, StepResult
 
-
-class PairwiseSum:
-    """A running sum over a stream whose tree depends only on how many values came, not on when.
-
-    A binary counter: equal-sized partial sums merge as soon as a second one arrives, so at most
-    ``log2(n) + 1`` buffers are alive and the result is the pairwise sum ``(x0 + x1) + (x2 + x3)``
-    ... of the stream, folded right to left at the end when ``n`` is not a power of two.
-    """
-
-    def __init__(self) -> None:
-        self._stack: list[tuple[int, torch.Tensor]] = []
-
-    def add(self, x: torch.Tensor) -> None:
-        """Add the next value of the stream (not kept: it is copied when it must be)."""
-        size = 1
-        while self._stack and self._stack[-1][0] == size:
-            _, left = self._stack.pop()
-            x = left.add_(x)
-            size *= 2
-        self._stack.append((size, x.clone() if size == 1 else x))
-
-    def total(self) -> torch.Tensor:
-        if not self._stack:
-            raise RuntimeError("PairwiseSum.total() of an empty stream")
-        _, acc = self._stack.pop()
-        while self._stack:
-            _, left = self._stack.pop()
-            acc = left.add_(acc)
-        return acc
-
-
-def pairwise_rows(x: torch.Tensor) -> torch.Tensor:
-    """The sums of the rows of a 2-D tensor, each added by a tree fixed by the row length only.
-
-    Elementwise adds of the row halves (column ``j`` with ``j + n // 2``, an odd last column
-    carried over), so a row's sum does not depend on how many rows there are or where the row
-    lies in memory, which a reduction kernel's blocking does not promise.
-    """
-    if x.shape[1] == 0:
-        return x.new_zeros(x.shape[0])
-    while x.shape[1] > 1:
-        n, half = x.shape[1], x.shape[1] // 2
-        head = x[:, :half] + x[:, half : 2 * half]
-        x = torch.cat([head, x[:, 2 * half :]], dim=1) if n % 2 else head
-    return x[:, 0]
+logger = logging.getLogger("meshtrain")
 
 
 @dataclass
@@ -120,8 +79,9 @@ class _Unit:
     """The last all-to-all's receive buffer and its handle, not yet added to ``sum``."""
 
 
-class LayoutInvariantReduction:
-    """Per step: :meth:`begin_step`, :meth:`add_microbatch` after each backward, then :meth:`finish`.
+class LayoutInvariantReduction(StepPart):
+    """The step's gradient sums in one order: each micro-batch's gradient sent to its owners
+    after its backward, the sums and their norm after the step (:meth:`reduced`).
 
     A unit's exchange starts during the backward, as soon as autograd has produced the gradients
     of all its parameters (a post-accumulate-grad hook on FSDP's unsharded parameters), and runs
@@ -142,15 +102,16 @@ class LayoutInvariantReduction:
         self._units: list[_Unit] | None = None
         self._params: list[_Param] = []
         """Every parameter in the model's order: the order of the norm's rows."""
-        self._losses: list[torch.Tensor] = []
+        self._sent = 0
+        """Micro-batches of this step whose backward has run."""
         self._hooks: dict[int, list[RemovableHandle]] = {}
         for module in model.modules():
             if (group := fsdp.param_group(module)) is not None:
                 handle = module.register_forward_hook(partial(self._install_grad_hooks, id(group)))
                 self._hooks.setdefault(id(group), []).append(handle)
 
-    def begin_step(self) -> None:
-        self._losses = []
+    def begin(self, batch: object) -> None:
+        self._sent = 0
         for unit in self._layout():
             unit.sum, unit.grads, unit.sent, unit.pending = PairwiseSum(), {}, 0, None
 
@@ -172,11 +133,11 @@ class LayoutInvariantReduction:
         if len(unit.grads) == len(unit.params):
             self._send(unit)
 
-    def add_microbatch(self, loss_sum: torch.Tensor) -> None:
-        """After the micro-batch's backward: send what its hooks did not, keep its loss sum."""
-        self._losses.append(loss_sum.detach().float().reshape(1))
+    def after_backward(self, microbatch: int, loss: torch.Tensor) -> None:
+        """After the micro-batch's backward: send what its hooks did not."""
+        self._sent += 1
         for unit in self._layout():
-            if unit.sent == len(self._losses):
+            if unit.sent == self._sent:
                 continue
             for index, p in enumerate(unit.params):
                 grad = fsdp.take_unsharded_grad(p.fsdp_param)
@@ -215,9 +176,9 @@ class LayoutInvariantReduction:
             unit.sum.add(contribution)
         unit.pending = None
 
-    def finish(self) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    def reduced(self) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Set every parameter's gradient (its shard of the summed micro-batch gradients);
-        return the gradients, the sum of their squares over the whole model and the step's loss sum."""
+        return the gradients and their norm over the whole model, ``(1,)``."""
         flats = {}
         for unit in self._layout():
             self._receive(unit)
@@ -241,7 +202,20 @@ class LayoutInvariantReduction:
             local = p.param.grad.to_local()  # type: ignore[union-attr]  # set just above
             row_sums.append(pairwise_rows(local.reshape(-1, p.row_len).square()))
         squares = self._global_rows(torch.cat(row_sums))
-        return grads, pairwise_rows(squares.view(1, -1))[0], self._loss_sum()
+        return grads, pairwise_rows(squares.view(1, -1))[0].sqrt().reshape(1)
+
+    def finish(self, result: StepResult) -> None:
+        """The step's exact values in hexadecimal, for comparing runs line by line."""
+        if self.group is None or dist.get_rank() == 0:
+            logger.info(
+                "exact step values: loss %s, tokens %d, grad norm %s",
+                result.loss_avg.hex(),
+                result.n_valid_tokens,
+                result.grad_norm.hex(),
+            )
+
+    def describe(self) -> str:
+        return "the layout-invariant reduction: each micro-batch's gradient to its owners, summed in global order"
 
     def _global_rows(self, mine: torch.Tensor) -> torch.Tensor:
         """Every parameter's row sums, from every shard, in the model's row order."""
@@ -259,14 +233,6 @@ class LayoutInvariantReduction:
                 pieces.append(gathered[s][starts[s] : starts[s] + n])
                 starts[s] += n
         return torch.cat(pieces)
-
-    def _loss_sum(self) -> torch.Tensor:
-        losses = torch.cat(self._losses)
-        if self.dp > 1:
-            gathered = [torch.empty_like(losses) for _ in range(self.dp)]
-            dist.all_gather(gathered, losses, group=self.group)
-            losses = torch.stack(gathered).t().reshape(-1)  # g = i x dp + rank
-        return pairwise_rows(losses.view(1, -1))[0]
 
     def _layout(self) -> list[_Unit]:
         """The FSDP units with their parameters' rows, in the model's order (found once)."""

@@ -1,0 +1,45 @@
+"""The step's last parts: the optimizer's step, and what must follow a step that moved the weights."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from trainer.step.part import StepPart, StepResult
+
+
+class OptimizerStep(StepPart):
+    """Steps the optimizer unless the step was skipped, clears the gradients and advances the
+    schedule; a step that did not commit does neither (it is run again)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler):
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+
+    def finish(self, result: StepResult) -> None:
+        result.lr = float(self.scheduler.get_last_lr()[0])
+        if result.committed and not result.skipped:
+            self.optimizer.step()
+            result.stepped = True
+        self.optimizer.zero_grad(set_to_none=True)
+        if result.committed:
+            self.scheduler.step()
+
+    def describe(self) -> str:
+        return f"the optimizer step ({type(self.optimizer).__name__}), then the LR schedule"
+
+
+class AfterOptimizerStep(StepPart):
+    """What a step that moved the weights needs next (float8's scales of the gathered weights)."""
+
+    def __init__(self, name: str, action: Callable[[], None]):
+        self.name = name
+        self.action = action
+
+    def finish(self, result: StepResult) -> None:
+        if result.stepped:
+            self.action()
+
+    def describe(self) -> str:
+        return self.name
