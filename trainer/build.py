@@ -24,7 +24,6 @@ import torch.distributed as dist
 from torch.utils.data import Dataset
 
 from parallelisms.expert_parallel import expert_params, gathered_experts
-from parallelisms.float8 import describe as describe_float8
 from parallelisms.float8 import precompute_scales
 from parallelisms.parallel_dims import Meshes, device_type
 from parallelisms.parallelize import Parallelized, parallelize
@@ -42,7 +41,6 @@ from trainer.metrics.reports import log_start, save_config
 from trainer.model.llama3 import Transformer, num_params
 from trainer.model.moe import MoEArgs
 from trainer.optimizer import build_lr_scheduler, build_optimizer
-from trainer.planning.float8_plan import check_float8_backend
 from trainer.planning.job_plan import JobPlan
 from trainer.replica_groups import HealedParts, ReplicaGroups, job_identity
 from trainer.runtime.distributed import init_distributed
@@ -85,12 +83,12 @@ def build_model(
         logger.info("parallelising the model (%s parameters) on the meta device", f"{total:,}")
     parallelized = parallelize(model, meshes, plan.dims, plan.parallel, device.type)
     parts = parallelized.stage_modules or [model]
-    if rank0 and parallelized.float8_linears is not None:
-        logger.info(
-            "float8 (%s): %s",
-            plan.parallel.float8.recipe if plan.parallel.float8 else "",
-            describe_float8(parallelized.float8_linears, model),
-        )
+    float8 = parallelized.float8
+    if rank0 and float8 is not None:
+        for notice in float8.notices:
+            logger.info("%s", notice)
+        recipe = plan.parallel.float8.recipe if plan.parallel.float8 else ""
+        logger.info("float8 (%s): %s", recipe, float8.describe(model if parallelized.split else None))
     local = num_params(model)
     if rank0:
         logger.info("allocating this rank's shards on %s", device.type)
@@ -147,8 +145,6 @@ def build_step_parts(
     """
     config = plan.config
     dev_type = device_type()
-    if fake_tensors is None:
-        check_float8_backend(plan.parallel, plan.dims, "nccl" if dev_type == "cuda" else "gloo")
     device = init_distributed(dev_type, config.comm.init_timeout_seconds)
     layout_invariant = config.debug.layout_invariant
     if config.debug.deterministic or (layout_invariant and dev_type == "cuda"):
