@@ -32,6 +32,7 @@ from trainer.grad_accumulator import GradAccumulator, StepResult
 from trainer.host_offload import HostOffload
 from trainer.loss import ModelLoss
 from trainer.model.llama3 import Transformer
+from trainer.optimizer import LRSchedule
 from trainer.replica_groups import ReplicaGroups, ReplicaStats
 from trainer.train_state import TrainState
 
@@ -56,7 +57,7 @@ class StepParts:
     meshes: Meshes
     model: Transformer
     optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scheduler: LRSchedule
     loader: MicroBatchLoader
     accumulator: GradAccumulator
     loss_parallel: bool
