@@ -10,13 +10,15 @@ from pathlib import Path
 
 import pytest
 from checkpoint_helpers import TINY, one_rank, tiny_manager
-from harness import QUICK, run_train
+from harness import QUICK, ROOT, run_train
 
 from trainer.checkpoint.folders import model_keys
+from trainer.config import load_config
 from trainer.entry.launch import main as launch_main
 from trainer.model.llama3 import FLAVORS, model_args
 from trainer.model.moe import FLAVORS as MOE_FLAVORS
 from trainer.model.moe import MoEArgs
+from trainer.optimizer import schedule_change, schedule_settings
 from trainer.runtime.errors import CheckpointError
 
 __all__ = ["one_rank"]  # the fixture, used by name
@@ -54,6 +56,15 @@ def test_another_model_kind_is_blamed_on_the_model_not_on_its_data(tmp_path: Pat
 )
 def test_the_model_keys_of_a_checkpoint_name_its_flavor(args, keys):
     assert model_keys(args) == keys
+
+
+def test_the_schedule_line_of_docs_checkpoints_is_the_debug_models():
+    def settings(steps: str) -> dict:
+        config = load_config(["--training.steps", steps])
+        return schedule_settings(config.training.steps, config.optimizer.lr, config.lr_scheduler)
+
+    said = schedule_change(settings("2"), settings("4"), 2)
+    assert said is not None and said in " ".join((ROOT / "docs" / "checkpoints.md").read_text().split())
 
 
 RUN = [*QUICK, "--training.steps", "2", "--checkpoint.enable", "--metrics.enable_tensorboard=false"]
