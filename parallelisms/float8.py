@@ -159,7 +159,7 @@ QUIET_TORCHAO = {
 }
 """What importing torchao logs as warnings that float8 training does not use: its own C++/CUDA
 extensions (MX formats, CUTLASS kernels of other recipes, which a CPU build of torch cannot load),
-Triton (its int8 kernels) and a torch deprecation notice about how torchao registers an enum.
+Triton (its int8 kernels) and torch's deprecation notices about how torchao registers its enums.
 Float8 training runs on ``torch._scaled_mm``, or emulated on a CPU."""
 
 
@@ -178,25 +178,29 @@ class _Collect(logging.Filter):
         return True
 
 
-def import_torchao() -> tuple[str, ...]:
-    """Import ``torchao.float8`` with the warnings of :data:`QUIET_TORCHAO` kept out of the log, and
-    return one line saying what they were (empty when torchao was imported already, or said none)."""
+def import_torchao(experts: bool = False) -> tuple[str, ...]:
+    """Import ``torchao.float8`` (with ``experts``, its grouped matmul's prototype too) with the
+    warnings of :data:`QUIET_TORCHAO` kept out of the log, and return one line saying what they
+    were (empty when torchao was imported already, or said none)."""
     seen: list[str] = []
     filters = {name: _Collect(starts, seen) for name, starts in QUIET_TORCHAO.items()}
     for name, quiet in filters.items():
         logging.getLogger(name).addFilter(quiet)
     try:
-        import torchao.float8  # noqa: F401
+        importlib.import_module("torchao.float8")
+        if experts:
+            importlib.import_module("torchao.prototype.moe_training")
     finally:
         for name, quiet in filters.items():
             logging.getLogger(name).removeFilter(quiet)
     if not seen:
         return ()
     extensions = sum("Failed to load" in m or "Skipping import" in m for m in seen)
+    notices = sum("Enum subclass" in m for m in seen)
     parts = [
         *([f"{extensions} of its C++/CUDA extensions not loaded"] if extensions else []),
         *(["no Triton"] if any("triton" in m for m in seen) else []),
-        *(["a torch deprecation notice"] if any("Enum subclass" in m for m in seen) else []),
+        *([f"{notices} torch deprecation notice{'s' * (notices > 1)}"] if notices else []),
     ]
     return (
         f"torchao {torchao_version()} reported {', '.join(parts)}: float8 training uses none of them "
@@ -222,7 +226,7 @@ def check_filters(model: nn.Module, filter_fqns: tuple[str, ...]) -> None:
 def convert_to_float8(model: nn.Module, settings: Float8Settings) -> Float8Conversion:
     """Swap every :func:`convertible` linear of ``model`` for torchao's ``Float8Linear`` in place
     (and, with ``settings.experts``, route the experts' matmuls through float8); say which."""
-    notices = import_torchao()
+    notices = import_torchao(settings.experts)
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     linears = tuple(fqn for fqn, m in model.named_modules() if isinstance(m, nn.Linear))
