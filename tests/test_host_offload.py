@@ -109,6 +109,8 @@ def test_the_plan_says_where_the_forwards_wait_and_refuses_them_where_they_would
     config = load_config(["--config", "debug_moe.toml", "--moe.held_forwards", "host", *FULL])
     lines = held_forwards_line(resolve_job(config, 1).workload)
     assert len(lines) == 1 and "held in pinned host memory" in lines[0] and not cautions(config)
+    (auto,) = held_forwards_line(resolve_job(load_config(["--config", "debug_moe.toml"]), 1).workload)
+    assert "pre-pass of the step (`moe.held_forwards`): held forwards need full activation checkpointing" in auto
     for extra in ([], ["--moe.balance_loss_scope", "micro_batch", *FULL]):
         with pytest.raises(ConfigError, match=r"^`moe.held_forwards` = 'host' would change nothing: "):
             load_config(["--config", "debug_moe.toml", "--moe.held_forwards", "host", *extra])
