@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import importlib.util
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,12 +124,112 @@ def convertible(fqn: str, module: nn.Module, filter_fqns: tuple[str, ...] = ()) 
     return module.in_features % KERNEL_MULTIPLE == 0 and module.out_features % KERNEL_MULTIPLE == 0
 
 
-def convert_to_float8(model: nn.Module, settings: Float8Settings) -> list[str]:
+@dataclass(frozen=True)
+class Float8Conversion:
+    """What :func:`convert_to_float8` did to a whole model, for the start report."""
+
+    converted: tuple[str, ...]
+    """The converted linears' names."""
+    linears: tuple[str, ...]
+    """Every linear layer's name (converted or not)."""
+    notices: tuple[str, ...] = ()
+    """What torchao's import said that a float8 run does not use (:func:`import_torchao`)."""
+
+    def describe(self, stages: nn.Module | None = None) -> str:
+        """One line: how many linears train in float8 and which stayed high precision; with
+        ``stages`` (a pipeline rank's part of the model), how many of them it holds."""
+        kept = [fqn for fqn in self.linears if fqn not in self.converted]
+        kinds = sorted({fqn.split(".")[-1] for fqn in self.converted})
+        kept_kinds = sorted({".".join(fqn.split(".")[-2:]) if "router" in fqn else fqn.split(".")[-1] for fqn in kept})
+        line = (
+            f"{len(self.converted)} of {len(self.linears)} linear layers in float8 ({', '.join(kinds) or 'none'}); "
+            f"kept in high precision: {', '.join(kept_kinds) or 'none'}"
+        )
+        if stages is not None:
+            here = {fqn for fqn, m in stages.named_modules() if isinstance(m, nn.Linear)}
+            if len(here) < len(self.linears):
+                line += f"; this rank's pipeline stages hold {len(here & set(self.converted))} of the converted"
+        return line
+
+
+QUIET_TORCHAO = {
+    "torchao": ("Failed to load ", "Skipping import of cpp extensions"),
+    "torchao.kernel.intmm": ("Warning: Detected no triton",),
+    "torch.utils._pytree": ("is an Enum subclass and is now natively supported",),
+}
+"""What importing torchao logs as warnings that float8 training does not use: its own C++/CUDA
+extensions (MX formats, CUTLASS kernels of other recipes, which a CPU build of torch cannot load),
+Triton (its int8 kernels) and torch's deprecation notices about how torchao registers its enums.
+Float8 training runs on ``torch._scaled_mm``, or emulated on a CPU."""
+
+
+class _Collect(logging.Filter):
+    """Keeps the records :data:`QUIET_TORCHAO` names out of the log, counting them."""
+
+    def __init__(self, starts: tuple[str, ...], seen: list[str]):
+        super().__init__()
+        self.starts, self.seen = starts, seen
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if any(part in message for part in self.starts):
+            self.seen.append(message)
+            return False
+        return True
+
+
+def import_torchao(experts: bool = False) -> tuple[str, ...]:
+    """Import ``torchao.float8`` (with ``experts``, its grouped matmul's prototype too) with the
+    warnings of :data:`QUIET_TORCHAO` kept out of the log, and return one line saying what they
+    were (empty when torchao was imported already, or said none)."""
+    seen: list[str] = []
+    filters = {name: _Collect(starts, seen) for name, starts in QUIET_TORCHAO.items()}
+    for name, quiet in filters.items():
+        logging.getLogger(name).addFilter(quiet)
+    try:
+        importlib.import_module("torchao.float8")
+        if experts:
+            importlib.import_module("torchao.prototype.moe_training")
+    finally:
+        for name, quiet in filters.items():
+            logging.getLogger(name).removeFilter(quiet)
+    if not seen:
+        return ()
+    extensions = sum("Failed to load" in m or "Skipping import" in m for m in seen)
+    notices = sum("Enum subclass" in m for m in seen)
+    parts = [
+        *([f"{extensions} of its C++/CUDA extensions not loaded"] if extensions else []),
+        *(["no Triton"] if any("triton" in m for m in seen) else []),
+        *([f"{notices} torch deprecation notice{'s' * (notices > 1)}"] if notices else []),
+    ]
+    return (
+        f"torchao {torchao_version()} reported {', '.join(parts)}: float8 training uses none of them "
+        "(it runs on torch._scaled_mm, emulated on a CPU)",
+    )
+
+
+def check_filters(model: nn.Module, filter_fqns: tuple[str, ...]) -> None:
+    """Raise :class:`ParallelismError` for a ``filter_fqns`` entry that matches no linear layer
+    :func:`convertible` would convert: it would keep nothing in high precision."""
+    names = [fqn for fqn, module in model.named_modules() if convertible(fqn, module)]
+    for name in filter_fqns:
+        if not any(fqn == name or fqn.endswith("." + name) for fqn in names):
+            ends = sorted({".".join(fqn.split(".")[-2:]) for fqn in names})
+            raise ParallelismError(
+                f"{{float8_filter}} names {name!r}, which neither is nor ends the name of a linear layer float8 "
+                f"converts, so it keeps nothing in high precision (the output layer, the router and odd-sized "
+                f"linears stay there anyway): name one of {', '.join(ends)}, or a full name such as "
+                f"{names[0]!r}, or drop it."
+            )
+
+
+def convert_to_float8(model: nn.Module, settings: Float8Settings) -> Float8Conversion:
     """Swap every :func:`convertible` linear of ``model`` for torchao's ``Float8Linear`` in place
-    (and, with ``settings.experts``, route the experts' matmuls through float8); return the
-    names of the converted linears."""
+    (and, with ``settings.experts``, route the experts' matmuls through float8); say which."""
+    notices = import_torchao(settings.experts)
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
+    linears = tuple(fqn for fqn, m in model.named_modules() if isinstance(m, nn.Linear))
     config = Float8LinearConfig.from_recipe_name(settings.recipe)
     config = dataclasses.replace(
         config, enable_fsdp_float8_all_gather=settings.fsdp_float8_all_gather, emulate=settings.emulate
@@ -146,7 +247,7 @@ def convert_to_float8(model: nn.Module, settings: Float8Settings) -> list[str]:
         for module in model.modules():
             if hasattr(module, "grouped_mm"):
                 setattr(module, "grouped_mm", float8_grouped_mm)  # noqa: B010 - a plain attribute of the experts
-    return converted
+    return Float8Conversion(tuple(converted), linears, notices)
 
 
 def float8_grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -179,15 +280,3 @@ def tensor_parallel_styles(settings: Float8Settings | None) -> dict[str, Any]:
     )
 
     return {"colwise": Float8ColwiseParallel, "rowwise": Float8RowwiseParallel, "prepare": PrepareFloat8ModuleInput}
-
-
-def describe(converted: list[str], model: nn.Module) -> str:
-    """One line for the start report: how many linears train in float8 and which stayed high precision."""
-    linears = [fqn for fqn, m in model.named_modules() if isinstance(m, nn.Linear)]
-    kept = [fqn for fqn in linears if fqn not in converted]
-    kinds = sorted({fqn.split(".")[-1] for fqn in converted})
-    kept_kinds = sorted({".".join(fqn.split(".")[-2:]) if "router" in fqn else fqn.split(".")[-1] for fqn in kept})
-    return (
-        f"{len(converted)} of {len(linears)} linear layers in float8 ({', '.join(kinds) or 'none'}); "
-        f"kept in high precision: {', '.join(kept_kinds) or 'none'}"
-    )

@@ -36,7 +36,7 @@ from torch import nn
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.context_parallel import ContextParallel, resolve_backend
 from parallelisms.expert_parallel import apply_expert_parallel
-from parallelisms.float8 import Float8Settings, convert_to_float8, tensor_parallel_styles
+from parallelisms.float8 import Float8Conversion, Float8Settings, convert_to_float8, tensor_parallel_styles
 from parallelisms.fsdp import apply_fsdp
 from parallelisms.model_parts import blocks, moe_layers
 from parallelisms.parallel_dims import Meshes, ParallelDims, ParallelismError
@@ -215,8 +215,8 @@ class Parallelized:
     context_parallel: ContextParallel | None
     stage_modules: list[nn.Module] | None = None
     split: PipelineSplit | None = None
-    float8_linears: list[str] | None = None
-    """The names of the linear layers converted to float8 (None: float8 is off)."""
+    float8: Float8Conversion | None = None
+    """Which linear layers of the whole model train in float8 (None: float8 is off)."""
 
 
 def parallelize(
@@ -229,7 +229,7 @@ def parallelize(
     """
     if settings.compile_model or settings.compile_loss:
         scope_compile_cache()
-    float8_linears = convert_to_float8(model, settings.float8) if settings.float8 else None
+    float8 = convert_to_float8(model, settings.float8) if settings.float8 else None
     split = pipeline_split(dims, settings, len(blocks(model))) if dims.pp > 1 else None
     parts = split_model(model, split, meshes.pp.get_local_rank()) if split else [model]
     context_parallel = None
@@ -269,4 +269,4 @@ def parallelize(
             experts_stay_gathered=settings.experts_stay_gathered,
             replicated_mesh=meshes.replicated_fsdp if dims.tp > 1 else None,
         )
-    return Parallelized(context_parallel, parts if split else None, split, float8_linears)
+    return Parallelized(context_parallel, parts if split else None, split, float8)

@@ -10,8 +10,9 @@ the step) by value. Prints which kinds of state differ (model weights, optimizer
 state...) and which are the same, the first differing entry, and the largest absolute and
 relative differences over the tensors: the question "why did these two runs diverge" starts
 from what, where and by how much. Exit 0 when every entry is identical, 1 when any differs, 2
-when an argument is not a checkpoint. Runs in one process without a process group; holds both
-checkpoints in memory.
+when an argument is not a checkpoint, 3 when one is damaged (a file missing, truncated or not
+matching its checksum, its metadata unreadable): a damaged checkpoint is not a divergence. Runs in
+one process without a process group; holds both checkpoints in memory.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # noqa: E402
 
+from trainer.checkpoint.folders import checkpoint_problem  # noqa: E402
+from trainer.checkpoint.integrity import METADATA_FILE, checksum_problem  # noqa: E402
 from trainer.runtime.errors import UserError, report  # noqa: E402
 
 KINDS = (
@@ -51,6 +54,13 @@ class NotACheckpointError(UserError, ValueError):
     label = "not a checkpoint"
 
 
+class DamagedCheckpointError(UserError, ValueError):
+    """An argument whose checkpoint cannot be read whole."""
+
+    label = "damaged checkpoint"
+    exit_code = 3
+
+
 def kind(key: str) -> str:
     """The kind of state an entry belongs to, as the report names it."""
     return next((name for prefix, name in KINDS if key.startswith(prefix)), key.split(".", 1)[0])
@@ -58,19 +68,27 @@ def kind(key: str) -> str:
 
 def read_entries(folder: Path) -> dict[str, Any]:
     """Every entry of the checkpoint at ``folder``: tensors whole and on the CPU, other values as saved."""
-    try:
-        metadata = dcp.FileSystemReader(str(folder)).read_metadata()
-    except (FileNotFoundError, NotADirectoryError):
+    if not (folder / METADATA_FILE).is_file():
         raise NotACheckpointError(
             f"{folder} has no torch.distributed.checkpoint metadata; pass a `{{dump_folder}}/checkpoint/step-N` folder."
-        ) from None
+        )
+    problem = checkpoint_problem(folder) or checksum_problem(folder)
+    if problem is not None:
+        raise DamagedCheckpointError(f"{folder} cannot be compared: {problem}.")
+    metadata = dcp.FileSystemReader(str(folder)).read_metadata()
     entries: dict[str, Any] = {
         key: torch.empty(entry.size, dtype=entry.properties.dtype) if isinstance(entry, TensorStorageMetadata) else None
         for key, entry in metadata.state_dict_metadata.items()
     }
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        dcp.load(entries, checkpoint_id=str(folder), no_dist=True)
+        try:
+            dcp.load(entries, checkpoint_id=str(folder), no_dist=True)
+        except Exception as error:  # what a damaged file raises depends on where it is damaged
+            raise DamagedCheckpointError(
+                f"{folder} cannot be compared: reading it failed ({type(error).__name__}: "
+                f"{str(error).strip().splitlines()[-1] if str(error).strip() else 'no message'})."
+            ) from error
     return entries
 
 
@@ -97,6 +115,25 @@ class Comparison:
         for key in self.differing:
             counts[kind(key)] += 1
         return {name: n for name, n in counts.items() if n}
+
+    def only_in(self, name: str) -> str:
+        """``", 4 only in A"``: how many of a kind's differing entries one checkpoint lacks."""
+        sides = Counter(self.reasons[key] for key in self.differing if kind(key) == name)
+        return "".join(f", {sides[f'only in {side}']} only in {side}" for side in "AB" if sides[f"only in {side}"])
+
+    def summary(self) -> list[str]:
+        """The report's ``differ:`` and ``identical:`` lines: a kind is identical as a whole, or
+        in part (``model weights (51 of 55 entries)``) where some of its entries differ."""
+        kinds = self.differing_kinds()
+        differ = [f"{name} ({n} of {self.entries[name]} entries{self.only_in(name)})" for name, n in kinds.items()]
+        same = [
+            name
+            if name not in kinds
+            else f"{name} ({self.entries[name] - kinds[name]} of {self.entries[name]} entries)"
+            for name in self.entries
+            if kinds.get(name, 0) < self.entries[name]
+        ]
+        return [f"differ: {', '.join(differ)}", f"identical: {', '.join(same) or 'nothing'}"]
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -159,11 +196,8 @@ def main(argv: list[str] | None = None) -> int:
             f"and {len(a) - len(tensors)} other entries ({', '.join(result.entries)})"
         )
         return 0
-    kinds = result.differing_kinds()
     print(f"{len(result.differing)} of {len(a.keys() | b.keys())} entries differ")
-    print("differ: " + ", ".join(f"{name} ({n} of {result.entries[name]} entries)" for name, n in kinds.items()))
-    same = [name for name in result.entries if name not in kinds]
-    print(f"identical: {', '.join(same) or 'nothing'}")
+    print("\n".join(result.summary()))
     first = result.differing[0]
     print(f"first differing entry: {first}: {result.reasons[first]}")
     if result.largest_abs[1]:

@@ -19,8 +19,9 @@ from harness import train_as_a_worker, trainer_for
 from torch.distributed.checkpoint import FileSystemWriter
 
 from trainer.checkpoint.manager import CheckpointManager
-from trainer.config import Checkpoint
+from trainer.config import Checkpoint, LRScheduler
 from trainer.model.llama3 import ModelArgs, Transformer
+from trainer.optimizer import LRSchedule
 from trainer.train_state import TrainState
 
 # A schedule that does not depend on training.steps (warm-up, then constant), so a 4-step run
@@ -142,7 +143,7 @@ def tiny_manager(
         str(dump),
         model=model,
         optimizer=optimizer,
-        lr_scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0),
+        lr_scheduler=LRSchedule(optimizer, 4, LRScheduler(warmup_steps=0, decay_ratio=0.0)),  # a constant rate
         dataloader=Position(),
         train_state=train_state,
         model_args=args,

@@ -64,9 +64,8 @@ BASE_ARGV = [
     "7",
     "--metrics.enable_tensorboard=false",
     # Chunks of the output projection and loss that cut micro-batches (64 to 512 tokens) unevenly,
-    # against the reference's whole logits.
-    "--training.loss_chunk_tokens",
-    "48",
+    # against the reference's whole logits (last: argv_for drops them).
+    *("--training.loss_chunk_tokens", "48"),
 ]
 
 QUICK = [
@@ -199,7 +198,9 @@ def train_as_a_worker(argv: list[str]) -> None:
 
 
 def argv_for(local_batch_size: int, extra: list[str]) -> list[str]:
-    return BASE_ARGV + ["--training.local_batch_size", str(local_batch_size)] + extra
+    """:data:`BASE_ARGV` and ``extra``; without the loss chunks (its last pair) where ``extra`` gathers whole logits."""
+    base = BASE_ARGV[:-2] if "--parallelism.disable_loss_parallel" in extra else BASE_ARGV
+    return base + ["--training.local_batch_size", str(local_batch_size)] + extra
 
 
 def full(t: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from harness import BASE_ARGV, run_by_world, trainer_for
+from harness import argv_for, run_by_world, trainer_for
 from step_helpers import fetch_step, forward_backward, optimizer_step, part_of, sums_of
 
 from parallelisms import parallel_dims, parallelize
@@ -23,8 +23,7 @@ from trainer.step.training import Training
 
 STEPS = 3
 TOLERANCE = 5e-5
-MOE_ARGV = [
-    *BASE_ARGV,
+MOE = [
     "--model.name",
     "moe",
     "--model.flavor",
@@ -43,7 +42,7 @@ SKEW = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, -0.05, -0.1, -0.2])
 
 
 def moe_argv(local_batch: int, extra: list[str]) -> list[str]:
-    return [*MOE_ARGV, "--training.local_batch_size", str(local_batch), *extra]
+    return argv_for(local_batch, [*MOE, *extra])
 
 
 def experts_replicated_over(dim: str) -> Callable:

@@ -22,6 +22,7 @@ from trainer.config import (
     load_config,
     to_toml,
 )
+from trainer.config.dependent_settings import DEPENDENT
 
 # --------------------------------------------------------------------------------------------
 # Types, choices and limits
@@ -132,7 +133,7 @@ def test_out_of_range_values_name_the_key(key, value):
 )
 def test_invalid_optimizer_hyperparameters_name_the_key(key, value):
     """Values AdamW rejects must fail in load_config, naming the key, not later inside
-    ``build_step_parts`` (after the process group exists) with torch's "Invalid learning rate"."""
+    ``build_training`` (after the process group exists) with torch's "Invalid learning rate"."""
     with pytest.raises(ConfigError, match=f"`{key}`"):
         load_config([f"--{key}", value])
 
@@ -205,7 +206,29 @@ def test_declared_limits_refuse_just_outside_and_accept_just_inside(tmp_path: Pa
             assert str(err.value).endswith(f"got {bad}."), err.value
         for value in (good, *limits.allowed):
             text = str(value) if typ is int else repr(value)
-            assert getattr(getattr(load_config(["--config", base, f"--{key}", text]), section), name) == value
+            on = feature_on(key)
+            assert getattr(getattr(load_config(["--config", base, *on, f"--{key}", text]), section), name) == value
+
+
+FEATURES = {
+    "training.prefetch_factor": ["--training.num_workers", "1"],
+    "validation.seq_len": ["--validation.enable", "--training.seq_len", "1048576"],
+    "checkpoint.": ["--checkpoint.enable"],
+    "validation.": ["--validation.enable"],
+    "profiling.": ["--profiling.enable_profiling"],
+    "moe.": ["--model.name", "moe", "--model.flavor", "debugmoe"],
+    "parallelism.expert_parallel_overlap_chunks": ["--parallelism.expert_parallel_degree", "2"],
+    "parallelism.pipeline_parallel_": ["--parallelism.pipeline_parallel_degree", "2"],
+}
+"""What turns on the feature of a key that acts only under another (``DEPENDENT``), by prefix."""
+
+
+def feature_on(key: str) -> list[str]:
+    """The settings under which ``key`` acts: :data:`FEATURES`' entry for a key of ``DEPENDENT``
+    that the defaults leave unused."""
+    if all(rule.unused(JobConfig()) is None for rule in DEPENDENT if key in rule.keys):
+        return []
+    return next(argv for prefix, argv in FEATURES.items() if key.startswith(prefix))
 
 
 @pytest.mark.parametrize(
@@ -290,8 +313,10 @@ def test_to_toml_roundtrips_lists_and_extreme_numbers(tmp_path: Path):
             'a.txt,dir/b "quoted".jsonl,C:\\data\\c.txt,é ✓',
             "--training.dataset_weights",
             "0.5,2,1e-300,3",
+            "--checkpoint.enable",
             "--checkpoint.exclude_from_loading",
             "optimizer,lr_scheduler",
+            "--compile.enable",
             "--compile.components",
             "loss",
             "--debug.seed",

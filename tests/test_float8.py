@@ -11,7 +11,7 @@ import torch
 from harness import GLOBAL_BATCH, TOLERANCE, argv_for, max_relative_error, run_by_world, step_worker
 from torch import nn
 
-from parallelisms.float8 import Float8Settings, convert_to_float8, convertible, describe
+from parallelisms.float8 import Float8Settings, convert_to_float8, convertible
 from trainer.config import ConfigError, load_config
 from trainer.planning import float8_plan
 from trainer.planning.job_plan import resolve_job
@@ -38,11 +38,13 @@ def test_the_output_layer_the_router_odd_dimensions_and_filtered_names_stay_high
 
 def test_the_debug_model_converts_its_block_linears_and_keeps_a_bf16_runs_state_dict(debug_model):
     model = copy.deepcopy(debug_model)
-    converted = convert_to_float8(model, Float8Settings(recipe="rowwise", emulate=True))
+    conversion = convert_to_float8(model, Float8Settings(recipe="rowwise", emulate=True))
+    converted = conversion.converted
     linears = [n for n, m in debug_model.named_modules() if isinstance(m, nn.Linear) and n != "output"]
     assert sorted(converted) == sorted(linears)
     assert "output" not in converted
-    assert "of" in describe(converted, model) and "output" in describe(converted, model)
+    assert conversion.describe().startswith(f"{len(linears)} of {len(linears) + 1} linear layers in float8 (")
+    assert conversion.describe().endswith("kept in high precision: output")
     # A float8 run's checkpoint is a bf16 run's: the same keys, loadable both ways.
     assert model.state_dict().keys() == debug_model.state_dict().keys()
     model.load_state_dict(debug_model.state_dict())
@@ -68,17 +70,25 @@ def test_unsupported_combinations_are_refused_in_one_line_naming_the_key(extra, 
     assert f"`{key}`" in message and "\n" not in message
 
 
-def test_the_float8_all_gather_is_refused_before_a_gloo_group_starts():
-    plan = resolve_job(load_config([*FLOAT8, "--float8.enable_fsdp_float8_all_gather"]), world_size=2)
+@pytest.mark.parametrize(
+    "extra, key",
+    [
+        (["--float8.enable_fsdp_float8_all_gather"], "`float8.enable_fsdp_float8_all_gather`"),
+        (["--mesh", "tp=2"], "`parallelism.tensor_parallel_degree`"),
+    ],
+)
+def test_what_gloo_cannot_move_is_refused_on_a_cpu_and_planned_for_a_gpu(extra, key):
+    """The float8 all-gather and tensorwise's float8 sequence-parallel gathers: a job on this CPU
+    machine runs on gloo and is refused while planned (``--dry-run`` and the launcher alike), one
+    planned for a GPU gathers over NCCL and plans; rowwise under TP gathers in high precision."""
     with pytest.raises(ConfigError, match="gloo") as error:
-        float8_plan.check_float8_backend(plan.parallel, plan.dims, "gloo")
-    assert "`float8.enable_fsdp_float8_all_gather`" in str(error.value)
-    float8_plan.check_float8_backend(plan.parallel, plan.dims, "nccl")
-    tensor_parallel = resolve_job(load_config([*FLOAT8, "--mesh", "tp=2"]), world_size=2)
-    with pytest.raises(ConfigError, match="`parallelism.tensor_parallel_degree`"):
-        float8_plan.check_float8_backend(tensor_parallel.parallel, tensor_parallel.dims, "gloo")
-    rowwise = resolve_job(load_config([*recipe("rowwise"), "--mesh", "tp=2"]), world_size=2)
-    float8_plan.check_float8_backend(rowwise.parallel, rowwise.dims, "gloo")
+        resolve_job(load_config([*FLOAT8, *extra]), world_size=2)
+    assert key in str(error.value) and "\n" not in str(error.value)
+    planned = resolve_job(load_config([*FLOAT8, *extra]), world_size=2, device="cuda")
+    float8_plan.check_float8_backend(planned.parallel, planned.dims, "nccl")
+    with pytest.raises(ConfigError, match="gloo"):
+        float8_plan.check_float8_backend(planned.parallel, planned.dims, "gloo")
+    resolve_job(load_config([*recipe("rowwise"), "--mesh", "tp=2"]), world_size=2)
 
 
 def test_the_experts_on_a_machine_without_the_kernel_name_the_versions():
@@ -96,9 +106,11 @@ def test_without_torchao_the_converter_asks_for_the_extra(monkeypatch):
         resolve_job(load_config(FLOAT8), world_size=1)
 
 
-def test_the_float8_keys_do_nothing_without_the_converter():
-    plan = resolve_job(load_config(["--float8.recipe_name", "rowwise"]), world_size=1)
-    assert plan.parallel.float8 is None
+def test_the_float8_keys_without_the_converter_are_refused():
+    """Each ``[float8]`` key without ``model.converters = ["float8"]`` would change nothing
+    (every key: ``tests/test_config_dependent.py``)."""
+    with pytest.raises(ConfigError, match=r"^`float8.recipe_name` = 'rowwise' would change nothing: `model.conv"):
+        load_config(["--float8.recipe_name", "rowwise"])
     assert float8_plan.float8_settings(load_config(recipe("rowwise")), "cpu") == Float8Settings(
         recipe="rowwise", emulate=True
     )

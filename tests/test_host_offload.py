@@ -15,11 +15,13 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from trainer.config import load_config
+from trainer.config import ConfigError, load_config
 from trainer.config.validate import cautions
 from trainer.loss import linear_cross_entropy_sum_with_gradients
 from trainer.planning.job_plan import held_forwards_line, resolve_job
 from trainer.step.host_offload import HostOffload
+
+FULL = ["--activation_checkpoint.mode", "full"]
 
 MICRO_BATCHES, BLOCKS, ROWS, DIM = 3, 3, 8, 64
 
@@ -101,19 +103,14 @@ def test_the_losss_inner_graph_stays_and_only_its_gradients_move():
     assert torch.equal(loss, expected) and torch.equal(hidden.grad, grads[0]) and torch.equal(weight.grad, grads[1])
 
 
-@pytest.mark.parametrize(
-    ("extra", "said"),
-    [
-        (["--activation_checkpoint.mode", "full"], "held in pinned host memory"),
-        ([], "pre-pass of the step (`moe.held_forwards`): held forwards need full activation checkpointing"),
-        (["--moe.balance_loss_scope", "micro_batch"], None),
-    ],
-)
-def test_the_plan_says_where_the_forwards_wait_and_cautions_a_setting_without_effect(extra, said):
-    config = load_config(["--config", "debug_moe.toml", "--moe.held_forwards", "host", *extra])
+def test_the_plan_says_where_the_forwards_wait_and_refuses_them_where_they_would_not_be_held():
+    """Held forwards without full checkpointing or without the exact scope would change nothing:
+    refused as the config loads (every such case: ``tests/test_config_dependent.py``)."""
+    config = load_config(["--config", "debug_moe.toml", "--moe.held_forwards", "host", *FULL])
     lines = held_forwards_line(resolve_job(config, 1).workload)
-    caution = [c for c in cautions(config) if "moe.held_forwards" in c]
-    if said is None:
-        assert not lines and caution and "has no effect" in caution[0]
-    else:
-        assert len(lines) == 1 and said in lines[0] and not caution
+    assert len(lines) == 1 and "held in pinned host memory" in lines[0] and not cautions(config)
+    (auto,) = held_forwards_line(resolve_job(load_config(["--config", "debug_moe.toml"]), 1).workload)
+    assert "pre-pass of the step (`moe.held_forwards`): held forwards need full activation checkpointing" in auto
+    for extra in ([], ["--moe.balance_loss_scope", "micro_batch", *FULL]):
+        with pytest.raises(ConfigError, match=r"^`moe.held_forwards` = 'host' would change nothing: "):
+            load_config(["--config", "debug_moe.toml", "--moe.held_forwards", "host", *extra])

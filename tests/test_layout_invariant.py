@@ -273,7 +273,11 @@ def test_compare_checkpoints(tmp_path: Path, capsys):
 
     missing = {k: v for k, v in base.items() if k != "model.b"}
     assert compare_checkpoints.main([str(a), str(_save(tmp_path / "missing", missing))]) == 1
-    assert "model.b: only in A" in capsys.readouterr().out
+    out = capsys.readouterr().out.splitlines()
+    assert "first differing entry: model.b: only in A" in out, out
+    # A Hugging Face round trip keeps the weights and drops the rest: what is identical is said.
+    assert out[1] == "differ: model weights (1 of 2 entries, 1 only in A)", out
+    assert out[2] == "identical: model weights (1 of 2 entries), optimizer state", out
 
     rng, position = torch.get_rng_state(), {"dataloader.step": 4}
     state = _save(tmp_path / "state", {**base, "train_state.rng_cpu": rng, **position})
@@ -291,3 +295,30 @@ def test_compare_checkpoints(tmp_path: Path, capsys):
     assert compare_checkpoints.main([str(a), str(tmp_path / "nowhere")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "nowhere" in err and "checkpoint/step-N" in err
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("damage", ["truncated", "missing", "metadata", "corrupted"])
+def test_compare_checkpoints_names_a_damaged_checkpoint_in_one_line(tmp_path: Path, capsys, damage: str):
+    """Exit 3, not the "they differ" 1 after a traceback: a damaged checkpoint is no divergence."""
+    from trainer.checkpoint.integrity import ChecksummingWriter
+
+    entries = {"model.w": torch.randn(64, 64), "optimizer.state.w.step": torch.tensor(3.0)}
+    good = _save(tmp_path / "good", entries)
+    bad = tmp_path / "bad"
+    dcp.save({k: v.clone() for k, v in entries.items()}, storage_writer=ChecksummingWriter(str(bad)), no_dist=True)
+    data = next(bad.glob("*.distcp"))
+    if damage == "truncated":
+        data.write_bytes(data.read_bytes()[:1000])
+    elif damage == "missing":
+        data.unlink()
+    elif damage == "metadata":
+        (bad / ".metadata").write_bytes(b"damaged")
+    else:
+        content = bytearray(data.read_bytes())
+        content[-100] ^= 0xFF
+        data.write_bytes(bytes(content))
+    assert compare_checkpoints.main([str(good), str(bad)]) == 3
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("compare_checkpoints: damaged checkpoint: "), err
+    assert str(bad) in err and "Traceback" not in err

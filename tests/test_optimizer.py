@@ -1,13 +1,15 @@
-"""AdamW parameter groups and the warm-up / hold / decay schedule."""
+"""AdamW parameter groups, the warm-up / hold / decay schedule, and the schedule a resume keeps."""
 
+import copy
 import math
 
 import pytest
 import torch
+from torch.optim.lr_scheduler import LambdaLR
 
 from trainer.config import LRScheduler, Optimizer
 from trainer.model.llama3 import FLAVORS, Transformer
-from trainer.optimizer import build_lr_scheduler, build_optimizer, lr_factor
+from trainer.optimizer import LRSchedule, build_lr_scheduler, build_optimizer, lr_factor, schedule_change
 
 
 def test_weight_decay_only_on_matrices():
@@ -90,3 +92,75 @@ def test_scheduler_drives_the_optimizer_lr():
         opt.step()
         sched.step()
     assert seen == pytest.approx([1 / 3, 2 / 3, 7 / 8])  # warm-up, then the first of 8 decay steps
+
+
+SCHEDULE = LRScheduler(warmup_steps=2, decay_ratio=0.5, decay_type="cosine", min_lr_factor=0.1)
+
+
+def trained(lr: float, total: int, steps: int, saved: dict | None = None) -> tuple[torch.optim.AdamW, LRSchedule]:
+    """``steps`` optimizer steps of a run of ``total`` at peak ``lr``, resumed from ``saved`` (the
+    optimizer's and the scheduler's state) when given, as a checkpoint loads them: optimizer first."""
+    param = torch.nn.Parameter(torch.ones(4))
+    opt = torch.optim.AdamW([param], lr=lr)
+    sched = build_lr_scheduler(opt, total, SCHEDULE)
+    if saved is not None:
+        opt.load_state_dict(saved["optimizer"])
+        sched.load_state_dict(saved["lr_scheduler"])
+    for _ in range(steps):
+        param.grad = torch.ones(4)
+        opt.step()
+        sched.step()
+    return opt, sched
+
+
+def rates(opt: torch.optim.AdamW, sched: LRSchedule, steps: int) -> list[float]:
+    seen = []
+    for _ in range(steps):
+        seen.append(float(sched.get_last_lr()[0]))
+        assert seen[-1] == opt.param_groups[0]["lr"]
+        opt.param_groups[0]["params"][0].grad = torch.ones(4)
+        opt.step()
+        sched.step()
+    return seen
+
+
+def checkpoint(opt: torch.optim.AdamW, sched: LRSchedule) -> dict:
+    return copy.deepcopy({"optimizer": opt.state_dict(), "lr_scheduler": sched.state_dict()})
+
+
+def test_a_resume_with_the_same_schedule_takes_the_same_rates_and_saves_torchs_format():
+    opt, sched = trained(1e-3, 12, 5)
+    plain = LambdaLR(torch.optim.AdamW([torch.nn.Parameter(torch.ones(1))]), lambda step: 1.0)
+    assert set(sched.state_dict()) == set(plain.state_dict())  # the checkpoint's keys are its format
+    expected = rates(*trained(1e-3, 12, 5), 7)
+    assert rates(*trained(1e-3, 12, 0, checkpoint(opt, sched)), 7) == expected  # bit for bit
+
+
+@pytest.mark.parametrize(
+    ("lr", "total"),
+    [(1e-3, 24), (2e-3, 8), (2e-3, 24)],
+    ids=["longer run", "higher peak", "both"],
+)
+def test_a_resume_with_another_schedule_takes_this_runs_from_its_first_step(lr, total):
+    """torch's LambdaLR would keep the checkpoint's peak (a new `optimizer.lr` changing nothing)
+    and run the first resumed step at the old schedule's rate; this run's schedule holds from it,
+    and the resume says what changed, with both rates."""
+    opt, sched = trained(1e-3, 8, 5)
+    saved = checkpoint(opt, sched)
+    resumed = rates(*trained(lr, total, 0, saved), 3)
+    fresh = [lr * lr_factor(step, total, SCHEDULE) for step in range(5, 8)]
+    assert resumed == pytest.approx(fresh, rel=1e-12)
+    plain_opt = torch.optim.AdamW([torch.nn.Parameter(torch.ones(4))], lr=lr)
+    plain = LambdaLR(plain_opt, lambda step: lr_factor(step, total, SCHEDULE))
+    plain_opt.load_state_dict(saved["optimizer"])
+    plain.load_state_dict(saved["lr_scheduler"])
+    assert plain.get_last_lr()[0] == pytest.approx(1e-3 * lr_factor(5, 8, SCHEDULE))  # the old rate
+    said = schedule_change(sched.settings(), trained(lr, total, 0)[1].settings(), 5)
+    assert said is not None and said.startswith("the LR schedule is this run's, not the checkpoint's (")
+    assert (f"`training.steps` 8 there, {total} here" in said) == (total != 8)
+    assert ("`optimizer.lr` 0.001 there, 0.002 here" in said) == (lr != 1e-3)
+    assert (
+        f"step 6 trains at LR {fresh[0]:.3e} where the checkpoint's schedule gave {1e-3 * lr_factor(5, 8, SCHEDULE):.3e}"
+        in said
+    )
+    assert schedule_change(sched.settings(), sched.settings(), 5) is None

@@ -42,7 +42,8 @@ def launched() -> dict[str, list]:
         mesh: (world, (step_worker, argv_for(local_batch, extra)))
         for mesh, (world, local_batch, extra) in MESHES.items()
     }
-    cases["logits gathered"] = (2, (logits_worker, LOGITS_ARGV + ["--parallelism.disable_loss_parallel"]))
+    gathered = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.disable_loss_parallel"]
+    cases["logits gathered"] = (2, (logits_worker, argv_for(4, gathered)))
     cases["bf16"] = (2, (logits_worker, BF16_ARGV))
     cases["bugs"] = (4, (tp_bug_worker, argv_for(2, ["--mesh", "dp_shard=2,tp=2"])))
     return run_by_world(cases)

@@ -34,7 +34,6 @@ from trainer.metrics.reports import log_start, save_config
 from trainer.model.llama3 import Transformer
 from trainer.model.moe import MoEArgs
 from trainer.optimizer import build_lr_scheduler, build_optimizer
-from trainer.planning.float8_plan import check_float8_backend
 from trainer.planning.job_plan import JobPlan
 from trainer.replica_groups import HealedParts, ReplicaGroups
 from trainer.replica_identity import job_identity
@@ -80,8 +79,6 @@ def build_training(plan: JobPlan, dataset: Dataset, substitutes: Substitutes | N
     """
     config = plan.config
     dev_type = device_type()
-    if substitutes is None:
-        check_float8_backend(plan.parallel, plan.dims, "nccl" if dev_type == "cuda" else "gloo")
     device = init_distributed(dev_type, config.comm.init_timeout_seconds)
     layout_invariant = config.debug.layout_invariant
     if config.debug.deterministic or (layout_invariant and dev_type == "cuda"):

@@ -12,7 +12,6 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 import torch.distributed as dist
 
-from parallelisms.float8 import describe as describe_float8
 from parallelisms.parallel_dims import Meshes
 from parallelisms.parallelize import Parallelized, parallelize
 from trainer.loss import CrossEntropy, cross_entropy_sum
@@ -54,12 +53,12 @@ def build_model(
         logger.info("parallelising the model (%s parameters) on the meta device", f"{total:,}")
     parallelized = parallelize(model, meshes, plan.dims, plan.parallel, device.type)
     parts = parallelized.stage_modules or [model]
-    if rank0 and parallelized.float8_linears is not None:
-        logger.info(
-            "float8 (%s): %s",
-            plan.parallel.float8.recipe if plan.parallel.float8 else "",
-            describe_float8(parallelized.float8_linears, model),
-        )
+    float8 = parallelized.float8
+    if rank0 and float8 is not None:
+        for notice in float8.notices:
+            logger.info("%s", notice)
+        recipe = plan.parallel.float8.recipe if plan.parallel.float8 else ""
+        logger.info("float8 (%s): %s", recipe, float8.describe(model if parallelized.split else None))
     local = num_params(model)
     if rank0:
         logger.info("allocating this rank's shards on %s", device.type)

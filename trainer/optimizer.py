@@ -1,8 +1,12 @@
-"""AdamW and its learning-rate schedule (linear warm-up, constant, then decay)."""
+"""AdamW and its learning-rate schedule (linear warm-up, constant, then decay), which a resume
+takes from this run's settings, saying what changed."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -72,5 +76,65 @@ def lr_factor(step: int, total_steps: int, config: LRScheduler) -> float:
     return config.min_lr_factor + (1.0 - config.min_lr_factor) * remaining
 
 
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, total_steps: int, config: LRScheduler) -> LambdaLR:
-    return LambdaLR(optimizer, lambda step: lr_factor(step, total_steps, config))
+class LRSchedule(LambdaLR):
+    """:func:`lr_factor`'s schedule over ``total_steps`` of ``config``, times each group's peak LR.
+
+    Resumed, it keeps this run's schedule, which the checkpoint's state would override: torch's
+    ``LambdaLR`` restores the peak LRs it was saved with (a new ``optimizer.lr`` would change
+    nothing), and the step after the checkpoint would run at the rate the old schedule gave it.
+    So loading takes the step count from the checkpoint and the rest from this run; what changed
+    is said by the resume (:func:`schedule_change`)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, total_steps: int, config: LRScheduler):
+        self.total_steps, self.config = total_steps, config
+        # A plain function, saved as nothing: a callable object's attributes would be saved too.
+        super().__init__(optimizer, lambda step: lr_factor(step, total_steps, config))
+
+    def settings(self) -> dict[str, Any]:
+        """What decides the rate at every step: recorded beside each checkpoint (``schedule.json``)."""
+        return schedule_settings(self.total_steps, float(self.base_lrs[0]), self.config)
+
+    def state_dict(self) -> dict[str, Any]:
+        """``LambdaLR``'s, the checkpoint's format: the settings are ``schedule.json``'s."""
+        return {key: value for key, value in super().state_dict().items() if key not in ("total_steps", "config")}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict({**state_dict, "base_lrs": list(self.base_lrs)})
+        for group, base in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
+            group["lr"] = base * lr_factor(self.last_epoch, self.total_steps, self.config)
+
+    def get_last_lr(self) -> list[float | torch.Tensor]:
+        """The rate of the next step, as the optimizer holds it (also right after a load)."""
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+
+def schedule_settings(total_steps: int, peak_lr: float, config: LRScheduler) -> dict[str, Any]:
+    """The settings that decide every step's rate, by config key."""
+    return {
+        "training.steps": total_steps,
+        "optimizer.lr": peak_lr,
+        **{f"lr_scheduler.{key}": value for key, value in dataclasses.asdict(config).items()},
+    }
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, total_steps: int, config: LRScheduler) -> LRSchedule:
+    return LRSchedule(optimizer, total_steps, config)
+
+
+def schedule_change(saved: Mapping[str, Any], ours: Mapping[str, Any], step: int) -> str | None:
+    """What resuming at ``step`` with this run's schedule (``ours``, :meth:`LRSchedule.settings`)
+    changes against the checkpoint's (``saved``): the settings that differ and the next step's
+    rate under both; None when nothing does."""
+    differ = [key for key in ours if key in saved and saved[key] != ours[key]]
+    if not differ:
+        return None
+
+    def rate(settings: Mapping[str, Any]) -> float:
+        config = LRScheduler(**{k.split(".")[1]: v for k, v in settings.items() if k.startswith("lr_scheduler.")})
+        return settings["optimizer.lr"] * lr_factor(step, int(settings["training.steps"]), config)
+
+    both = "; ".join(f"`{key}` {saved[key]} there, {ours[key]} here" for key in differ)
+    return (
+        f"the LR schedule is this run's, not the checkpoint's ({both}): step {step + 1} trains at LR "
+        f"{rate(ours):.3e} where the checkpoint's schedule gave {rate({**ours, **saved}):.3e}"
+    )

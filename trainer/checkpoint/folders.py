@@ -21,7 +21,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -40,7 +40,8 @@ from trainer.checkpoint.integrity import (
 from trainer.config import Checkpoint
 from trainer.model.hf_architectures import adapter_for_args
 from trainer.model.hf_llama3 import CONFIG_FILE, InteropError, preview_names
-from trainer.model.llama3 import ModelArgs, Transformer
+from trainer.model.llama3 import FLAVORS, ModelArgs, Transformer
+from trainer.model.moe import FLAVORS as MOE_FLAVORS
 from trainer.model.moe import MoEArgs
 from trainer.runtime.errors import ConfigError
 
@@ -54,6 +55,10 @@ DATA_FILE = "data.json"
 """Written beside every training checkpoint: fingerprints of the data and the tokenizer it was
 trained on, so that a resume on other data is noticed. Outside DCP's state on purpose: a new key
 in the DCP state would make every older checkpoint unloadable."""
+
+SCHEDULE_FILE = "schedule.json"
+"""Written beside every training checkpoint: the settings of the LR schedule it was trained with
+(``LRSchedule.settings``), so that a resume says what another schedule changes."""
 
 MODEL_KEY = "model"
 """The checkpoint state dict's entry holding the model; DCP stores its tensors as ``model.<name>``."""
@@ -112,13 +117,22 @@ def is_model_only(path: Path) -> bool:
     return all(key.startswith(MODEL_KEY + ".") for key in keys)
 
 
-def publish(partial: Path, final: Path, model_args: ModelArgs, data_identity: dict[str, str] | None = None) -> None:
-    """Add the model's shape (for converters) and the data's fingerprints (both checksummed),
-    then rename: the checkpoint appears whole or not at all."""
+def publish(
+    partial: Path,
+    final: Path,
+    model_args: ModelArgs,
+    data_identity: dict[str, str] | None = None,
+    schedule: dict[str, Any] | None = None,
+) -> None:
+    """Add the model's shape (for converters), the data's fingerprints and the LR schedule's
+    settings (all checksummed), then rename: the checkpoint appears whole or not at all."""
     write_model_args(partial, model_args)
-    if data_identity:
-        (partial / DATA_FILE).write_text(json.dumps(data_identity))
-    add_to_manifest(partial, [MODEL_ARGS_FILE] + ([DATA_FILE] if data_identity else []))
+    written = [MODEL_ARGS_FILE]
+    for name, content in ((DATA_FILE, data_identity), (SCHEDULE_FILE, schedule)):
+        if content:
+            (partial / name).write_text(json.dumps(content))
+            written.append(name)
+    add_to_manifest(partial, written)
     if final.exists():
         shutil.rmtree(final)
     os.replace(partial, final)
@@ -126,8 +140,17 @@ def publish(partial: Path, final: Path, model_args: ModelArgs, data_identity: di
 
 def read_data_identity(folder: Path) -> dict[str, str] | None:
     """The fingerprints of the data a checkpoint was trained on; None when not recorded."""
+    return _read_json(folder / DATA_FILE)
+
+
+def read_schedule(folder: Path) -> dict[str, Any] | None:
+    """The LR schedule's settings a checkpoint was trained with; None when not recorded."""
+    return _read_json(folder / SCHEDULE_FILE)
+
+
+def _read_json(path: Path) -> Any:
     try:
-        return json.loads((folder / DATA_FILE).read_text())
+        return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
 
@@ -189,6 +212,21 @@ def checkpoint_model_differences(theirs: ModelArgs, ours: ModelArgs) -> list[str
     if kinds[0] != kinds[1]:
         return [*differ, f"model.name: {kinds[0]} there, {kinds[1]} here"]
     return differ + (model_differences(theirs, ours, EXPERT_FIELDS) if kinds[0] == "moe" else [])
+
+
+def model_keys(args: ModelArgs) -> str:
+    """The ``model`` keys that build ``args`` (a checkpoint's): its name, the flavor of that
+    shape if one is, and its blocks where they are not the flavor's."""
+    moe = isinstance(args, MoEArgs)
+    name, flavors = ("moe", MOE_FLAVORS) if moe else ("llama3", FLAVORS)
+    fields = [f for f in PARAMETER_FIELDS + (EXPERT_FIELDS if moe else ()) if f not in ("n_layers", "vocab_size")]
+    flavor = next(
+        (key for key, shape in flavors.items() if all(getattr(shape, f) == getattr(args, f) for f in fields)), None
+    )
+    if flavor is None:
+        return f'`model.name` = "{name}" with no flavor of its shape (a converted or hand-made checkpoint)'
+    layers = f", `model.n_layers` = {args.n_layers}" if args.n_layers != flavors[flavor].n_layers else ""
+    return f'`model.name` = "{name}", `model.flavor` = "{flavor}"{layers}'
 
 
 def model_differences(theirs: ModelArgs, ours: ModelArgs, fields: tuple[str, ...]) -> list[str]:

@@ -6,7 +6,7 @@ background thread with async saves, so off the training's critical path). The ch
 to the coordinator with DCP's own write results, and after DCP has written ``.metadata`` the
 coordinator writes them, with every file's size and the metadata's own checksum, into
 ``checksums.json``; the files written beside it before the rename that publishes the folder
-(``model_args.json``, ``data.json``) are added to it. The writer also marks DCP's ``.metadata``
+(``model_args.json``, ``data.json``, ``schedule.json``) are added to it. The writer also marks DCP's ``.metadata``
 as checksummed, so a folder whose ``checksums.json`` went missing is refused rather than taken
 for one written before checksums existed. At load,
 :func:`checksum_problem` recomputes them (each rank a share of the files), so a checkpoint with

@@ -49,14 +49,10 @@ from torch.distributed.tensor import DTensor
 
 from trainer.checkpoint.disk import disk_refusal
 from trainer.checkpoint.folders import (
-    MODEL_ARGS_FILE,
     PARTIAL_SUFFIX,
-    checkpoint_model_differences,
     checkpoint_problem,
     is_model_only,
     publish,
-    read_data_identity,
-    read_model_args,
     remove_partial_folders,
     step_folders,
 )
@@ -71,11 +67,13 @@ from trainer.checkpoint.integrity import (
     read_manifest,
     written_layout_invariant,
 )
+from trainer.checkpoint.resume_fit import check_same_model, data_changes, other_data, schedule_line
 from trainer.checkpoint.save_failures import refusal_message
 from trainer.checkpoint.states import ModelState, OptimizerState, optimizer_groups_flattened
 from trainer.checkpoint.timeline import Timeline, candidates, follow, reasons, start_over
 from trainer.config import Checkpoint
 from trainer.model.llama3 import ModelArgs, Transformer
+from trainer.optimizer import LRSchedule
 from trainer.runtime.errors import CheckpointError, JobError, UserError
 from trainer.train_state import TrainState
 
@@ -92,7 +90,7 @@ class CheckpointManager:
         *,
         model: Transformer,
         optimizer: torch.optim.Optimizer,
-        lr_scheduler: torch.optim.lr_scheduler.LRScheduler,
+        lr_scheduler: LRSchedule,
         dataloader: Stateful,
         train_state: TrainState,
         model_args: ModelArgs,
@@ -107,6 +105,7 @@ class CheckpointManager:
         self.model, self.model_args = model, model_args
         self.total_steps = total_steps
         self.data_identity = data_identity or {}
+        self.schedule = lr_scheduler.settings()
         self.train_state, self.optimizer_state = train_state, OptimizerState(model, optimizer)
         self.states: dict[str, Stateful] = {
             "model": ModelState(model),
@@ -141,18 +140,20 @@ class CheckpointManager:
             self._start_over(rejected)
             return self._initial_load(Path(self.config.initial_load_path)) if self.config.initial_load_path else 0
         path = Path(choice)
+        self._check_same_model(path, "checkpoint")  # another model is never a matter of its data
         if is_model_only(path):
-            self._load(path, keys=("model",), what="checkpoint")
+            self._load(path, keys=("model",))
             timeline = self._follow(path, rejected)
             logger.info("loading weights from %s (model-only checkpoint; %s)", path, timeline.describe())
             return 0
         keys = tuple(k for k in self.states if k not in self.config.exclude_from_loading)
         if "dataloader" in keys:
             self._check_same_data(path)
-        self._load(path, keys=keys, what="checkpoint")
+        self._load(path, keys=keys)
         self._warn_if_layout_dependent(path)
         timeline = self._follow(path, rejected)
         logger.info("resuming from %s (%s): %s", path, timeline.describe(), ", ".join(keys))
+        self._say_schedule_change(path, keys)
         return self.train_state.step
 
     def _choose_checkpoint(self) -> tuple[str | None, dict[str, str]]:
@@ -211,28 +212,14 @@ class CheckpointManager:
         return problem
 
     def _check_same_data(self, path: Path) -> None:
-        """Refuse to continue a checkpoint's data stream on other data (files, tokenizer,
-        ``seq_len``): the run would silently train on something else from its next step on."""
-        saved = self._agree(lambda: read_data_identity(path)) or {}
-        differ = [
-            f"{key} {saved[key][:16]} in the checkpoint, {value[:16]} now"
-            for key, value in self.data_identity.items()
-            if key in saved and saved[key] != value
-        ]
+        """Refuse to continue a checkpoint's data stream on other data, unless allowed."""
+        differ = self._agree(lambda: data_changes(path, self.data_identity))
         if not differ:
             return
-        if self.config.allow_data_change:
-            if self.rank == 0:
-                logger.warning(
-                    "resuming %s on changed data (`checkpoint.allow_data_change`): %s", path, "; ".join(differ)
-                )
-            return
-        raise CheckpointError(
-            f"{path} was trained on other data than this run's ({'; '.join(differ)}). Point "
-            "`training.dataset`, `training.dataset_path`, `training.dataset_weights`, `training.seq_len` and `model.tokenizer_path` "
-            "at the data it was trained on, or set `checkpoint.allow_data_change = true` to resume on "
-            "the new data deliberately (or exclude `dataloader` from loading to start its order afresh)."
-        )
+        if not self.config.allow_data_change:
+            raise other_data(path, differ)
+        if self.rank == 0:
+            logger.warning("resuming %s on changed data (`checkpoint.allow_data_change`): %s", path, "; ".join(differ))
 
     def _agree(self, decide: Callable[[], Any]) -> Any:
         """Rank 0's answer on every rank, even if their views of the file system differ.
@@ -251,8 +238,8 @@ class CheckpointManager:
             raise box[1]
         return box[0]
 
-    def _load(self, path: Path, keys: tuple[str, ...], what: str) -> None:
-        self._check_same_model(path, what)
+    def _load(self, path: Path, keys: tuple[str, ...]) -> None:
+        """Load ``keys`` of ``path``, whose model :meth:`_check_same_model` has found this run's."""
         if "optimizer" in keys:
             self.optimizer_state.flatten = optimizer_groups_flattened(path)
         try:
@@ -261,23 +248,16 @@ class CheckpointManager:
             self.optimizer_state.flatten = True  # what this run saves
 
     def _check_same_model(self, path: Path, what: str) -> None:
-        """Refuse, in one line, a checkpoint of another model (another flavor, a vocabulary of
-        another size, other experts): DCP would fail on the first tensor of another shape with every rank's
-        traceback. A checkpoint without ``model_args.json`` is left to DCP."""
-        saved = self._agree(lambda: _saved_model_args(path))
-        differ = checkpoint_model_differences(saved, self.model_args) if saved is not None else []
-        if differ:
-            vocabulary = (
-                " The vocabulary size comes from the tokenizer: set `model.tokenizer_path` to the one the "
-                "checkpoint was trained with (`checkpoint.allow_data_change` allows other data, not another model)."
-                if saved is not None and saved.vocab_size != self.model_args.vocab_size
-                else ""
-            )
-            raise CheckpointError(
-                f"{what} {path} holds another model than this run's ({'; '.join(differ)}).{vocabulary} Set "
-                "the `model` keys (`model.flavor`) to the checkpoint's, or point `job.dump_folder` or "
-                "`checkpoint.folder` elsewhere to start afresh."
-            )
+        """Refuse another model's checkpoint in one line (``resume_fit.check_same_model``)."""
+        self._agree(lambda: check_same_model(path, self.model_args, what))
+
+    def _say_schedule_change(self, path: Path, keys: tuple[str, ...]) -> None:
+        """A resume keeps this run's LR schedule (``LRSchedule``): say so where it is another."""
+        if "lr_scheduler" not in keys or self.rank != 0:
+            return
+        change = schedule_line(path, self.schedule, self.train_state.step)
+        if change is not None:
+            logger.warning("resuming %s: %s", path, change)
 
     def _warn_if_layout_dependent(self, path: Path) -> None:
         """A ``debug.layout_invariant`` run resuming a default-mode state is allowed (runs resumed
@@ -296,13 +276,15 @@ class CheckpointManager:
         problem = self._problem(path)
         if problem:
             raise CheckpointError(f"{what} {path} cannot be loaded: {problem}.")
+        self._check_same_model(path, what)
         if self.config.initial_load_model_only or is_model_only(path):
             logger.info("loading weights from %s", path)
-            self._load(path, keys=("model",), what=what)
+            self._load(path, keys=("model",))
             return 0
         logger.info("starting from the full state of %s", path)
-        self._load(path, keys=tuple(self.states), what=what)
+        self._load(path, keys=tuple(self.states))
         self._warn_if_layout_dependent(path)
+        self._say_schedule_change(path, tuple(self.states))
         return self.train_state.step
 
     # ----------------------------------------------------------------------------------- save
@@ -404,7 +386,7 @@ class CheckpointManager:
         if self.rank != 0:
             return
         try:
-            publish(partial, final, self.model_args, self.data_identity)
+            publish(partial, final, self.model_args, self.data_identity, self.schedule)
         except OSError as error:
             self._save_failed(error, partial, step)
         logger.info("saved checkpoint %s", final)
@@ -420,16 +402,6 @@ class CheckpointManager:
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def _saved_model_args(path: Path) -> ModelArgs | None:
-    """The ``ModelArgs`` recorded beside a checkpoint; None when it has no ``model_args.json``."""
-    if not (path / MODEL_ARGS_FILE).is_file():
-        return None
-    try:
-        return read_model_args(path)
-    except UserError as error:
-        raise CheckpointError(f"{path} cannot be loaded: {error}") from error
 
 
 def _empty_folder(folder: Path) -> None:

@@ -3,6 +3,7 @@ offer), ``parser`` (TOML and command line), ``validate`` (the rules). The names 
 package's public API. It imports only the ground floor (``trainer/runtime/errors.py``), never torch
 or the data stack, so ``--help`` and any tool can load it anywhere."""
 
+from trainer.config.dependent_settings import acting
 from trainer.config.fields import FloatList, StrList, type_name
 from trainer.config.limits import Limits
 from trainer.config.parser import (
@@ -67,6 +68,7 @@ __all__ = [
     "StrList",
     "Training",
     "Validation",
+    "acting",
     "cautions",
     "changed_settings",
     "help_text",

@@ -7,6 +7,7 @@ config must fail in seconds, never hang a collective.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import sys
@@ -15,6 +16,7 @@ from typing import Any
 
 import tomli_w
 
+from trainer.config.dependent_settings import check_dependent_settings
 from trainer.config.fields import FloatList, StrList, type_name
 from trainer.config.foreign_keys import instead_of
 from trainer.config.schema import FIELDS, JobConfig
@@ -293,7 +295,8 @@ def _shown(typ: type, value: Any) -> str:
 
 
 def load_config(argv: list[str]) -> JobConfig:
-    """Defaults < TOML file < ``--mesh`` < ``--section.key`` overrides."""
+    """Defaults < TOML file < ``--mesh`` < ``--section.key`` overrides; then the values' own
+    rules (``validate.py``) and the settings that would change nothing (``dependent_settings.py``)."""
     config_name, mesh, overrides = _split_cli(argv)
     path = resolve_config_path(config_name) if config_name else DEFAULT_CONFIG
     config = JobConfig()
@@ -303,8 +306,11 @@ def load_config(argv: list[str]) -> JobConfig:
             if key not in FIELDS:
                 raise _unknown_key(key)
             _set(config, key, _coerce(key, value, from_cli=False))
+    from_file = copy.deepcopy(config)
+    command_line = {key for key, _ in overrides}
     if mesh is not None:
         mesh_values = parse_mesh(mesh)
+        command_line |= set(mesh_values)
         for key, value in overrides:
             if key in mesh_values and _coerce(key, value, from_cli=True) != mesh_values[key]:
                 raise ConfigError(f"`--{key} {value}` contradicts `--mesh {mesh}`; give one of them.")
@@ -313,6 +319,7 @@ def load_config(argv: list[str]) -> JobConfig:
     for key, value in overrides:
         _set(config, key, _coerce(key, value, from_cli=True))
     validate(config)
+    check_dependent_settings(config, from_file, command_line)
     return config
 
 

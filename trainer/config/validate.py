@@ -52,12 +52,6 @@ def cautions(config: JobConfig) -> list[str]:
             "against the language model's 2 to 10: the gradient serves balance more than language "
             "(usual weights are 0.0001 to 0.01)."
         )
-    exact = moe.balance_loss_scope == "global_batch" and moe.balance_loss_weight > 0
-    if config.model.name == "moe" and moe.held_forwards not in ("auto", "prepass") and not exact:
-        found.append(
-            f"`moe.held_forwards` = '{moe.held_forwards}' has no effect: only the `global_batch` balancing loss "
-            "(`moe.balance_loss_weight` above 0) holds the step's forwards."
-        )
     return found
 
 

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from trainer.checkpoint.resume_fit import resume_preview
 from trainer.config import load_config
 from trainer.data.datasets import TokenDataset, data_lines, load_dataset, load_validation_dataset
+from trainer.optimizer import schedule_settings
 from trainer.planning.held_for_speed import fitted
 from trainer.planning.job_plan import JobPlan, check_memory, describe, resolve_job
 from trainer.planning.memory_limits import memory_limit, target_device
@@ -98,6 +100,14 @@ class PreparedJob:
     def data_lines(self) -> str:
         return data_lines(self.plan.config, self.plan.global_batch_size, self.dataset, self.validation_dataset)
 
+    def resume_lines(self) -> list[str]:
+        """What the run would resume, read from beside the checkpoint; a checkpoint of another
+        model, or trained on other data, is refused here as the resume would refuse it."""
+        config = self.plan.config
+        schedule = schedule_settings(config.training.steps, config.optimizer.lr, config.lr_scheduler)
+        data = getattr(self.dataset, "identity", None) or {}
+        return resume_preview(config.checkpoint, config.job.dump_folder, self.plan.model_args, data, schedule)
+
 
 def prepare(
     argv: list[str],
@@ -116,9 +126,9 @@ def prepare(
     ``local_ranks``, ``device_index`` and ``started`` say where the memory limit comes from: this
     node's ranks sharing its RAM or GPUs, and whether they have started (see
     :func:`trainer.planning.job_plan.memory_limit`); ``target`` (``--target-gpu``) plans for one GPU of that
-    kind per rank instead, from any machine, with its ``--target.*`` ``figures``. ``describe_to`` collects what the job will be, for
-    ``--dry-run``, before the memory check can refuse it. ``memory=False`` skips the check (a tool
-    that only reads the data).
+    kind per rank instead, from any machine, with its ``--target.*`` ``figures``. ``describe_to``
+    collects what the job will be, for ``--dry-run``, before the memory check can refuse it, and
+    the checkpoint it would resume. ``memory=False`` skips the check (a tool that only reads the data).
     """
     limit, where = memory_limit(local_ranks, device_index, started=started, target=target, figures=figures)
     job_plan = prepare_plan(argv, world_size, target, figures, limit)
@@ -132,7 +142,7 @@ def prepare(
         load_validation_dataset(job_plan.config, job_plan.tokenizer),
     )
     if describe_to is not None:
-        describe_to.append(job.data_lines())
+        describe_to += [job.data_lines(), *job.resume_lines()]
         if memory:
             check_memory(job_plan, limit, where)
     return job

@@ -214,6 +214,7 @@ def run(argv: list[str]) -> int:
         threads = thread_env(os.environ, nproc)  # before checking: the check's own work is no load
         # Everything the workers would check, once, here (raises a UserError).
         job = prepare(request.argv, nproc * nnodes, local_ranks=nproc)
+        job.resume_lines()  # a checkpoint of another model or other data, refused before any worker starts
         if job.plan.config.fault_tolerance.enable:
             check_lighthouse(job.plan.config.fault_tolerance)
         checkpointing = job.plan.config.checkpoint.enable

@@ -15,7 +15,7 @@ from parallelisms.moe_split import PARTS, SPLIT
 from parallelisms.parallelize import pipeline_split
 from parallelisms.torch_private import kernels
 from trainer.checkpoint.folders import step_folders
-from trainer.config import cautions, changed_settings, to_toml
+from trainer.config import acting, cautions, changed_settings, to_toml
 from trainer.metrics.logger import MetricsLogger, format_duration
 from trainer.model.llama3 import num_params, whole_model
 from trainer.step.train_step import StepStats
@@ -28,10 +28,12 @@ logger = logging.getLogger("meshtrain")
 
 def save_config(plan: JobPlan) -> Path:
     """Write the resolved config to the dump folder and log the settings that differ from the
-    code's defaults; return the file's path."""
+    code's defaults, both as the run acts on them (a setting kept in the config file for a feature
+    the command line turned off is left out); return the file's path."""
     config_file = Path(plan.config.job.dump_folder) / "config.toml"
-    config_file.write_text(to_toml(plan.config))
-    changed = changed_settings(plan.config)
+    config = acting(plan.config)
+    config_file.write_text(to_toml(config))
+    changed = changed_settings(config)
     summary = textwrap.fill(" ".join(changed), width=110, initial_indent="  ", subsequent_indent="  ")
     logger.info(
         "config: %d settings differ from the code's defaults (all in %s):\n%s", len(changed), config_file, summary

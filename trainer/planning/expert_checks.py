@@ -5,7 +5,7 @@ so that a plan never prints as assumed what the run does not do (``resolve_job``
 from __future__ import annotations
 
 from parallelisms.parallel_dims import ParallelDims
-from trainer.config import ConfigError, JobConfig, changed_settings
+from trainer.config import ConfigError, JobConfig
 from trainer.model.llama3 import ModelArgs
 from trainer.model.moe import MoEArgs
 
@@ -34,17 +34,13 @@ def check_experts(config: JobConfig, dims: ParallelDims, args: ModelArgs, imbala
 
 
 def checks_not_applying(config: JobConfig, dims: ParallelDims, args: ModelArgs, imbalance: float) -> None:
-    """A setting this job's layout ignores is refused, naming why, so that a plan never prints
-    as assumed what the run does not do: the ``[moe]`` keys and ``--target.routing_imbalance`` on
-    a dense model, a Mixture-of-Experts whose blocks are all dense, and an imbalance at ``ep`` 1
-    (one rank holds every expert and receives every routed token, however skewed)."""
+    """What this job's model ignores is refused, naming why, so that a plan never prints as
+    assumed what the run does not do: ``--target.routing_imbalance`` on a dense model, a
+    Mixture-of-Experts whose blocks are all dense, and an imbalance at ``ep`` 1 (one rank holds
+    every expert and receives every routed token, however skewed). The settings that need another
+    one (``[moe]`` on a dense model among them) are refused as the config loads
+    (``trainer/config/dependent_settings.py``)."""
     if not isinstance(args, MoEArgs):
-        changed = [key for key in changed_settings(config) if key.startswith("moe.")]
-        if changed:
-            raise ConfigError(
-                f"`{changed[0].split('=')[0]}` balances the experts of a Mixture-of-Experts, but `model.name` = "
-                f'{config.model.name!r} is dense: it would change nothing. Drop it, or set `model.name` = "moe".'
-            )
         if imbalance > 1:
             raise ConfigError(
                 f"--target.routing_imbalance {imbalance:g} sizes the busiest expert-parallel rank, but `model.name` = "

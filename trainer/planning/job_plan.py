@@ -30,7 +30,13 @@ from trainer.model.llama3 import FLAVORS, ModelArgs, model_args
 from trainer.model.moe import FLAVORS as MOE_FLAVORS
 from trainer.model.moe import MoEArgs
 from trainer.planning.expert_checks import check_experts
-from trainer.planning.float8_plan import check_float8_job, float8_settings
+from trainer.planning.float8_plan import (
+    check_float8_backend,
+    check_float8_job,
+    check_float8_model,
+    float8_settings,
+    job_backend,
+)
 from trainer.planning.layout_rules import check_layout_invariant
 from trainer.planning.loss_chunking import LossChunking, resolve_loss_chunking
 from trainer.planning.memory_fixes import what_would_fit
@@ -162,6 +168,8 @@ def resolve_job(
     check_layout_invariant(config, dims, settings)
     check_replica_groups(config, dims)
     check_float8_job(config, settings, n_experts, device)
+    check_float8_backend(settings, dims, job_backend(device))
+    check_float8_model(settings, dims, args, training.local_batch_size)
     check_experts(config, dims, args, (figures or {}).get("routing_imbalance", 1.0))
     validation = config.validation
     if validation.enable and (dims.cp > 1 or dims.pp > 1) and validation.seq_len not in (-1, training.seq_len):

@@ -11,9 +11,9 @@ CPU it always chunks: it costs nothing there, and the CPU's limit is the memory 
 starts, which differs between ranks and between a run and its resume, so deciding by it would
 let the same job round differently. A number the user sets is kept as set (0: whole logits, N:
 chunks of N tokens). Exact MoE balancing under full checkpointing chunks too where its held
-forwards fit: they spare the counting pre-pass (``Workload.holds_forwards``) and need the loss
-in chunks, whose gradients they compute at once where the output weight is a plain tensor
-(``Workload.holds_loss_gradients``). Chunking changes the loss and gradients only by float32
+forwards fit, or where ``moe.held_forwards`` asks for them: they spare the counting pre-pass
+(``Workload.holds_forwards``) and need the loss in chunks, whose gradients they compute at once
+where the output weight is a plain tensor (``Workload.holds_loss_gradients``). Chunking changes the loss and gradients only by float32
 round-off (``tests/test_loss.py``).
 """
 
@@ -62,6 +62,12 @@ def resolve_loss_chunking(
     chunked = replace(
         workload, loss_chunk_tokens=AUTO_CHUNK_TOKENS, hold_loss_gradients=False, offload_forwards=offload
     )
+    if chunked.holds_forwards and not workload.fit_held_forwards:
+        return LossChunking(
+            AUTO_CHUNK_TOKENS,
+            "auto: `moe.held_forwards` holds the step's forwards, which needs the loss in chunks (whole logits "
+            "would be held for every micro-batch)",
+        )
     if chunked.holds_forwards and (limit is None or estimate(chunked).total <= FIT_FRACTION * limit):
         return LossChunking(
             AUTO_CHUNK_TOKENS,

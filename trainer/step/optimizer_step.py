@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import torch
 
+from trainer.optimizer import LRSchedule
 from trainer.step.part import StepPart, StepResult
 
 
@@ -13,7 +14,7 @@ class OptimizerStep(StepPart):
     """Steps the optimizer unless the step was skipped, clears the gradients and advances the
     schedule; a step that did not commit does neither (it is run again)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler):
+    def __init__(self, optimizer: torch.optim.Optimizer, scheduler: LRSchedule):
         self.optimizer = optimizer
         self.scheduler = scheduler
 
