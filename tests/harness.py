@@ -315,6 +315,7 @@ def step_worker(argv: list[str]) -> dict | None:
         "grads": grads,
         "counts": counts,
         "writes": writes,
+        "values": result.values,
     }
     if p.dims.dp_replicate == 1 and p.dims.dp > 1 and p.dims.tp == 1:
         out["rank_mean_grads"] = per_rank_mean_then_average(training, microbatches)

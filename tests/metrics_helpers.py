@@ -4,6 +4,7 @@ to a temporary folder and its events read back, and the CUDA memory API faked on
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import types
 from collections.abc import Iterable
@@ -11,9 +12,15 @@ from collections.abc import Iterable
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins.custom_scalar import layout_pb2
+from tensorboard.util import tensor_util
 
 from trainer.metrics import MetricsLogger
+from trainer.metrics.logger import LogSettings, Throughput
+from trainer.step.expert_balance import BALANCE_LOSS, LOAD_CHART
+from trainer.step.group_commit import LOGGED as GROUP_LOGGED
 from trainer.step.part import StepResult
+from trainer.step.sums import Logged
 from trainer.step.train_step import StepStats
 
 CPU_TAGS = {
@@ -103,22 +110,35 @@ def _stats(step: int, **overrides: object) -> StepStats:
 
 
 def _make_logger(tmp_path: os.PathLike[str], **overrides: object) -> MetricsLogger:
+    """A rank 0's logger; ``overrides`` name fields of its settings or throughput, ``rank``, and
+    ``moe_layers``, ``balance_loss`` and ``replica_groups``, which declare those parts' values as
+    the step would."""
     kwargs: dict[str, object] = dict(
-        rank=0,
         console=True,
         dump_folder=str(tmp_path),
         tb_folder="tb",
-        enable_tensorboard=True,
+        tensorboard=True,
         log_freq=2,
         color=False,
-        device=torch.device("cpu"),
         total_steps=5,
+        device=torch.device("cpu"),
         flops_per_token=FLOPS_PER_TOKEN,
         peak_flops=None,
         global_tokens_per_step=GLOBAL_TOKENS,
     )
-    kwargs.update(overrides)
-    return MetricsLogger(**kwargs)  # type: ignore[arg-type]
+    kwargs.update({"tensorboard" if k == "enable_tensorboard" else k: v for k, v in overrides.items()})
+    moe_layers = tuple(kwargs.pop("moe_layers", ()))  # type: ignore[arg-type]
+    loads = tuple(
+        Logged(f"moe/load_max_over_mean/layer_{i}", "expert load max/mean per layer", LOAD_CHART, digits=2)
+        for i in moe_layers
+    )
+    logged = ((BALANCE_LOSS,) if kwargs.pop("balance_loss", False) else ()) + loads
+    logged += GROUP_LOGGED if kwargs.pop("replica_groups", False) else ()
+    rank = int(kwargs.pop("rank", 0))  # type: ignore[call-overload]
+    split = {f.name for f in dataclasses.fields(Throughput)}
+    throughput = Throughput(**{k: v for k, v in kwargs.items() if k in split})  # type: ignore[arg-type]
+    settings = LogSettings(**{k: v for k, v in kwargs.items() if k not in split})  # type: ignore[arg-type]
+    return MetricsLogger(settings, throughput, logged, rank)
 
 
 def _run(logger: MetricsLogger, steps: Iterable[StepStats]) -> None:
@@ -135,3 +155,20 @@ def _read_events(tb_dir: str) -> EventAccumulator:
 
 def _scalars(acc: EventAccumulator, tag: str) -> dict[int, float]:
     return {event.step: event.value for event in acc.Scalars(tag)}
+
+
+def _layout(acc: EventAccumulator) -> layout_pb2.Layout:
+    (event,) = acc.Tensors("custom_scalars__config__")
+    return layout_pb2.Layout.FromString(tensor_util.make_ndarray(event.tensor_proto).item())
+
+
+def _layout_charts(acc: EventAccumulator) -> dict[str, list[str]]:
+    """Chart title -> the tags of its series; each is a margin chart whose band is its own line."""
+    charts = {}
+    for category in _layout(acc).category:
+        for chart in category.chart:
+            assert chart.WhichOneof("content") == "margin", chart.title
+            for series in chart.margin.series:
+                assert series.lower == series.upper == series.value, (chart.title, series)
+            charts[chart.title] = [series.value for series in chart.margin.series]
+    return charts

@@ -16,15 +16,16 @@ from checkpoint_helpers import TINY, one_rank, tiny_manager
 from harness import ROOT, run_train, tensorboard_scalars
 
 from trainer.checkpoint.folders import read_dcp_model
-from trainer.metrics.dashboard import Tag, moe_load_tag
+from trainer.metrics.dashboard import Tag
 from trainer.model.moe import MoEArgs
 from trainer.runtime.errors import CheckpointError
+from trainer.step.expert_balance import BALANCE_LOSS
 
 STEPS, SAVED = 3, 2
 TOLERANCE = 5e-5
 WEIGHTS_TOLERANCE = 1e-6  # relative; measured at most 1.2e-7 (with TP), 9.1e-8 without
 LOSS_TAGS = (Tag.LOSS_AVG, Tag.GRAD_NORM)
-MOE_TAGS = (Tag.MOE_BALANCE_LOSS, *(moe_load_tag(layer) for layer in (1, 2, 3)))
+MOE_TAGS = (BALANCE_LOSS.tag, *(f"moe/load_max_over_mean/layer_{layer}" for layer in (1, 2, 3)))
 ARGV = [
     "--config",
     str(ROOT / "train_configs" / "debug_moe.toml"),
@@ -129,7 +130,7 @@ def test_a_moe_runs_tensorboard_holds_the_balancing_scalars(runs):
     scalars = tensorboard_scalars(runs / SAVER, MOE_TAGS)
     for tag in MOE_TAGS:
         assert sorted(scalars[tag]) == list(range(1, STEPS + 1)), tag
-    assert all(value > 0 for value in scalars[Tag.MOE_BALANCE_LOSS].values())
+    assert all(value > 0 for value in scalars[BALANCE_LOSS.tag].values())
     assert all(value >= 1 for tag in MOE_TAGS[1:] for value in scalars[tag].values())
 
 

@@ -51,11 +51,11 @@ from replica_helpers import (
 from torch.utils._pytree import tree_map
 
 from trainer.config import FaultTolerance, load_config
-from trainer.metrics.dashboard import Tag, moe_load_tag
 from trainer.planning.job_plan import describe, resolve_job
 from trainer.replica_groups import ReplicaGroups, check_lighthouse
 from trainer.replica_identity import Meeting
 from trainer.runtime.errors import ConfigError, JobError
+from trainer.step.expert_balance import BALANCE_LOSS
 from trainer.step.group_commit import GroupCommit
 from trainer.step.optimizer_step import OptimizerStep
 from trainer.step.part import Parts
@@ -178,13 +178,13 @@ def test_an_moe_step_is_exact_over_the_groups_that_trained_it_and_every_group_mo
     digests = weight_digests([job.output() for job in jobs])
     assert digests[0] and digests[0] == digests[1]
     [expected] = run_ranks(surviving_batches_reference, 1, participants, MOE_ARGS)
-    tags = (Tag.MOE_BALANCE_LOSS, *map(moe_load_tag, MOE_LAYERS))
+    tags = (BALANCE_LOSS.tag, *(f"moe/load_max_over_mean/layer_{layer}" for layer in MOE_LAYERS))
     for g in range(GROUPS):
         scalars = tensorboard_scalars(tmp_path / f"group{g}", tags)
-        trained = sorted(scalars[Tag.MOE_BALANCE_LOSS])
+        trained = sorted(scalars[BALANCE_LOSS.tag])
         assert trained == sorted(alive if g == 0 else rejoined)
-        balance = [scalars[Tag.MOE_BALANCE_LOSS][s] for s in trained]
-        loads = [[scalars[moe_load_tag(layer)][s] for layer in MOE_LAYERS] for s in trained]
+        balance = [scalars[BALANCE_LOSS.tag][s] for s in trained]
+        loads = [[scalars[f"moe/load_max_over_mean/layer_{layer}"][s] for layer in MOE_LAYERS] for s in trained]
         assert balance == pytest.approx([expected["balance_loss"][s - 1] for s in trained], rel=1e-5)
         assert loads == [pytest.approx(expected["max_load"][s - 1], rel=1e-6) for s in trained]
     losses = [alive[s][1] for s in range(1, MOE_STEPS + 1)]

@@ -30,6 +30,7 @@ from trainer.data.datasets import TokenDataset, data_lines
 from trainer.data.loader import MicroBatchLoader, build_dataloader
 from trainer.loss import CrossEntropy, ModelLoss, cross_entropy_sum
 from trainer.metrics import MetricsLogger, model_flops_per_token, peak_flops, use_color
+from trainer.metrics.logger import LogSettings, Throughput
 from trainer.metrics.reports import log_start, save_config
 from trainer.model.llama3 import Transformer
 from trainer.model.moe import MoEArgs
@@ -46,10 +47,11 @@ from trainer.step.grad_sync import GradSync
 from trainer.step.group_commit import GroupCommit
 from trainer.step.host_offload import HostOffload, host_offload
 from trainer.step.layout_invariant import LayoutInvariantReduction
+from trainer.step.loss_terms import LossTerm, LossTerms, loss_terms, with_terms
 from trainer.step.optimizer_step import AfterOptimizerStep, OptimizerStep
 from trainer.step.part import Parts, StepPart
 from trainer.step.schedules import HeldForwards, Interleaved, Pipelined, StepSchedule
-from trainer.step.sums import Ranks, StepSums
+from trainer.step.sums import LOSS, WORST, Ranks, StepSums
 from trainer.step.train_step import Step
 from trainer.step.training import Training
 from trainer.train_state import TrainState
@@ -88,13 +90,26 @@ def build_training(plan: JobPlan, dataset: Dataset, substitutes: Substitutes | N
         torch.set_num_threads(1)  # CPU kernels may split a reduction by thread: one thread everywhere
     torch.manual_seed(config.debug.seed)
     meshes = plan.dims.build_mesh(dev_type)
-    cross_entropy = cross_entropy_sum
+    cross_entropy: CrossEntropy = cross_entropy_sum
     if plan.parallel.compile_loss:
         cross_entropy = torch.compile(cross_entropy_sum, backend=plan.parallel.compile_backend)
+    added = loss_terms(config)
+    terms = Terms(added, torch.zeros(len(added), device=device))
+    if terms.terms:
+        cross_entropy = with_terms(cross_entropy, terms.terms, terms.values)
     fake = substitutes.tensors if substitutes is not None else None
     model, parallelized = build_model(plan, meshes, device, cross_entropy, fake)
     with fake or nullcontext():
-        return _assemble(plan, dataset, Built(device, meshes, model, parallelized), cross_entropy, substitutes)
+        return _assemble(plan, dataset, Built(device, meshes, model, parallelized), cross_entropy, terms, substitutes)
+
+
+@dataclass(frozen=True)
+class Terms:
+    """The loss's terms beside the cross-entropy (``trainer/step/loss_terms.py``) and the tensor
+    their values are recorded in."""
+
+    terms: tuple[LossTerm, ...]
+    values: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -108,7 +123,12 @@ class Built:
 
 
 def _assemble(
-    plan: JobPlan, dataset: Dataset, built: Built, cross_entropy: CrossEntropy, substitutes: Substitutes | None
+    plan: JobPlan,
+    dataset: Dataset,
+    built: Built,
+    cross_entropy: CrossEntropy,
+    terms: Terms,
+    substitutes: Substitutes | None,
 ) -> Training:
     """The optimizer, the data, the replica groups and the step around the built model."""
     config, training, device, model = plan.config, plan.config.training, built.device, built.model
@@ -121,31 +141,39 @@ def _assemble(
     replicas = build_replicas(plan, model, optimizer_step, loader, state, dataset, device)
     forward = Forward(model, ModelLoss(plan.loss_in_model, cross_entropy), plan.parallel.loss_parallel, cp)
     pipeline = build_pipeline(plan, built, cross_entropy, positions)
-    sums = StepSums(sum_groups(plan, built.meshes), replicas=replicas, ordered=config.debug.layout_invariant)
+    totals = (LOSS, WORST, *(term.total for term in terms.terms))
+    sums = StepSums(sum_groups(plan, built.meshes), totals, replicas, ordered=config.debug.layout_invariant)
+    accumulator, reduction = gradient_parts(plan, built, pipeline, sums)
     balance = build_balance(plan, model, built.meshes, sums)
-    watchers = substitutes.watchers(built.meshes, model, pipeline, optimizer) if substitutes else (None, None)
-    parts = step_parts(plan, built, pipeline, sums, balance, replicas, optimizer_step, watchers)
+    watch, watch_optimizer = (
+        substitutes.watchers(built.meshes, model, pipeline, optimizer) if substitutes else (None, None)
+    )
+    parts = [  # the step's parts, in the order they take part
+        watch,
+        accumulator,
+        reduction,
+        LossTerms(terms.terms, sums, terms.values) if terms.terms else None,
+        balance,
+        GroupCommit(replicas) if replicas is not None else None,
+        watch_optimizer,
+        optimizer_step,
+        float8_scales(plan, built),
+    ]
     step = Step(
         StepBatches(loader, device, cp, positions, plan.tokenizer.bos_id if training.document_mask else None),
         build_schedule(plan, forward, pipeline, balance, substitutes, device),
-        Parts(parts),
+        Parts([part for part in parts if part is not None]),
+        sums,
         tokens=plan.microbatches * training.local_batch_size * training.seq_len,
     )
     return Training(device, built.meshes, model, optimizer_step, state, step, forward, pipeline, replicas)
 
 
-def step_parts(
-    plan: JobPlan,
-    built: Built,
-    pipeline: Pipeline | None,
-    sums: StepSums,
-    balance: ExpertBalance | None,
-    replicas: ReplicaGroups | None,
-    optimizer_step: OptimizerStep,
-    watchers: tuple[StepPart | None, StepPart | None] = (None, None),
-) -> list[StepPart]:
-    """The step's parts, in the order they take part: the gradients' normalisation and their
-    reduction, the MoE balancing, the replica groups' commit, the optimizer step and what follows."""
+def gradient_parts(
+    plan: JobPlan, built: Built, pipeline: Pipeline | None, sums: StepSums
+) -> tuple[GradAccumulator, GradSync | LayoutInvariantReduction]:
+    """The parts that sum the gradients over ranks (FSDP, or the layout-invariant order) and
+    normalise and clip them."""
     model, dims, training = built.model, plan.dims, plan.config.training
     reduction: GradSync | LayoutInvariantReduction
     if plan.config.debug.layout_invariant:
@@ -166,18 +194,16 @@ def step_parts(
     accumulator = GradAccumulator(
         sums, reduction, microbatches=backwards, max_norm=training.max_norm, holds_loss=holds_loss
     )
-    watch_first, watch_optimizer = watchers
+    return accumulator, reduction
+
+
+def float8_scales(plan: JobPlan, built: Built) -> AfterOptimizerStep | None:
+    """With float8 weights gathered by FSDP: their scales in one all-reduce after each step that moved them."""
     float8 = plan.parallel.float8
-    after: list[StepPart] = []
-    if float8 is not None and float8.precompute_scales:
-        modules = built.parallelized.stage_modules or [model]
-        after.append(
-            AfterOptimizerStep(
-                "float8: every gathered weight's scale in one all-reduce", lambda: precompute_scales(modules)
-            )
-        )
-    parts = [watch_first, accumulator, reduction, balance, GroupCommit(replicas) if replicas else None]
-    return [p for p in [*parts, watch_optimizer, optimizer_step, *after] if p is not None]
+    if float8 is None or not float8.precompute_scales:
+        return None
+    modules = built.parallelized.stage_modules or [built.model]
+    return AfterOptimizerStep(lambda: precompute_scales(modules))
 
 
 def build_schedule(
@@ -320,7 +346,7 @@ def build_run(plan: JobPlan, training: Training, dataset: TokenDataset, validati
     resolved config and says what is about to run."""
     checkpointer = resume(plan, dataset, training)
     rank = dist.get_rank()
-    metrics = build_metrics(plan, training.device, rank, resumed=training.state.step > 0)
+    metrics = build_metrics(plan, training, rank)
     if rank == 0:
         save_config(plan)
         log_start(
@@ -356,31 +382,30 @@ def resume(plan: JobPlan, dataset: TokenDataset, training: Training) -> Checkpoi
     return checkpointer
 
 
-def build_metrics(plan: JobPlan, device: torch.device, rank: int, resumed: bool = False) -> MetricsLogger:
-    config, training, args = plan.config, plan.config.training, plan.model_args
-    return MetricsLogger(
-        rank=rank,
+def build_metrics(plan: JobPlan, training: Training, rank: int) -> MetricsLogger:
+    config, args, dims = plan.config, plan.model_args, plan.dims
+    settings = LogSettings(
         console=rank == 0,
         dump_folder=config.job.dump_folder,
         tb_folder=config.metrics.save_tb_folder,
-        enable_tensorboard=config.metrics.enable_tensorboard,
+        tensorboard=config.metrics.enable_tensorboard,
         log_freq=config.metrics.log_freq,
         # The entry point's logging.basicConfig sends the console line to stderr.
         color=use_color(config.metrics.disable_color_printing, sys.stderr),
-        device=device,
-        total_steps=training.steps,
-        flops_per_token=model_flops_per_token(args, training.seq_len),
-        peak_flops=peak_flops(device, override=training.peak_flops or None),
-        global_tokens_per_step=plan.global_batch_size * training.seq_len,
+        total_steps=config.training.steps,
+        validation=plan.validates,
+        resumed=training.state.step > 0,
+    )
+    throughput = Throughput(
+        device=training.device,
+        flops_per_token=model_flops_per_token(args, config.training.seq_len),
+        peak_flops=peak_flops(training.device, override=config.training.peak_flops or None),
+        global_tokens_per_step=plan.global_batch_size * config.training.seq_len,
         # A data-parallel replica's tokens are processed by its pp x tp x cp devices (torchtitan's
         # non-data-parallel size): tokens/s and MFU are per device of the whole job.
-        devices_per_replica=plan.dims.pp * plan.dims.tp * plan.dims.cp,
-        validation=plan.validates,
-        resumed=resumed,
-        moe_layers=tuple(range(args.n_dense_layers, args.n_layers)) if isinstance(args, MoEArgs) else (),
-        balance_loss=isinstance(args, MoEArgs) and config.moe.balance_loss_weight > 0,
-        replica_groups=config.fault_tolerance.enable,
+        devices_per_replica=dims.pp * dims.tp * dims.cp,
     )
+    return MetricsLogger(settings, throughput, training.step.logged(), rank)
 
 
 def build_validator(plan: JobPlan, training: Training, dataset: TokenDataset | None) -> Validator | None:

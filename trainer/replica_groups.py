@@ -288,15 +288,10 @@ class ReplicaGroups:
     def stats(self) -> ReplicaStats:
         return ReplicaStats(self.group_count, tuple(self._tokens), tuple(self._present), self.uncommitted_steps)
 
-    def logged(self) -> dict[str, float]:
-        """The step's values for TensorBoard: the groups that trained it, their tokens, the
-        attempts run again so far."""
+    def reported(self) -> tuple[int, int, int]:
+        """The groups that trained the step, their valid tokens, the attempts run again so far."""
         stats = self.stats()
-        return {
-            "fault_tolerance/groups": len(stats.groups),
-            "fault_tolerance/tokens": sum(stats.tokens),
-            "fault_tolerance/uncommitted_steps": stats.uncommitted_steps,
-        }
+        return len(stats.groups), sum(stats.tokens), stats.uncommitted_steps
 
     def log_step(self, step: int, loss: float) -> None:
         """Rank 0's line per step: who trained it, their tokens, the exact loss; a missing group's

@@ -27,7 +27,10 @@ the Time Series and Scalars tabs smooth every tag.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
+
+from trainer.step.sums import Logged
 
 if TYPE_CHECKING:
     from tensorboard.compat.proto.summary_pb2 import Summary
@@ -57,20 +60,6 @@ class Tag:
     VAL_LOSS = "validation/loss"
     VAL_PERPLEXITY = "validation/perplexity"
     VAL_TIME = "validation/seconds"
-    REPLICA_GROUPS = "fault_tolerance/groups"
-    """Replica groups that trained the step (``fault_tolerance.enable``; written every step)."""
-    REPLICA_TOKENS = "fault_tolerance/tokens"
-    """Valid tokens the step trained on, over the groups that took part."""
-    UNCOMMITTED = "fault_tolerance/uncommitted_steps"
-    """Attempts this group ran again because the quorum broke during them."""
-    MOE_BALANCE_LOSS = "moe/balance_loss"
-    MOE_LOAD = "moe/load_max_over_mean"
-    """A group: one tag per MoE layer, :func:`moe_load_tag` (a chart of it charts them all)."""
-
-
-def moe_load_tag(layer: int) -> str:
-    """The busiest expert's load over the mean load of MoE layer ``layer`` (its block's index)."""
-    return f"{Tag.MOE_LOAD}/layer_{layer}"
 
 
 DASHBOARD_ALIASES: dict[str, str] = {
@@ -113,31 +102,14 @@ DASHBOARD: dict[str, dict[str, tuple[str, ...]]] = {
         "step time (s)": (Tag.STEP_TIME,),
         "data loading %": (Tag.DATA_PCT,),
     },
-    "fault tolerance": {
-        "replica groups per step": (Tag.REPLICA_GROUPS,),
-        "tokens per step": (Tag.REPLICA_TOKENS,),
-        "uncommitted attempts": (Tag.UNCOMMITTED,),
-    },
-    "moe": {
-        "balancing loss": (Tag.MOE_BALANCE_LOSS,),
-        "expert load max/mean per layer": (Tag.MOE_LOAD,),
-    },
 }
-"""Categories and charts of the Custom Scalars tab, by torchtitan tag."""
+"""Categories and charts of the Custom Scalars tab, by torchtitan tag; the step's declared values
+(``trainer.step.sums.Logged``) add theirs after them."""
 
 
-def written_tags(
-    *,
-    mfu: bool,
-    cuda: bool,
-    validation: bool,
-    moe_layers: tuple[int, ...] = (),
-    balance_loss: bool = False,
-    replica_groups: bool = False,
-) -> set[str]:
-    """The tags the logger writes: MFU needs a peak, the rest of memory CUDA, validation its own,
-    a Mixture-of-Experts model its layers' loads and (when it is on) its balancing loss, and
-    fault-tolerant replica groups who trained each step."""
+def written_tags(*, mfu: bool, cuda: bool, validation: bool) -> set[str]:
+    """The core tags the logger writes (the step's declared values add theirs): MFU needs a
+    peak, the rest of memory CUDA, validation its own."""
     tags = {
         Tag.LOSS_AVG,
         Tag.LOSS_MAX,
@@ -158,34 +130,33 @@ def written_tags(
         tags |= {Tag.VAL_LOSS, Tag.VAL_PERPLEXITY, Tag.VAL_TIME}
     if cuda:
         tags |= {Tag.MEM_RESERVED, Tag.MEM_ACTIVE_PCT, Tag.MEM_RESERVED_PCT, Tag.ALLOC_RETRIES, Tag.OOMS}
-    tags |= {moe_load_tag(layer) for layer in moe_layers}
-    if balance_loss:
-        tags.add(Tag.MOE_BALANCE_LOSS)
-    if replica_groups:
-        tags |= {Tag.REPLICA_GROUPS, Tag.REPLICA_TOKENS, Tag.UNCOMMITTED}
     return tags
 
 
-def _charted(tags: tuple[str, ...], written: set[str]) -> list[str]:
-    """A chart's written tags; a group tag (``Tag.MOE_LOAD``) stands for the written tags under it,
-    by layer."""
-    found = []
-    for tag in tags:
-        if tag in written:
-            found.append(tag)
-        else:
-            found += sorted((w for w in written if w.startswith(tag + "/")), key=lambda w: (len(w), w))
-    return found
+def charts(written: set[str], logged: Sequence[Logged] = ()) -> dict[str, dict[str, tuple[str, ...]]]:
+    """:data:`DASHBOARD`'s charts of written tags, then the declared values' charts in the order
+    of their declarations, by category."""
+    laid_out = {category: dict(charts) for category, charts in DASHBOARD.items()}
+    for d in logged:
+        if d.chart:
+            category, _, title = d.chart.partition("/")
+            chart = laid_out.setdefault(category, {})
+            chart[title] = (*chart.get(title, ()), d.tag)
+            written = written | {d.tag}
+    return {
+        category: {title: shown for title, tags in charts.items() if (shown := tuple(t for t in tags if t in written))}
+        for category, charts in laid_out.items()
+    }
 
 
-def layout_summary(written: set[str]) -> Summary:
+def layout_summary(written: set[str], logged: Sequence[Logged] = ()) -> Summary:
     """The Custom Scalars layout, as the summary TensorBoard reads it from the events file.
 
     Only written tags are charted, so no chart stays empty on CPU (no MFU, reserved memory,
     percentages or allocator counts there), and a chart or category left with no tag is dropped;
     the validation category needs validation, since its loss chart would only repeat the training
     loss. Every chart is a margin chart whose band is its own line (see the module docstring).
-    The charts of a category show in :data:`DASHBOARD`'s order.
+    The charts of a category show in :func:`charts`'s order.
     """
     from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
     from tensorboard.compat.proto.tensor_pb2 import TensorProto
@@ -193,14 +164,14 @@ def layout_summary(written: set[str]) -> Summary:
     from tensorboard.plugins.custom_scalar import layout_pb2
 
     categories = []
-    for category, charts in DASHBOARD.items():
+    for category, laid_out in charts(written, logged).items():
         if category == "validation" and Tag.VAL_LOSS not in written:
             continue
         shown = []
-        for title, tags in charts.items():
+        for title, tags in laid_out.items():
             series = [
                 layout_pb2.MarginChartContent.Series(value=alias, lower=alias, upper=alias)
-                for alias in (DASHBOARD_ALIASES.get(t, t) for t in _charted(tags, written))
+                for alias in (DASHBOARD_ALIASES.get(t, t) for t in tags)
             ]
             if series:
                 shown.append(layout_pb2.Chart(title=title, margin=layout_pb2.MarginChartContent(series=series)))

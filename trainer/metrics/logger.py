@@ -15,6 +15,7 @@ import logging
 import os
 import threading
 from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
@@ -27,14 +28,12 @@ if TYPE_CHECKING:
     from trainer.validation import ValidationResult
 
 from trainer.metrics.accounting import MemoryStats, device_memory, tokens_per_second_per_device
-from trainer.metrics.dashboard import DASHBOARD_ALIASES, Tag, layout_summary, moe_load_tag, written_tags
+from trainer.metrics.dashboard import DASHBOARD_ALIASES, Tag, layout_summary, written_tags
 from trainer.runtime.errors import JobError
+from trainer.step.sums import Logged
 from trainer.step.train_step import StepStats
 
 logger = logging.getLogger("meshtrain")
-
-EVERY_STEP = frozenset({Tag.REPLICA_GROUPS, Tag.REPLICA_TOKENS, Tag.UNCOMMITTED})
-"""Written at every step, not only log steps."""
 
 CONSOLE_TTY_ENV = "MESHTRAIN_CONSOLE_TTY"
 """Set by ``./run_train.sh`` for the workers: "1" when its own stderr is a terminal, else "0"."""
@@ -122,6 +121,33 @@ def format_duration(seconds: float) -> str:
     return f"{hours}:{minutes:02d}:{secs:02d}"
 
 
+@dataclass(frozen=True)
+class LogSettings:
+    """Where and how often this rank's metrics go (``[metrics]``)."""
+
+    console: bool
+    dump_folder: str
+    tb_folder: str
+    tensorboard: bool
+    log_freq: int
+    color: bool
+    total_steps: int
+    validation: bool = False
+    resumed: bool = False
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """What turns a step's time into tokens/s, TFLOP/s and MFU per device: a data-parallel
+    replica's tokens are processed by its ``devices_per_replica`` (pp x tp x cp) devices."""
+
+    device: torch.device
+    flops_per_token: int
+    peak_flops: float | None
+    global_tokens_per_step: int
+    devices_per_replica: int = 1
+
+
 class MetricsLogger:
     """Accumulates per-step stats and emits them on log steps.
 
@@ -129,42 +155,14 @@ class MetricsLogger:
     problems early), every ``log_freq`` steps, and on the final step so the
     last values are never lost. Throughput and timing are averaged over all
     steps since the previous emission, so logging less often does not make
-    the numbers noisier or hide slow steps.
+    the numbers noisier or hide slow steps. Besides the loss, norm and
+    throughput, every value the step declares (``logged``: MoE balancing,
+    replica groups, loss terms) goes where its declaration says.
     """
 
-    def __init__(
-        self,
-        *,
-        rank: int,
-        console: bool,
-        dump_folder: str,
-        tb_folder: str,
-        enable_tensorboard: bool,
-        log_freq: int,
-        color: bool,
-        device: torch.device,
-        total_steps: int,
-        flops_per_token: int,
-        peak_flops: float | None,
-        global_tokens_per_step: int,
-        devices_per_replica: int = 1,
-        validation: bool = False,
-        resumed: bool = False,
-        moe_layers: tuple[int, ...] = (),
-        balance_loss: bool = False,
-        replica_groups: bool = False,
-    ) -> None:
-        self._console = console
-        self._log_freq = log_freq
-        self._colors = _ANSI if color else dict.fromkeys(_ANSI, "")
-        self._device = device
-        self._total_steps = total_steps
-        self._flops_per_token = flops_per_token
-        self._peak_flops = peak_flops
-        self._global_tokens_per_step = global_tokens_per_step
-        self._devices_per_replica = devices_per_replica
-        self._moe_layers = moe_layers
-
+    def __init__(self, settings: LogSettings, throughput: Throughput, logged: tuple[Logged, ...] = (), rank: int = 0):
+        self.settings, self.throughput, self.logged = settings, throughput, logged
+        self._colors = _ANSI if settings.color else dict.fromkeys(_ANSI, "")
         self._window_steps = 0
         self._window_tokens = 0
         self._window_data_time = 0.0
@@ -173,53 +171,50 @@ class MetricsLogger:
 
         self.tb_dir: str | None = None
         self._writer: SummaryWriter | None = None
-        if rank == 0 and enable_tensorboard:
+        if rank == 0 and settings.tensorboard:
             # Imported lazily so runs without TensorBoard installed still work
             # when it is disabled.
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb_dir = str(tensorboard_run(Path(dump_folder), tb_folder, resumed))
+            self.tb_dir = str(tensorboard_run(Path(settings.dump_folder), settings.tb_folder, settings.resumed))
             self._writer = SummaryWriter(log_dir=self.tb_dir)
             _quiet_event_writer_thread()
+            device = throughput.device
             written = written_tags(
-                mfu=peak_flops is not None,
-                cuda=device.type == "cuda",
-                validation=validation,
-                moe_layers=moe_layers,
-                balance_loss=balance_loss,
-                replica_groups=replica_groups,
+                mfu=throughput.peak_flops is not None, cuda=device.type == "cuda", validation=settings.validation
             )
             # add_custom_scalars builds margin charts of one series only; this layout goes to the
             # events file the way that method sends its own.
-            self._writer._get_file_writer().add_summary(layout_summary(written))
+            self._writer._get_file_writer().add_summary(layout_summary(written, logged))
 
     def log(self, stats: StepStats) -> None:
         """Record one step; emit a console line / TensorBoard point on log steps."""
+        settings, throughput = self.settings, self.throughput
         self._window_steps += 1
         self._window_tokens += stats.local_tokens
         self._window_data_time += stats.data_time_s
         self._window_step_time += stats.step_time_s
         self._n_skipped_steps = stats.n_skipped_steps
-        every_step = {tag: v for tag, v in stats.result.values.items() if tag in EVERY_STEP}
+        values = stats.result.values
+        every_step = {d.tag: values[d.tag] for d in self.logged if d.every_step and d.tag in values}
         if every_step and self._writer is not None:
-            # Every step, not only log steps: a group's absence may last one step.
             self._write(every_step, stats.step)
 
-        if not (stats.step == 1 or stats.step % self._log_freq == 0 or stats.step == self._total_steps):
+        if not (stats.step == 1 or stats.step % settings.log_freq == 0 or stats.step == settings.total_steps):
             return
         # Summed step times rather than a wall clock between calls: time spent
         # outside steps (checkpointing, evaluation) should not show up as a
         # throughput dip.
         window_time = self._window_step_time
-        tps = tokens_per_second_per_device(self._window_tokens, window_time, self._devices_per_replica)
-        tflops = self._flops_per_token * tps / 1e12
-        mfu = 100 * tflops * 1e12 / self._peak_flops if self._peak_flops is not None else None
+        tps = tokens_per_second_per_device(self._window_tokens, window_time, throughput.devices_per_replica)
+        tflops = throughput.flops_per_token * tps / 1e12
+        mfu = 100 * tflops * 1e12 / throughput.peak_flops if throughput.peak_flops is not None else None
         mean_step_time = window_time / self._window_steps
         data_pct = 100 * self._window_data_time / window_time if window_time > 0 else 0.0
-        memory = device_memory(self._device)
+        memory = device_memory(throughput.device)
 
-        if self._console:
-            eta = mean_step_time * (self._total_steps - stats.step)
+        if settings.console:
+            eta = mean_step_time * (settings.total_steps - stats.step)
             logger.info(self._console_line(stats, memory, tps, tflops, mfu, eta))
         if self._writer is not None:
             scalars: dict[str, float] = {
@@ -228,7 +223,7 @@ class MetricsLogger:
                 Tag.GRAD_NORM: stats.result.grad_norm,
                 Tag.LR: stats.result.lr,
                 Tag.VALID_TOKENS: stats.result.n_valid_tokens,
-                Tag.TOKENS_SEEN: self._global_tokens_per_step * stats.step,
+                Tag.TOKENS_SEEN: throughput.global_tokens_per_step * stats.step,
                 Tag.TPS: tps,
                 Tag.TFLOPS: tflops,
                 Tag.MEM_ACTIVE: memory.active_gib,
@@ -245,7 +240,7 @@ class MetricsLogger:
                 Tag.OOMS: memory.num_ooms,
             }
             scalars.update({tag: value for tag, value in optional.items() if value is not None})
-            scalars.update({tag: v for tag, v in stats.result.values.items() if tag not in EVERY_STEP})
+            scalars.update({d.tag: values[d.tag] for d in self.logged if not d.every_step and d.tag in values})
             self._write(scalars, stats.step)
 
         self._window_steps = 0
@@ -255,7 +250,7 @@ class MetricsLogger:
 
     def log_validation(self, step: int, result: ValidationResult) -> None:
         """One validation pass: a console line and its TensorBoard points."""
-        if self._console:
+        if self.settings.console:
             c = self._colors
             logger.info(
                 f"{c['cyan']}validation: step {step}  {c['green']}loss: {result.loss:.4f}  "
@@ -305,7 +300,7 @@ class MetricsLogger:
         else:
             shown_memory = f"{memory.active_gib:.2f}GiB"
         fields = [
-            f"{c['cyan']}step: {stats.step}/{self._total_steps}",
+            f"{c['cyan']}step: {stats.step}/{self.settings.total_steps}",
             f"{c['green']}loss: {stats.result.loss_avg:.4f}",
             f"{c['green']}max loss: {stats.result.loss_max:.4f}",
             f"{c['yellow']}grad norm: {stats.result.grad_norm:.4f}",
@@ -315,16 +310,19 @@ class MetricsLogger:
         ]
         if mfu is not None:
             fields.append(f"{c['magenta']}mfu: {mfu:.2f}%")
-        values = stats.result.values
-        if Tag.MOE_BALANCE_LOSS in values:
-            fields.append(f"{c['yellow']}balance loss: {values[Tag.MOE_BALANCE_LOSS]:.4f}")
-        if self._moe_layers and all(moe_load_tag(layer) in values for layer in self._moe_layers):
-            loads = " ".join(f"{values[moe_load_tag(layer)]:.2f}" for layer in self._moe_layers)
-            fields.append(f"{c['yellow']}expert load max/mean per layer: {loads}")
+        fields += self._declared_fields(stats.result.values)
         fields.append(f"{c['white']}eta: {format_duration(eta_s)}")
         if self._n_skipped_steps:
             fields.append(f"{c['red']}skipped steps: {self._n_skipped_steps}")
         return "  ".join(fields) + c["reset"]
+
+    def _declared_fields(self, values: Mapping[str, float]) -> list[str]:
+        """The declared values with a console label, those of one label in one field."""
+        by_label: dict[str, list[str]] = {}
+        for d in self.logged:
+            if d.label and d.tag in values:
+                by_label.setdefault(d.label, []).append(f"{values[d.tag]:.{d.digits}f}")
+        return [f"{self._colors['yellow']}{label}: {' '.join(shown)}" for label, shown in by_label.items()]
 
     def close(self) -> None:
         """Flush and release the TensorBoard writer; safe to call more than once."""

@@ -37,9 +37,12 @@ from parallelisms.model_parts import blocks
 from parallelisms.torch_private import kernels, pipelining
 from trainer.model.moe import AddBalanceLoss, Balancing, MoE, Routed, balance_part, global_balance, moe_layers
 from trainer.step.part import StepPart, StepResult
-from trainer.step.sums import Ranks, StepSums
+from trainer.step.sums import Logged, Ranks, StepSums
 
 logger = logging.getLogger("meshtrain")
+
+BALANCE_LOSS = Logged("moe/balance_loss", "balance loss", "moe/balancing loss")
+LOAD_CHART = "moe/expert load max/mean per layer"
 
 COUNTING = ("prepass", "forwards", "none")
 """How the step learns the routing before its first backward: a forward-only pre-pass, its own
@@ -215,10 +218,16 @@ class ExpertBalance(StepPart):
         if self.balancing.weight > 0:
             balance_loss = (losses.sum() if self.pooled else losses.mean()).item()
         self.last = BalanceStats(balance_loss, max_load, counts, biases[int(not refused)])
-        if balance_loss is not None:
-            result.values["moe/balance_loss"] = balance_loss
-        for layer_id, load in zip(self.settings.moe_layer_ids, max_load):
-            result.values[f"moe/load_max_over_mean/layer_{layer_id}"] = load
+        reported = ([] if balance_loss is None else [balance_loss]) + max_load
+        result.values.update({logged.tag: value for logged, value in zip(self.logged(), reported)})
+
+    def logged(self) -> tuple[Logged, ...]:
+        """The balancing loss (when it is on), then each MoE layer's busiest expert over the mean."""
+        loads = tuple(
+            Logged(f"moe/load_max_over_mean/layer_{i}", "expert load max/mean per layer", LOAD_CHART, digits=2)
+            for i in self.settings.moe_layer_ids
+        )
+        return (BALANCE_LOSS,) + loads if self.balancing.weight > 0 else loads
 
     def undo(self) -> None:
         """The step did not commit (its replica groups' quorum broke): its bias move is taken
@@ -226,12 +235,6 @@ class ExpertBalance(StepPart):
         for layer, bias in zip(self.layers, self._bias_before):
             layer.expert_bias.copy_(bias)
         self._bias_before = []
-
-    def describe(self) -> str:
-        s = self.settings
-        how = {"prepass": "counted by a forward-only pre-pass", "forwards": "counted in the held forwards"}
-        loss = f"; loss weight {s.loss_weight:g} per {s.loss_scope} ({how.get(self.counting, 'no counting')})"
-        return f"MoE balancing: bias rate {s.bias_update_rate:g}" + (loss if s.loss_weight > 0 else "")
 
     def _bias_step(self, load: torch.Tensor) -> torch.Tensor:
         """Each expert's bias move: ``bias_update_rate`` towards the mean load, centred."""

@@ -115,6 +115,7 @@ class GradAccumulator(StepPart):
         result.grad_norm = totals.raw["raw_norm"] / max(n, 1)
         result.loss_avg = totals[LOSS.name]
         result.loss_max = totals[WORST.name] if n else math.nan
+        result.values.update(totals.logged())
         if n == 0 or not math.isfinite(result.grad_norm):
             reason = "no valid label token in the global batch" if n == 0 else "non-finite gradient norm"
             logger.warning("skipping the optimizer step: %s", reason)
@@ -123,10 +124,6 @@ class GradAccumulator(StepPart):
         true_norm = result.grad_norm
         clip_coef = min(1.0, self.max_norm / (true_norm + 1e-6)) if self.max_norm > 0 else 1.0
         _foreach_scale_([g.to_local() if isinstance(g, DTensor) else g for g in grads], clip_coef / n)
-
-    def describe(self) -> str:
-        clip = f", clipped at {self.max_norm:g}" if self.max_norm > 0 else ""
-        return f"the gradient accumulator: N valid tokens counted as the step begins; gradients x clip / N once{clip}"
 
 
 def _foreach_scale_(tensors: list[torch.Tensor], scale: float) -> None:

@@ -75,10 +75,6 @@ class GradSync(StepPart):
         spread = [self.ep if id(p) in self._expert_ids else 1 for p in params]
         return grads, total_norm(grads, self.pp, spread).reshape(1)
 
-    def describe(self) -> str:
-        how = "reduce-scatter on the last micro-batch" if self.defer else "reduce-scatter each micro-batch"
-        return f"FSDP reduces by sum ({how}{'; HSDP all-reduce on the last' if self.hsdp else ''})"
-
 
 def total_norm(grads: list[torch.Tensor], pp_degree: int = 1, spread: list[int] | None = None) -> torch.Tensor:
     """2-norm over all gradients, each shard counted once and each replica not repeated.

@@ -6,14 +6,13 @@ from __future__ import annotations
 from typing import Protocol
 
 from trainer.step.part import StepPart, StepResult
+from trainer.step.sums import Logged
 
 
 class Committing(Protocol):
-    group_count: int
-
     def commit(self) -> bool: ...
 
-    def logged(self) -> dict[str, float]: ...
+    def reported(self) -> tuple[int, int, int]: ...
 
 
 class GroupCommit(StepPart):
@@ -25,7 +24,15 @@ class GroupCommit(StepPart):
 
     def finish(self, result: StepResult) -> None:
         result.committed = self.groups.commit()
-        result.values.update(self.groups.logged())
+        result.values.update(zip((logged.tag for logged in LOGGED), self.groups.reported()))
 
-    def describe(self) -> str:
-        return f"the replica groups' commit ({self.groups.group_count} groups; a broken quorum runs the step again)"
+    def logged(self) -> tuple[Logged, ...]:
+        return LOGGED
+
+
+LOGGED = (
+    Logged("fault_tolerance/groups", chart="fault tolerance/replica groups per step", every_step=True),
+    Logged("fault_tolerance/tokens", chart="fault tolerance/tokens per step", every_step=True),
+    Logged("fault_tolerance/uncommitted_steps", chart="fault tolerance/uncommitted attempts", every_step=True),
+)
+"""Every step, not only log steps: a group's absence may last one step."""

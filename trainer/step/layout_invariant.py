@@ -214,9 +214,6 @@ class LayoutInvariantReduction(StepPart):
                 result.grad_norm.hex(),
             )
 
-    def describe(self) -> str:
-        return "the layout-invariant reduction: each micro-batch's gradient to its owners, summed in global order"
-
     def _global_rows(self, mine: torch.Tensor) -> torch.Tensor:
         """Every parameter's row sums, from every shard, in the model's row order."""
         if self.dp_shard == 1:

@@ -27,20 +27,13 @@ class OptimizerStep(StepPart):
         if result.committed:
             self.scheduler.step()
 
-    def describe(self) -> str:
-        return f"the optimizer step ({type(self.optimizer).__name__}), then the LR schedule"
-
 
 class AfterOptimizerStep(StepPart):
     """What a step that moved the weights needs next (float8's scales of the gathered weights)."""
 
-    def __init__(self, name: str, action: Callable[[], None]):
-        self.name = name
+    def __init__(self, action: Callable[[], None]):
         self.action = action
 
     def finish(self, result: StepResult) -> None:
         if result.stepped:
             self.action()
-
-    def describe(self) -> str:
-        return self.name

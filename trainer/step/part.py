@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from trainer.step.sums import Logged
+
 if TYPE_CHECKING:
     from trainer.step.batches import MicroBatch
 
@@ -42,7 +44,7 @@ class StepResult:
     lr: float = math.nan
     """The learning rate the step used."""
     values: dict[str, float] = field(default_factory=dict)
-    """The step's other logged values by name (``trainer/step/logged.py``)."""
+    """The step's other reported values by their TensorBoard tags (``sums.Logged``)."""
 
     def skip(self, reason: str) -> None:
         self.skipped, self.skip_reason = True, reason
@@ -79,9 +81,9 @@ class StepPart:
     def undo(self) -> None:
         return None
 
-    def describe(self) -> str:
-        """One line for ``--dry-run``'s list of the step's parts."""
-        return type(self).__name__
+    def logged(self) -> tuple[Logged, ...]:
+        """The values this part reports in :attr:`StepResult.values`, by their tags."""
+        return ()
 
 
 class Parts:
@@ -122,3 +124,6 @@ class Parts:
     def undo(self) -> None:
         for part in reversed(self.parts):
             part.undo()
+
+    def logged(self) -> tuple[Logged, ...]:
+        return tuple(logged for part in self.parts for logged in part.logged())

@@ -27,8 +27,6 @@ from trainer.step.part import Parts
 class StepSchedule(Protocol):
     def run(self, parts: Parts, batch: list[MicroBatch]) -> None: ...
 
-    def describe(self) -> str: ...
-
 
 class Interleaved:
     def __init__(self, forward: Forward, prepass: bool = False):
@@ -46,10 +44,6 @@ class Interleaved:
             for i, mb in enumerate(batch):
                 parts.before_forward(i)
                 parts.backward(i, self.forward(mb))
-
-    def describe(self) -> str:
-        first = "a forward-only pre-pass of every micro-batch, then " if self.prepass else ""
-        return f"{first}each micro-batch's forward and backward in turn"
 
 
 class HeldForwards:
@@ -73,10 +67,6 @@ class HeldForwards:
                     offload.fetch(i)
                     offload.fetch(i + 1)
                 parts.backward(i, loss)
-
-    def describe(self) -> str:
-        where = " (what they save in pinned host memory)" if self.offload is not None else ""
-        return f"every micro-batch's forward held{where}, then every backward"
 
 
 class Pipelined:
@@ -102,7 +92,3 @@ class Pipelined:
             losses = self.pipeline.step(inputs, labels, positions, document_ids)
         for i, loss in enumerate(losses):
             parts.after_backward(i, loss)
-
-    def describe(self) -> str:
-        first = "a forward-only pre-pass through the pipeline, then " if self.prepass else ""
-        return f"{first}the pipeline schedule ({self.pipeline.schedule_name}) over the stages"

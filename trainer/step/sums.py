@@ -50,9 +50,25 @@ class Ranks(enum.Enum):
 
 
 @dataclass(frozen=True)
+class Logged:
+    """How a value of the step is reported: its TensorBoard tag, and where the console line and
+    the dashboard show it (the metrics logger writes every declared value, ``trainer/metrics``)."""
+
+    tag: str
+    label: str = ""
+    """Its name on the console line (values of one label share a field); "": TensorBoard only."""
+    chart: str = ""
+    """``category/title`` of its Custom Scalars chart; "": the Scalars tab only."""
+    every_step: bool = False
+    """Written at every step, not only on log steps."""
+    digits: int = 4
+
+
+@dataclass(frozen=True)
 class Total:
     """A value of the step reduced over ranks, declared once: contributed by :meth:`StepSums.add`
-    (each micro-batch's, or the step's), reduced with the others at the step's end."""
+    (each micro-batch's, or the step's), reduced with the others at the step's end, and with
+    ``logged`` on the console and TensorBoard."""
 
     name: str
     op: str = "sum"
@@ -60,6 +76,7 @@ class Total:
     over: Ranks = Ranks.STAGES
     per_token: bool = True
     """Reported divided by the step's valid tokens N: a sum over tokens becomes their mean."""
+    logged: Logged | None = None
 
 
 LOSS = Total("loss")
@@ -87,6 +104,7 @@ class StepTotals:
         self.n = n
         self.raw = raw
         """Every reduced value as summed, the extra tensors of :meth:`StepSums.reduce` included."""
+        self._declared = declared
         self._per_token = {t.name for t in declared if t.per_token}
 
     def __getitem__(self, name: str) -> float:
@@ -94,6 +112,10 @@ class StepTotals:
         if name in self._per_token:
             return value / self.n if self.n else math.nan
         return value
+
+    def logged(self) -> dict[str, float]:
+        """Every declared total that is reported, by its tag."""
+        return {t.logged.tag: self[t.name] for t in self._declared if t.logged is not None}
 
 
 class StepSums:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from trainer.step.batches import MicroBatch, StepBatches
 from trainer.step.part import Parts, StepResult
 from trainer.step.schedules import StepSchedule
+from trainer.step.sums import Logged, StepSums
 from trainer.train_state import TrainState
 
 
@@ -26,15 +27,14 @@ class Step:
     batches: StepBatches
     schedule: StepSchedule
     parts: Parts
+    sums: StepSums
+    """The one owner of the step's sums over ranks, which the parts share."""
     tokens: int
     """Input tokens of this rank's data-parallel replica per step (before CP shards them)."""
 
-    def describe(self) -> list[str]:
-        """``--dry-run``'s lines: the schedule, then each part in order."""
-        return [
-            f"step: {self.schedule.describe()}",
-            *(f"  {i}. {p.describe()}" for i, p in enumerate(self.parts.parts, 1)),
-        ]
+    def logged(self) -> tuple[Logged, ...]:
+        """Every value the step reports besides its loss, norm and tokens, as it is declared."""
+        return tuple(t.logged for t in self.sums.totals if t.logged is not None) + self.parts.logged()
 
 
 @dataclass(frozen=True, slots=True)
