@@ -37,8 +37,8 @@ from trainer.model.llama3 import Transformer
 from trainer.planning.job_plan import resolve_job
 from trainer.step.grad_accumulator import GradAccumulator
 from trainer.step.part import StepResult
-from trainer.step.training import Training
 from trainer.train import train
+from trainer.training import Training
 
 ROOT = Path(__file__).resolve().parent.parent
 GLOBAL_BATCH = 8
@@ -156,9 +156,11 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
 
 
-def _each(cases: list[tuple]) -> list[Any]:
+def _each(cases: list[tuple], ports: list[int]) -> list[Any]:
     results = []
-    for fn, *args in cases:
+    for (fn, *args), port in zip(cases, ports, strict=True):
+        # Its own port: a rank ahead would otherwise join the last case's store, still open on rank 0.
+        os.environ["MASTER_PORT"] = str(port)
         results.append(fn(*args))
         # Compiled code bakes in the names of the process groups it traced with, and dynamo's
         # guards do not look at them: the next case's fresh groups must not meet the old code.
@@ -172,7 +174,10 @@ def run_cases(world_size: int, cases: dict[str, tuple]) -> dict[str, list[Any]]:
     a process group) costs seconds of the CI's two cores; a test file's cases of one world size
     share that cost. Each case builds its own trainer, meshes and process groups."""
     names = list(cases)
-    per_rank = run_ranks(_each, world_size, [cases[name] for name in names])
+    ports: list[int] = []
+    while len(ports) < len(names):
+        ports += [port] if (port := free_port()) not in ports else []
+    per_rank = run_ranks(_each, world_size, [cases[name] for name in names], ports)
     return {name: [per_rank[r][i] for r in range(world_size)] for i, name in enumerate(names)}
 
 
