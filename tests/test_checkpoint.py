@@ -355,6 +355,7 @@ def test_a_routing_bias_move_that_is_not_finite_skips_the_step(tmp_path):
 
 
 def overflowing_bias_worker(argv: list[str]) -> list[str]:
+    import dataclasses
     import logging
 
     import trainer.step.expert_balance as balance
@@ -363,7 +364,7 @@ def overflowing_bias_worker(argv: list[str]) -> list[str]:
 
     def overflowing(self, *args, **kwargs):
         original(self, *args, **kwargs)
-        self.bias_update_rate = 1e300  # float32's 3.4e38 is far below
+        self.settings = dataclasses.replace(self.settings, bias_update_rate=1e300)  # float32's 3.4e38 is far below
 
     balance.ExpertBalance.__init__ = overflowing
     records: list[str] = []

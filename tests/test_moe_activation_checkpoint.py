@@ -195,8 +195,9 @@ def test_full_checkpointing_counts_the_step_in_its_own_forwards(monkeypatch):
     step, then the step's counts, then the backwards, whose recomputations read them. Losses,
     grad norms, balancing loss, biases and counts are the pre-pass's (the reference); the step's
     counts left unset before the backwards (the recomputations reading none) fail."""
-    from trainer import expert_balance, loss, step
+    from trainer import loss
     from trainer.planning.memory_plan import Workload
+    from trainer.step import expert_balance, schedules
 
     full = moe_argv(2, MODES["full"])  # 4 micro-batches
     with monkeypatch.context() as patched:
@@ -204,16 +205,16 @@ def test_full_checkpointing_counts_the_step_in_its_own_forwards(monkeypatch):
         ref = moe_steps(full, steps=STEPS)
 
     def no_prepass(*args):
-        raise AssertionError("the counting pre-pass ran")
+        raise AssertionError("the interleaved schedule, whose pre-pass counts, ran")
 
     held_losses = []
     with_gradients = loss.linear_cross_entropy_sum_with_gradients
-    monkeypatch.setattr(step, "counting_prepass", no_prepass)
+    monkeypatch.setattr(schedules.Interleaved, "run", no_prepass)
     monkeypatch.setattr(
         loss, "linear_cross_entropy_sum_with_gradients", lambda *a: held_losses.append(1) or with_gradients(*a)
     )
     assert max(differences(moe_steps(full, steps=STEPS), ref).values()) < TOLERANCE
     assert len(held_losses) == 4 * STEPS  # the held forwards computed their loss's gradients at once
-    monkeypatch.setattr(expert_balance.ExpertBalance, "count_forwards", lambda self: None)
+    monkeypatch.setattr(expert_balance.ExpertBalance, "forwards_done", lambda self: None)
     wrong = differences(moe_steps(full, steps=STEPS), ref)
     assert wrong["balance"] > 0.1 and wrong["norm"] > 10 * TOLERANCE, wrong

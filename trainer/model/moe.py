@@ -17,14 +17,12 @@ the layer, added to the scores for the top-k choice only, never to the weights.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from parallelisms.moe_split import SPLIT
 from parallelisms.token_permutation import expand_tokens, inverse_permutation, permute_rows
@@ -240,7 +238,7 @@ class MoE(nn.Module):
         self.exchange_chunks = 1
         """Parts of the tokens the dispatch exchanges one after another, each sorted by expert on
         its own (``parallelisms/expert_parallel.py`` overlaps one's exchange with another's experts)."""
-        self._routing_hooks: OrderedDict[int, RoutingHook] = OrderedDict()
+        self._routing_hooks: list[RoutingHook] = []
         self.fused_combine = False
         """The combine's weighted sum over each token's k rows as elementwise ops and a reduction,
         which compile fuses with the gather into one kernel (``parallelize`` sets it for compiled
@@ -256,11 +254,10 @@ class MoE(nn.Module):
         self.expert_bias.zero_()
         self.reset_counters()
 
-    def register_routing_hook(self, hook: RoutingHook) -> RemovableHandle:
-        """Call ``hook`` with what every forward routed, in the forward (a recomputation's too)."""
-        handle = RemovableHandle(self._routing_hooks)
-        self._routing_hooks[handle.id] = hook
-        return handle
+    def register_routing_hook(self, hook: RoutingHook) -> None:
+        """Call ``hook`` with what every forward routed, in the forward (a recomputation's too).
+        A list, not a handle-keyed dict: compile guards on dict keys, which differ per layer."""
+        self._routing_hooks.append(hook)
 
     def reset_counters(self) -> None:
         """Clear what a step counts (at its start)."""
@@ -295,7 +292,7 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         routed = Routed(probs, chosen, counts, bsz)
-        for hook in self._routing_hooks.values():
+        for hook in self._routing_hooks:
             out = hook(self, routed, out)
         return out.view(bsz, seq, dim)
 

@@ -9,7 +9,7 @@ before its first backward, then alternates: its peak (that many micro-batches in
 the first gradients) is reached by micro-batch ``pp - r + 1``, so each rank traces that many
 (at least 3) and the ranks near the end of the pipeline trace few. Torch's schedule wants as
 many micro-batches as stages, which only matters when ranks exchange them; each simulated rank
-runs alone (``fake_job.fewer_pipeline_microbatches``). The other schedules are traced whole:
+runs alone (``Pipeline.shorten``). The other schedules are traced whole:
 GPipe runs every forward before any backward, so its peak grows with the count, and the looped
 and V-shaped ones keep more per micro-batch than the shortened trace accounts for. So does a
 step whose exact MoE balancing holds every forward on the device before the backwards

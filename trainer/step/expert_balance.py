@@ -110,8 +110,9 @@ class ExpertBalance(StepPart):
             pooled_layers=self.n_rows if self.pooled else 0,
             grad_scale=torch.zeros((), device=self.device),
         )
+        hook = self.routed  # one bound method for every layer: compile guards on its identity
         for layer in self.layers:
-            layer.register_routing_hook(self.routed)
+            layer.register_routing_hook(hook)
 
     def begin(self, batch: list) -> None:
         """Clear the step's counters and set its global sizes (times the participating replica

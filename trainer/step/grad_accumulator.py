@@ -59,12 +59,13 @@ class GradAccumulator(StepPart):
         sums: StepSums,
         reduction: GradientReduction,
         *,
-        microbatches: int,
+        microbatches: int | None,
         max_norm: float,
         holds_loss: bool = True,
     ):
-        """``microbatches``: the backwards a step records (under PP, the pipeline's, on the last
-        stage); ``holds_loss``: False on a pipeline stage without the loss, which records none."""
+        """``microbatches``: the backwards a step records, or None under PP, whose schedule runs
+        as many as it is set to (``--simulate`` shortens it); ``holds_loss``: False on a pipeline
+        stage without the loss, which records none."""
         self.sums = sums
         self.reduction = reduction
         self.microbatches = microbatches if holds_loss else 0
@@ -102,7 +103,7 @@ class GradAccumulator(StepPart):
         weights: it is skipped (the loop counts skips) and its gradients are left for the
         optimizer step to zero.
         """
-        if self._recorded != self.microbatches:
+        if self.microbatches is not None and self._recorded != self.microbatches:
             raise RuntimeError(f"the step finished after {self._recorded} of {self.microbatches} backwards")
         local_count = self._local_count.float()
         rank_mean = torch.where(local_count > 0, self._local_loss / local_count.clamp(min=1), -math.inf)
