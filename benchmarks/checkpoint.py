@@ -36,6 +36,7 @@ from parallelisms.fsdp import apply_fsdp
 from parallelisms.parallel_dims import ParallelDims
 from trainer.checkpoint.integrity import checksum_problem, file_crc32, first_non_finite
 from trainer.checkpoint.manager import CheckpointManager
+from trainer.checkpoint.states import Checkpointed
 from trainer.config import Checkpoint, LRScheduler, Optimizer
 from trainer.model.llama3 import FLAVORS, Transformer, num_params
 from trainer.optimizer import build_lr_scheduler, build_optimizer
@@ -79,13 +80,15 @@ def measure(flavor: str, folder: Path, mesh) -> dict:
         manager = CheckpointManager(
             config,
             str(folder),
-            model=model,
-            optimizer=optimizer,
-            lr_scheduler=scheduler,
-            dataloader=Position(),
-            train_state=TrainState(),
-            model_args=model.args,
-            total_steps=10,
+            Checkpointed(
+                model=model,
+                optimizer=optimizer,
+                lr_scheduler=scheduler,
+                dataloader=Position(),
+                train_state=TrainState(),
+                model_args=model.args,
+                total_steps=10,
+            ),
         )
         start = time.perf_counter()
         manager.save(1, model_only=not full_state)

@@ -48,7 +48,7 @@ from trainer.data.datasets import load_dataset
 from trainer.planning.job_plan import resolve_job
 from trainer.step.schedules import HeldForwards
 from trainer.step.train_step import run_step
-from trainer.step.training import Training
+from trainer.training import Training
 
 EXACT = ["--moe.balance_loss_scope", "global_batch", "--moe.held_forwards"]
 SETTINGS = {

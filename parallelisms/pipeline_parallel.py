@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -40,6 +41,20 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_s
 
 from parallelisms.pipeline_split import PipelineSplit
 from parallelisms.torch_private import pipelining
+
+
+@dataclass(frozen=True)
+class PipelineFeed:
+    """How a step's batch enters the pipeline."""
+
+    microbatches: int
+    microbatch_size: int
+    positions: torch.Tensor
+    """The RoPE positions of every sample without document masking; with it each call of
+    :meth:`Pipeline.step` and :meth:`Pipeline.evaluate` passes its samples' own."""
+    labels_to_model: bool = False
+    """The last stage takes the labels and returns the summed loss itself."""
+    document_mask: bool = False
 
 
 class Pipeline:
@@ -57,26 +72,20 @@ class Pipeline:
         pp_mesh: DeviceMesh,
         device: torch.device,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-        microbatches: int,
-        microbatch_size: int,
-        positions: torch.Tensor,
-        labels_to_model: bool = False,
-        document_mask: bool = False,
+        feed: PipelineFeed,
     ):
-        """``positions``: the RoPE positions of every sample without document masking; with it
-        each call of :meth:`step` and :meth:`evaluate` passes its samples' own."""
         self.pp_rank = pp_mesh.get_local_rank()
         self.group = pp_mesh.get_group()
         stage_ids = split.rank_stages(self.pp_rank)
         self.holds_first = 0 in stage_ids
         self.holds_last = split.num_stages - 1 in stage_ids
         self.schedule_name = split.schedule
-        self.microbatches = microbatches
-        self.microbatch_size = microbatch_size
-        self.positions = positions
+        self.microbatches = feed.microbatches
+        self.microbatch_size = feed.microbatch_size
+        self.positions = feed.positions
         self._rows: int | None = None
-        self.labels_to_model = labels_to_model
-        self.document_mask = document_mask
+        self.labels_to_model = labels_to_model = feed.labels_to_model
+        self.document_mask = document_mask = feed.document_mask
         self.stages = [
             PipelineStage(module, index, split.num_stages, device, group=self.group)
             for module, index in zip(stage_modules, stage_ids)
@@ -88,7 +97,7 @@ class Pipeline:
         first = self.stages[0] if issubclass(schedule_class, PipelineScheduleSingle) else self.stages
         self.schedule = schedule_class(
             first,
-            microbatches,
+            feed.microbatches,
             loss_fn=_output_is_the_loss if labels_to_model else loss_fn,
             kwargs_chunk_spec={
                 **(

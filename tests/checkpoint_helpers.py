@@ -19,6 +19,7 @@ from harness import train_as_a_worker, trainer_for
 from torch.distributed.checkpoint import FileSystemWriter
 
 from trainer.checkpoint.manager import CheckpointManager
+from trainer.checkpoint.states import Checkpointed
 from trainer.config import Checkpoint, LRScheduler
 from trainer.model.llama3 import ModelArgs, Transformer
 from trainer.optimizer import LRSchedule
@@ -73,13 +74,15 @@ def resume_worker(argv: list[str]) -> dict:
     manager = CheckpointManager(
         p.config.checkpoint,
         p.config.job.dump_folder,
-        model=job.model,
-        optimizer=job.optimizer.optimizer,
-        lr_scheduler=job.optimizer.scheduler,
-        dataloader=job.step.batches.loader,
-        train_state=train_state,
-        model_args=p.model_args,
-        total_steps=p.config.training.steps,
+        Checkpointed(
+            model=job.model,
+            optimizer=job.optimizer.optimizer,
+            lr_scheduler=job.optimizer.scheduler,
+            dataloader=job.step.batches.loader,
+            train_state=train_state,
+            model_args=p.model_args,
+            total_steps=p.config.training.steps,
+        ),
     )
     start = manager.load()
     weights = {
@@ -141,14 +144,16 @@ def tiny_manager(
     return CheckpointManager(
         Checkpoint(**{"enable": True, **checkpoint}),
         str(dump),
-        model=model,
-        optimizer=optimizer,
-        lr_scheduler=LRSchedule(optimizer, 4, LRScheduler(warmup_steps=0, decay_ratio=0.0)),  # a constant rate
-        dataloader=Position(),
-        train_state=train_state,
-        model_args=args,
-        total_steps=4,
-        data_identity={"data_sha256": data},
+        Checkpointed(
+            model=model,
+            optimizer=optimizer,
+            lr_scheduler=LRSchedule(optimizer, 4, LRScheduler(warmup_steps=0, decay_ratio=0.0)),  # a constant rate
+            dataloader=Position(),
+            train_state=train_state,
+            model_args=args,
+            total_steps=4,
+            data_identity={"data_sha256": data},
+        ),
     )
 
 

@@ -19,7 +19,7 @@ from trainer.step.batches import MicroBatch
 from trainer.step.expert_balance import BalanceSettings, ExpertBalance
 from trainer.step.schedules import HeldForwards
 from trainer.step.sums import AcrossGroups, Ranks, StepSums
-from trainer.step.training import Training
+from trainer.training import Training
 
 STEPS = 3
 TOLERANCE = 5e-5

@@ -17,7 +17,7 @@ from trainer.step.optimizer_step import AfterOptimizerStep, OptimizerStep
 from trainer.step.part import Parts, StepPart, StepResult
 from trainer.step.sums import StepSums
 from trainer.step.train_step import run_step
-from trainer.step.training import Training
+from trainer.training import Training
 
 
 def trainer_for(argv: list[str]) -> tuple[Any, Training]:

@@ -34,6 +34,7 @@ from torch.utils.data import Dataset
 from parallelisms.fsdp import apply_fsdp
 from trainer.checkpoint.folders import read_dcp_model, read_model_args
 from trainer.checkpoint.manager import CheckpointManager
+from trainer.checkpoint.states import Checkpointed
 from trainer.config import Checkpoint, LRScheduler, Optimizer
 from trainer.data.loader import build_dataloader
 from trainer.model.llama3 import ModelArgs, Transformer
@@ -83,13 +84,15 @@ def load_fixture(dump_folder: str) -> dict[str, Any]:
     manager = CheckpointManager(
         Checkpoint(enable=True, folder="checkpoint"),
         dump_folder,
-        model=model,
-        optimizer=optimizer,
-        lr_scheduler=scheduler,
-        dataloader=loader,
-        train_state=train_state,
-        model_args=ARGS,
-        total_steps=TOTAL_STEPS,
+        Checkpointed(
+            model=model,
+            optimizer=optimizer,
+            lr_scheduler=scheduler,
+            dataloader=loader,
+            train_state=train_state,
+            model_args=ARGS,
+            total_steps=TOTAL_STEPS,
+        ),
     )
     start = manager.load()
     rng_cpu = torch.get_rng_state()  # before anything below can draw from it

@@ -17,7 +17,7 @@ import pytest
 from checkpoint_helpers import TINY, one_rank, overwrite, resume_worker, small_argv, tiny_manager, train_worker
 from harness import run_ranks
 
-import trainer.checkpoint.manager as manager_module
+import trainer.checkpoint.writer as writer_module
 from trainer.checkpoint.folders import checkpoint_problem, step_folders
 from trainer.checkpoint.integrity import ChecksummingWriter, checksum_problem
 from trainer.checkpoint.timeline import TIMELINE_FILE, read_timelines
@@ -211,9 +211,9 @@ def test_a_save_the_disk_refuses_is_one_line_saying_what_was_kept(
     the folder and the cause, only the new checkpoint lost, the older ones named and loadable."""
     saved(tmp_path, 2)
     target = {
-        "creating the folder": (manager_module, "_empty_folder"),
+        "creating the folder": (writer_module, "_empty_folder"),
         "writing the data": (ChecksummingWriter, "write_data"),
-        "publishing": (manager_module, "publish"),
+        "publishing": (writer_module, "publish"),
     }[where]
     monkeypatch.setattr(*target, fail_with(code))
     with pytest.raises(JobError) as error:

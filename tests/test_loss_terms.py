@@ -2,7 +2,7 @@
 z-loss, ``1e-2 x log(Z)^2`` summed over the valid tokens) with its own dashboard line.
 
 The recipe's one product edit, an entry of ``trainer/step/loss_terms.py:loss_terms``, is made here
-by replacing that function where ``trainer/build.py`` calls it. The term is then exactly
+by replacing that function where the step's plan (``trainer/planning/step_plan.py``) calls it. The term is then exactly
 normalised on every mesh: one process accumulating 4 micro-batches and FSDP on 2 ranks
 accumulating 2 give the single-process reference's loss (the cross-entropy alone, as logged),
 z-loss value and gradients (of both, clipped); and a launched run puts the term on its console
@@ -58,9 +58,9 @@ Z_LOSS = Total("z_loss", logged=Logged("loss_metrics/z_loss", "z-loss", "loss/z-
 
 def with_term(of=z_loss) -> None:
     """The recipe's edit: ``loss_terms`` returns the z-loss."""
-    import trainer.build
+    import trainer.planning.step_plan
 
-    trainer.build.loss_terms = lambda config: (LossTerm(Z_LOSS, WEIGHT, of),)  # type: ignore[assignment]
+    trainer.planning.step_plan.loss_terms = lambda config: (LossTerm(Z_LOSS, WEIGHT, of),)  # type: ignore[assignment]
 
 
 def term_step(argv: list[str], bug: bool = False) -> dict | None:

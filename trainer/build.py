@@ -23,9 +23,10 @@ from torch.utils.data import Dataset
 from parallelisms.float8 import precompute_scales
 from parallelisms.parallel_dims import Meshes, device_type
 from parallelisms.parallelize import Parallelized
-from parallelisms.pipeline_parallel import Pipeline
+from parallelisms.pipeline_parallel import Pipeline, PipelineFeed
 from trainer.build_model import build_model
 from trainer.checkpoint.manager import CheckpointManager
+from trainer.checkpoint.states import Checkpointed
 from trainer.data.datasets import TokenDataset, data_lines
 from trainer.data.loader import MicroBatchLoader, build_dataloader
 from trainer.loss import CrossEntropy, ModelLoss, cross_entropy_sum
@@ -36,7 +37,8 @@ from trainer.model.llama3 import Transformer
 from trainer.model.moe import MoEArgs
 from trainer.optimizer import build_lr_scheduler, build_optimizer
 from trainer.planning.job_plan import JobPlan
-from trainer.replica_groups import HealedParts, ReplicaGroups
+from trainer.replica_groups import ReplicaGroups
+from trainer.replica_healing import HealedParts
 from trainer.replica_identity import job_identity
 from trainer.runtime.distributed import init_distributed
 from trainer.step.batches import StepBatches
@@ -47,14 +49,14 @@ from trainer.step.grad_sync import GradSync
 from trainer.step.group_commit import GroupCommit
 from trainer.step.host_offload import HostOffload, host_offload
 from trainer.step.layout_invariant import LayoutInvariantReduction
-from trainer.step.loss_terms import LossTerm, LossTerms, loss_terms, with_terms
+from trainer.step.loss_terms import LossTerm, LossTerms, with_terms
 from trainer.step.optimizer_step import AfterOptimizerStep, OptimizerStep
 from trainer.step.part import Parts, StepPart
 from trainer.step.schedules import HeldForwards, Interleaved, Pipelined, StepSchedule
 from trainer.step.sums import LOSS, WORST, Ranks, StepSums
 from trainer.step.train_step import Step
-from trainer.step.training import Training
 from trainer.train_state import TrainState
+from trainer.training import Training
 from trainer.validation import Validator
 
 
@@ -93,7 +95,7 @@ def build_training(plan: JobPlan, dataset: Dataset, substitutes: Substitutes | N
     cross_entropy: CrossEntropy = cross_entropy_sum
     if plan.parallel.compile_loss:
         cross_entropy = torch.compile(cross_entropy_sum, backend=plan.parallel.compile_backend)
-    added = loss_terms(config)
+    added = plan.step.terms
     terms = Terms(added, torch.zeros(len(added), device=device))
     if terms.terms:
         cross_entropy = with_terms(cross_entropy, terms.terms, terms.values)
@@ -148,20 +150,26 @@ def _assemble(
     watch, watch_optimizer = (
         substitutes.watchers(built.meshes, model, pipeline, optimizer) if substitutes else (None, None)
     )
-    parts = [  # the step's parts, in the order they take part
-        watch,
-        accumulator,
-        reduction,
-        LossTerms(terms.terms, sums, terms.values) if terms.terms else None,
-        balance,
-        GroupCommit(replicas) if replicas is not None else None,
-        watch_optimizer,
-        optimizer_step,
-        float8_scales(plan, built),
-    ]
+    parts: list[StepPart | None] = [watch]
+    for kind in plan.step.parts:  # the step's parts, in the order they take part
+        match kind:
+            case "accumulator":
+                parts.append(accumulator)
+            case "reduction":
+                parts.append(reduction)
+            case "loss terms":
+                parts.append(LossTerms(terms.terms, sums, terms.values))
+            case "balance":
+                parts.append(balance)
+            case "group commit":
+                parts.append(GroupCommit(replicas) if replicas is not None else None)
+            case "optimizer step":
+                parts += [watch_optimizer, optimizer_step]
+            case "float8 scales":
+                parts.append(float8_scales(built))
     step = Step(
         StepBatches(loader, device, cp, positions, plan.tokenizer.bos_id if training.document_mask else None),
-        build_schedule(plan, forward, pipeline, balance, substitutes, device),
+        build_schedule(plan, forward, pipeline, substitutes, device),
         Parts([part for part in parts if part is not None]),
         sums,
         tokens=plan.microbatches * training.local_batch_size * training.seq_len,
@@ -189,7 +197,7 @@ def gradient_parts(
             experts_stay_gathered=plan.parallel.experts_stay_gathered,
             degrees=(dims.pp, dims.ep),
         )
-    backwards = plan.pipeline_microbatches if pipeline is not None else plan.microbatches
+    backwards = plan.microbatches if pipeline is None else None
     holds_loss = pipeline is None or pipeline.holds_last
     accumulator = GradAccumulator(
         sums, reduction, microbatches=backwards, max_norm=training.max_norm, holds_loss=holds_loss
@@ -197,11 +205,8 @@ def gradient_parts(
     return accumulator, reduction
 
 
-def float8_scales(plan: JobPlan, built: Built) -> AfterOptimizerStep | None:
-    """With float8 weights gathered by FSDP: their scales in one all-reduce after each step that moved them."""
-    float8 = plan.parallel.float8
-    if float8 is None or not float8.precompute_scales:
-        return None
+def float8_scales(built: Built) -> AfterOptimizerStep:
+    """Float8 weights gathered by FSDP: their scales in one all-reduce after each step that moved them."""
     modules = built.parallelized.stage_modules or [built.model]
     return AfterOptimizerStep(lambda: precompute_scales(modules))
 
@@ -210,20 +215,19 @@ def build_schedule(
     plan: JobPlan,
     forward: Forward,
     pipeline: Pipeline | None,
-    balance: ExpertBalance | None,
     substitutes: Substitutes | None,
     device: torch.device,
 ) -> StepSchedule:
-    """How the step's forwards and backwards run (``trainer/step/schedules.py``)."""
-    prepass = balance is not None and balance.counting == "prepass"
-    if pipeline is not None:
-        return Pipelined(pipeline, forward, prepass)
-    if balance is not None and balance.counting == "forwards":
+    """How the step's forwards and backwards run (``trainer/step/schedules.py``), as planned."""
+    step = plan.step
+    if step.schedule == "pipelined" and pipeline is not None:
+        return Pipelined(pipeline, forward, step.prepass)
+    if step.schedule == "held forwards":
         offload = None
-        if plan.workload.offloads_forwards:
+        if step.offload:
             offload = substitutes.offload(device) if substitutes is not None else host_offload(device)
         return HeldForwards(forward, offload)
-    return Interleaved(forward, prepass)
+    return Interleaved(forward, step.prepass)
 
 
 def build_loader(plan: JobPlan, dataset: Dataset, meshes: Meshes, device: torch.device) -> MicroBatchLoader:
@@ -252,18 +256,14 @@ def build_pipeline(
     parallelized, device, training = built.parallelized, built.device, plan.config.training
     if parallelized.split is None or parallelized.stage_modules is None:
         return None
-    return Pipeline(
-        parallelized.stage_modules,
-        parallelized.split,
-        built.meshes.pp,
-        device,
-        cross_entropy,
-        labels_to_model=plan.loss_in_model,
+    feed = PipelineFeed(
         microbatches=plan.pipeline_microbatches,
         microbatch_size=plan.parallel.pp_microbatch_size,
         positions=positions if positions is not None else torch.arange(training.seq_len, device=device),
+        labels_to_model=plan.loss_in_model,
         document_mask=training.document_mask,
     )
+    return Pipeline(parallelized.stage_modules, parallelized.split, built.meshes.pp, device, cross_entropy, feed)
 
 
 def sum_groups(plan: JobPlan, meshes: Meshes) -> dict[Ranks, dist.ProcessGroup | None]:
@@ -307,7 +307,7 @@ def build_balance(plan: JobPlan, model: Transformer, meshes: Meshes, sums: StepS
         global_sizes=(plan.global_batch_size * seq_len, plan.global_batch_size, microbatches),
         moe_layer_ids=tuple(range(args.n_dense_layers, args.n_layers)),
         n_experts=args.n_experts,
-        counting="forwards" if plan.workload.holds_forwards else "prepass",
+        counting="forwards" if plan.step.schedule == "held forwards" else "prepass" if plan.step.prepass else "none",
     )
     return ExpertBalance(model, sums, settings)
 
@@ -367,14 +367,16 @@ def resume(plan: JobPlan, dataset: TokenDataset, training: Training) -> Checkpoi
     checkpointer = CheckpointManager(
         config.checkpoint,
         config.job.dump_folder,
-        model=training.model,
-        optimizer=training.optimizer.optimizer,
-        lr_scheduler=training.optimizer.scheduler,
-        dataloader=training.step.batches.loader,
-        train_state=training.state,
-        model_args=plan.model_args,
-        total_steps=config.training.steps,
-        data_identity=getattr(dataset, "identity", None),
+        Checkpointed(
+            model=training.model,
+            optimizer=training.optimizer.optimizer,
+            lr_scheduler=training.optimizer.scheduler,
+            dataloader=training.step.batches.loader,
+            train_state=training.state,
+            model_args=plan.model_args,
+            total_steps=config.training.steps,
+            data_identity=getattr(dataset, "identity", None) or {},
+        ),
         timeout_s=config.comm.init_timeout_seconds,
         layout_invariant=config.debug.layout_invariant,
     )

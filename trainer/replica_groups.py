@@ -23,7 +23,6 @@ identities before their process group meets (``trainer/replica_identity.py``).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import socket
@@ -35,15 +34,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed import ReduceOp
-from torch.distributed.tensor import DTensor
 
 from trainer.config import FaultTolerance
-from trainer.data.loader import MicroBatchLoader
+from trainer.replica_healing import HealedParts, load_received, sent_state, weights_digest
 from trainer.replica_identity import Meeting, difference_line, meeting_process_group
 from trainer.runtime.errors import ConfigError, JobError, UserError
-from trainer.train_state import TrainState
 
 logger = logging.getLogger("meshtrain")
 
@@ -65,17 +61,6 @@ class ReplicaStats:
     @property
     def groups(self) -> list[int]:
         return [g for g, here in enumerate(self.present) if here]
-
-
-@dataclass(frozen=True)
-class HealedParts:
-    """What a healing group receives from its peer and what a live group sends."""
-
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    loader: MicroBatchLoader
-    train_state: TrainState
 
 
 def lighthouse_address(config: FaultTolerance) -> str:
@@ -310,26 +295,10 @@ class ReplicaGroups:
             f"; skipped the shards ({step}, g) of groups {missing}" if missing else "",
         )
 
-    # Healing: what a live group sends and a healing one loads.
+    # Healing (``trainer/replica_healing.py``): what a live group sends and a healing one loads.
 
     def _state_dict(self) -> dict[str, Any]:
-        parts = self.parts
-        optimizer_state = {
-            name: {key: _local(value) for key, value in parts.optimizer.state[param].items()}
-            for name, param in parts.model.named_parameters()
-            if param in parts.optimizer.state
-        }
-        return {
-            "identity": self.identity,
-            "model": {name: _local(t) for name, t in parts.model.state_dict().items()},
-            "optimizer": optimizer_state,
-            "param_groups": [
-                {k: v for k, v in group.items() if k != "params"} for group in parts.optimizer.param_groups
-            ],
-            "scheduler": parts.scheduler.state_dict(),
-            "loader": parts.loader.state_dict(),
-            "train_state": parts.train_state.state_dict(),
-        }
+        return sent_state(self.parts, self.identity)
 
     def _load_state_dict(self, received: dict[str, Any]) -> None:
         self._raise_conflict()
@@ -339,46 +308,15 @@ class ReplicaGroups:
                 f"replica group {self.group} cannot heal from its peer: {difference}; every group must run the same "
                 "settings, mesh and versions."
             )
-        parts = self.parts
-        with torch.no_grad():
-            for name, t in parts.model.state_dict().items():
-                _local(t).copy_(received["model"][name])
-            for name, param in parts.model.named_parameters():
-                slots = received["optimizer"].get(name)
-                if slots is None:
-                    parts.optimizer.state.pop(param, None)
-                    continue
-                mine = parts.optimizer.state.setdefault(param, {})
-                for key, value in slots.items():
-                    if key in mine and isinstance(mine[key], torch.Tensor):
-                        _local(mine[key]).copy_(value)
-                    elif isinstance(value, torch.Tensor) and value.shape == _local(param).shape:
-                        mine[key] = torch.zeros_like(param)
-                        _local(mine[key]).copy_(value)
-                    else:
-                        mine[key] = value.clone() if isinstance(value, torch.Tensor) else value
-        for group, values in zip(parts.optimizer.param_groups, received["param_groups"]):
-            group.update(values)
-        parts.scheduler.load_state_dict(received["scheduler"])
-        parts.loader.load_state_dict(received["loader"])
-        parts.train_state.load_state_dict(received["train_state"])
+        load_received(self.parts, received)
         self._healed = True
         if _rank0():
-            logger.info("replica group %d healed from a live group at step %d", self.group, parts.train_state.step)
-
-    def weights_digest(self) -> str:
-        """A hash of this rank's weights: equal on the same local rank of every group that trained
-        the same steps (the end of the run logs it)."""
-        digest = hashlib.sha256()
-        for name, t in self.parts.model.state_dict().items():
-            digest.update(name.encode())
-            digest.update(_local(t).detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-        return digest.hexdigest()[:16]
+            logger.info("replica group %d healed from a live group at step %d", self.group, self.parts.train_state.step)
 
     def log_digests(self) -> None:
         """Rank 0 logs every local rank's weight digest, for comparing the groups."""
         digests: list[str | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(digests, self.weights_digest())
+        dist.all_gather_object(digests, weights_digest(self.parts.model))
         if _rank0():
             logger.info("replica group %d weights: %s", self.group, " ".join(f"{d}" for d in digests))
 
@@ -419,7 +357,3 @@ def _forget_an_earlier_attempts_manager() -> None:
 
 def _rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from trainer.config import FIELDS, JobConfig
+from trainer.config import FIELDS
 from trainer.runtime.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -82,7 +82,7 @@ def job_identity(plan: JobPlan, data_identity: dict[str, str] | None) -> dict[st
     what they resolve to here (the mesh, the model, the batch, the data's contents, torch)."""
     config, dims = plan.config, plan.dims
     identity = {PROCESSES: str(dims.world_size)}
-    identity.update({key: str(_value(config, key)) for key in shared_keys()})
+    identity.update({key: str(config.value(key)) for key in shared_keys()})
     identity["the mesh"] = f"pp={dims.pp} dp_shard={dims.dp_shard} cp={dims.cp} tp={dims.tp} ep={dims.ep}"
     identity["the model"] = str(plan.model_args)
     identity["the batch"] = f"{plan.global_batch_size} sequences in {plan.microbatches} micro-batches per rank"
@@ -90,11 +90,6 @@ def job_identity(plan: JobPlan, data_identity: dict[str, str] | None) -> dict[st
         identity[DATA_KEYS.get(key, key)] = value
     identity["torch"] = torch.__version__
     return identity
-
-
-def _value(config: JobConfig, key: str) -> object:
-    section, name = key.split(".")
-    return getattr(getattr(config, section), name)
 
 
 def differing(mine: dict[str, str], theirs: dict[str, str]) -> list[str]:

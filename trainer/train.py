@@ -14,7 +14,7 @@ import time
 import torch.distributed as dist
 
 from trainer.build import Run, build_run, build_training
-from trainer.checkpoint.manager import create_seed_checkpoint
+from trainer.checkpoint.writer import create_seed_checkpoint
 from trainer.data.datasets import TokenDataset
 from trainer.data.loader import StoppedWaitingForData
 from trainer.metrics.reports import MoETimeReport, log_compiled, log_end

@@ -35,7 +35,7 @@ from trainer.loss import IGNORE_INDEX
 
 if TYPE_CHECKING:
     from trainer.data.datasets import TokenDataset
-    from trainer.step.training import Training
+    from trainer.training import Training
 
 
 @dataclass(frozen=True)

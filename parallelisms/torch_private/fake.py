@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -87,3 +89,22 @@ class PausingModTracker(ModTracker):
     def _fw_post_hook(self, mod: Any, input: Any, output: Any) -> None:
         if not self._paused():
             super()._fw_post_hook(mod, input, output)
+
+
+@contextlib.contextmanager
+def observing_storage_resizes(resized: Callable[[torch.UntypedStorage], None]) -> Iterator[None]:
+    """Call ``resized(storage)`` after every ``UntypedStorage.resize_`` within the block: FSDP frees
+    and reallocates its gathered parameters by resizing their storages, which no dispatch mode sees."""
+    original = torch.UntypedStorage.resize_
+
+    @functools.wraps(original)
+    def resize_(storage: torch.UntypedStorage, size: int) -> Any:
+        result = original(storage, size)
+        resized(storage)
+        return result
+
+    setattr(torch.UntypedStorage, "resize_", resize_)  # noqa: B010 - a method of torch's own class
+    try:
+        yield
+    finally:
+        setattr(torch.UntypedStorage, "resize_", original)  # noqa: B010

@@ -25,7 +25,8 @@ state, and a NaN or infinity fails the job with the older checkpoints left alone
 disk refuses (full, read-only) says so in one line, removes its partial folder and keeps the
 older checkpoints too (``save_failures.py``); rotation (``keep_latest_k``) never deletes the
 save just written. The folder itself (layout, the whole-or-not check, ``model_args.json``) is
-``trainer/checkpoint/folders.py``'s; checksums and the finite check are ``integrity.py``'s; what
+``trainer/checkpoint/folders.py``'s; writing a save is ``writer.py``'s; checksums and the finite
+check are ``integrity.py``'s; what
 DCP saves of the model and optimizer is ``states.py``'s; starting weights from a Hugging Face
 folder are ``hf_load.py``'s.
 """
@@ -33,49 +34,31 @@ folder are ``hf_load.py``'s.
 from __future__ import annotations
 
 import logging
-import shutil
 from collections.abc import Callable
-from concurrent.futures import Future
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, NoReturn, cast
+from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.tensor import DTensor
 
-from trainer.checkpoint.disk import disk_refusal
-from trainer.checkpoint.folders import (
-    PARTIAL_SUFFIX,
-    checkpoint_problem,
-    is_model_only,
-    publish,
-    remove_partial_folders,
-    step_folders,
-)
+from trainer.checkpoint.agreement import agree
+from trainer.checkpoint.folders import checkpoint_problem, is_model_only, remove_partial_folders
 from trainer.checkpoint.hf_load import load_hf_weights
 from trainer.checkpoint.integrity import (
     LAYOUT_DEPENDENT,
     MANIFEST_FILE,
-    ChecksummingWriter,
     checksum_problem,
-    first_non_finite,
-    published_buffers,
     read_manifest,
     written_layout_invariant,
 )
 from trainer.checkpoint.resume_fit import check_same_model, data_changes, other_data, schedule_line
-from trainer.checkpoint.save_failures import refusal_message
-from trainer.checkpoint.states import ModelState, OptimizerState, optimizer_groups_flattened
+from trainer.checkpoint.states import Checkpointed, ModelState, OptimizerState, optimizer_groups_flattened
 from trainer.checkpoint.timeline import Timeline, candidates, follow, reasons, start_over
+from trainer.checkpoint.writer import CheckpointWriter
 from trainer.config import Checkpoint
-from trainer.model.llama3 import ModelArgs, Transformer
-from trainer.optimizer import LRSchedule
-from trainer.runtime.errors import CheckpointError, JobError, UserError
-from trainer.train_state import TrainState
+from trainer.runtime.errors import CheckpointError, UserError
 
 logger = logging.getLogger("meshtrain")
 
@@ -87,41 +70,32 @@ class CheckpointManager:
         self,
         config: Checkpoint,
         dump_folder: str,
+        run: Checkpointed,
         *,
-        model: Transformer,
-        optimizer: torch.optim.Optimizer,
-        lr_scheduler: LRSchedule,
-        dataloader: Stateful,
-        train_state: TrainState,
-        model_args: ModelArgs,
-        total_steps: int,
-        data_identity: dict[str, str] | None = None,
         timeout_s: float = 1800.0,
         layout_invariant: bool = False,
     ):
         self.config = config
         self.layout_invariant = layout_invariant
         self.folder = Path(dump_folder) / config.folder
-        self.model, self.model_args = model, model_args
-        self.total_steps = total_steps
-        self.data_identity = data_identity or {}
-        self.schedule = lr_scheduler.settings()
-        self.train_state, self.optimizer_state = train_state, OptimizerState(model, optimizer)
+        self.run = run
+        self.model, self.model_args, self.train_state = run.model, run.model_args, run.train_state
+        self.schedule = run.lr_scheduler.settings()
+        self.optimizer_state = OptimizerState(run.model, run.optimizer)
         self.states: dict[str, Stateful] = {
-            "model": ModelState(model),
+            "model": ModelState(run.model),
             "optimizer": self.optimizer_state,
-            "lr_scheduler": lr_scheduler,
-            "dataloader": dataloader,
-            "train_state": train_state,
+            "lr_scheduler": run.lr_scheduler,
+            "dataloader": run.dataloader,
+            "train_state": run.train_state,
         }
-        self.optimizer = optimizer
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         # Checkpoint collectives get a CPU group of their own: async saves run them from a
         # background thread, where they must not interleave with the training's collectives,
         # and a save may take far longer than a training step, so it keeps its own timeout
         # (`comm.init_timeout_seconds`) when the training groups get a shorter one.
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-        self._pending: tuple[Future, Path, Path, int] | None = None
+        self.writer = CheckpointWriter(config, self.folder, run, self.states, self.group, layout_invariant)
 
     # ----------------------------------------------------------------------------------- load
 
@@ -213,7 +187,7 @@ class CheckpointManager:
 
     def _check_same_data(self, path: Path) -> None:
         """Refuse to continue a checkpoint's data stream on other data, unless allowed."""
-        differ = self._agree(lambda: data_changes(path, self.data_identity))
+        differ = self._agree(lambda: data_changes(path, self.run.data_identity))
         if not differ:
             return
         if not self.config.allow_data_change:
@@ -222,21 +196,7 @@ class CheckpointManager:
             logger.warning("resuming %s on changed data (`checkpoint.allow_data_change`): %s", path, "; ".join(differ))
 
     def _agree(self, decide: Callable[[], Any]) -> Any:
-        """Rank 0's answer on every rank, even if their views of the file system differ.
-
-        Rank 0's error, whatever it is, is raised on every rank, so no rank is left waiting in a
-        collective.
-        """
-        box: list[Any] = [None, None]
-        if self.rank == 0:
-            try:
-                box[0] = decide()
-            except Exception as e:
-                box[1] = e
-        dist.broadcast_object_list(box, src=0, group=self.group)
-        if box[1] is not None:
-            raise box[1]
-        return box[0]
+        return agree(decide, self.group)
 
     def _load(self, path: Path, keys: tuple[str, ...]) -> None:
         """Load ``keys`` of ``path``, whose model :meth:`_check_same_model` has found this run's."""
@@ -294,126 +254,15 @@ class CheckpointManager:
         (SIGTERM, Ctrl-C); publish a finished async save."""
         if not self.config.enable:
             return
-        self._finish_pending(wait=False)
-        last = step == self.total_steps
+        self.writer.finish_pending(wait=False)
+        last = step == self.run.total_steps
         if step % self.config.interval and not last and not stopping:
             return
         self.save(step, model_only=last and self.config.last_save_model_only)
 
     def save(self, step: int, *, model_only: bool = False) -> None:
-        self._finish_pending(wait=True)  # at most one save in flight
-        self._check_finite(step, include_optimizer=not model_only)
-        final = self.folder / f"step-{step}"
-        partial = final.with_name(final.name + PARTIAL_SUFFIX)
-        try:
-            self._agree(lambda: _empty_folder(partial))  # rank 0's failure reaches every rank
-        except OSError as error:
-            self._save_failed(error, partial, step)
-        if model_only:
-            dtype = getattr(torch, self.config.export_dtype)
-            state: dict[str, Any] = {"model": ModelState(self.model, dtype)}
-        else:
-            state = dict(self.states)
-        writer = ChecksummingWriter(str(partial), layout_invariant=self.layout_invariant)
-        try:
-            if self.config.async_mode == "async":
-                # A Future unless an async stager is configured, which this manager never does.
-                future = cast(Future, dcp.async_save(state, storage_writer=writer, process_group=self.group))
-                self._pending = (future, partial, final, step)
-            else:
-                dcp.save(state, storage_writer=writer, process_group=self.group)
-                self._publish(partial, final, step)
-        except (Exception, CheckpointException) as error:
-            self._save_failed(error, partial, step)
-
-    def _check_finite(self, step: int, include_optimizer: bool) -> None:
-        """Refuse, on every rank alike, to write a state holding a NaN or an infinity."""
-        names = {id(p): name for name, p in self.model.named_parameters()}
-        named = [(f"weight {name}", _local(p)) for name, p in self.model.named_parameters()]
-        named += [(f"buffer {name}", _local(b)) for name, b in published_buffers(self.model)]
-        if include_optimizer:
-            for param, slots in self.optimizer.state.items():
-                for slot, value in slots.items():
-                    if isinstance(value, torch.Tensor):
-                        named.append((f"optimizer state `{slot}` of {names.get(id(param), '?')}", _local(value)))
-        found: list[str | None] = [None] * self.world_size
-        dist.all_gather_object(found, first_non_finite(named), group=self.group)
-        bad = next(((rank, what) for rank, what in enumerate(found) if what is not None), None)
-        if bad is not None:
-            kept = ", ".join(p.name for _, p in step_folders(self.folder)) or "none"
-            lower = (
-                "`moe.bias_update_rate`"
-                if bad[1].endswith(".expert_bias")
-                else "`optimizer.lr` (or `training.max_norm`)"
-            )
-            raise JobError(
-                f"not saving checkpoint step-{step}: the {bad[1]} is not finite on rank {bad[0]}: the "
-                f"run has diverged. Nothing was written; the older checkpoints are kept ({kept}). Lower "
-                f"{lower}, check the data, and rerun: it resumes from "
-                "the newest checkpoint (`checkpoint.load_step` picks an older one)."
-            )
-
-    def _save_failed(self, error: BaseException, partial: Path, step: int) -> NoReturn:
-        """Remove the half-written folder, name a full or read-only disk as such, and raise."""
-        if self.rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)
-        refusal = disk_refusal(error)
-        if refusal is None:
-            raise error
-        raise JobError(refusal_message(refusal, self.folder, partial, step)) from error
-
-    def _finish_pending(self, wait: bool) -> None:
-        if self._pending is None:
-            return
-        future, partial, final, step = self._pending
-        if not wait and not future.done():
-            return
-        self._pending = None
-        try:
-            future.result()
-        except (Exception, CheckpointException) as error:
-            self._save_failed(error, partial, step)
-        self._publish(partial, final, step)
-
-    def _publish(self, partial: Path, final: Path, step: int) -> None:
-        """Make a written checkpoint visible, then drop the oldest beyond ``keep_latest_k``.
-
-        Only rank 0 renames: DCP writes the metadata on rank 0 after every rank reported its
-        data written, so once rank 0's save returns the folder is complete. Rotation counts only
-        checkpoints older than this one: the save just written is always kept, and a newer
-        folder is not this timeline's (the load moved every newer one aside) and not ours to delete.
-        """
-        if self.rank != 0:
-            return
-        try:
-            publish(partial, final, self.model_args, self.data_identity, self.schedule)
-        except OSError as error:
-            self._save_failed(error, partial, step)
-        logger.info("saved checkpoint %s", final)
-        if self.config.keep_latest_k > 0:
-            older = [p for s, p in step_folders(self.folder) if s < step]
-            for old in older[: max(0, len(older) - (self.config.keep_latest_k - 1))]:
-                shutil.rmtree(old, ignore_errors=True)
+        self.writer.save(step, model_only=model_only)
 
     def close(self) -> None:
         """Wait for an async save still in flight."""
-        self._finish_pending(wait=True)
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def _empty_folder(folder: Path) -> None:
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir(parents=True)
-
-
-def create_seed_checkpoint(config: Checkpoint, dump_folder: str, model: Transformer, model_args: ModelArgs) -> Path:
-    """Write ``step-0`` with the initial weights only (one process: ``plan`` refuses more)."""
-    final = Path(dump_folder) / config.folder / "step-0"
-    partial = final.with_name(final.name + PARTIAL_SUFFIX)
-    shutil.rmtree(partial, ignore_errors=True)
-    dcp.save({"model": ModelState(model)}, storage_writer=ChecksummingWriter(str(partial)))
-    publish(partial, final, model_args)
-    return final
+        self.writer.close()

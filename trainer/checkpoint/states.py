@@ -3,6 +3,7 @@ parameter name, so that both reshard onto any mesh on load."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,23 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from trainer.checkpoint.expert_shards import ExpertShards, optimizer_fqn
+from trainer.model.llama3 import ModelArgs, Transformer
+from trainer.optimizer import LRSchedule
+from trainer.train_state import TrainState
+
+
+@dataclass(frozen=True)
+class Checkpointed:
+    """What a checkpoint holds of a run, and what a checkpoint must match to resume it."""
+
+    model: Transformer
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: LRSchedule
+    dataloader: Stateful
+    train_state: TrainState
+    model_args: ModelArgs
+    total_steps: int
+    data_identity: dict[str, str] = field(default_factory=dict)
 
 
 class ModelState(Stateful):

@@ -265,7 +265,7 @@ def check_dependent_settings(config: JobConfig, from_file: JobConfig, command_li
             continue
         kept_for_later = rule.unused(from_file) is None
         for key in rule.keys:
-            value = _value(config, key)
+            value = config.value(key)
             if value == FIELDS[key][1].default or (kept_for_later and key not in command_line):
                 continue
             why, fix = unused
@@ -284,11 +284,6 @@ def acting(config: JobConfig) -> JobConfig:
                 section, name = key.split(".")
                 setattr(getattr(acts, section), name, FIELDS[key][1].default)
     return acts
-
-
-def _value(config: JobConfig, key: str) -> object:
-    section, name = key.split(".")
-    return getattr(getattr(config, section), name)
 
 
 def _shown(value: object) -> str:

@@ -8,6 +8,7 @@ config reads the same here. ``--help`` and the README's table are generated from
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from trainer.config.choices import DATASET_KINDS, MODEL_FLAVORS, TARGET_GPUS
 from trainer.config.fault_tolerance_section import FaultTolerance
@@ -399,6 +400,11 @@ class JobConfig:
     profiling: Profiling = field(default_factory=Profiling)
     validation: Validation = field(default_factory=Validation)
     debug: Debug = field(default_factory=Debug)
+
+    def value(self, key: str) -> Any:
+        """The setting ``section.name``, e.g. ``config.value("training.seq_len")``."""
+        section, name = key.split(".")
+        return getattr(getattr(self, section), name)
 
 
 FIELDS = fields_by_key(JobConfig)

@@ -77,6 +77,7 @@ def log_start(plan: JobPlan, device: torch.device, metrics: MetricsLogger, data_
         batch_line(plan),
     )
     logger.info(data_lines)
+    logger.info("\n".join(plan.step.lines))
     for caution in cautions(config):
         logger.warning(caution)
     if metrics.tb_dir:

@@ -42,30 +42,40 @@ from trainer.planning.loss_chunking import LossChunking, resolve_loss_chunking
 from trainer.planning.memory_fixes import what_would_fit
 from trainer.planning.memory_plan import Estimate, Workload, estimate
 from trainer.planning.moe_memory import RoutedExperts
+from trainer.planning.step_plan import StepPlan, step_plan
 
-SETTING_KEYS = {
-    "dp_replicate": "`parallelism.data_parallel_replicate_degree`",
-    "dp_shard": "`parallelism.data_parallel_shard_degree`",
-    "cp": "`parallelism.context_parallel_degree`",
-    "tp": "`parallelism.tensor_parallel_degree`",
-    "ep": "`parallelism.expert_parallel_degree`",
+DEGREES = {
+    "dp_replicate": "parallelism.data_parallel_replicate_degree",
+    "dp_shard": "parallelism.data_parallel_shard_degree",
+    "cp": "parallelism.context_parallel_degree",
+    "tp": "parallelism.tensor_parallel_degree",
+    "pp": "parallelism.pipeline_parallel_degree",
+    "ep": "parallelism.expert_parallel_degree",
+}
+"""Each ``ParallelDims`` degree and the config key it is read from."""
+COPIED = {
+    "seq_len": "training.seq_len",
+    "async_tp": "parallelism.enable_async_tensor_parallel",
+    "cp_backend": "parallelism.context_parallel_backend",
+    "cp_rotate_method": "parallelism.context_parallel_rotate_method",
+    "document_mask": "training.document_mask",
+    "ac_mode": "activation_checkpoint.mode",
+    "ac_option": "activation_checkpoint.selective_ac_option",
+    "ep_overlap_chunks": "parallelism.expert_parallel_overlap_chunks",
+    "compile_backend": "compile.backend",
+    "pp_schedule": "parallelism.pipeline_parallel_schedule",
+    "pp_microbatch_size": "parallelism.pipeline_parallel_microbatch_size",
+    "pp_layers_per_stage": "parallelism.pipeline_parallel_layers_per_stage",
+    "pp_first_stage_less_layers": "parallelism.pipeline_parallel_first_stage_less_layers",
+    "pp_last_stage_less_layers": "parallelism.pipeline_parallel_last_stage_less_layers",
+}
+"""The ``ParallelSettings`` fields copied from one config key each (the others are resolved in
+:func:`parallel_settings`)."""
+SETTING_KEYS = {name: f"`{key}`" for name, key in (DEGREES | COPIED).items()} | {
     "model_name": "`model.name`",
-    "seq_len": "`training.seq_len`",
-    "async_tp": "`parallelism.enable_async_tensor_parallel`",
     "loss_parallel": "loss parallel (`parallelism.disable_loss_parallel`)",
     "compile_model": "`compile.enable` with `model` in `compile.components`",
     "compile_loss": "`compile.components` including `loss`",
-    "ac_mode": "`activation_checkpoint.mode`",
-    "ac_option": "`activation_checkpoint.selective_ac_option`",
-    "cp_backend": "`parallelism.context_parallel_backend`",
-    "cp_rotate_method": "`parallelism.context_parallel_rotate_method`",
-    "document_mask": "`training.document_mask`",
-    "pp": "`parallelism.pipeline_parallel_degree`",
-    "pp_schedule": "`parallelism.pipeline_parallel_schedule`",
-    "pp_microbatch_size": "`parallelism.pipeline_parallel_microbatch_size`",
-    "pp_layers_per_stage": "`parallelism.pipeline_parallel_layers_per_stage`",
-    "pp_first_stage_less_layers": "`parallelism.pipeline_parallel_first_stage_less_layers`",
-    "pp_last_stage_less_layers": "`parallelism.pipeline_parallel_last_stage_less_layers`",
     "pp_rank_batch": "a data-parallel rank's share of the batch (`training.global_batch_size` / data-parallel degree)",
 }
 """How the parallelisms' setting names read to a user: the config keys that set them."""
@@ -101,6 +111,11 @@ class JobPlan:
         return loss_in_model(self.dims, self.parallel)
 
     @property
+    def step(self) -> StepPlan:
+        """How the training step runs: its schedule and its parts, in order."""
+        return step_plan(self.config, self.dims, self.parallel, self.workload, self.model_args)
+
+    @property
     def memory(self) -> Estimate:
         return estimate(self.workload)
 
@@ -129,17 +144,9 @@ def resolve_job(
     chunking decides (``trainer/planning/loss_chunking.py``).
     """
     device = device or device_type()
-    parallelism, training = config.parallelism, config.training
+    training = config.training
     try:
-        dims = ParallelDims(
-            dp_replicate=parallelism.data_parallel_replicate_degree,
-            dp_shard=parallelism.data_parallel_shard_degree,
-            cp=parallelism.context_parallel_degree,
-            tp=parallelism.tensor_parallel_degree,
-            world_size=world_size,
-            pp=parallelism.pipeline_parallel_degree,
-            ep=parallelism.expert_parallel_degree,
-        )
+        dims = ParallelDims(world_size=world_size, **{name: config.value(key) for name, key in DEGREES.items()})
     except ParallelismError as e:
         raise ConfigError(e.render(SETTING_KEYS) + sized_for(config, world_size)) from None
     check_torch(torch_concerns(config, dims))
@@ -345,6 +352,7 @@ def describe(plan: JobPlan, limit: int | None, where: str) -> str:
             f"batch: {plan.global_batch_size} x {training.seq_len} tokens per step = {plan.microbatches} "
             f"micro-batch(es) of {training.local_batch_size} per data-parallel rank; {training.steps} steps",
             *replica_groups_line(plan),
+            *plan.step.lines,
             f"memory: {plan.memory.line()}{fits}",
             f"loss: {plan.loss_chunking.line()}",
             f"output: {config.job.dump_folder}",
@@ -406,27 +414,14 @@ def parallel_settings(
     parallelism, compile_config = config.parallelism, config.compile
     reshard = parallelism.fsdp_reshard_after_forward  # over one FSDP rank, freeing only means casting again
     return ParallelSettings(
-        seq_len=config.training.seq_len,
+        **{name: config.value(key) for name, key in COPIED.items()},
         loss_parallel=dims.tp > 1 and not parallelism.disable_loss_parallel,
-        async_tp=parallelism.enable_async_tensor_parallel,
-        cp_backend=parallelism.context_parallel_backend,
-        cp_rotate_method=parallelism.context_parallel_rotate_method,
-        document_mask=config.training.document_mask,
-        ac_mode=config.activation_checkpoint.mode,
-        ac_option=config.activation_checkpoint.selective_ac_option,
         compile_model=compiles_blocks(config),
         fused_moe_combine=compiles_blocks(config),
-        ep_overlap_chunks=parallelism.expert_parallel_overlap_chunks,
         compile_loss=compile_config.enable and "loss" in compile_config.components,
-        compile_backend=compile_config.backend,
         param_dtype=param_dtype(config.training.mixed_precision_param, device or device_type()),
         reduce_dtype=getattr(torch, config.training.mixed_precision_reduce),
         reshard_after_forward="never" if dims.fsdp_one_rank and reshard == "default" else reshard,
-        pp_schedule=parallelism.pipeline_parallel_schedule,
-        pp_microbatch_size=parallelism.pipeline_parallel_microbatch_size,
-        pp_layers_per_stage=parallelism.pipeline_parallel_layers_per_stage,
-        pp_first_stage_less_layers=parallelism.pipeline_parallel_first_stage_less_layers,
-        pp_last_stage_less_layers=parallelism.pipeline_parallel_last_stage_less_layers,
         pp_rank_batch=rank_batch,
         float8=float8_settings(config, device or device_type()),
     )

@@ -46,8 +46,8 @@ from trainer.simulation.microbatches import extend, rank_count, schedule_count, 
 from trainer.step.host_offload import MIN_BYTES, HostOffload
 from trainer.step.part import StepPart, StepResult
 from trainer.step.train_step import train_step
-from trainer.step.training import Training
 from trainer.train_state import TrainState
+from trainer.training import Training
 
 
 @dataclass

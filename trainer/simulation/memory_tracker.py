@@ -18,6 +18,7 @@ fake mode (a few integer tensors), and memory inside kernels (workspaces).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -34,6 +35,7 @@ from parallelisms.torch_private.fake import (
     TorchDispatchMode,
     in_backward,
     is_traceable_wrapper_subclass,
+    observing_storage_resizes,
 )
 
 CATEGORIES = (
@@ -128,7 +130,7 @@ class MemoryTracker(TorchDispatchMode):
         self.labels: dict[int, str] = {}
         self._events: list[tuple[int, int]] = []
         self._marks: list[tuple[int, int, str]] = [(0, 0, "init")]
-        self._resize: Callable[..., Any] | None = None
+        self._resizes: contextlib.AbstractContextManager[None] | None = None
 
     # ------------------------------------------------------------------ recording
 
@@ -140,20 +142,15 @@ class MemoryTracker(TorchDispatchMode):
         self.phase = phase
 
     def __enter__(self) -> MemoryTracker:
-        original = self._resize = torch.UntypedStorage.resize_
-
-        @functools.wraps(original)
-        def resize_(storage: torch.UntypedStorage, size: int) -> Any:
-            result = original(storage, size)
-            self._track(storage, self._default_label())
-            return result
-
-        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign, assignment]
+        self._resizes = observing_storage_resizes(lambda storage: self._track(storage, self._default_label()))
+        self._resizes.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc: object) -> None:
-        torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign, assignment]
         super().__exit__(*exc)
+        if self._resizes is not None:
+            self._resizes.__exit__(None, None, None)
+            self._resizes = None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
