@@ -120,7 +120,8 @@ def loop(job_plan: JobPlan, run: Run, stop: StopRequests, timeouts: CollectiveTi
                 run.metrics.log_validation(state.step, run.validator.run(training))
             check_skipped_steps(state, stats, job_plan.config.training.max_consecutive_skipped_steps)
             stopping = stop.stop_after_step()
-            run.checkpointer.maybe_save(state.step, stopping=stopping)
+            if run.checkpointer.maybe_save(state.step, stopping=stopping) and not stopping:
+                stopping = stop.stop_after_step()  # asked during the save: it was this step's
             profiler.step(state.step)
             if not trained:  # the first step done (a healed group's step number jumped to its peer's)
                 trained = True

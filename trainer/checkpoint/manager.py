@@ -249,16 +249,17 @@ class CheckpointManager:
 
     # ----------------------------------------------------------------------------------- save
 
-    def maybe_save(self, step: int, *, stopping: bool = False) -> None:
+    def maybe_save(self, step: int, *, stopping: bool = False) -> bool:
         """Save every ``interval`` steps, at the last step, and when the job is stopping
-        (SIGTERM, Ctrl-C); publish a finished async save."""
+        (SIGTERM, Ctrl-C); publish a finished async save. Whether it saved (or began to)."""
         if not self.config.enable:
-            return
+            return False
         self.writer.finish_pending(wait=False)
         last = step == self.run.total_steps
         if step % self.config.interval and not last and not stopping:
-            return
+            return False
         self.save(step, model_only=last and self.config.last_save_model_only)
+        return True
 
     def save(self, step: int, *, model_only: bool = False) -> None:
         self.writer.save(step, model_only=model_only)

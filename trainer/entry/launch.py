@@ -29,6 +29,7 @@ unset, each process gets an equal share of the idle cores: ``trainer/runtime/cpu
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -37,6 +38,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from trainer.config import help_text, load_config
@@ -45,7 +47,7 @@ from trainer.entry.simulate import simulate
 from trainer.metrics import CONSOLE_TTY_ENV
 from trainer.replica_groups import check_lighthouse
 from trainer.runtime.cpu_threads import thread_env
-from trainer.runtime.dump_folder import TOKEN_ENV, DumpFolderLock, busy_message, is_stale, read_lock
+from trainer.runtime.dump_folder import TOKEN_ENV, DumpFolderLock, busy_message, is_stale, live_members, read_lock
 from trainer.runtime.errors import BusyFolderError, ConfigError, UserError, report
 from trainer.runtime.stop_requests import STOP_FILE_ENV, die_with_parent
 from trainer.simulation.targets import HELP as TARGET_HELP
@@ -132,7 +134,7 @@ def hold_dump_folder(folder: str, nnodes: int) -> DumpFolderLock | None:
     several nodes each node's launcher only checks it: the job's rank 0 takes it."""
     if nnodes > 1:
         found = read_lock(folder)
-        if found is not None and not is_stale(*found):
+        if found is not None and not is_stale(*found, folder):
             raise BusyFolderError(busy_message(folder, *found))
         return None
     lock = DumpFolderLock(folder, token=secrets.token_hex(16))
@@ -204,7 +206,8 @@ def run(argv: list[str]) -> int:
                 flush=True,
             )
         elif torchrun is not None:
-            os.killpg(torchrun.pid, signal.SIGTERM)
+            # At once: torchrun would wait 30 s for workers blocked in a collective or a save.
+            kill_job(torchrun, lock)
 
     launching, checkpointing = False, True
     lock = None
@@ -239,8 +242,41 @@ def run(argv: list[str]) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         if lock is not None:
+            outlive_workers(lock, received, stop_file)
             lock.release()
     return outcome(code, received, checkpointing, private, shown)
+
+
+def kill_job(torchrun: subprocess.Popen, lock: DumpFolderLock | None) -> None:
+    """SIGKILL torchrun and every training process of the job (each in a session of its own)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(torchrun.pid, signal.SIGKILL)
+    for pid in live_members(lock.folder, lock.token) if lock is not None else []:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def outlive_workers(lock: DumpFolderLock, received: list[int], stop_file: Path) -> None:
+    """Hold the lock until every training process of the job has ended: after torchrun died
+    (``kill -9``) its workers stop after their step (``die_with_parent``, and the stop file for
+    one not that far yet), still writing into the folder; a signal meanwhile kills them."""
+    said, signals = False, len(received)
+    while pids := live_members(lock.folder, lock.token):
+        if not said:
+            if not stop_file.exists():
+                stop_file.write_text("the end of torchrun")
+            print(
+                f"meshtrain: torchrun has ended; waiting for the training processes {pids} to finish their step "
+                "and stop (send a signal to kill them now).",
+                file=sys.stderr,
+                flush=True,
+            )
+            said = True
+        if len(received) > signals:
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        time.sleep(0.2)
 
 
 def outcome(code: int, received: list[int], checkpointing: bool, private: Path, shown: str) -> int:

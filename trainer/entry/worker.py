@@ -19,15 +19,16 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from trainer.config import help_text
 from trainer.entry.job import describe_job, parse_request, prepare
-from trainer.runtime.dump_folder import TOKEN_ENV, DumpFolderLock
+from trainer.runtime.dump_folder import TOKEN_ENV, DumpFolderLock, join
 from trainer.runtime.errors import ConfigError, UserError, report
-from trainer.runtime.stop_requests import StopRequests
+from trainer.runtime.stop_requests import StopRequests, die_with_parent
 from trainer.train import train
 
 logger = logging.getLogger("meshtrain")
@@ -53,6 +54,7 @@ def main(argv: list[str]) -> int:
             raise ConfigError("`--simulate` runs in one process, without torchrun: use `./run_train.sh --simulate`.")
         stop = StopRequests()
         with stop.installed():
+            outlive_no_launcher()
             return _main(request.argv, stop)
     except UserError as e:
         return report(e)
@@ -73,15 +75,28 @@ def _main(argv: list[str], stop: StopRequests) -> int:
     if rank0:
         logger.info("memory estimate: %s", job.plan.memory.line())
         logger.info("loss: %s", job.plan.loss_chunking.line())
-    lock = DumpFolderLock(job.plan.config.job.dump_folder, os.environ.get(TOKEN_ENV)) if rank0 else None
+    folder, token = job.plan.config.job.dump_folder, os.environ.get(TOKEN_ENV)
+    lock = DumpFolderLock(folder, token) if rank0 else None
     if lock is not None:
         lock.acquire()
+    member = join(folder, token) if token else None  # the lock stays held while this process lives
     try:
         train(job.plan, job.dataset, stop, job.validation_dataset)
     finally:
+        if member is not None:
+            member.unlink(missing_ok=True)
         if lock is not None:
             lock.release()
     return 0
+
+
+def outlive_no_launcher() -> None:
+    """End with torchrun: its death (``kill -9``) sends this process SIGTERM, a stop after the
+    step with a checkpoint, so that no orphan trains on beside a rerun."""
+    parent = os.getppid()
+    die_with_parent()
+    if os.getppid() != parent:  # it died before the request took hold
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 if __name__ == "__main__":

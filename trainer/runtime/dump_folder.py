@@ -21,7 +21,9 @@ Under ``./run_train.sh`` the launcher takes the lock when it checks the folder a
 the whole job, so of two jobs started at the same instant the second is refused before its
 torchrun starts. The launcher hands the lock to its workers with a token (:data:`TOKEN_ENV`):
 a rank 0 whose token matches the lock's inherits it instead of finding it busy, on its first
-start and after every torchrun restart.
+start and after every torchrun restart. Every worker also records itself beside the lock
+(:func:`join`): the lock is not stale while a worker of its job lives on this host, even with its
+launcher gone (``kill -9``), and the launcher releases it only once its workers have ended.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ from trainer.runtime.errors import BusyFolderError, ConfigError
 logger = logging.getLogger("meshtrain")
 
 LOCK_FILE = ".meshtrain.lock"
+MEMBERS = ".meshtrain.lock.members"
+"""Beside the lock: a file per live worker of the job holding it."""
 TOKEN_ENV = "MESHTRAIN_LOCK_TOKEN"
 """Set by the launcher for its workers: the token of the lock it holds for them."""
 HEARTBEAT_S = 10.0
@@ -85,7 +89,10 @@ def _pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    try:  # a zombie (killed, not yet reaped by its parent) holds nothing
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def describe_holder(holder: dict[str, Any], heartbeat_age_s: float) -> str:
@@ -111,18 +118,62 @@ def read_lock(folder: str | Path) -> tuple[dict[str, Any], float] | None:
     return holder, age
 
 
-def is_stale(holder: dict[str, Any], heartbeat_age_s: float) -> bool:
-    """Whether the lock's owner is gone (see the module docstring)."""
+def _lives(process: dict[str, Any]) -> bool:
+    """Whether a process recorded on this host as ``{pid, pid_start}`` still runs (not a recycled pid)."""
+    pid = process.get("pid")
+    if not isinstance(pid, int) or not _pid_alive(pid):
+        return False
+    recorded, current = process.get("pid_start"), _process_start(pid)
+    return recorded is None or current is None or recorded == current
+
+
+def join(folder: str | Path, token: str) -> Path:
+    """Record this worker of the job whose lock holds ``token``; remove the file it returns when
+    the worker ends (one left by a killed worker is judged by its pid)."""
+    members = Path(folder) / MEMBERS
+    members.mkdir(exist_ok=True)
+    me = members / f"{socket.gethostname()}-{os.getpid()}.json"
+    me.write_text(
+        json.dumps(
+            {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": _process_start(os.getpid()), "token": token}
+        )
+    )
+    return me
+
+
+def live_members(folder: str | Path, token: str | None) -> list[int]:
+    """The pids of this host's live workers of the job whose lock holds ``token``."""
+    if not token:
+        return []
+    pids = []
+    for path in sorted((Path(folder) / MEMBERS).glob(f"{socket.gethostname()}-*.json")):
+        try:
+            member = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if member.get("token") == token and _lives(member):
+            pids.append(member["pid"])
+    return pids
+
+
+def is_stale(holder: dict[str, Any], heartbeat_age_s: float, folder: str | Path | None = None) -> bool:
+    """Whether the lock's owner is gone, and with it every worker of its job on this host (see the
+    module docstring)."""
+    if folder is not None and live_members(folder, holder.get("token")):
+        return False
     if holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int):
-        pid = holder["pid"]
-        if not _pid_alive(pid):
-            return True
-        recorded, current = holder.get("pid_start"), _process_start(pid)
-        return recorded is not None and current is not None and recorded != current
+        return not _lives(holder)
     return heartbeat_age_s > STALE_AFTER_S
 
 
 def busy_message(folder: str | Path, holder: dict[str, Any], heartbeat_age_s: float) -> str:
+    workers = live_members(folder, holder.get("token"))
+    if workers and not (holder.get("host") == socket.gethostname() and _lives(holder)):
+        return (
+            f"`job.dump_folder` = {str(folder)!r} is in use by the training processes {workers} of a job whose "
+            f"launcher is gone ({describe_holder(holder, heartbeat_age_s)}): they are stopping after their step; "
+            "wait for them to end (or kill them), or give this job another `--job.dump_folder`."
+        )
     return (
         f"`job.dump_folder` = {str(folder)!r} is in use by another job: {describe_holder(holder, heartbeat_age_s)}. "
         "Wait for it or stop it, or give this job another `--job.dump_folder`. A lock left by a job "
@@ -179,7 +230,7 @@ class DumpFolderLock:
         if found is None:
             return  # released meanwhile: try again
         holder, age = found
-        if not is_stale(holder, age):
+        if not is_stale(holder, age, self.folder):
             raise BusyFolderError(busy_message(self.folder, holder, age))
         # Move the stale lock aside, then check that what moved is what was judged stale: a job
         # racing for the same stale lock may have replaced it with its own live one.
