@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -19,6 +20,9 @@ ROOT = Path(__file__).resolve().parent.parent
 for path in (ROOT, Path(__file__).resolve().parent):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
+# ./run_train.sh runs $PYTHON (scripts/find_python.sh): the interpreter running the tests, also
+# when its virtual environment is not activated.
+os.environ.setdefault("PYTHON", sys.executable)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -21,7 +21,7 @@ from parallelisms.parallel_dims import ParallelismError
 from trainer.config import ConfigError, load_config
 from trainer.entry.launch import main as launch_main
 from trainer.model.llama3 import ModelArgs, Transformer
-from trainer.planning.job_plan import resolve_job
+from trainer.planning.job_plan import describe, resolve_job
 
 pytest.importorskip("torchao.float8", reason="float8 training needs torchao (the `float8` extra)")
 
@@ -162,3 +162,16 @@ def test_through_the_launcher_a_cpu_job_is_refused_and_a_gpu_plan_accepted(monke
     odd = [*FLOAT8, "--training.seq_len", "40", "--training.local_batch_size", "1", "--training.global_batch_size", "2"]
     assert launch_main([*odd, "--dry-run", "--job.dump_folder", str(tmp_path), "--target-gpu", "h100"]) == 2
     assert "a micro-batch holds 40 tokens" in capsys.readouterr().err
+
+
+def test_the_dry_run_names_the_recipe_the_converted_layers_and_the_optimizer():
+    """A job checked before renting GPUs shows how it trains: without float8 nothing is said of
+    it; with it the recipe and what the run will convert (the start report's count, before any
+    model is built), and the optimizer, with a filter keeping a layer in high precision."""
+    plain = describe(resolve_job(load_config([]), 1), None, "")
+    assert "float8" not in plain and "optimizer step: AdamW" in plain
+    rowwise = [*FLOAT8, "--float8.recipe_name", "rowwise", "--float8.filter_fqns", "wk"]
+    said = describe(resolve_job(load_config(rowwise), 1), None, "")
+    (line,) = [line for line in said.splitlines() if line.startswith("float8: ")]
+    assert line.startswith("float8: recipe rowwise, emulated") and "36 of 43 linear layers in float8" in line, line
+    assert "kept in high precision: output, wk" in line and "optimizer step: AdamW" in said

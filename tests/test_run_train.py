@@ -140,8 +140,10 @@ def test_runs_on_a_plain_path_with_python3_only(tmp_path):
 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "python3").symlink_to(sys.executable)
-    for tool in ("bash", "dirname"):
+    python3 = bin_dir / "python3"  # a wrapper: a symlink would lose the virtual environment, if any
+    python3.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    python3.chmod(0o755)
+    for tool in ("bash", "dirname", "sh"):
         (bin_dir / tool).symlink_to(shutil.which(tool))
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.run(
@@ -151,5 +153,22 @@ def test_runs_on_a_plain_path_with_python3_only(tmp_path):
         text=True,
         timeout=120,
     )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "--training.steps" in proc.stdout
+
+
+def test_the_tests_launch_with_their_own_interpreter():
+    """A venv's python running the suite without the venv activated: the launcher tests start
+    ``./run_train.sh`` with that interpreter (``$PYTHON``, set by conftest.py), not the first
+    ``python`` on PATH, which may lack torch."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
+    env["PATH"] = "/usr/bin:/bin"  # the system's python, if any, without this environment's packages
+    proc = subprocess.run([str(root / "run_train.sh"), "--help"], env=env, capture_output=True, text=True, timeout=120)
+    assert os.environ["PYTHON"] == sys.executable
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "--training.steps" in proc.stdout

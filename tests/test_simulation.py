@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from simulation_helpers import CONFIGS, simulate_job
+from simulation_helpers import CONFIGS, documented_row, simulate_job
 
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from trainer.config import load_config
@@ -202,6 +202,17 @@ def test_a_preset_fits_an_h100_with_headroom(tmp_path, preset):
     for role, estimate in zip(report["roles"], estimated):
         assert role["needed_bytes"] <= 0.9 * report["target_gpu"]["memory_bytes"], role["pp_stage"]
         assert estimate.total == pytest.approx(role["needed_bytes"], rel=0.15), role["pp_stage"]
+    # docs/scale.md's row stays what this code gives (a change of the estimate or the simulator
+    # that moves a figure by more than its rounding updates the page with it).
+    row = documented_row("scale.md", f"`{preset}.toml`")
+    largest = max(report["roles"], key=lambda role: role["needed_bytes"])
+    documented = {"estimate": row[4], "simulated": row[5], "headroom": row[6]}
+    found = {
+        "estimate": f"{max(e.total for e in estimated) / 2**30:.1f} GiB",
+        "simulated": f"{largest['needed_bytes'] / 2**30:.1f} GiB",
+        "headroom": f"{1 - largest['needed_bytes'] / limit:.0%}",
+    }
+    assert found == documented, (preset, found, documented)
     if preset == "qwen3_30b_a3b":
         # ep 8 in 2 exchange chunks: half of each token exchange runs under the other chunk's
         # experts, backward too (waiting there at once would leave two thirds exposed, 1 chunk all).

@@ -7,8 +7,16 @@ GPU the shapes ``torch._scaled_mm`` cannot take (``parallelisms/float8_kernels.p
 from __future__ import annotations
 
 import torch
+from torch import nn
 
-from parallelisms.float8 import Float8Settings, check_backend, check_filters, check_float8
+from parallelisms.float8 import (
+    Float8Conversion,
+    Float8Settings,
+    check_backend,
+    check_filters,
+    check_float8,
+    convertible,
+)
 from parallelisms.float8_kernels import check_kernel_shapes
 from parallelisms.parallel_dims import ParallelDims, ParallelismError
 from parallelisms.parallelize import ParallelSettings
@@ -91,3 +99,20 @@ def check_float8_model(settings: ParallelSettings, dims: ParallelDims, args: Mod
         check_kernel_shapes(model, float8, micro * settings.seq_len // dims.cp, dims.tp, tokens_are)
     except ParallelismError as e:
         raise ConfigError(e.render(FLOAT8_KEYS)) from None
+
+
+def float8_lines(settings: ParallelSettings, args: ModelArgs) -> list[str]:
+    """``--dry-run``'s float8 line: the recipe, how its matmuls run here, and which linear layers
+    it converts (on the whole model built on the meta device, as the run converts them)."""
+    float8 = settings.float8
+    if float8 is None:
+        return []
+    with torch.device("meta"):
+        model = Transformer(args)
+    linears = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, nn.Linear)]
+    converted = tuple(fqn for fqn, m in linears if convertible(fqn, m, float8.filter_fqns))
+    conversion = Float8Conversion(converted, tuple(fqn for fqn, _ in linears))
+    how = "emulated (float32 matmuls of float8-rounded operands)" if float8.emulate else "torch._scaled_mm"
+    gather = "; FSDP all-gathers the weights in float8" if float8.fsdp_float8_all_gather else ""
+    experts = "; routed experts by torchao's float8 grouped matmul" if float8.experts else ""
+    return [f"float8: recipe {float8.recipe}, {how}{gather}{experts}; {conversion.describe()}"]

@@ -34,6 +34,7 @@ from trainer.planning.float8_plan import (
     check_float8_backend,
     check_float8_job,
     check_float8_model,
+    float8_lines,
     float8_settings,
     job_backend,
 )
@@ -352,6 +353,7 @@ def describe(plan: JobPlan, limit: int | None, where: str) -> str:
             f"batch: {plan.global_batch_size} x {training.seq_len} tokens per step = {plan.microbatches} "
             f"micro-batch(es) of {training.local_batch_size} per data-parallel rank; {training.steps} steps",
             *replica_groups_line(plan),
+            *float8_lines(plan.parallel, plan.model_args),
             *plan.step.lines,
             f"memory: {plan.memory.line()}{fits}",
             f"loss: {plan.loss_chunking.line()}",
