@@ -11,6 +11,7 @@ preparing, in ``trainer/entry/job.py``.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from dataclasses import dataclass, replace
 
@@ -111,9 +112,10 @@ class JobPlan:
         tensor parallelism without loss parallel gathers whole logits for it instead."""
         return loss_in_model(self.dims, self.parallel)
 
-    @property
+    @functools.cached_property
     def step(self) -> StepPlan:
-        """How the training step runs: its schedule and its parts, in order."""
+        """How the training step runs: its schedule and its parts, in order (decided once: the
+        build, ``--dry-run`` and the start report read the same plan)."""
         return step_plan(self.config, self.dims, self.parallel, self.workload, self.model_args)
 
     @property
