@@ -85,7 +85,7 @@ def test_the_dry_run_and_the_launcher_read_the_checkpoint_the_run_would_resume(t
 
     code, out, _ = dry_run(monkeypatch, capsys, *RUN, *dump)
     assert code == 0 and f"resume: {step} (the model's as this run's)" in out.splitlines(), out
-    assert "LR schedule" not in out
+    assert not [line for line in out.splitlines() if line.startswith("resume: ") and "LR schedule" in line], out
 
     # Another model (the debug MoE on the same data): refused in one line naming it, also at launch.
     moe = ["--config", "debug_moe.toml", *RUN, *dump]
@@ -105,7 +105,11 @@ def test_the_dry_run_and_the_launcher_read_the_checkpoint_the_run_would_resume(t
     # A longer run: this run's schedule, said by the dry run and by the run's log in the same words.
     longer = [*RUN, *dump, "--training.steps", "4"]
     code, out, _ = dry_run(monkeypatch, capsys, *longer)
-    said = [line.removeprefix("resume: ") for line in out.splitlines() if "LR schedule" in line]
+    said = [
+        line.removeprefix("resume: ")
+        for line in out.splitlines()
+        if line.startswith("resume: ") and "LR schedule" in line
+    ]
     assert code == 0 and len(said) == 1 and "`training.steps` 2 there, 4 here" in said[0], out
     resumed = run_train(1, longer)
     assert resumed.returncode == 0, resumed.stderr[-3000:]

@@ -26,7 +26,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from trainer.config import help_text
 from trainer.entry.job import describe_job, parse_request, prepare
-from trainer.runtime.dump_folder import TOKEN_ENV, DumpFolderLock, join
+from trainer.runtime.dump_folder import TOKEN_ENV, DumpFolderLock, join, leave
 from trainer.runtime.errors import ConfigError, UserError, report
 from trainer.runtime.stop_requests import StopRequests, die_with_parent
 from trainer.train import train
@@ -84,7 +84,7 @@ def _main(argv: list[str], stop: StopRequests) -> int:
         train(job.plan, job.dataset, stop, job.validation_dataset)
     finally:
         if member is not None:
-            member.unlink(missing_ok=True)
+            leave(member)
         if lock is not None:
             lock.release()
     return 0

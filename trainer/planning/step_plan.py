@@ -64,7 +64,7 @@ def step_plan(
         "optimizer step": f"optimizer step: {config.optimizer.name}, then the LR schedule",
         "float8 scales": "float8: every gathered weight's scale in one all-reduce after a step that moved them",
     }
-    lines = [f"step: {schedule_line(schedule, prepass, workload.offloads_forwards, dims)}"]
+    lines = [f"the step: {schedule_line(schedule, prepass, workload.offloads_forwards, dims)}"]
     lines += [f"  {i}. {said[kind]}" for i, kind in enumerate(kinds, 1)]
     return StepPlan(schedule, prepass, held and workload.offloads_forwards, tuple(kinds), terms, tuple(lines))
 

@@ -28,6 +28,7 @@ launcher gone (``kill -9``), and the launcher releases it only once its workers 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -139,6 +140,13 @@ def join(folder: str | Path, token: str) -> Path:
         )
     )
     return me
+
+
+def leave(member: Path) -> None:
+    """Remove a worker's record; on a folder that broke mid-run one left behind is judged by its
+    pid, so the error the job ends with stays the folder's, not this cleanup's."""
+    with contextlib.suppress(OSError):
+        member.unlink(missing_ok=True)
 
 
 def live_members(folder: str | Path, token: str | None) -> list[int]:
