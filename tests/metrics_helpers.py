@@ -16,7 +16,8 @@ from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.util import tensor_util
 
 from trainer.metrics import MetricsLogger
-from trainer.metrics.logger import LogSettings, Throughput
+from trainer.metrics.logger import LogSettings, Throughput, open_sinks
+from trainer.metrics.tensorboard_sink import TensorBoardSink
 from trainer.step.expert_balance import BALANCE_LOSS, LOAD_CHART
 from trainer.step.group_commit import LOGGED as GROUP_LOGGED
 from trainer.step.part import StepResult
@@ -138,7 +139,7 @@ def _make_logger(tmp_path: os.PathLike[str], **overrides: object) -> MetricsLogg
     split = {f.name for f in dataclasses.fields(Throughput)}
     throughput = Throughput(**{k: v for k, v in kwargs.items() if k in split})  # type: ignore[arg-type]
     settings = LogSettings(**{k: v for k, v in kwargs.items() if k not in split})  # type: ignore[arg-type]
-    return MetricsLogger(settings, throughput, logged, rank)
+    return MetricsLogger(settings, throughput, logged, open_sinks(settings, throughput, logged, rank, {}))
 
 
 def _run(logger: MetricsLogger, steps: Iterable[StepStats]) -> None:
@@ -172,3 +173,8 @@ def _layout_charts(acc: EventAccumulator) -> dict[str, list[str]]:
                 assert series.lower == series.upper == series.value, (chart.title, series)
             charts[chart.title] = [series.value for series in chart.margin.series]
     return charts
+
+
+def tb_dir(logger: MetricsLogger) -> str | None:
+    """The TensorBoard run folder ``logger`` writes, None with TensorBoard off."""
+    return next((str(s.folder) for s in logger.sinks if isinstance(s, TensorBoardSink)), None)

@@ -29,6 +29,7 @@ from metrics_helpers import (
     _scalars,
     _stats,
     fake_cuda,  # noqa: F401  (a fixture, requested by name below)
+    tb_dir,
 )
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.custom_scalar import layout_pb2
@@ -40,14 +41,14 @@ from trainer.validation import ValidationResult
 
 def test_tensorboard_scalars_on_cpu(tmp_path: os.PathLike[str]) -> None:
     logger = _make_logger(tmp_path, console=False)
-    assert logger.tb_dir is not None
-    assert os.path.dirname(logger.tb_dir) == os.path.join(str(tmp_path), "tb")
-    assert re.fullmatch(re.escape(tmp_path.name) + r"-\d{8}-\d{6}", os.path.basename(logger.tb_dir))
+    assert tb_dir(logger) is not None
+    assert os.path.dirname(tb_dir(logger)) == os.path.join(str(tmp_path), "tb")
+    assert re.fullmatch(re.escape(tmp_path.name) + r"-\d{8}-\d{6}", os.path.basename(tb_dir(logger)))
     steps = [_stats(s, n_skipped_steps=int(s >= 3)) for s in range(1, 6)]
     steps[2] = _stats(3, n_skipped_steps=1, local_tokens=2 * LOCAL_TOKENS, data_time_s=0.3)
     _run(logger, steps)
 
-    acc = _read_events(logger.tb_dir)
+    acc = _read_events(tb_dir(logger))
     assert set(acc.Tags()["scalars"]) == CPU_TAGS | CPU_ALIASES
     # log_freq=2 with total_steps=5: first step, multiples of 2, last step.
     for tag in CPU_TAGS | CPU_ALIASES:
@@ -159,12 +160,12 @@ def test_custom_scalars_layout_charts_every_written_tag_drawably(
         logger = _make_logger(tmp_path, console=False, moe_layers=(1, 3), balance_loss=True)
     else:
         logger = _make_logger(tmp_path, console=False, validation=validation)
-    assert logger.tb_dir is not None
+    assert tb_dir(logger) is not None
     if validation:
         logger.log_validation(1, ValidationResult(loss=2.0, n_valid_tokens=100, batches=2, seconds=0.5))
     _run(logger, [_stats(1, values=MOE_VALUES if moe else {})])
 
-    acc = _read_events(logger.tb_dir)
+    acc = _read_events(tb_dir(logger))
     charts = _layout_charts(acc)
     written = set(acc.Tags()["scalars"])
     assert written == (
@@ -207,7 +208,7 @@ def test_custom_scalars_layout_charts_every_written_tag_drawably(
 def _write_run(dump: os.PathLike[str], steps: int, scale: float = 1.0) -> EventAccumulator:
     """A run that logs and validates at each of its ``steps`` steps, its values times ``scale``."""
     logger = _make_logger(dump, console=False, validation=True, total_steps=steps, log_freq=1)
-    assert logger.tb_dir is not None
+    assert tb_dir(logger) is not None
     for step in range(1, steps + 1):
         logger.log(
             _stats(
@@ -224,7 +225,7 @@ def _write_run(dump: os.PathLike[str], steps: int, scale: float = 1.0) -> EventA
         loss, seconds = scale * 6.5 / step, scale * 10 / step
         logger.log_validation(step, ValidationResult(loss=loss, n_valid_tokens=100, batches=2, seconds=seconds))
     logger.close()
-    return _read_events(logger.tb_dir)
+    return _read_events(tb_dir(logger))
 
 
 @pytest.mark.parametrize("runs", [[1], [2], [3], [1, 1]], ids=["1-point", "2-points", "3-points", "2-runs-of-1"])
@@ -254,6 +255,6 @@ def test_no_tensorboard_on_other_ranks_or_when_disabled(tmp_path: os.PathLike[st
         _make_logger(tmp_path, rank=1, console=False),
         _make_logger(tmp_path, enable_tensorboard=False, console=False),
     ):
-        assert logger.tb_dir is None
+        assert tb_dir(logger) is None
         _run(logger, [_stats(1), _stats(2)])
     assert not os.path.exists(os.path.join(str(tmp_path), "tb"))

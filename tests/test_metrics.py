@@ -28,6 +28,7 @@ from metrics_helpers import (
     _scalars,
     _stats,
     fake_cuda,
+    tb_dir,
 )
 
 from trainer import metrics
@@ -39,6 +40,7 @@ from trainer.metrics import (
     peak_flops,
     use_color,
 )
+from trainer.metrics.tensorboard_sink import TensorBoardSink
 from trainer.runtime.errors import JobError
 from trainer.step.train_step import StepStats
 from trainer.validation import ValidationResult
@@ -124,16 +126,16 @@ def test_validation_is_logged_to_console_and_tensorboard(tmp_path: os.PathLike[s
         logger.log_validation(10, ValidationResult(loss=math.log(50.0), n_valid_tokens=1234, batches=3, seconds=1.25))
     assert "validation: step 10  loss: 3.9120  perplexity: 50.00  (1,234 tokens, 3 batches, 1.2s)" in caplog.text
     logger.close()
-    scalars = _read_events(logger.tb_dir)
+    scalars = _read_events(tb_dir(logger))
     assert scalars.Scalars("validation/perplexity")[0].value == pytest.approx(50.0)
     assert [e.step for e in scalars.Scalars("validation/loss")] == [10]
 
 
 def test_devices_per_replica_scales_throughput(tmp_path: os.PathLike[str]) -> None:
     logger = _make_logger(tmp_path, console=False, devices_per_replica=2)
-    assert logger.tb_dir is not None
+    assert tb_dir(logger) is not None
     _run(logger, [_stats(1)])
-    tps = _scalars(_read_events(logger.tb_dir), "throughput(tps)")
+    tps = _scalars(_read_events(tb_dir(logger)), "throughput(tps)")
     assert tps[1] == pytest.approx(LOCAL_TOKENS / (0.5 * 2))
 
 
@@ -177,8 +179,8 @@ def test_console_colored_line_with_skips_and_non_finite_values(
     assert "loss: nan" in last
     assert "grad norm: nan" in last
     assert "skipped steps: 1" in last
-    assert logger.tb_dir is not None
-    assert math.isnan(_scalars(_read_events(logger.tb_dir), "grad_norm")[3])
+    assert tb_dir(logger) is not None
+    assert math.isnan(_scalars(_read_events(tb_dir(logger)), "grad_norm")[3])
 
 
 def test_console_disabled_emits_nothing(tmp_path: os.PathLike[str], caplog: pytest.LogCaptureFixture) -> None:
@@ -193,13 +195,13 @@ def test_gpu_path_reports_mfu_and_torchtitan_memory_tags(
 ) -> None:
     peak = 1e9
     logger = _make_logger(tmp_path, device=torch.device("cuda", 0), peak_flops=peak, total_steps=2)
-    assert logger.tb_dir is not None
+    assert tb_dir(logger) is not None
     lines = _console_lines(caplog, logger, [_stats(1), _stats(2)])
 
     assert len(fake_cuda) == 2
     assert "memory: 4.00GiB (5.0%)" in lines[0]
     assert "mfu: " in lines[0]
-    acc = _read_events(logger.tb_dir)
+    acc = _read_events(tb_dir(logger))
     assert set(acc.Tags()["scalars"]) == CPU_TAGS | CPU_ALIASES | GPU_ONLY_TAGS | GPU_ONLY_ALIASES
     tflops = _scalars(acc, "tflops")[1]
     expected = {
@@ -247,12 +249,13 @@ def test_a_log_folder_that_cannot_be_written_ends_the_job_naming_it(tmp_path, mo
     """A dump folder made read-only (or full) mid-run: one JobError naming the folder and the key,
     whichever write fails and whatever is being logged."""
     logger = _make_logger(tmp_path, log_freq=1)
-    assert logger._writer is not None
+    (sink,) = logger.sinks
+    assert isinstance(sink, TensorBoardSink) and sink._writer is not None
 
     def refuse(*args: object, **kwargs: object) -> None:
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(logger._writer, failing, refuse)
+    monkeypatch.setattr(sink._writer, failing, refuse)
     with pytest.raises(JobError, match="cannot write the TensorBoard logs in .*Permission denied.*job.dump_folder"):
         if call == "step":
             logger.log(_stats(1))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trainer.metrics.logger import RUN_RECORD, tensorboard_run
+from trainer.metrics.tensorboard_sink import RUN_RECORD, tensorboard_run
 
 
 def test_a_run_is_named_after_its_job_and_continued_on_resume(tmp_path):

@@ -10,6 +10,7 @@ validator.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from contextlib import AbstractContextManager, nullcontext
@@ -31,7 +32,7 @@ from trainer.data.datasets import TokenDataset, data_lines
 from trainer.data.loader import MicroBatchLoader, build_dataloader
 from trainer.loss import CrossEntropy, ModelLoss, cross_entropy_sum
 from trainer.metrics import MetricsLogger, model_flops_per_token, peak_flops, use_color
-from trainer.metrics.logger import LogSettings, Throughput
+from trainer.metrics.logger import LogSettings, Throughput, open_sinks
 from trainer.metrics.reports import log_start, save_config
 from trainer.model.llama3 import Transformer
 from trainer.model.moe import MoEArgs
@@ -397,6 +398,7 @@ def build_metrics(plan: JobPlan, training: Training, rank: int) -> MetricsLogger
         total_steps=config.training.steps,
         validation=plan.validates,
         resumed=training.state.step > 0,
+        wandb=config.metrics.enable_wandb,
     )
     throughput = Throughput(
         device=training.device,
@@ -407,7 +409,9 @@ def build_metrics(plan: JobPlan, training: Training, rank: int) -> MetricsLogger
         # non-data-parallel size): tokens/s and MFU are per device of the whole job.
         devices_per_replica=dims.pp * dims.tp * dims.cp,
     )
-    return MetricsLogger(settings, throughput, training.step.logged(), rank)
+    logged = training.step.logged()
+    sinks = open_sinks(settings, throughput, logged, rank, dataclasses.asdict(config))
+    return MetricsLogger(settings, throughput, logged, sinks)
 
 
 def build_validator(plan: JobPlan, training: Training, dataset: TokenDataset | None) -> Validator | None:

@@ -217,6 +217,11 @@ class Comm:
 class Metrics:
     log_freq: int = setting(10, "Log every N steps (and the first and last step).", ge=1)
     enable_tensorboard: bool = setting(True, "Write TensorBoard scalars (rank 0).")
+    enable_wandb: bool = setting(
+        False,
+        "Also log the scalars to Weights & Biases (rank 0; `pip install meshtrain[wandb]`): wandb's environment "
+        "(`WANDB_MODE=offline`, `WANDB_PROJECT`, `WANDB_API_KEY`) decides where the run goes.",
+    )
     save_tb_folder: str = setting(
         "tb", "TensorBoard folder inside `job.dump_folder`; each run gets a timestamped subfolder."
     )

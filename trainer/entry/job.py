@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from trainer.checkpoint.resume_fit import resume_preview
 from trainer.config import load_config
 from trainer.data.datasets import TokenDataset, data_lines, load_dataset, load_validation_dataset
+from trainer.metrics.wandb_sink import check_wandb_installed
 from trainer.optimizer import schedule_settings
 from trainer.planning.held_for_speed import fitted
 from trainer.planning.job_plan import JobPlan, check_memory, describe, resolve_job
@@ -132,6 +133,7 @@ def prepare(
     """
     limit, where = memory_limit(local_ranks, device_index, started=started, target=target, figures=figures)
     job_plan = prepare_plan(argv, world_size, target, figures, limit)
+    check_wandb_installed(job_plan.config.metrics.enable_wandb)
     if describe_to is not None:
         describe_to.append(describe(job_plan, limit, where))
     elif memory:

@@ -1,4 +1,4 @@
-r"""Where and when metrics go: the console line and TensorBoard.
+r"""Where and when metrics go: the console line, TensorBoard and wandb.
 
 The trainer hands one :class:`StepStats` per optimizer step to
 :class:`MetricsLogger`, which owns every decision about *when* and *where*
@@ -6,30 +6,28 @@ metrics go. Keeping that out of the training loop means the loop never pays for
 formatting or I/O on steps that are not logged, and every rank can call
 ``log`` unconditionally while only the configured ranks actually emit.
 
-TensorBoard's tags and its Custom Scalars layout are in :mod:`trainer.metrics.dashboard`.
+TensorBoard's tags and its Custom Scalars layout are in :mod:`trainer.metrics.dashboard`; each
+destination of the scalars is a sink of its own (``tensorboard_sink``, ``wandb_sink``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 import torch
 
 if TYPE_CHECKING:
-    from torch.utils.tensorboard import SummaryWriter
-
     from trainer.validation import ValidationResult
 
 from trainer.metrics.accounting import MemoryStats, device_memory, tokens_per_second_per_device
-from trainer.metrics.dashboard import DASHBOARD_ALIASES, Tag, layout_summary, written_tags
-from trainer.runtime.errors import JobError
+from trainer.metrics.dashboard import Tag, written_tags
+from trainer.metrics.tensorboard_sink import TensorBoardSink
+from trainer.metrics.wandb_sink import WandbSink
 from trainer.step.sums import Logged
 from trainer.step.train_step import StepStats
 
@@ -69,50 +67,6 @@ _ANSI = {
     "white": "\033[37m",
 }
 
-RUN_RECORD = "run-of-this-job.txt"
-"""In the TensorBoard folder: the name of the run the job writes, continued when it resumes."""
-
-
-def tensorboard_run(dump_folder: Path, tb_folder: str, resumed: bool) -> Path:
-    """The TensorBoard run directory: named after the job (its dump folder) and its start time,
-    so runs of different jobs are told apart in TensorBoard's list; a job that resumes from a
-    checkpoint continues the run it wrote before (its name is kept in :data:`RUN_RECORD`)."""
-    folder = dump_folder / tb_folder
-    record = folder / RUN_RECORD
-    if resumed and record.is_file():
-        previous = folder / record.read_text().strip()
-        if previous.is_dir():
-            return previous
-    name = f"{dump_folder.resolve().name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
-    folder.mkdir(parents=True, exist_ok=True)
-    record.write_text(name + "\n")
-    return folder / name
-
-
-_EVENT_WRITER_MODULE = "tensorboard.summary.writer.event_file_writer"
-
-
-def _quiet_event_writer_thread() -> None:
-    """Keep the traceback of TensorBoard's writer thread off the console when the disk refuses a write.
-
-    The events are written by a thread of TensorBoard's own. When the dump folder turns read-only
-    or full, that thread dies printing its traceback, and the same error reaches the next
-    ``add_scalar`` or ``flush``, which :meth:`MetricsLogger._write` turns into the one line that
-    names the folder; the traceback would print in the middle of it (and hide it from the
-    launcher, which looks for that line). Only that thread's ``OSError`` is kept quiet; anything
-    else goes to the hook that was there.
-    """
-    previous = threading.excepthook
-    if getattr(previous, "__name__", None) == "event_writer_excepthook":
-        return
-
-    def event_writer_excepthook(args: threading.ExceptHookArgs) -> None:
-        if isinstance(args.exc_value, OSError) and type(args.thread).__module__ == _EVENT_WRITER_MODULE:
-            return
-        previous(args)
-
-    threading.excepthook = event_writer_excepthook
-
 
 def format_duration(seconds: float) -> str:
     """h:mm:ss, with hours allowed past 24 so long runs stay readable at a glance."""
@@ -134,6 +88,17 @@ class LogSettings:
     total_steps: int
     validation: bool = False
     resumed: bool = False
+    wandb: bool = False
+
+
+class Sink(Protocol):
+    """A destination of the logged scalars (rank 0's): ``where`` says where to look."""
+
+    name: str
+
+    def where(self) -> str: ...
+    def write(self, scalars: Mapping[str, float], step: int) -> None: ...
+    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -160,32 +125,20 @@ class MetricsLogger:
     replica groups, loss terms) goes where its declaration says.
     """
 
-    def __init__(self, settings: LogSettings, throughput: Throughput, logged: tuple[Logged, ...] = (), rank: int = 0):
-        self.settings, self.throughput, self.logged = settings, throughput, logged
+    def __init__(
+        self,
+        settings: LogSettings,
+        throughput: Throughput,
+        logged: tuple[Logged, ...] = (),
+        sinks: tuple[Sink, ...] = (),
+    ):
+        self.settings, self.throughput, self.logged, self.sinks = settings, throughput, logged, sinks
         self._colors = _ANSI if settings.color else dict.fromkeys(_ANSI, "")
         self._window_steps = 0
         self._window_tokens = 0
         self._window_data_time = 0.0
         self._window_step_time = 0.0
         self._n_skipped_steps = 0
-
-        self.tb_dir: str | None = None
-        self._writer: SummaryWriter | None = None
-        if rank == 0 and settings.tensorboard:
-            # Imported lazily so runs without TensorBoard installed still work
-            # when it is disabled.
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb_dir = str(tensorboard_run(Path(settings.dump_folder), settings.tb_folder, settings.resumed))
-            self._writer = SummaryWriter(log_dir=self.tb_dir)
-            _quiet_event_writer_thread()
-            device = throughput.device
-            written = written_tags(
-                mfu=throughput.peak_flops is not None, cuda=device.type == "cuda", validation=settings.validation
-            )
-            # add_custom_scalars builds margin charts of one series only; this layout goes to the
-            # events file the way that method sends its own.
-            self._writer._get_file_writer().add_summary(layout_summary(written, logged))
 
     def log(self, stats: StepStats) -> None:
         """Record one step; emit a console line / TensorBoard point on log steps."""
@@ -197,7 +150,7 @@ class MetricsLogger:
         self._n_skipped_steps = stats.n_skipped_steps
         values = stats.result.values
         every_step = {d.tag: values[d.tag] for d in self.logged if d.every_step and d.tag in values}
-        if every_step and self._writer is not None:
+        if every_step:
             self._write(every_step, stats.step)
 
         if not (stats.step == 1 or stats.step % settings.log_freq == 0 or stats.step == settings.total_steps):
@@ -216,7 +169,7 @@ class MetricsLogger:
         if settings.console:
             eta = mean_step_time * (settings.total_steps - stats.step)
             logger.info(self._console_line(stats, memory, tps, tflops, mfu, eta))
-        if self._writer is not None:
+        if self.sinks:
             scalars: dict[str, float] = {
                 Tag.LOSS_AVG: stats.result.loss_avg,
                 Tag.LOSS_MAX: stats.result.loss_max,
@@ -257,31 +210,13 @@ class MetricsLogger:
                 f"perplexity: {result.perplexity:.2f}  {c['white']}({result.n_valid_tokens:,} tokens, "
                 f"{result.batches} batches, {result.seconds:.1f}s){c['reset']}"
             )
-        if self._writer is not None:
+        if self.sinks:
             values = {Tag.VAL_LOSS: result.loss, Tag.VAL_PERPLEXITY: result.perplexity, Tag.VAL_TIME: result.seconds}
             self._write(values, step)
 
     def _write(self, scalars: Mapping[str, float], step: int) -> None:
-        """Add the scalars (and their dashboard aliases) and flush, so the curves stay up to date
-        for a run killed before ``close()``; a log folder that cannot be written any more (read-only,
-        full) ends the job with one line naming it. The writer is dropped then: its thread has died,
-        and closing it would raise the same error again."""
-        assert self._writer is not None
-        try:
-            for tag, value in scalars.items():
-                self._writer.add_scalar(tag, value, step)
-                if tag in DASHBOARD_ALIASES:
-                    self._writer.add_scalar(DASHBOARD_ALIASES[tag], value, step)
-            self._writer.flush()
-        except OSError as e:
-            self._writer = None
-            raise JobError(
-                f"cannot write the TensorBoard logs in {self.tb_dir} at step {step} ({e.strerror or e}): the "
-                "dump folder (`job.dump_folder`) must stay writable for the whole run; nothing in it was removed. "
-                "Free space or make it writable again, then rerun the same command: it resumes from the newest "
-                "checkpoint if `checkpoint.enable` is on (or turn TensorBoard off with "
-                "`--metrics.enable_tensorboard false`)."
-            ) from e
+        for sink in self.sinks:
+            sink.write(scalars, step)
 
     def _console_line(
         self,
@@ -325,7 +260,23 @@ class MetricsLogger:
         return [f"{self._colors['yellow']}{label}: {' '.join(shown)}" for label, shown in by_label.items()]
 
     def close(self) -> None:
-        """Flush and release the TensorBoard writer; safe to call more than once."""
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        """Flush and release every sink; safe to call more than once."""
+        for sink in self.sinks:
+            sink.close()
+
+
+def open_sinks(
+    settings: LogSettings, throughput: Throughput, logged: tuple[Logged, ...], rank: int, run_config: Mapping[str, Any]
+) -> tuple[Sink, ...]:
+    """Rank 0's destinations of the scalars, as ``[metrics]`` turns them on."""
+    if rank != 0:
+        return ()
+    sinks: list[Sink] = []
+    if settings.tensorboard:
+        written = written_tags(
+            mfu=throughput.peak_flops is not None, cuda=throughput.device.type == "cuda", validation=settings.validation
+        )
+        sinks.append(TensorBoardSink(Path(settings.dump_folder), settings.tb_folder, settings.resumed, written, logged))
+    if settings.wandb:
+        sinks.append(WandbSink(Path(settings.dump_folder), settings.resumed, run_config))
+    return tuple(sinks)

@@ -80,8 +80,8 @@ def log_start(plan: JobPlan, device: torch.device, metrics: MetricsLogger, data_
     logger.info("\n".join(plan.step.lines))
     for caution in cautions(config):
         logger.warning(caution)
-    if metrics.tb_dir:
-        logger.info("TensorBoard: tensorboard --logdir %s", metrics.tb_dir)
+    for sink in metrics.sinks:
+        logger.info("%s: %s", sink.name, sink.where())
 
 
 class MoETimeReport:
@@ -173,7 +173,7 @@ def log_end(
     healed = f", {steps - trained} taken over from a live group by healing" if trained != steps else ""
     logger.info(
         "done: steps %d-%d of %d (%d skipped in all%s) in %s, %s tokens (%s tokens/s, whole job); final loss %.4f\n"
-        "  checkpoint: %s\n  TensorBoard: %s",
+        "  checkpoint: %s\n  metrics: %s",
         last_step - steps + 1,
         last_step,
         plan.config.training.steps,
@@ -184,5 +184,5 @@ def log_end(
         f"{tokens / max(seconds, 1e-9):,.0f}",
         last.result.loss_avg,
         saved[-1][1] if saved else "none (`--checkpoint.enable` saves them)",
-        f"tensorboard --logdir {metrics.tb_dir}" if metrics.tb_dir else "off",
+        "; ".join(f"{sink.name}: {sink.where()}" for sink in metrics.sinks) or "console only",
     )
