@@ -380,6 +380,7 @@ def resume(plan: JobPlan, dataset: TokenDataset, training: Training) -> Checkpoi
         ),
         timeout_s=config.comm.init_timeout_seconds,
         layout_invariant=config.debug.layout_invariant,
+        fence=training.optimizer.fence,
     )
     checkpointer.load()
     return checkpointer

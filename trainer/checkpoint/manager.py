@@ -59,6 +59,7 @@ from trainer.checkpoint.timeline import Timeline, candidates, follow, reasons, s
 from trainer.checkpoint.writer import CheckpointWriter
 from trainer.config import Checkpoint
 from trainer.runtime.errors import CheckpointError, UserError
+from trainer.runtime.weights_fence import WeightsFence
 
 logger = logging.getLogger("meshtrain")
 
@@ -74,6 +75,7 @@ class CheckpointManager:
         *,
         timeout_s: float = 1800.0,
         layout_invariant: bool = False,
+        fence: WeightsFence | None = None,
     ):
         self.config = config
         self.layout_invariant = layout_invariant
@@ -95,7 +97,7 @@ class CheckpointManager:
         # and a save may take far longer than a training step, so it keeps its own timeout
         # (`comm.init_timeout_seconds`) when the training groups get a shorter one.
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-        self.writer = CheckpointWriter(config, self.folder, run, self.states, self.group, layout_invariant)
+        self.writer = CheckpointWriter(config, self.folder, run, self.states, self.group, layout_invariant, fence)
 
     # ----------------------------------------------------------------------------------- load
 

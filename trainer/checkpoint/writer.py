@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
@@ -30,8 +32,15 @@ from trainer.checkpoint.states import Checkpointed, ModelState
 from trainer.config import Checkpoint
 from trainer.model.llama3 import ModelArgs, Transformer
 from trainer.runtime.errors import JobError
+from trainer.runtime.weights_fence import WeightsFence
 
 logger = logging.getLogger("meshtrain")
+
+PINNED_STAGING = StagingOptions(
+    use_pinned_memory=True, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=True
+)
+"""``async_with_pinned_mem``: the state copied into pinned host memory in the background, while
+the next step's forward and backward run (the optimizer step waits for it), then written."""
 
 
 class CheckpointWriter:
@@ -45,6 +54,7 @@ class CheckpointWriter:
         states: dict[str, Stateful],
         group: dist.ProcessGroup,
         layout_invariant: bool,
+        fence: WeightsFence | None = None,
     ):
         self.config = config
         self.folder = folder
@@ -54,6 +64,8 @@ class CheckpointWriter:
         self.layout_invariant = layout_invariant
         self.schedule = run.lr_scheduler.settings()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.fence = fence or WeightsFence()
+        self._stager: DefaultStager | None = None
         self._pending: tuple[Future, Path, Path, int] | None = None
 
     def save(self, step: int, *, model_only: bool = False) -> None:
@@ -73,9 +85,17 @@ class CheckpointWriter:
         writer = ChecksummingWriter(str(partial), layout_invariant=self.layout_invariant)
         try:
             if self.config.async_mode == "async":
-                # A Future unless an async stager is configured, which this manager never does.
+                # A Future unless an async stager is configured, which this mode never does.
                 future = cast(Future, dcp.async_save(state, storage_writer=writer, process_group=self.group))
                 self._pending = (future, partial, final, step)
+            elif self.config.async_mode == "async_with_pinned_mem":
+                self._stager = self._stager or DefaultStager(PINNED_STAGING)
+                response = cast(
+                    AsyncSaveResponse,
+                    dcp.async_save(state, storage_writer=writer, process_group=self.group, async_stager=self._stager),
+                )
+                self.fence.hold(response.staging_completion)
+                self._pending = (response.upload_completion, partial, final, step)
             else:
                 dcp.save(state, storage_writer=writer, process_group=self.group)
                 self._publish(partial, final, step)
@@ -154,6 +174,9 @@ class CheckpointWriter:
     def close(self) -> None:
         """Wait for an async save still in flight."""
         self.finish_pending(wait=True)
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

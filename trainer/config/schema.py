@@ -319,8 +319,9 @@ class Checkpoint:
     async_mode: str = setting(
         "disabled",
         "`async` writes checkpoints in the background while training goes on (at most one in "
-        "flight); `disabled` blocks until written.",
-        ("disabled", "async"),
+        "flight); `async_with_pinned_mem` also copies the state to pinned host memory in the background "
+        "(CUDA only: the next optimizer step waits for that copy); `disabled` blocks until written.",
+        ("disabled", "async", "async_with_pinned_mem"),
     )
     allow_data_change: bool = setting(
         False,

@@ -153,6 +153,7 @@ def resolve_job(
     except ParallelismError as e:
         raise ConfigError(e.render(SETTING_KEYS) + sized_for(config, world_size)) from None
     check_torch(torch_concerns(config, dims))
+    check_pinned_staging(config, device)
     per_microbatch = training.local_batch_size * dims.dp
     global_batch = per_microbatch if training.global_batch_size == -1 else training.global_batch_size
     if global_batch % per_microbatch:
@@ -205,6 +206,15 @@ def resolve_job(
     settings = replace(settings, experts_stay_gathered=workload.experts_stay_gathered)
     batches = global_batch // per_microbatch
     return JobPlan(config, dims, settings, batches, global_batch, args, tokenizer, workload, chunking)
+
+
+def check_pinned_staging(config: JobConfig, device: str) -> None:
+    """Pinned host memory is CUDA's: a job on another device cannot stage its checkpoints there."""
+    if config.checkpoint.async_mode == "async_with_pinned_mem" and device != "cuda":
+        raise ConfigError(
+            f'`checkpoint.async_mode` = "async_with_pinned_mem" needs pinned host memory, which a {device} job has '
+            'none of (pinning is CUDA\'s): use "async".'
+        )
 
 
 def check_replica_groups(config: JobConfig, dims: ParallelDims) -> None:
