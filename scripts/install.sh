@@ -11,14 +11,14 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-supported=">=2.11,<2.15"   # keep in sync with pyproject.toml's dependency and the check below (tests/test_torch_private.py)
+supported=">=2.11,<2.16"   # keep in sync with pyproject.toml's dependency and the check below (tests/test_torch_private.py)
 source scripts/find_python.sh install.sh  # the working directory is the repository root
 
 if "$python" - <<'PY' 2>/dev/null; then
 import sys
 from importlib.metadata import version
 major_minor = tuple(int(part) for part in version("torch").split("+")[0].split(".")[:2])
-sys.exit(0 if (2, 11) <= major_minor < (2, 15) else 1)
+sys.exit(0 if (2, 11) <= major_minor < (2, 16) else 1)
 PY
   echo "install.sh: keeping the installed torch $("$python" -c 'import torch; print(torch.__version__)')"
 elif [[ -n "${TORCH_SPEC:-}" ]]; then

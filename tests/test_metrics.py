@@ -292,16 +292,18 @@ def test_a_refused_write_in_tensorboards_thread_is_the_one_error_not_a_thread_tr
 
 def test_the_cpu_memory_figure_is_the_process_own_peak_not_its_launchers():
     """``ru_maxrss`` survives ``exec``: a worker started by a large process (the test runner, a
-    notebook) would report its launcher's peak as its own."""
+    notebook) would report its launcher's peak as its own. The worker's own figure is what it
+    reports started by this process before the ballast (torch's import alone differs by build)."""
+    code = "from trainer.metrics.accounting import peak_rss_bytes; print(peak_rss_bytes())"
+
+    def worker_peak() -> int:
+        run = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=Path(__file__).parent.parent
+        )
+        return int(run.stdout)
+
+    own = worker_peak()
     ballast = bytearray(768 * 2**20)
     ballast[::4096] = b"x" * len(ballast[::4096])  # resident, not only reserved
-    code = "from trainer.metrics.accounting import peak_rss_bytes; print(peak_rss_bytes())"
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=Path(__file__).resolve().parent.parent,
-    )
-    assert int(out.stdout) < 512 * 2**20, int(out.stdout) / 2**20
+    assert worker_peak() < own + 256 * 2**20, (own / 2**20, worker_peak() / 2**20)
     del ballast

@@ -117,16 +117,16 @@ def test_this_torch_is_supported():
     assert torch_private.problem() is None, torch.__version__
 
 
-@pytest.mark.parametrize("version", ["2.10.0", "2.15.0+cu130", "3.0.0"])
+@pytest.mark.parametrize("version", ["2.10.0", "2.16.0+cu130", "3.0.0"])
 def test_an_unchecked_torch_is_one_line_naming_the_feature_and_range(version):
     message = torch_private.problem(version=version)
     assert message is not None and "\n" not in message
-    assert version in message and "2.11 to 2.14" in message and "torch>=2.11,<2.15" in message
+    assert version in message and "2.11 to 2.15" in message and "torch>=2.11,<2.16" in message
     assert torch_private.concern("dtensor").FEATURE in message
 
 
 def test_the_plan_refuses_an_unchecked_torch_naming_the_jobs_feature(monkeypatch):
-    monkeypatch.setattr(torch, "__version__", "2.15.0")
+    monkeypatch.setattr(torch, "__version__", "2.16.0")
     with pytest.raises(ConfigError, match="pipeline parallelism") as refused:
         resolve_job(
             load_config(["--parallelism.pipeline_parallel_degree", "2", "--training.global_batch_size", "4"]), 2
@@ -139,6 +139,6 @@ def test_the_plan_refuses_an_unchecked_torch_naming_the_jobs_feature(monkeypatch
 
 def test_the_installer_keeps_the_same_range():
     script = (ROOT / "scripts" / "install.sh").read_text()
-    assert 'supported=">=2.11,<2.15"' in script and "(2, 11) <= major_minor < (2, 15)" in script
+    assert 'supported=">=2.11,<2.16"' in script and "(2, 11) <= major_minor < (2, 16)" in script
     spec = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    assert any(d.startswith("torch>=2.11,<2.15") for d in spec)
+    assert any(d.startswith("torch>=2.11,<2.16") for d in spec)

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from typing import Any
 
 FEATURE = "the data loader's worker processes (data.num_workers)"
-CHECKED_ON = ("2.11.0", "2.13.0", "2.14.1")
+CHECKED_ON = ("2.11.0", "2.13.0", "2.14.1", "2.15.0")
 NAMES = ("_shutdown_workers", "_workers")
 
 

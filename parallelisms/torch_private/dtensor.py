@@ -20,7 +20,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 FEATURE = "the device mesh, tensor and context parallelism"
-CHECKED_ON = ("2.11.0", "2.13.0", "2.14.1")
+CHECKED_ON = ("2.11.0", "2.13.0", "2.14.1", "2.15.0")
 NAMES = (
     "_flatten",
     "_utils",

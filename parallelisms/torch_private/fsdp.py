@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 FEATURE = "FSDP's parameter groups (debug.layout_invariant, --simulate)"
-CHECKED_ON = ("2.11.0", "2.13.0", "2.14.1")
+CHECKED_ON = ("2.11.0", "2.13.0", "2.14.1", "2.15.0")
 NAMES = ("_get_fsdp_state", "_fsdp_param_group", "_unsharded_param")
 """The private names reached here; ``fsdp_params``, ``sharded_param``, ``all_gather_outputs`` and
 ``unsharded_accumulated_grad`` are public attributes of those private classes."""

@@ -16,7 +16,7 @@ from torch.utils.checkpoint import (
 )
 
 FEATURE = "the gradient finalize, the experts' grouped matmul, activation checkpointing and the profiler"
-CHECKED_ON = ("2.11.0", "2.13.0", "2.14.1")
+CHECKED_ON = ("2.11.0", "2.13.0", "2.14.1", "2.15.0")
 NAMES = (
     "_foreach_norm",
     "_foreach_mul_",

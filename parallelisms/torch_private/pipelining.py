@@ -24,7 +24,7 @@ from torch.distributed.pipelining import stage as stage_module
 from torch.distributed.pipelining.microbatch import _Replicate
 
 FEATURE = "pipeline parallelism (parallelism.pipeline_parallel_degree)"
-CHECKED_ON = ("2.11.0", "2.13.0", "2.14.1")
+CHECKED_ON = ("2.11.0", "2.13.0", "2.14.1", "2.15.0")
 NAMES = (
     "_Replicate",
     "_utils",

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 FEATURE = "collective timeouts (comm.init_timeout_seconds, comm.train_timeout_seconds) and torch.compile's caches"
-CHECKED_ON = ("2.11.0", "2.13.0", "2.14.1")
+CHECKED_ON = ("2.11.0", "2.13.0", "2.14.1", "2.15.0")
 NAMES = ("_rank_not_in_group", "_set_pg_timeout", "_inductor", "_world", "pg_names")
 CACHE_DIR = "TORCHINDUCTOR_CACHE_DIR"
 _cache_base: list[str] = []
@@ -22,7 +22,11 @@ def set_timeout(group: dist.ProcessGroup, timeout: timedelta) -> bool:
     """Give ``group`` a new collective timeout; False when this rank is not in it."""
     if distributed_c10d._rank_not_in_group(group):
         return False
-    distributed_c10d._set_pg_timeout(timeout, group)
+    public = getattr(dist, "set_timeout", None)  # from 2.15, which deprecates the private one
+    if public is not None:
+        public(timeout, group)
+    else:
+        distributed_c10d._set_pg_timeout(timeout, group)
     return True
 
 
