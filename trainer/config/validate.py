@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Any
 
 from trainer.config.choices import PACKED_DATASET_KINDS
@@ -24,6 +25,7 @@ def validate(config: JobConfig) -> None:
     for key, (typ, f) in FIELDS.items():
         section, name = key.split(".")
         _check_value(key, typ, f.metadata["limits"], getattr(getattr(config, section), name))
+    _no_urls(config)
     _training(config)
     _activation_checkpoint(config)
     _checkpoint(config)
@@ -69,6 +71,25 @@ def _check_value(key: str, typ: type, limits: Limits | None, value: Any) -> None
             raise ConfigError(f"`{key}` must all be {limits.describe()}, got {list(value)}.")
     elif not limits.admits(value):
         raise ConfigError(f"`{key}` must be {limits.describe()}, got {value}.")
+
+
+URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def _no_urls(config: JobConfig) -> None:
+    """A URL in a path key would be taken as a local folder (``s3://b`` -> ``./s3:/b``), and the
+    files lost with the machine: refused until object stores are supported."""
+    for key in FIELDS:
+        section, name = key.split(".")
+        if not (name.endswith(("_path", "folder"))):
+            continue
+        value = getattr(getattr(config, section), name)
+        for path in value if isinstance(value, tuple) else (value,):
+            if isinstance(path, str) and URL.match(path):
+                raise ConfigError(
+                    f"`{key}` = {path!r} is a URL: meshtrain reads and writes file-system paths only (object "
+                    "stores are not supported yet); mount the bucket (s3fs, gcsfuse, ...) and give its path."
+                )
 
 
 def _training(config: JobConfig) -> None:
