@@ -251,8 +251,9 @@ def _output_is_the_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Ten
     return output
 
 
-_FORWARD_ACTIONS = frozenset({"F", "SEND_F", "RECV_F", "UNSHARD", "RESHARD"})
-"""Action kinds of a forward pass in torch's schedule IR (``_ComputationType`` values)."""
+_FORWARD_ACTIONS = frozenset({"F", "SEND_F", "RECV_F", "WAIT_SEND_F", "UNSHARD", "RESHARD"})
+"""Action kinds of a forward pass in torch's schedule IR (``_ComputationType`` values; from 2.15 a
+send is waited for by an action of its own, ``WAIT_SEND_F``, which the forward-only order keeps)."""
 
 
 def _forward_only_order(schedule: object) -> dict[int, list] | None:
