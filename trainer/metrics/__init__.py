@@ -1,6 +1,6 @@
 """Training metrics: what a step costs (``accounting``), where and when figures go (``logger``:
-console and TensorBoard), what TensorBoard's tags and dashboard are (``dashboard``), and what the
-run says when it starts and ends (``reports``)."""
+the console, and the sinks ``tensorboard_sink`` and ``wandb_sink``), what TensorBoard's tags and
+dashboard are (``dashboard``), and what the run says when it starts and ends (``reports``)."""
 
 from trainer.metrics.accounting import (
     PEAK_BF16_FLOPS,
