@@ -47,6 +47,25 @@ Replicate = _Replicate
 """The chunk spec that hands every micro-batch the whole argument."""
 
 
+SIMULATED_UP_TO = (2, 14)
+"""The last release on which the simulator answers the stages' shape exchange: 2.15 infers the
+shapes anew and refuses a fake process group ("requires dynamic shape inference")."""
+
+
+def simulation_problem(version: str | None = None) -> str | None:
+    """One line when ``--simulate`` of a pipeline job cannot run on this torch; None when it can."""
+    from parallelisms.torch_private import release
+
+    version = version or torch.__version__
+    if release(version) <= SIMULATED_UP_TO:
+        return None
+    return (
+        f"--simulate of a pipeline-parallel job does not run on torch {version} yet (its stages infer their "
+        "shapes over the process group, which the simulation's is not): simulate with torch 2.11 to 2.14, or "
+        "without `parallelism.pipeline_parallel_degree`; training it on this torch works."
+    )
+
+
 def answer_metadata(
     schedule: Any, stages: list[Any], send: Callable[[object, int], None], receive: Callable[[Any, int], object]
 ) -> None:
