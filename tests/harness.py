@@ -395,15 +395,14 @@ def run_train(ngpu: int, args: list[str], timeout: float = 300, **env: str) -> s
 
 
 class Launched:
-    """``NGPU=ngpu ./run_train.sh args`` running in the background, its output in ``log``."""
+    """``NGPU=ngpu ./run_train.sh args`` (or another ``script`` taking the launcher's arguments)
+    running in the background, its output in ``log``."""
 
-    def __init__(self, ngpu: int, args: list[str], log: Path, **env: str):
+    def __init__(self, ngpu: int, args: list[str], log: Path, script: Path = ROOT / "run_train.sh", **env: str):
         self.log = log
         environment = {**os.environ, "NGPU": str(ngpu), "OMP_NUM_THREADS": "1", **env}
         with open(log, "w") as out:
-            self.proc = subprocess.Popen(
-                [str(ROOT / "run_train.sh"), *args], env=environment, stdout=out, stderr=subprocess.STDOUT
-            )
+            self.proc = subprocess.Popen([str(script), *args], env=environment, stdout=out, stderr=subprocess.STDOUT)
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")

@@ -9,11 +9,9 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
-from pathlib import Path
 
 import pytest
-from harness import QUICK, ROOT, free_port
+from harness import QUICK, ROOT, Launched, free_port
 
 SCRIPT = ROOT / "scripts" / "multinode_trainer.slurm"
 
@@ -33,34 +31,16 @@ def allocation(nodes: int = 2) -> dict[str, str]:
     }
 
 
-def submit(args: list[str], log: Path) -> subprocess.Popen:
-    with open(log, "w") as out:
-        return subprocess.Popen([str(SCRIPT), *args], env=allocation(), stdout=out, stderr=subprocess.STDOUT)
-
-
-def wait_for(proc: subprocess.Popen, log: Path, text: str, timeout: float = 240) -> None:
-    deadline = time.monotonic() + timeout
-    while text not in log.read_text(errors="replace"):
-        assert proc.poll() is None, f"ended (exit {proc.returncode}) before {text!r}:\n{log.read_text()[-3000:]}"
-        assert time.monotonic() < deadline, f"no {text!r} within {timeout} s:\n{log.read_text()[-3000:]}"
-        time.sleep(0.2)
-
-
 @pytest.mark.slow
 @pytest.mark.launcher
 def test_two_nodes_train_as_one_job_stop_on_sigterm_with_a_checkpoint_and_resume(tmp_path):
     args = [*QUICK, "--job.dump_folder", str(tmp_path / "out"), "--checkpoint.enable"]
     args += ["--metrics.enable_tensorboard=false", "--checkpoint.interval", "1000"]
-    log = tmp_path / "job.log"
-    job = submit([*args, "--training.steps", "500"], log)
-    try:
-        wait_for(job, log, "step: 2/500")
-        job.send_signal(signal.SIGTERM)
-        code = job.wait(timeout=240)
-    finally:
-        if job.poll() is None:
-            job.kill()
-    out = log.read_text()
+    job = Launched(1, [*args, "--training.steps", "500"], tmp_path / "job.log", SCRIPT, **allocation())
+    job.wait_for("step: 2/500", timeout=240)
+    job.proc.send_signal(signal.SIGTERM)
+    code = job.finish(timeout=240)
+    out = job.output()
     # One job over both nodes: the mesh spans the two processes, and both launchers stopped it.
     assert "mesh pp=1 dp_replicate=1 dp_shard=2" in out, out[-3000:]
     assert code == 128 + signal.SIGTERM and out.count("meshtrain: stopped by SIGTERM") == 2, out[-3000:]
@@ -68,10 +48,12 @@ def test_two_nodes_train_as_one_job_stop_on_sigterm_with_a_checkpoint_and_resume
     assert len(saved) == 1 and not saved[0].name.endswith(".partial"), saved
     stopped_at = int(saved[0].name.removeprefix("step-"))
 
-    again = tmp_path / "again.log"
-    rerun = submit([*args, "--training.steps", str(stopped_at + 1)], again)
-    assert rerun.wait(timeout=240) == 0, again.read_text()[-3000:]
-    said = again.read_text()
+    rerun = Launched(
+        1, [*args, "--training.steps", str(stopped_at + 1)], tmp_path / "again.log", SCRIPT, **allocation()
+    )
+    code = rerun.finish(timeout=240)
+    said = rerun.output()
+    assert code == 0, said[-3000:]
     assert f"resuming from {saved[0]}" in said and f"step: {stopped_at + 1}/{stopped_at + 1}" in said, said[-3000:]
 
 

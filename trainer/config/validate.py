@@ -81,7 +81,7 @@ def _no_urls(config: JobConfig) -> None:
     files lost with the machine: refused until object stores are supported."""
     for key in FIELDS:
         section, name = key.split(".")
-        if not (name.endswith(("_path", "folder"))):
+        if not name.endswith(("_path", "folder")):
             continue
         value = getattr(getattr(config, section), name)
         for path in value if isinstance(value, tuple) else (value,):
