@@ -88,11 +88,15 @@ def test_a_killed_launch_leaves_no_worker_and_the_folder_held_until_they_end(kil
 @pytest.mark.launcher
 def test_a_second_signal_stops_at_once(tmp_path):
     """The second SIGTERM kills torchrun and the workers (torchrun alone would wait 30 s for a
-    worker inside a collective or a save): the launcher exits within seconds, saying so."""
+    worker inside a collective or a save): the launcher exits within seconds, saying so. The
+    workers are held (SIGSTOP), as a rank stuck in a collective would be: an idle machine would
+    otherwise finish the graceful stop before the second signal."""
     job = Launched(2, job_args(tmp_path), tmp_path / "job.log")
     try:
         job.wait_for(f"step: 2/{STEPS}")
         workers = job.workers()
+        for pid in workers:
+            os.kill(pid, signal.SIGSTOP)
         job.proc.send_signal(signal.SIGTERM)
         time.sleep(3.5)  # past the workers' grace for a repeated signal
         job.proc.send_signal(signal.SIGTERM)
