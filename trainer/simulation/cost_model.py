@@ -161,6 +161,11 @@ class MicrobatchCosts:
     """Micro-batch -> where its first collective lies in ``total.collectives``."""
 
 
+MOVES_NO_DATA = ("empty", "detach", "_local", "_unsafe_view")
+"""Aten ops, not tagged as views, that allocate or reinterpret without reading or writing:
+``_unsafe_view`` is the reshape of a matmul's result (``aten.matmul`` of a 3-D input)."""
+
+
 def group_infos(groups: dict[str, dist.ProcessGroup], gpus_per_node: int) -> dict[str, GroupInfo]:
     """Process group name -> its mesh dimension, size and whether its ranks span nodes."""
     infos: dict[str, GroupInfo] = {}
@@ -194,7 +199,7 @@ class CostRecorder:
         self.costs = MicrobatchCosts()
         self.where: Callable[[], tuple[str, bool]] = lambda: ("", False)
         """Where the running op is (a row of the breakdown) and whether compile would trace it."""
-        self.fusion = Fusion()
+        self.fusion = Fusion[tuple[str, str]]()
         self._in_flight: dict[int, TracedCost] = {}
         """Functional collectives not yet waited for (by their result's storage) -> what ran since."""
 
@@ -225,17 +230,19 @@ class CostRecorder:
                 flops = _attention_flops(name, args, kwargs)
             attention = name in (*ATTENTION_FORWARD, *ATTENTION_BACKWARD)
             kind = "attention" if attention else "grouped_gemm" if name == GROUPED_MM else _gemm_kind(flops, out)
-        elif func.namespace == "aten" and not func.is_view and not name.startswith(("empty", "detach", "_local")):
+        elif func.namespace == "aten" and not func.is_view and not name.startswith(MOVES_NO_DATA):
             memory = nbytes(args) + nbytes(out)
         if not (flops or memory):
             return
         fp8 = bool(flops) and (name == SCALED_MM or any(map(_is_float8, tensors_in(args))))
         where, compiled = self.where()
-        fused = self.fusion.bytes(func, args, out, memory, compiled and not flops)
+        fused = self.fusion.bytes(func, args, out, memory, compiled and not flops, (name, where))
         casting = memory if memory and casts_each_element(func, args, out) else 0
-        cost = Cost(flops, memory, fused, casting, 0 if compiled else casting)
+        cost = Cost(flops, memory, fused.nbytes, casting, 0 if compiled else casting)
         for traced in (*self._costs(), *self._in_flight.values()):
             traced.record(name, where, cost, "" if fp8 else kind, fp8=fp8)
+            for (op, made_where), written in fused.corrections:
+                traced.record(op, made_where, Cost(fused_bytes=written))
 
     def host_copy(self, nbytes: int) -> None:
         """A copy between the device and host memory (``trainer/step/host_offload.py``), which no op reports."""

@@ -4,13 +4,18 @@ them beside the eager bytes)."""
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from parallelisms.torch_private import dtensor
 from trainer.simulation.memory_tracker import tensors_in
+
+Label = TypeVar("Label")
 
 
 def nbytes(value: Any) -> int:
@@ -34,35 +39,82 @@ FUSED_REDUCTIONS = (
 """Not tagged reductions, fused like them: the (log-)softmax and the loss over a row."""
 
 
-class Fusion:
-    """The bytes an op would move inside a compiled region, where Inductor fuses chains of
-    elementwise ops (and the reductions they feed) into one kernel: an op of a chain reads what
-    the chain made before it for free, and that intermediate is never written (the chain's
-    ops run back to back in dispatch order; any other op, a matmul or a copy, ends the chain).
-    Not modelled: fusion across a matmul's epilogue, or a fused intermediate that a later op outside
-    the chain reads again (counted as not written: an underestimate where it happens)."""
+@dataclass
+class _Written(Generic[Label]):
+    nbytes: int
+    by: Label
+    read: bool = False
+
+
+@dataclass
+class Fused(Generic[Label]):
+    """An op's bytes, and what it showed of earlier ops' writes: ``(the op that wrote, bytes)``,
+    negative for a write its chain never stored, positive for one a later kernel reads after all."""
+
+    nbytes: int
+    corrections: list[tuple[Label, int]] = field(default_factory=list)
+
+
+class Fusion(Generic[Label]):
+    """The bytes ops would move inside a compiled region, where Inductor fuses a chain of
+    elementwise ops, and the reductions along some dimensions among them, into one kernel
+    (run back to back in dispatch order; a matmul, a copy or a reduction to one value ends the
+    chain). The kernel loads each tensor from outside once and writes an intermediate only if a
+    later kernel reads it: the op of the chain that reads it takes its write back from the op
+    that made it, and an op after the chain that reads it after all gives it back (``Fused``), so
+    every op's row stays what it moved. Not modelled: fusion into a matmul's epilogue; Inductor's
+    common-subexpression elimination (a scale computed twice in a step is charged twice)."""
 
     def __init__(self) -> None:
-        self._chain: dict[int, int] = {}
-        """Storages the running chain made -> the bytes written to them (refunded when read)."""
+        self._chain: dict[int, _Written[Label]] = {}
+        """Storages the running chain made -> their writes."""
+        self._loaded: set[int] = set()
+        """Storages from outside the running chain that it has read (read again for free)."""
+        self._unwritten: dict[int, tuple[weakref.ref, _Written[Label]]] = {}
+        """Storages a chain made and did not write, while they live: a later kernel's read writes them."""
 
-    def bytes(self, func: Any, args: tuple, out: Any, eager: int, compiled: bool) -> int:
+    def bytes(self, func: Any, args: tuple, out: Any, eager: int, compiled: bool, label: Label) -> Fused[Label]:
         name = func.__name__.split(".")[0]
         pointwise = torch.Tag.pointwise in func.tags or name in FUSED_POINTWISE
-        if not compiled or not (pointwise or torch.Tag.reduction in func.tags or name in FUSED_REDUCTIONS):
-            self._chain.clear()
-            return eager
-        moved = 0
+        reduction = torch.Tag.reduction in func.tags or name in FUSED_REDUCTIONS
+        fused = Fused[Label](0)
+        if not compiled or not (pointwise or reduction):
+            self._end()
+            fused.corrections = [c for t in tensors_in(args) if (c := self._written_after_all(t))]
+            fused.nbytes = eager
+            return fused
         for t in tensors_in(args):
             key = id(storage(t))
-            moved += -self._chain.pop(key) if key in self._chain else nbytes(t)
-        if not pointwise:
-            self._chain.clear()
+            made = self._chain.get(key)
+            if made is not None and not made.read:
+                made.read = True
+                fused.corrections.append((made.by, -made.nbytes))
+                self._unwritten[key] = (weakref.ref(storage(t), functools.partial(self._forget, key)), made)
+            elif made is None and key not in self._loaded:
+                self._loaded.add(key)
+                fused.nbytes += nbytes(t)
+                if c := self._written_after_all(t):
+                    fused.corrections.append(c)
+        if not pointwise and sum(t.numel() for t in tensors_in(out)) <= 1:
+            self._end()
         for t in tensors_in(out):
             written = nbytes(t)
-            moved += written
-            self._chain[id(storage(t))] = written
-        return max(moved, 0)
+            fused.nbytes += written
+            self._chain[id(storage(t))] = _Written(written, label)
+        return fused
+
+    def _forget(self, key: int, _: weakref.ref) -> None:
+        self._unwritten.pop(key, None)
+
+    def _written_after_all(self, t: torch.Tensor) -> tuple[Label, int] | None:
+        """The write of ``t`` given back to the op that made it, if its chain had taken it back."""
+        st = storage(t)
+        ref, made = self._unwritten.pop(id(st), (None, None))
+        return (made.by, made.nbytes) if ref is not None and made is not None and ref() is st else None
+
+    def _end(self) -> None:
+        self._chain.clear()
+        self._loaded.clear()
 
 
 def storage(t: torch.Tensor) -> torch.UntypedStorage:

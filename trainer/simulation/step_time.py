@@ -23,9 +23,10 @@ ASSUMPTIONS = (
     "element (mixed float dtypes, such as fp32 += bf16, or a bf16 -> fp32 copy: CUDA's unrolled kernel, "
     "trainer/simulation/eager_kernels.py) at the calibration's measured casting rate, else the copy's; per-kernel launch costs "
     "are not modelled; with `compile.enable` (the blocks and the loss compiled), chains of elementwise "
-    "ops and the reductions they feed (softmax, the loss) inside a block or the loss count as one fused kernel "
-    "(each chain's intermediates neither written nor read again), the rest as eager; fusion into matmul "
-    "epilogues is not modelled",
+    "ops and the reductions along some dimensions among them (a norm, softmax, the loss, a row-wise float8 "
+    "scale) inside a block or the loss count as one fused kernel that loads each input once and writes an "
+    "intermediate only if a later kernel reads it, the rest as eager; fusion into matmul epilogues and "
+    "common-subexpression elimination are not modelled",
     "collectives: ring alpha-beta, alpha x (n - 1) + bus bytes / bandwidth; bus bytes per rank are "
     "(n-1)/n of the buffer for all-gather and reduce-scatter, twice that for all-reduce, the message "
     "for send; NVLink inside a node of NGPU ranks, the per-GPU network between nodes",
