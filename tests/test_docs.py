@@ -1,6 +1,6 @@
 """The docs stay true to the tree: the config reference (docs/config.md) is generated from the
 schema, every relative link in the README and docs/ reaches an existing file (and heading), and CI
-runs the README's test command."""
+runs the README's test command; every install hint names an extra of this checkout."""
 
 from __future__ import annotations
 
@@ -89,3 +89,20 @@ def test_the_link_check_catches_a_missing_file_and_heading(tmp_path: Path) -> No
     assert links == ["b.md#prepared-data-tokenize-once-memory-map", "c.md", "b.md#nowhere", "missing.png"]
     assert "prepared-data-tokenize-once-memory-map" in anchors(tmp_path / "b.md")
     assert "nowhere" not in anchors(tmp_path / "b.md")
+
+
+def test_every_install_hint_names_an_extra_of_this_checkout():
+    """meshtrain is installed from its checkout: a hint is `pip install -e ".[extra]"` with an
+    extra pyproject.toml declares, in the docs and in every message the code prints."""
+    import tomllib
+
+    extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    sources = [*PAGES, *sorted((ROOT / "trainer").rglob("*.py")), *sorted((ROOT / "parallelisms").rglob("*.py"))]
+    named: set[str] = set()
+    for source in sources:
+        text = source.read_text()
+        assert "pip install meshtrain" not in text, f"{source}: meshtrain is not on PyPI; use pip install -e"
+        for group in re.findall(r'pip install -e \\?"\.\[([^\]]+)\]\\?"', text):
+            named.update(group.split(","))
+    assert named and named <= extras, named - extras
+    assert {"float8", "wandb", "ft", "hf", "parquet"} <= named

@@ -111,7 +111,7 @@ def test_without_wandb_installed_the_job_is_refused_in_one_line(tmp_path, monkey
     code = launch_main([*QUICK, "--job.dump_folder", str(tmp_path), "--metrics.enable_wandb", "--dry-run"])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1, err
-    assert "`metrics.enable_wandb` needs wandb: `pip install meshtrain[wandb]`" in err
+    assert '`metrics.enable_wandb` needs wandb: `pip install -e ".[wandb]"`' in err
 
 
 def test_a_wandb_that_cannot_start_ends_the_job_in_one_line_naming_the_fix(tmp_path, monkeypatch):

@@ -1,5 +1,5 @@
 """Fault-tolerant replica groups: this job is one of ``fault_tolerance.group_count`` groups that
-keep training when another fails, built on torchft (``pip install meshtrain[ft]``).
+keep training when another fails, built on torchft (``pip install -e ".[ft]"``).
 
 Each group is its own job (its own mesh, FSDP and any TP/CP/PP inside it); local rank r of every
 group meets the others' local rank r in torchft's process group, whose members are the step's

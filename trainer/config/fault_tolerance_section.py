@@ -13,7 +13,7 @@ from trainer.config.limits import MAX_TIMEOUT_SECONDS
 class FaultTolerance:
     enable: bool = setting(
         False,
-        "Run this job as one replica group of a fault-tolerant job (torchft, `pip install meshtrain[ft]`): the "
+        'Run this job as one replica group of a fault-tolerant job (torchft, `pip install -e ".[ft]"`): the '
         "groups agree on a quorum through a lighthouse every step, a failed group is left out, a restarted one "
         "heals from a live peer. Each group is its own `./run_train.sh` with its own dump folder.",
     )

@@ -219,7 +219,7 @@ class Metrics:
     enable_tensorboard: bool = setting(True, "Write TensorBoard scalars (rank 0).")
     enable_wandb: bool = setting(
         False,
-        "Also log the scalars to Weights & Biases (rank 0; `pip install meshtrain[wandb]`): wandb's environment "
+        'Also log the scalars to Weights & Biases (rank 0; `pip install -e ".[wandb]"`): wandb\'s environment '
         "(`WANDB_MODE=offline`, `WANDB_PROJECT`, `WANDB_API_KEY`) decides where the run goes.",
     )
     save_tb_folder: str = setting(

@@ -28,7 +28,7 @@ def check_wandb_installed(enabled: bool) -> None:
     """Before any process group: the extra is there when the run would use it."""
     if enabled and importlib.util.find_spec("wandb") is None:
         raise ConfigError(
-            "`metrics.enable_wandb` needs wandb: `pip install meshtrain[wandb]` (or `pip install wandb`), "
+            '`metrics.enable_wandb` needs wandb: `pip install -e ".[wandb]"` (or `pip install wandb`), '
             "or turn it off with `--metrics.enable_wandb false`."
         )
 

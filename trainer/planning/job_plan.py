@@ -228,7 +228,7 @@ def check_replica_groups(config: JobConfig, dims: ParallelDims) -> None:
         )
     if importlib.util.find_spec("torchft") is None:
         raise ConfigError(
-            "`fault_tolerance.enable` needs torchft: `pip install meshtrain[ft]` (or `pip install torchft`)."
+            '`fault_tolerance.enable` needs torchft: `pip install -e ".[ft]"` (or `pip install torchft`).'
         )
 
 
