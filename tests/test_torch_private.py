@@ -142,16 +142,3 @@ def test_the_installer_keeps_the_same_range():
     assert 'supported=">=2.11,<2.16"' in script and "(2, 11) <= major_minor < (2, 16)" in script
     spec = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     assert any(d.startswith("torch>=2.11,<2.16") for d in spec)
-
-
-def test_a_pipeline_simulation_on_a_torch_it_does_not_run_on_is_one_line(tmp_path, monkeypatch, capsys):
-    """torch 2.15's stages infer their shapes over the process group; the simulation's is fake."""
-    from trainer.entry.launch import main as launch_main
-
-    assert torch_private.concern("pipelining").simulation_problem("2.14.1") is None
-    monkeypatch.setattr(torch, "__version__", "2.15.0")
-    monkeypatch.setenv("NGPU", "2")
-    argv = ["--mesh", "pp=2", "--training.global_batch_size", "4", "--job.dump_folder", str(tmp_path)]
-    code = launch_main([*argv, "--simulate"])
-    err = capsys.readouterr().err
-    assert code == 2 and err.count("\n") == 1 and "--simulate of a pipeline-parallel job" in err, err

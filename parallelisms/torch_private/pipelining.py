@@ -41,29 +41,23 @@ NAMES = (
     "_prepare_backward_infra",
     "_non_persistent_buffers_set",
     "_get_init_p2p_neighbors_ops",
+    "_initialize_pipeline_distributed_state",
 )
 
 Replicate = _Replicate
 """The chunk spec that hands every micro-batch the whole argument."""
 
 
-SIMULATED_UP_TO = (2, 14)
-"""The last release on which the simulator answers the stages' shape exchange: 2.15 infers the
-shapes anew and refuses a fake process group ("requires dynamic shape inference")."""
+SHORTENED_UP_TO = (2, 14)
+"""The last release on which the simulator's shortened pipeline trace was checked against the
+whole one: on 2.15 a whole 1F1B step holds two micro-batches' stage activations more at its peak
+than the shortened trace accounts for, so the simulation traces every micro-batch there."""
 
 
-def simulation_problem(version: str | None = None) -> str | None:
-    """One line when ``--simulate`` of a pipeline job cannot run on this torch; None when it can."""
+def shortened_trace_checked(version: str | None = None) -> bool:
     from parallelisms.torch_private import release
 
-    version = version or torch.__version__
-    if release(version) <= SIMULATED_UP_TO:
-        return None
-    return (
-        f"--simulate of a pipeline-parallel job does not run on torch {version} yet (its stages infer their "
-        "shapes over the process group, which the simulation's is not): simulate with torch 2.11 to 2.14, or "
-        "without `parallelism.pipeline_parallel_degree`; training it on this torch works."
-    )
+    return release(version or torch.__version__) <= SHORTENED_UP_TO
 
 
 def answer_metadata(
@@ -72,19 +66,23 @@ def answer_metadata(
     """Make the stages exchange their shape metadata through ``send(meta, dst_stage)`` and
     ``receive(stage, src_stage)`` instead of P2P.
 
-    torch 2.13 and later vote on how to learn the shapes (``_warmup_p2p``), then send
+    torch 2.13 and later vote on how to learn the shapes (``_warmup_p2p``; 2.15's
+    ``_initialize_pipeline_distributed_state``), then send
     ``_StageForwardMeta`` objects through each stage's ``_send_meta``/``_recv_meta``; here the
     vote is "infer". torch 2.11 infers the shapes in each stage's ``_shape_inference``, which sends
     the outputs' meta tensors with ``dist.send_object_list``: those calls, made from the
     pipelining stage module, go to ``send`` and ``receive`` as :class:`TensorShapes`.
     """
-    if hasattr(schedule, "_warmup_p2p"):
+    if hasattr(schedule, "_warmup_p2p") or hasattr(schedule, "_initialize_pipeline_distributed_state"):
 
-        def infer_shapes(stages: list, has_backward: bool, p2p_done: bool) -> None:
+        def infer_shapes(stages: list, has_backward: bool, p2p_pending: bool) -> None:
             for stage in stages:
                 stage._inference_mode = pipelining_utils.InferenceMode.DYNAMIC
 
-        schedule._warmup_p2p = infer_shapes
+        if hasattr(schedule, "_warmup_p2p"):
+            schedule._warmup_p2p = infer_shapes
+        else:  # 2.15, which also refuses a fake process group unless every stage was given its shapes
+            schedule._initialize_pipeline_distributed_state = infer_shapes
         for stage in stages:
             stage._send_meta = send
             stage._recv_meta = functools.partial(receive, stage)

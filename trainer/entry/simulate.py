@@ -17,12 +17,10 @@ from __future__ import annotations
 import sys
 from dataclasses import replace
 
-from parallelisms.torch_private import pipelining
 from trainer.config import JobConfig, load_config
 from trainer.entry.job import Request, holding_as, parse_request, prepare_plan
 from trainer.planning.job_plan import JobPlan, check_torch, compiles_blocks, resolve_job
 from trainer.runtime.dump_folder import DumpFolderLock, check_dump_folder
-from trainer.runtime.errors import ConfigError
 from trainer.runtime.stop_requests import Stopped, stopped_by_signals
 from trainer.simulation.fake_job import RoleRun
 from trainer.simulation.microbatches import schedule_count, shortened_args, traced_count
@@ -77,8 +75,6 @@ def simulate_roles(
     # ``auto`` settings resolve as on the target: bf16, the fused AdamW, and the loss chunked
     # only where the whole logits would not fit the target's memory.
     job_plan = prepare_plan(args, nproc * nnodes, target.name, figures=figures, limit=target.memory_bytes)
-    if job_plan.dims.pp > 1 and (problem := pipelining.simulation_problem()) is not None:
-        raise ConfigError(problem)
     real = schedule_count(job_plan)
     traced = traced_count(job_plan) if shorten else real
     # The traced plan differs from the job's only in settings.

@@ -11,7 +11,8 @@ the first gradients) is reached by micro-batch ``pp - r + 1``, so each rank trac
 many micro-batches as stages, which only matters when ranks exchange them; each simulated rank
 runs alone (``Pipeline.shorten``). The other schedules are traced whole:
 GPipe runs every forward before any backward, so its peak grows with the count, and the looped
-and V-shaped ones keep more per micro-batch than the shortened trace accounts for. So does a
+and V-shaped ones keep more per micro-batch than the shortened trace accounts for (and 1F1B is traced
+whole on a torch where the shortened trace was not checked: ``pipelining.SHORTENED_UP_TO``). So does a
 step whose exact MoE balancing holds every forward on the device before the backwards
 (``Workload.holds_forwards``): it too is traced whole. Held in host memory
 (``Workload.offloads_forwards``), they leave the device two micro-batches' worth at most, so
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from parallelisms.torch_private import pipelining
 from trainer.planning.job_plan import JobPlan
 from trainer.simulation.cost_model import FSDP_DIMS, Collective, MicrobatchCosts, TracedCost
 
@@ -41,6 +43,12 @@ PIPELINE_TRACED = 3
 """At least the first, a steady one and the last micro-batch of a pipeline rank."""
 SHORTENED_SCHEDULES = ("1F1B",)
 """The pipeline schedules traced shortened (see the module docstring)."""
+
+
+def shortened(plan: JobPlan) -> bool:
+    """Whether a pipeline rank of ``plan`` traces fewer micro-batches than its schedule runs: under
+    1F1B, on a torch whose shortened trace was checked against the whole one."""
+    return plan.parallel.pp_schedule in SHORTENED_SCHEDULES and pipelining.shortened_trace_checked()
 
 
 def schedule_count(plan: JobPlan) -> int:
@@ -56,7 +64,7 @@ def traced_count(plan: JobPlan) -> int:
     if pp == 1:
         on_device = plan.workload.holds_forwards and not plan.workload.offloads_forwards
         return count if on_device else min(count, ACCUMULATION_TRACED)
-    if plan.parallel.pp_schedule in SHORTENED_SCHEDULES:
+    if shortened(plan):
         return min(count, max(PIPELINE_TRACED, pp + 1))
     return count
 
@@ -64,7 +72,7 @@ def traced_count(plan: JobPlan) -> int:
 def rank_count(plan: JobPlan, pp_rank: int) -> int:
     """How many micro-batches pipeline rank ``pp_rank`` traces, of ``plan``'s (traced) step."""
     count = schedule_count(plan)
-    if plan.dims.pp == 1 or plan.parallel.pp_schedule not in SHORTENED_SCHEDULES:
+    if plan.dims.pp == 1 or not shortened(plan):
         return count
     return min(count, max(PIPELINE_TRACED, plan.dims.pp - pp_rank + 1))
 
