@@ -20,8 +20,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))  # run as a plain script from anywhere
 
-from trainer.checkpoint.folders import write_dcp_model  # noqa: E402
 from trainer.checkpoint.hf_folders import HFFolder  # noqa: E402
+from trainer.checkpoint.model_entry import write_dcp_model  # noqa: E402
 from trainer.model.hf_architectures import adapter_for_config  # noqa: E402
 from trainer.runtime.errors import UserError, report  # noqa: E402
 

@@ -26,13 +26,10 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))  # run as a plain script from anywhere
 
-from trainer.checkpoint.folders import (  # noqa: E402
-    MODEL_ARGS_FILE,
-    check_model_entries,
-    dcp_model_reader,
-    read_model_args,
-)
+from trainer.checkpoint.folders import MODEL_ARGS_FILE, read_model_args  # noqa: E402
 from trainer.checkpoint.hf_folders import DEFAULT_MAX_SHARD_BYTES, export_hf_folder  # noqa: E402
+from trainer.checkpoint.location import display, location  # noqa: E402
+from trainer.checkpoint.model_entry import check_model_entries, dcp_model_reader  # noqa: E402
 from trainer.model.hf_architectures import adapter_for_args  # noqa: E402
 from trainer.model.hf_llama3 import HF_DTYPES, InteropError  # noqa: E402
 from trainer.model.llama3 import ModelArgs  # noqa: E402
@@ -44,7 +41,9 @@ DTYPES = {name: dtype for dtype, name in HF_DTYPES.items()}
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoint_dir", type=Path, help="training checkpoint folder (.../checkpoint/step-N)")
+    parser.add_argument(
+        "checkpoint_dir", help="training checkpoint folder (.../checkpoint/step-N), or its URL (s3://.../step-N)"
+    )
     parser.add_argument("output_dir", type=Path, help="new or empty folder for the Hugging Face model")
     parser.add_argument(
         "--dtype",
@@ -65,13 +64,14 @@ def main(argv: list[str] | None = None) -> None:
     )
     opts = parser.parse_args(argv)
     try:
-        args = read_model_args(opts.checkpoint_dir)
+        checkpoint = location(opts.checkpoint_dir)
+        args = read_model_args(checkpoint)
         try:
             adapter_for_args(args).hf_config(args, DTYPES[opts.dtype])  # a model the format cannot hold
         except InteropError as err:
-            raise InteropError(f"{opts.checkpoint_dir / MODEL_ARGS_FILE}: {err}") from None
-        check_model_entries(opts.checkpoint_dir, args)
-        read = dcp_model_reader(opts.checkpoint_dir)
+            raise InteropError(f"{display(checkpoint / MODEL_ARGS_FILE)}: {err}") from None
+        check_model_entries(checkpoint, args)
+        read = dcp_model_reader(checkpoint)
         export_hf_folder(
             opts.output_dir,
             read,
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"wrote {opts.output_dir}: {args.n_layers}-layer {type(args).__name__} model in {opts.dtype}")
     if routing_bias_dropped(read, args):
         print(
-            f"warning: {opts.checkpoint_dir} routes with a learned expert bias (`moe.bias_update_rate`), which a "
+            f"warning: {display(opts.checkpoint_dir)} routes with a learned expert bias (`moe.bias_update_rate`), which a "
             "Qwen3MoeForCausalLM has no place for: the exported model chooses its experts without it.",
             file=sys.stderr,
         )

@@ -27,7 +27,8 @@ from checkpoint_helpers import (
 from harness import Launched, run_ranks, run_train, tensorboard_scalars, train_as_a_worker
 from torch.distributed.checkpoint import FileSystemReader
 
-from trainer.checkpoint.folders import checkpoint_problem, read_dcp_model, step_folders
+from trainer.checkpoint.folders import checkpoint_problem, step_folders
+from trainer.checkpoint.model_entry import read_dcp_model
 from trainer.config import load_config
 from trainer.model.llama3 import Transformer
 from trainer.model.moe import MoEArgs

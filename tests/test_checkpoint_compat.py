@@ -32,8 +32,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.data import Dataset
 
 from parallelisms.fsdp import apply_fsdp
-from trainer.checkpoint.folders import read_dcp_model, read_model_args
+from trainer.checkpoint.folders import read_model_args
 from trainer.checkpoint.manager import CheckpointManager
+from trainer.checkpoint.model_entry import read_dcp_model
 from trainer.checkpoint.states import Checkpointed
 from trainer.config import Checkpoint, LRScheduler, Optimizer
 from trainer.data.loader import build_dataloader

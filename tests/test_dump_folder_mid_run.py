@@ -13,7 +13,8 @@ import subprocess
 import pytest
 from harness import QUICK, ROOT, needs_tmpfs
 
-from trainer.checkpoint.folders import read_dcp_model, step_folders
+from trainer.checkpoint.folders import step_folders
+from trainer.checkpoint.model_entry import read_dcp_model
 
 # Run inside ``unshare -rm``: mount, train in the background, wait for the saved checkpoint,
 # break the folder, wait for the job, and copy what is left where the test can read it.

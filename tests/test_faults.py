@@ -19,7 +19,8 @@ import pytest
 import torch
 from harness import QUICK, ROOT, Launched, needs_tmpfs, run_train
 
-from trainer.checkpoint.folders import read_dcp_model, step_folders
+from trainer.checkpoint.folders import step_folders
+from trainer.checkpoint.model_entry import read_dcp_model
 from trainer.config import ConfigError, load_config
 from trainer.entry.job import prepare
 from trainer.entry.worker import main

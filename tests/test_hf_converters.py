@@ -20,8 +20,8 @@ import pytest
 import torch
 from harness import ROOT, needs_tmpfs
 
-from trainer.checkpoint.folders import read_dcp_model, write_dcp_model
 from trainer.checkpoint.hf_folders import save_hf_folder
+from trainer.checkpoint.model_entry import read_dcp_model, write_dcp_model
 from trainer.model.llama3 import ModelArgs, Transformer
 
 sys.path.insert(0, str(ROOT / "scripts"))

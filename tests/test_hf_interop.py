@@ -19,8 +19,9 @@ import torch.distributed.checkpoint as dcp
 from hf_helpers import CONFIGS, SEQ_LEN, assert_same_tensors, build_model, run_script
 from transformers import LlamaForCausalLM
 
-from trainer.checkpoint.folders import read_dcp_model, read_model_args, write_dcp_model
+from trainer.checkpoint.folders import read_model_args
 from trainer.checkpoint.hf_folders import HFFolder, load_hf_folder, save_hf_folder
+from trainer.checkpoint.model_entry import read_dcp_model, write_dcp_model
 from trainer.model.hf_llama3 import (
     InteropError,
     from_hf_state_dict,

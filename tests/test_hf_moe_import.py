@@ -19,8 +19,8 @@ from hf_tokenizer import build
 
 from trainer.build import build_training
 from trainer.checkpoint import hf_load
-from trainer.checkpoint.folders import write_dcp_model
 from trainer.checkpoint.hf_folders import HFFolder, export_hf_folder, load_hf_folder, save_hf_folder
+from trainer.checkpoint.model_entry import write_dcp_model
 from trainer.config import load_config
 from trainer.data.datasets import load_dataset
 from trainer.data.tokenizer import load_tokenizer

@@ -17,7 +17,8 @@ from harness import run_train
 from hf_helpers import run_script
 from transformers import AutoModelForCausalLM
 
-from trainer.checkpoint.folders import read_dcp_model, read_model_args
+from trainer.checkpoint.folders import read_model_args
+from trainer.checkpoint.model_entry import read_dcp_model
 from trainer.model.llama3 import Transformer
 
 pytestmark = pytest.mark.launcher

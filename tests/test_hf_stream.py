@@ -17,9 +17,9 @@ from hf_tokenizer import build
 from safetensors.torch import load_file, save_file
 from transformers import LlamaForCausalLM
 
-from trainer.checkpoint.folders import write_dcp_model
 from trainer.checkpoint.hf_folders import HFFolder, export_hf_folder, load_hf_folder, save_hf_folder
 from trainer.checkpoint.hf_load import load_hf_weights
+from trainer.checkpoint.model_entry import write_dcp_model
 from trainer.config import load_config
 from trainer.data.tokenizer import load_tokenizer
 from trainer.model.hf_llama3 import InteropError, check_hf_shapes, from_hf_state_dict, read_box

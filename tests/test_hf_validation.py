@@ -25,10 +25,11 @@ from harness import ROOT, run_ranks
 from hf_helpers import run_script
 from safetensors.torch import load_file, save_file
 
-from trainer.checkpoint.folders import MODEL_ARGS_FILE, write_dcp_model
+from trainer.checkpoint.folders import MODEL_ARGS_FILE
 from trainer.checkpoint.hf_folders import save_hf_folder
 from trainer.checkpoint.hf_load import load_hf_weights
 from trainer.checkpoint.integrity import add_to_manifest
+from trainer.checkpoint.model_entry import write_dcp_model
 from trainer.entry import launch
 from trainer.model.hf_llama3 import InteropError
 from trainer.model.llama3 import ModelArgs, Transformer

@@ -15,7 +15,7 @@ import torch
 from checkpoint_helpers import TINY, one_rank, tiny_manager
 from harness import ROOT, run_train, tensorboard_scalars
 
-from trainer.checkpoint.folders import read_dcp_model
+from trainer.checkpoint.model_entry import read_dcp_model
 from trainer.metrics.dashboard import Tag
 from trainer.model.moe import MoEArgs
 from trainer.runtime.errors import CheckpointError

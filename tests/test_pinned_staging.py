@@ -12,7 +12,7 @@ import pytest
 import torch
 from harness import QUICK, run_ranks, train_as_a_worker
 
-from trainer.checkpoint.folders import read_dcp_model
+from trainer.checkpoint.model_entry import read_dcp_model
 from trainer.entry.launch import main as launch_main
 
 STEPS = ["--training.steps", "4", "--checkpoint.enable", "--checkpoint.interval", "1"]

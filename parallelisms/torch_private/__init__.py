@@ -18,7 +18,7 @@ import importlib
 import re
 from types import ModuleType
 
-CONCERNS = ("fsdp", "dtensor", "pipelining", "fake", "process_group", "kernels", "dataloader")
+CONCERNS = ("fsdp", "dtensor", "pipelining", "fake", "process_group", "kernels", "dataloader", "checkpoint_storage")
 """The concern modules, each with ``FEATURE`` (what it serves, for the error) and ``CHECKED_ON``."""
 
 

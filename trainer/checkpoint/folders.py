@@ -1,46 +1,42 @@
-"""The checkpoint folder: what ``step-N`` holds, when it is whole, and model-only reads and writes.
+"""The checkpoint folder: what ``step-N`` holds, when it is whole, and which model it was trained as.
 
 A checkpoint is a ``torch.distributed.checkpoint`` (DCP) folder ``step-N`` whose ``"model"`` entry
 holds the model's parameters by name (stored as ``model.<name>``), beside ``model_args.json``, the
 ``ModelArgs`` of the run, for converters that have no config. It is written as ``step-N.partial``
-and published by one rename, so a folder named ``step-N`` is never half-written.
-
-``read_dcp_model`` and ``write_dcp_model`` handle the model entry alone, in one process and
-without a process group, for the converters; the trainer loads what they write as its own.
+and published by one rename, so a folder named ``step-N`` is never half-written; in an object
+store, which cannot rename, it is written as ``step-N`` and published by a marker written last
+(``location.py``). Every function here takes either kind of folder.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 import re
-import shutil
-import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, Literal
 
-import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-from trainer.checkpoint.disk import staged_output, user_entries
 from trainer.checkpoint.integrity import (
     CHECKSUMMED,
     MANIFEST_FILE,
     METADATA_FILE,
-    ChecksummingWriter,
     add_to_manifest,
-    checksum_problem,
+)
+from trainer.checkpoint.location import (
+    PUBLISHED_FILE,
+    Location,
+    dcp_reader,
+    display,
+    fresh,
+    is_published,
+    is_remote,
+    location,
+    mark_published,
+    remove_tree,
 )
 from trainer.config import Checkpoint
-from trainer.model.hf_architectures import adapter_for_args
 from trainer.model.hf_llama3 import CONFIG_FILE, InteropError, preview_names
-from trainer.model.llama3 import FLAVORS, ModelArgs, Transformer
+from trainer.model.llama3 import FLAVORS, ModelArgs
 from trainer.model.moe import FLAVORS as MOE_FLAVORS
 from trainer.model.moe import MoEArgs
 from trainer.runtime.errors import ConfigError
@@ -64,36 +60,55 @@ MODEL_KEY = "model"
 """The checkpoint state dict's entry holding the model; DCP stores its tensors as ``model.<name>``."""
 
 
-def step_folders(folder: Path) -> list[tuple[int, Path]]:
-    """Completed (renamed) checkpoint folders, oldest first."""
-    if not folder.is_dir():
+def step_folders(folder: Location) -> list[tuple[int, Location]]:
+    """Published checkpoint folders, oldest first."""
+    if not fresh(folder).is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in folder.iterdir() if p.is_dir() and (m := STEP_FOLDER.match(p.name))]
-    return sorted(found)
+    found = [
+        (int(m.group(1)), p)
+        for p in folder.iterdir()
+        if (m := STEP_FOLDER.match(p.name)) and p.is_dir() and is_published(p)
+    ]
+    return sorted(found, key=lambda found: found[0])
 
 
-def remove_partial_folders(folder: Path) -> list[Path]:
-    """Delete the ``step-N.partial`` folders of saves that never finished; return them.
+def partial_path(final: Location) -> Location:
+    """Where the save of ``final`` (a ``step-N``) is written until it is published."""
+    return final if is_remote(final) else final.with_name(final.name + PARTIAL_SUFFIX)
+
+
+def remove_partial_folders(folder: Location) -> list[Location]:
+    """Delete the folders of saves that never finished (``step-N.partial``; in an object store,
+    a ``step-N`` without its marker); return them.
 
     Only safe while no other job writes into ``folder``: the caller holds the dump-folder lock.
     """
-    if not folder.is_dir():
+    if not fresh(folder).is_dir():
         return []
-    partials = sorted(p for p in folder.iterdir() if p.is_dir() and p.name.endswith(PARTIAL_SUFFIX))
+    partials = sorted(
+        (
+            p
+            for p in folder.iterdir()
+            if p.is_dir() and (p.name.endswith(PARTIAL_SUFFIX) or (STEP_FOLDER.match(p.name) and not is_published(p)))
+        ),
+        key=lambda p: p.name,
+    )
     for partial in partials:
-        shutil.rmtree(partial, ignore_errors=True)
+        remove_tree(partial)
     return partials
 
 
-def checkpoint_problem(path: Path) -> str | None:
+def checkpoint_problem(path: Location) -> str | None:
     """Why ``path`` cannot be loaded, or None when it looks whole.
 
     Reads DCP's metadata (written last) and checks that every file it points into exists and
     is at least as long as the bytes it should hold: a truncated or partly copied checkpoint
-    fails here, before any rank starts loading it.
+    fails here, before any rank starts loading it. An object store's folder must be published.
     """
+    if not is_published(fresh(path)):
+        return f"it was never published (no {PUBLISHED_FILE} marker: its save did not finish)"
     try:
-        metadata = FileSystemReader(str(path)).read_metadata()
+        metadata = dcp_reader(path).read_metadata()
     except Exception as e:  # a missing or corrupt .metadata raises whatever its reader raises
         return f"its metadata ({METADATA_FILE}) cannot be read ({type(e).__name__}: {e})"
     storage_meta = getattr(metadata, "storage_meta", None)
@@ -111,21 +126,22 @@ def checkpoint_problem(path: Path) -> str | None:
     return None
 
 
-def is_model_only(path: Path) -> bool:
+def is_model_only(path: Location) -> bool:
     """A seed checkpoint, an export or a converted Hugging Face model: weights and nothing else."""
-    keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    keys = dcp_reader(path).read_metadata().state_dict_metadata
     return all(key.startswith(MODEL_KEY + ".") for key in keys)
 
 
 def publish(
-    partial: Path,
-    final: Path,
+    partial: Location,
+    final: Location,
     model_args: ModelArgs,
     data_identity: dict[str, str] | None = None,
     schedule: dict[str, Any] | None = None,
 ) -> None:
     """Add the model's shape (for converters), the data's fingerprints and the LR schedule's
-    settings (all checksummed), then rename: the checkpoint appears whole or not at all."""
+    settings (all checksummed), then rename (or mark it published, in an object store): the
+    checkpoint appears whole or not at all."""
     write_model_args(partial, model_args)
     written = [MODEL_ARGS_FILE]
     for name, content in ((DATA_FILE, data_identity), (SCHEDULE_FILE, schedule)):
@@ -133,34 +149,37 @@ def publish(
             (partial / name).write_text(json.dumps(content))
             written.append(name)
     add_to_manifest(partial, written)
+    if is_remote(final):
+        mark_published(final, int(final.name.removeprefix("step-")))
+        return
     if final.exists():
-        shutil.rmtree(final)
-    os.replace(partial, final)
+        remove_tree(final)
+    os.replace(str(partial), final)
 
 
-def read_data_identity(folder: Path) -> dict[str, str] | None:
+def read_data_identity(folder: Location) -> dict[str, str] | None:
     """The fingerprints of the data a checkpoint was trained on; None when not recorded."""
     return _read_json(folder / DATA_FILE)
 
 
-def read_schedule(folder: Path) -> dict[str, Any] | None:
+def read_schedule(folder: Location) -> dict[str, Any] | None:
     """The LR schedule's settings a checkpoint was trained with; None when not recorded."""
     return _read_json(folder / SCHEDULE_FILE)
 
 
-def _read_json(path: Path) -> Any:
+def _read_json(path: Location) -> Any:
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
 
 
-def write_model_args(folder: Path, model_args: ModelArgs) -> None:
+def write_model_args(folder: Location, model_args: ModelArgs) -> None:
     """Record the model's shape beside a checkpoint, for converters that have no config."""
     (folder / MODEL_ARGS_FILE).write_text(json.dumps(dataclasses.asdict(model_args)))
 
 
-def read_model_args(checkpoint_dir: str | Path) -> ModelArgs:
+def read_model_args(checkpoint_dir: str | Location) -> ModelArgs:
     """The ``ModelArgs`` a checkpoint was trained with, from its ``model_args.json``.
 
     Fields the file lacks take their defaults (files from before a field existed); fields
@@ -168,9 +187,10 @@ def read_model_args(checkpoint_dir: str | Path) -> ModelArgs:
     Mixture-of-Experts model's file names its experts (``n_experts``) and reads as ``MoEArgs``.
     A folder that is no checkpoint at all is named for what it is.
     """
-    path = Path(checkpoint_dir) / MODEL_ARGS_FILE
+    folder = location(checkpoint_dir)
+    path = folder / MODEL_ARGS_FILE
     if not path.is_file():
-        kind = folder_kind(Path(checkpoint_dir))
+        kind = folder_kind(folder)
         if kind == "hugging_face":
             raise InteropError(
                 f"{checkpoint_dir} is already a Hugging Face model folder (it has {CONFIG_FILE}); to make a "
@@ -178,7 +198,7 @@ def read_model_args(checkpoint_dir: str | Path) -> ModelArgs:
                 "or train from it with `--checkpoint.initial_load_path` and `--checkpoint.initial_load_in_hf`."
             )
         if kind != "checkpoint":
-            raise _not_a_checkpoint(Path(checkpoint_dir))
+            raise not_a_checkpoint(folder)
         raise InteropError(
             f"{path} does not exist; the trainer writes it beside every checkpoint. For another "
             f"checkpoint, write json.dumps(dataclasses.asdict(model_args)) of its ModelArgs there."
@@ -241,7 +261,7 @@ def model_differences(theirs: ModelArgs, ours: ModelArgs, fields: tuple[str, ...
 FolderKind = Literal["missing", "file", "checkpoint", "hugging_face", "other"]
 
 
-def folder_kind(path: Path) -> FolderKind:
+def folder_kind(path: Location) -> FolderKind:
     """What a path given as a checkpoint is: missing, a file, a DCP checkpoint (it has
     ``.metadata``), a Hugging Face model folder (``config.json`` and no ``.metadata``), or another
     folder (a dump folder or its ``checkpoint`` folder among them: :func:`steps_inside`)."""
@@ -254,7 +274,7 @@ def folder_kind(path: Path) -> FolderKind:
     return "hugging_face" if (path / CONFIG_FILE).is_file() else "other"
 
 
-def steps_inside(folder: Path) -> list[str]:
+def steps_inside(folder: Location) -> list[str]:
     """The ``step-N`` folders in ``folder`` or one level down (a dump folder's ``checkpoint/``),
     relative to it: what the user most likely meant to pass."""
     if not folder.is_dir():
@@ -268,9 +288,15 @@ def check_initial_load_kind(config: Checkpoint) -> None:
     ``checkpoint.initial_load_in_hf`` says it is; the job would start and fail at its load."""
     if not config.initial_load_path:
         return
-    path, key = Path(config.initial_load_path), f"`checkpoint.initial_load_path` = {config.initial_load_path}"
-    kind, steps = folder_kind(path), steps_inside(path)
+    path = location(config.initial_load_path)
+    key = f"`checkpoint.initial_load_path` = {display(path)}"
     hf = config.initial_load_in_hf
+    if hf and is_remote(path):
+        raise ConfigError(
+            f"{key} is in an object store: Hugging Face folders are read from a local disk. Copy it first "
+            "(`aws s3 cp --recursive`, `gcloud storage cp -r`, ...) and give the local folder."
+        )
+    kind, steps = folder_kind(path), steps_inside(path)
     if kind == "missing":
         raise ConfigError(
             f"{key} does not exist; point it at a checkpoint's `step-N` folder (or a Hugging Face model folder "
@@ -294,7 +320,7 @@ def check_initial_load_kind(config: Checkpoint) -> None:
         raise ConfigError(f"{key} {what}; it must be {wanted}.")
 
 
-def _not_a_checkpoint(folder: Path) -> InteropError:
+def not_a_checkpoint(folder: Location) -> InteropError:
     if not folder.exists():
         return InteropError(f"{folder} does not exist; pass a `{{dump_folder}}/checkpoint/step-N` folder.")
     steps = steps_inside(folder)
@@ -303,117 +329,3 @@ def _not_a_checkpoint(folder: Path) -> InteropError:
         f"{folder} is not a torch.distributed.checkpoint folder (no checkpoint metadata); pass a "
         f"`{{dump_folder}}/checkpoint/step-N` folder.{hint}"
     )
-
-
-@contextmanager
-def _quiet_no_dist() -> Iterator[None]:
-    """Silence DCP's warning, on every ``no_dist`` call, that it assumes a single process: here that is the intent."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        yield
-
-
-def read_dcp_model(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
-    """The full model tensors (our names, CPU, stored dtype) of a training checkpoint.
-
-    One process and no process group: DCP records every tensor's global shape, so full tensors
-    are allocated from the metadata and loaded with ``no_dist=True``, whatever mesh saved them.
-    Only ``model.`` entries are read; optimizer, scheduler and dataloader state is skipped. The
-    checkpoint's files are verified first, as a resume verifies them.
-    """
-    folder = Path(checkpoint_dir)
-    model = {
-        name: torch.empty(entry.size, dtype=entry.properties.dtype) for name, entry in _model_entries(folder).items()
-    }
-    verify(folder)
-    with _quiet_no_dist():
-        dcp.load({MODEL_KEY: model}, checkpoint_id=str(folder), no_dist=True)
-    return model
-
-
-def dcp_model_reader(checkpoint_dir: str | Path) -> Callable[[str], torch.Tensor]:
-    """``read(name)``: one full model tensor of a training checkpoint, read alone (``read_dcp_model``
-    one entry at a time), so that an export holds one tensor, not the model. The files are
-    verified at the first read, after the export's own quick checks."""
-    folder = Path(checkpoint_dir)
-    entries = _model_entries(folder)
-    verified = functools.cache(lambda: verify(folder))
-
-    def read(name: str) -> torch.Tensor:
-        verified()
-        tensor = torch.empty(entries[name].size, dtype=entries[name].properties.dtype)
-        with _quiet_no_dist():
-            dcp.load({MODEL_KEY: {name: tensor}}, checkpoint_id=str(folder), no_dist=True)
-        return tensor
-
-    return read
-
-
-def check_model_entries(checkpoint_dir: str | Path, args: ModelArgs) -> None:
-    """Refuse, from the metadata alone, a checkpoint whose parameters are not those of ``args``
-    (its ``model_args.json`` edited, or copied beside another model's files): an export would
-    fail inside DCP's load with a traceback, or write weights its config.json does not describe."""
-    folder = Path(checkpoint_dir)
-    entries = _model_entries(folder)
-    with torch.device("meta"):
-        model = Transformer(args)
-    buffers = set(model.state_dict()) - {name for name, _ in model.named_parameters()}
-    params = {name: torch.empty(e.size, device="meta") for name, e in entries.items() if name not in buffers}
-    try:
-        adapter_for_args(args).check_state_dict(params, args)
-    except InteropError as err:
-        raise InteropError(f"{folder}: its tensors do not match its {MODEL_ARGS_FILE}: {err}") from None
-
-
-def verify(folder: Path) -> None:
-    """Refuse a checkpoint whose files are incomplete or no longer match their checksums, as a
-    resume refuses it: converted, its flipped bytes would become weights (an embedding of 3.4e38)."""
-    problem = checkpoint_problem(folder) or checksum_problem(folder)
-    if problem:
-        raise InteropError(
-            f"{folder} cannot be read: {problem}. Convert another checkpoint (an older `step-N`), or "
-            "copy this one again from where it was written."
-        )
-
-
-def _model_entries(folder: Path) -> dict[str, TensorStorageMetadata]:
-    """The checkpoint's model tensors by our name, from its metadata."""
-    try:
-        metadata = dcp.FileSystemReader(str(folder)).read_metadata()
-    except (FileNotFoundError, NotADirectoryError) as err:
-        raise _not_a_checkpoint(folder) from err
-    prefix = MODEL_KEY + "."
-    model: dict[str, TensorStorageMetadata] = {}
-    for key, entry in metadata.state_dict_metadata.items():
-        if not key.startswith(prefix):
-            continue
-        if not isinstance(entry, TensorStorageMetadata):
-            raise InteropError(
-                f"{folder}: checkpoint entry `{key}` is not a tensor; the model entry must hold only tensors."
-            )
-        model[key.removeprefix(prefix)] = entry
-    if not model:
-        tops = sorted({key.split(".", 1)[0] for key in metadata.state_dict_metadata})
-        raise InteropError(f"{folder}: the checkpoint has no `{MODEL_KEY}` entry (top-level entries: {tops}).")
-    return model
-
-
-def write_dcp_model(checkpoint_dir: str | Path, state_dict_ours: dict[str, torch.Tensor], args: ModelArgs) -> None:
-    """Write a model-only training checkpoint (``{"model": sd}``) and its ``model_args.json``,
-    checksummed as the trainer's own.
-
-    The trainer loads it as it loads its own checkpoints; it has no optimizer or dataloader
-    state, so training from it starts those afresh. An existing non-empty folder is refused
-    rather than mixed with another checkpoint's files; the files appear in it only once all are
-    written (``staged_output``), so a full disk leaves nothing that blocks the rerun.
-    """
-    folder = Path(checkpoint_dir)
-    adapter_for_args(args).check_state_dict(state_dict_ours, args)
-    if folder.is_dir() and user_entries(folder):
-        raise InteropError(f"{folder} is not empty; write the checkpoint into a new or empty folder.")
-    model = {name: t.detach() for name, t in state_dict_ours.items()}
-    needs = sum(t.numel() * t.element_size() for t in model.values())
-    with staged_output(folder, "write the checkpoint", needs) as staging, _quiet_no_dist():
-        dcp.save({MODEL_KEY: model}, storage_writer=ChecksummingWriter(str(staging)), no_dist=True)
-        write_model_args(staging, args)
-        add_to_manifest(staging, [MODEL_ARGS_FILE])

@@ -25,14 +25,16 @@ import json
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
+
+from parallelisms.torch_private.checkpoint_storage import fsspec_storage
+from trainer.checkpoint.location import Location, dcp_reader, fresh, is_remote, location
 
 MANIFEST_FILE = "checksums.json"
 METADATA_FILE = ".metadata"
@@ -50,10 +52,10 @@ LAYOUT_DEPENDENT = (
 _CHUNK = 8 << 20
 
 
-def file_crc32(path: Path) -> str:
+def file_crc32(path: Location) -> str:
     """CRC-32 of a file's bytes, as 8 hex digits."""
     crc = 0
-    with open(path, "rb") as fh:
+    with path.open("rb") as fh:
         while chunk := fh.read(_CHUNK):
             crc = zlib.crc32(chunk, crc)
     return f"{crc:08x}"
@@ -68,13 +70,14 @@ class _Checksummed:
     size: int
 
 
-class ChecksummingWriter(FileSystemWriter):
-    """``FileSystemWriter`` that records every file's CRC-32 in ``checksums.json`` (see above),
-    and whether the state was trained with ``debug.layout_invariant``."""
+class _Checksumming(FileSystemWriter):
+    """DCP's writer (on a file system or an object store) that records every file's CRC-32 in
+    ``checksums.json`` (see above), and whether the state was trained with ``debug.layout_invariant``."""
 
     def __init__(self, path: str, *, layout_invariant: bool = False) -> None:
         super().__init__(path)
         self.layout_invariant = layout_invariant
+        self.folder = location(path)
 
     def storage_meta(self) -> StorageMeta | None:
         meta = super().storage_meta() or StorageMeta()
@@ -89,7 +92,7 @@ class ChecksummingWriter(FileSystemWriter):
         for result in results:
             name = result.storage_data.relative_path
             if name not in sums:
-                file = Path(self.path) / name
+                file = fresh(self.folder) / name
                 sums[name] = (file_crc32(file), file.stat().st_size)
         future: Future[list[WriteResult]] = Future()
         future.set_result(
@@ -110,24 +113,38 @@ class ChecksummingWriter(FileSystemWriter):
                 files[checked.storage_data.relative_path] = {"size": checked.size, "crc32": checked.crc32}
                 plain[-1].append(WriteResult(r.index, r.size_in_bytes, checked.storage_data))
         super().finish(metadata, plain)
-        folder = Path(self.path)
+        folder = fresh(self.folder)
         meta = folder / METADATA_FILE
         files[METADATA_FILE] = {"size": meta.stat().st_size, "crc32": file_crc32(meta)}
         write_manifest(folder, files)
 
 
-def written_layout_invariant(folder: Path) -> bool:
+class ChecksummingWriter(_Checksumming):
+    """The checksumming writer of a local folder."""
+
+
+class _FsspecChecksummingWriter(_Checksumming, fsspec_storage()[1]):  # type: ignore[misc]
+    """The checksumming writer of an object store's folder."""
+
+
+def checksumming_writer(folder: Location, *, layout_invariant: bool = False) -> FileSystemWriter:
+    """DCP's writer into ``folder`` that records checksums, for a local folder or an object store's."""
+    kind = _FsspecChecksummingWriter if is_remote(folder) else ChecksummingWriter
+    return kind(str(folder), layout_invariant=layout_invariant)
+
+
+def written_layout_invariant(folder: Location) -> bool:
     """Whether a checkpoint (whose metadata reads) was written by a ``debug.layout_invariant`` run."""
-    storage_meta = FileSystemReader(str(folder)).read_metadata().storage_meta
+    storage_meta = dcp_reader(folder).read_metadata().storage_meta
     return storage_meta is not None and LAYOUT_INVARIANT in storage_meta.modules
 
 
-def write_manifest(folder: Path, files: dict[str, dict[str, Any]]) -> None:
+def write_manifest(folder: Location, files: dict[str, dict[str, Any]]) -> None:
     manifest = {"format": 1, "algorithm": "crc32", "files": dict(sorted(files.items()))}
     (folder / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1))
 
 
-def add_to_manifest(folder: Path, names: Iterable[str]) -> None:
+def add_to_manifest(folder: Location, names: Iterable[str]) -> None:
     """Record files written beside the checkpoint after DCP's (a folder without checksums gets none)."""
     files = read_manifest(folder)
     if files is None:
@@ -138,7 +155,7 @@ def add_to_manifest(folder: Path, names: Iterable[str]) -> None:
     write_manifest(folder, files)
 
 
-def read_manifest(folder: Path) -> dict[str, dict[str, Any]] | None:
+def read_manifest(folder: Location) -> dict[str, dict[str, Any]] | None:
     """``{file: {"size", "crc32"}}``, or None for a checkpoint written without checksums."""
     try:
         return json.loads((folder / MANIFEST_FILE).read_text())["files"]
@@ -148,11 +165,11 @@ def read_manifest(folder: Path) -> dict[str, dict[str, Any]] | None:
         return {MANIFEST_FILE: {"unreadable": f"{type(e).__name__}: {e}"}}
 
 
-def checksum_problem(folder: Path, share: int = 0, shares: int = 1) -> str | None:
+def checksum_problem(folder: Location, share: int = 0, shares: int = 1) -> str | None:
     """Why ``folder``'s files do not match its manifest, checking the ``share``-th of
     ``shares`` slices of the files (so the ranks of a job divide the reading); None if they
     match or the checkpoint has no manifest (written before checksums existed)."""
-    manifest = read_manifest(folder)
+    manifest = read_manifest(fresh(folder))
     if manifest is None:
         return None
     if "unreadable" in manifest.get(MANIFEST_FILE, {}):

@@ -53,6 +53,7 @@ from trainer.checkpoint.integrity import (
     read_manifest,
     written_layout_invariant,
 )
+from trainer.checkpoint.location import Location, dcp_reader, display, location
 from trainer.checkpoint.resume_fit import check_same_model, data_changes, other_data, schedule_line
 from trainer.checkpoint.states import Checkpointed, ModelState, OptimizerState, optimizer_groups_flattened
 from trainer.checkpoint.timeline import Timeline, candidates, follow, reasons, start_over
@@ -79,7 +80,7 @@ class CheckpointManager:
     ):
         self.config = config
         self.layout_invariant = layout_invariant
-        self.folder = Path(dump_folder) / config.folder
+        self.folder = location(config.folder, base=dump_folder)
         self.run = run
         self.model, self.model_args, self.train_state = run.model, run.model_args, run.train_state
         self.schedule = run.lr_scheduler.settings()
@@ -110,17 +111,17 @@ class CheckpointManager:
         weights only. Raises ``CheckpointError`` for a checkpoint that cannot serve this run.
         """
         if not self.config.enable:
-            return self._initial_load(Path(self.config.initial_load_path)) if self.config.initial_load_path else 0
+            return self._initial_load(location(self.config.initial_load_path)) if self.config.initial_load_path else 0
         choice, rejected = self._choose_checkpoint()
         if choice is None:
             self._start_over(rejected)
-            return self._initial_load(Path(self.config.initial_load_path)) if self.config.initial_load_path else 0
-        path = Path(choice)
+            return self._initial_load(location(self.config.initial_load_path)) if self.config.initial_load_path else 0
+        path = location(choice)
         self._check_same_model(path, "checkpoint")  # another model is never a matter of its data
         if is_model_only(path):
             self._load(path, keys=("model",))
             timeline = self._follow(path, rejected)
-            logger.info("loading weights from %s (model-only checkpoint; %s)", path, timeline.describe())
+            logger.info("loading weights from %s (model-only checkpoint; %s)", display(path), timeline.describe())
             return 0
         keys = tuple(k for k in self.states if k not in self.config.exclude_from_loading)
         if "dataloader" in keys:
@@ -128,7 +129,7 @@ class CheckpointManager:
         self._load(path, keys=keys)
         self._warn_if_layout_dependent(path)
         timeline = self._follow(path, rejected)
-        logger.info("resuming from %s (%s): %s", path, timeline.describe(), ", ".join(keys))
+        logger.info("resuming from %s (%s): %s", display(path), timeline.describe(), ", ".join(keys))
         self._say_schedule_change(path, keys)
         return self.train_state.step
 
@@ -137,18 +138,18 @@ class CheckpointManager:
         the same on every rank, and the newer ones that failed (folder -> why)."""
         paths, continuing = self._agree(self._candidates)
         rejected: dict[str, str] = {}
-        for path in map(Path, paths):
+        for path in map(location, paths):
             problem = self._problem(path)
             if problem is None:
                 return str(path), rejected
             if self.config.load_step >= 0 and not continuing:
-                raise CheckpointError(f"`checkpoint.load_step`: {path} cannot be loaded: {problem}.")
+                raise CheckpointError(f"`checkpoint.load_step`: {display(path)} cannot be loaded: {problem}.")
             if self.rank == 0:
-                logger.warning("skipping checkpoint %s: %s", path, problem)
+                logger.warning("skipping checkpoint %s: %s", display(path), problem)
             rejected[str(path)] = problem
         if continuing:
             raise CheckpointError(
-                f"`checkpoint.load_step` = {self.config.load_step} began the current timeline of {self.folder}, "
+                f"`checkpoint.load_step` = {self.config.load_step} began the current timeline of {display(self.folder)}, "
                 f"but none of its checkpoints can be loaded ({reasons(rejected)}); pass an older `load_step`."
             )
         return None, rejected
@@ -156,11 +157,11 @@ class CheckpointManager:
     def _candidates(self) -> tuple[list[str], bool]:
         """Rank 0: remove what dead jobs left half-written, then list the checkpoints to try."""
         for stale in remove_partial_folders(self.folder):
-            logger.warning("removed %s, left by a save that never finished", stale)
+            logger.warning("removed %s, left by a save that never finished", display(stale))
         paths, continuing = candidates(self.folder, self.config.load_step)
         return [str(p) for p in paths], continuing
 
-    def _follow(self, path: Path, rejected: dict[str, str]) -> Timeline:
+    def _follow(self, path: Location, rejected: dict[str, str]) -> Timeline:
         """The timeline this run trains, decided by rank 0 once ``path`` has loaded."""
         return self._agree(lambda: follow(self.folder, path, self.config.load_step, rejected))
 
@@ -170,7 +171,7 @@ class CheckpointManager:
             start = "from `checkpoint.initial_load_path`" if self.config.initial_load_path else "FROM SCRATCH"
             self._agree(lambda: start_over(self.folder, rejected, start))
 
-    def _problem(self, path: Path) -> str | None:
+    def _problem(self, path: Location) -> str | None:
         """Why ``path`` must not be loaded, agreed by every rank: rank 0 checks its structure,
         then each rank verifies the checksums of its share of the files."""
         problem = self._agree(lambda: checkpoint_problem(path))
@@ -182,12 +183,12 @@ class CheckpointManager:
         if problem is None and self.rank == 0 and read_manifest(path) is None:
             logger.warning(
                 "%s has no %s (written by a version without checksums): its contents are not verified",
-                path,
+                display(path),
                 MANIFEST_FILE,
             )
         return problem
 
-    def _check_same_data(self, path: Path) -> None:
+    def _check_same_data(self, path: Location) -> None:
         """Refuse to continue a checkpoint's data stream on other data, unless allowed."""
         differ = self._agree(lambda: data_changes(path, self.run.data_identity))
         if not differ:
@@ -195,55 +196,57 @@ class CheckpointManager:
         if not self.config.allow_data_change:
             raise other_data(path, differ)
         if self.rank == 0:
-            logger.warning("resuming %s on changed data (`checkpoint.allow_data_change`): %s", path, "; ".join(differ))
+            logger.warning(
+                "resuming %s on changed data (`checkpoint.allow_data_change`): %s", display(path), "; ".join(differ)
+            )
 
     def _agree(self, decide: Callable[[], Any]) -> Any:
         return agree(decide, self.group)
 
-    def _load(self, path: Path, keys: tuple[str, ...]) -> None:
+    def _load(self, path: Location, keys: tuple[str, ...]) -> None:
         """Load ``keys`` of ``path``, whose model :meth:`_check_same_model` has found this run's."""
         if "optimizer" in keys:
             self.optimizer_state.flatten = optimizer_groups_flattened(path)
         try:
-            dcp.load({k: self.states[k] for k in keys}, checkpoint_id=str(path), process_group=self.group)
+            dcp.load({k: self.states[k] for k in keys}, storage_reader=dcp_reader(path), process_group=self.group)
         finally:
             self.optimizer_state.flatten = True  # what this run saves
 
-    def _check_same_model(self, path: Path, what: str) -> None:
+    def _check_same_model(self, path: Location, what: str) -> None:
         """Refuse another model's checkpoint in one line (``resume_fit.check_same_model``)."""
         self._agree(lambda: check_same_model(path, self.model_args, what))
 
-    def _say_schedule_change(self, path: Path, keys: tuple[str, ...]) -> None:
+    def _say_schedule_change(self, path: Location, keys: tuple[str, ...]) -> None:
         """A resume keeps this run's LR schedule (``LRSchedule``): say so where it is another."""
         if "lr_scheduler" not in keys or self.rank != 0:
             return
         change = schedule_line(path, self.schedule, self.train_state.step)
         if change is not None:
-            logger.warning("resuming %s: %s", path, change)
+            logger.warning("resuming %s: %s", display(path), change)
 
-    def _warn_if_layout_dependent(self, path: Path) -> None:
+    def _warn_if_layout_dependent(self, path: Location) -> None:
         """A ``debug.layout_invariant`` run resuming a default-mode state is allowed (runs resumed
         from the same checkpoint still agree bit for bit) but its promise is narrower: say so."""
         if self.layout_invariant and self.rank == 0 and not written_layout_invariant(path):
-            logger.warning(LAYOUT_DEPENDENT, path)
+            logger.warning(LAYOUT_DEPENDENT, display(path))
 
-    def _initial_load(self, path: Path) -> int:
+    def _initial_load(self, path: Location) -> int:
         what = "`checkpoint.initial_load_path`:"
         if self.config.initial_load_in_hf:
             try:
-                load_hf_weights(self.model, self.model_args, path)
+                load_hf_weights(self.model, self.model_args, Path(str(path)))  # local: the plan refuses a URL
             except UserError as error:
                 raise CheckpointError(f"{what} {error}") from error
             return 0
         problem = self._problem(path)
         if problem:
-            raise CheckpointError(f"{what} {path} cannot be loaded: {problem}.")
+            raise CheckpointError(f"{what} {display(path)} cannot be loaded: {problem}.")
         self._check_same_model(path, what)
         if self.config.initial_load_model_only or is_model_only(path):
-            logger.info("loading weights from %s", path)
+            logger.info("loading weights from %s", display(path))
             self._load(path, keys=("model",))
             return 0
-        logger.info("starting from the full state of %s", path)
+        logger.info("starting from the full state of %s", display(path))
         self._load(path, keys=tuple(self.states))
         self._warn_if_layout_dependent(path)
         self._say_schedule_change(path, tuple(self.states))

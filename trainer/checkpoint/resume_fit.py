@@ -6,7 +6,6 @@ would resume (:func:`resume_preview`)."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from trainer.checkpoint.folders import (
@@ -19,6 +18,7 @@ from trainer.checkpoint.folders import (
     read_model_args,
     read_schedule,
 )
+from trainer.checkpoint.location import Location, display, location
 from trainer.checkpoint.timeline import candidates
 from trainer.config import Checkpoint
 from trainer.model.llama3 import ModelArgs
@@ -26,7 +26,7 @@ from trainer.optimizer import schedule_change
 from trainer.runtime.errors import CheckpointError, UserError
 
 
-def check_same_model(path: Path, ours: ModelArgs, what: str) -> None:
+def check_same_model(path: Location, ours: ModelArgs, what: str) -> None:
     """Refuse, in one line naming the difference and the keys that build the checkpoint's model,
     a checkpoint of another model (another flavor or kind, a vocabulary of another size, other
     experts): DCP would fail on the first tensor of another shape with every rank's traceback. A
@@ -42,23 +42,23 @@ def check_same_model(path: Path, ours: ModelArgs, what: str) -> None:
         else ""
     )
     raise CheckpointError(
-        f"{what} {path} holds another model than this run's ({'; '.join(differ)}): it was trained with "
+        f"{what} {display(path)} holds another model than this run's ({'; '.join(differ)}): it was trained with "
         f"{model_keys(saved)}.{vocabulary} Set those keys to resume it, or point `job.dump_folder` or "
         "`checkpoint.folder` elsewhere to start afresh."
     )
 
 
-def saved_model_args(path: Path) -> ModelArgs | None:
+def saved_model_args(path: Location) -> ModelArgs | None:
     """The ``ModelArgs`` recorded beside a checkpoint; None when it has no ``model_args.json``."""
     if not (path / MODEL_ARGS_FILE).is_file():
         return None
     try:
         return read_model_args(path)
     except UserError as error:
-        raise CheckpointError(f"{path} cannot be loaded: {error}") from error
+        raise CheckpointError(f"{display(path)} cannot be loaded: {error}") from error
 
 
-def data_changes(path: Path, ours: dict[str, str]) -> list[str]:
+def data_changes(path: Location, ours: dict[str, str]) -> list[str]:
     """The data fingerprints (files, tokenizer, ``seq_len``) that differ from the checkpoint's."""
     saved = read_data_identity(path) or {}
     return [
@@ -68,18 +68,18 @@ def data_changes(path: Path, ours: dict[str, str]) -> list[str]:
     ]
 
 
-def other_data(path: Path, differ: list[str]) -> CheckpointError:
+def other_data(path: Location, differ: list[str]) -> CheckpointError:
     """Continuing a checkpoint's data stream on other data would train on something else from
     its next step on, silently."""
     return CheckpointError(
-        f"{path} was trained on other data than this run's ({'; '.join(differ)}). Point "
+        f"{display(path)} was trained on other data than this run's ({'; '.join(differ)}). Point "
         "`training.dataset`, `training.dataset_path`, `training.dataset_weights`, `training.seq_len` and "
         "`model.tokenizer_path` at the data it was trained on, or set `checkpoint.allow_data_change = true` to "
         "resume on the new data deliberately (or exclude `dataloader` from loading to start its order afresh)."
     )
 
 
-def schedule_line(path: Path, ours: dict[str, Any], step: int) -> str | None:
+def schedule_line(path: Location, ours: dict[str, Any], step: int) -> str | None:
     """What this run's LR schedule changes against the one ``path`` was trained with, resumed at ``step``."""
     return schedule_change(read_schedule(path) or {}, ours, step)
 
@@ -93,25 +93,25 @@ def resume_preview(
     Its checksums are verified by the resume, not here (that reads every byte)."""
     if not config.enable:
         return []
-    folder = Path(dump_folder) / config.folder
+    folder = location(config.folder, base=dump_folder)
     paths, _ = candidates(folder, config.load_step)
     skipped: list[str] = []
     for path in paths:
         problem = checkpoint_problem(path)
         if problem is None:
             return skipped + _resuming(path, config, model, data, schedule)
-        skipped.append(f"resume: {path} would be skipped: {problem}")
-    return [*skipped, f"resume: no checkpoint in {folder}; the run starts {_start(config)}"]
+        skipped.append(f"resume: {display(path)} would be skipped: {problem}")
+    return [*skipped, f"resume: no checkpoint in {display(folder)}; the run starts {_start(config)}"]
 
 
 def _resuming(
-    path: Path, config: Checkpoint, model: ModelArgs, data: dict[str, str], schedule: dict[str, Any]
+    path: Location, config: Checkpoint, model: ModelArgs, data: dict[str, str], schedule: dict[str, Any]
 ) -> list[str]:
     check_same_model(path, model, "checkpoint")
     if is_model_only(path):
-        return [f"resume: {path}, weights only (the model's as this run's): training starts at step 0"]
+        return [f"resume: {display(path)}, weights only (the model's as this run's): training starts at step 0"]
     loaded = [key for key in ("optimizer", "lr_scheduler", "dataloader") if key not in config.exclude_from_loading]
-    lines = [f"resume: {path} (the model's as this run's)"]
+    lines = [f"resume: {display(path)} (the model's as this run's)"]
     differ = data_changes(path, data) if "dataloader" in loaded else []
     if differ and not config.allow_data_change:
         raise other_data(path, differ)

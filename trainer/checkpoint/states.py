@@ -4,11 +4,9 @@ parameter name, so that both reshard onto any mesh on load."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -20,6 +18,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from trainer.checkpoint.expert_shards import ExpertShards, optimizer_fqn
+from trainer.checkpoint.location import Location, dcp_reader
 from trainer.model.llama3 import ModelArgs, Transformer
 from trainer.optimizer import LRSchedule
 from trainer.train_state import TrainState
@@ -84,9 +83,9 @@ class OptimizerState(Stateful):
         return StateDictOptions(flatten_optimizer_state_dict=self.flatten)
 
 
-def optimizer_groups_flattened(path: Path) -> bool:
+def optimizer_groups_flattened(path: Location) -> bool:
     """Whether the checkpoint at ``path`` keys parameter-group settings by parameter name
     (``optimizer.param_groups.<fqn>.lr``) rather than by group index (``...param_groups.0.lr``)."""
-    keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    keys = dcp_reader(path).read_metadata().state_dict_metadata
     prefix = "optimizer.param_groups."
     return not any(k.startswith(prefix) and k[len(prefix) :].split(".")[0].isdigit() for k in keys)

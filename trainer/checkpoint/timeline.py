@@ -18,12 +18,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainer.checkpoint.folders import step_folders
+from trainer.checkpoint.location import Location, display, location, move, replace_file
 from trainer.runtime.errors import CheckpointError
 
 logger = logging.getLogger("meshtrain")
@@ -69,7 +69,7 @@ def _step_of(name: str) -> int:
     return int(name.rpartition("-")[2])
 
 
-def read_timelines(folder: Path) -> list[Timeline]:
+def read_timelines(folder: Location) -> list[Timeline]:
     """Every timeline of ``folder``, oldest first; one implicit timeline when none was recorded.
 
     A damaged ``timeline.json`` is an error: guessing would decide which checkpoints are newest.
@@ -88,12 +88,12 @@ def read_timelines(folder: Path) -> list[Timeline]:
     return timelines or [Timeline()]
 
 
-def current_timeline(folder: Path) -> Timeline:
+def current_timeline(folder: Location) -> Timeline:
     return read_timelines(folder)[-1]
 
 
 def begin_timeline(
-    folder: Path, *, from_step: int | None, load_step: int | None, set_aside: dict[Path, str]
+    folder: Location, *, from_step: int | None, load_step: int | None, set_aside: dict[Location, str]
 ) -> Timeline:
     """Move ``set_aside`` into a new ``abandoned-*`` folder and record a new timeline (rank 0 only).
 
@@ -119,15 +119,14 @@ def begin_timeline(
     )
     try:
         if abandoned is not None:
-            abandoned.mkdir()
+            abandoned.mkdir(exist_ok=True)
             for path in set_aside:
-                os.replace(path, abandoned / path.name)
-        record = folder / (TIMELINE_FILE + ".tmp")
-        record.write_text(json.dumps({"timelines": [dataclasses.asdict(t) for t in [*past, timeline]]}, indent=1))
-        os.replace(record, folder / TIMELINE_FILE)
+                move(path, abandoned / path.name)
+        record = json.dumps({"timelines": [dataclasses.asdict(t) for t in [*past, timeline]]}, indent=1)
+        replace_file(folder / TIMELINE_FILE, record)
     except OSError as e:
         raise CheckpointError(
-            f"cannot begin a new timeline in {folder} ({type(e).__name__}: {e}): the checkpoints newer than the "
+            f"cannot begin a new timeline in {display(folder)} ({type(e).__name__}: {e}): the checkpoints newer than the "
             "one loaded must be moved aside first, so that later resumes do not return to them. Make the "
             "folder writable, then rerun."
         ) from e
@@ -139,7 +138,7 @@ def reasons(rejected: dict[str, str]) -> str:
     return "; ".join(f"{Path(path).name}: {why}" for path, why in rejected.items())
 
 
-def candidates(folder: Path, load_step: int) -> tuple[list[Path], bool]:
+def candidates(folder: Location, load_step: int) -> tuple[list[Location], bool]:
     """The checkpoints to try, newest first, and whether ``load_step`` continues the timeline
     it began (then its newest save is wanted, not step-``load_step`` again)."""
     found = step_folders(folder)
@@ -154,19 +153,19 @@ def candidates(folder: Path, load_step: int) -> tuple[list[Path], bool]:
             load_step,
             timeline.describe(),
             load_step,
-            folder,
+            display(folder),
         )
         return ours, True
     exact = [p for step, p in found if step == load_step]
     if not exact:
         raise CheckpointError(
-            f"`checkpoint.load_step` = {load_step}: no folder step-{load_step} in {folder}; found "
+            f"`checkpoint.load_step` = {load_step}: no folder step-{load_step} in {display(folder)}; found "
             f"{[p.name for _, p in found] or 'none'}."
         )
     return exact, False
 
 
-def follow(folder: Path, loaded: Path, load_step: int, rejected: dict[str, str]) -> Timeline:
+def follow(folder: Location, loaded: Location, load_step: int, rejected: dict[str, str]) -> Timeline:
     """The timeline of a run that has loaded ``loaded``: the current one, or (after a rollback
     or a fall-back past ``rejected`` checkpoints) a new one, every newer checkpoint moved aside."""
     step = int(loaded.name.removeprefix("step-"))
@@ -187,23 +186,23 @@ def follow(folder: Path, loaded: Path, load_step: int, rejected: dict[str, str])
             "%s: moved %s into %s (nothing deleted; move them back to undo)",
             began.describe(),
             ", ".join(began.set_aside),
-            folder / str(began.abandoned_folder),
+            display(folder / str(began.abandoned_folder)),
         )
     return began
 
 
-def start_over(folder: Path, rejected: dict[str, str], start: str) -> Timeline:
+def start_over(folder: Location, rejected: dict[str, str], start: str) -> Timeline:
     """No checkpoint loads: warn, naming each and why, and move them aside (a new timeline
     from scratch), so that rotation never deletes them and later resumes do not retry them."""
     began = begin_timeline(
-        folder, from_step=None, load_step=None, set_aside={Path(p): why for p, why in rejected.items()}
+        folder, from_step=None, load_step=None, set_aside={location(p): why for p, why in rejected.items()}
     )
     logger.warning(
         "no checkpoint in %s can be loaded (%s): starting %s as timeline %d; moved them into %s (nothing deleted)",
-        folder,
+        display(folder),
         reasons(rejected),
         start,
         began.id,
-        folder / str(began.abandoned_folder),
+        display(folder / str(began.abandoned_folder)),
     )
     return began

@@ -9,7 +9,6 @@ save just written. ``manager.py`` decides when to save.
 from __future__ import annotations
 
 import logging
-import shutil
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, NoReturn, cast
@@ -25,13 +24,14 @@ from torch.distributed.tensor import DTensor
 
 from trainer.checkpoint.agreement import agree
 from trainer.checkpoint.disk import disk_refusal
-from trainer.checkpoint.folders import PARTIAL_SUFFIX, publish, step_folders
-from trainer.checkpoint.integrity import ChecksummingWriter, first_non_finite, published_buffers
+from trainer.checkpoint.folders import PARTIAL_SUFFIX, partial_path, publish, step_folders
+from trainer.checkpoint.integrity import ChecksummingWriter, checksumming_writer, first_non_finite, published_buffers
+from trainer.checkpoint.location import Location, display, remove_tree
 from trainer.checkpoint.save_failures import refusal_message
 from trainer.checkpoint.states import Checkpointed, ModelState
 from trainer.config import Checkpoint
 from trainer.model.llama3 import ModelArgs, Transformer
-from trainer.runtime.errors import JobError
+from trainer.runtime.errors import ConfigError, JobError
 from trainer.runtime.weights_fence import WeightsFence
 
 logger = logging.getLogger("meshtrain")
@@ -49,7 +49,7 @@ class CheckpointWriter:
     def __init__(
         self,
         config: Checkpoint,
-        folder: Path,
+        folder: Location,
         run: Checkpointed,
         states: dict[str, Stateful],
         group: dist.ProcessGroup,
@@ -66,13 +66,13 @@ class CheckpointWriter:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.fence = fence or WeightsFence()
         self._stager: DefaultStager | None = None
-        self._pending: tuple[Future, Path, Path, int] | None = None
+        self._pending: tuple[Future, Location, Location, int] | None = None
 
     def save(self, step: int, *, model_only: bool = False) -> None:
         self.finish_pending(wait=True)  # at most one save in flight
         self._check_finite(step, include_optimizer=not model_only)
         final = self.folder / f"step-{step}"
-        partial = final.with_name(final.name + PARTIAL_SUFFIX)
+        partial = partial_path(final)
         try:
             agree(lambda: _empty_folder(partial), self.group)  # rank 0's failure reaches every rank
         except OSError as error:
@@ -82,7 +82,7 @@ class CheckpointWriter:
             state: dict[str, Any] = {"model": ModelState(self.run.model, dtype)}
         else:
             state = dict(self.states)
-        writer = ChecksummingWriter(str(partial), layout_invariant=self.layout_invariant)
+        writer = checksumming_writer(partial, layout_invariant=self.layout_invariant)
         try:
             if self.config.async_mode == "async":
                 # A Future unless an async stager is configured, which this mode never does.
@@ -129,10 +129,10 @@ class CheckpointWriter:
                 "the newest checkpoint (`checkpoint.load_step` picks an older one)."
             )
 
-    def _save_failed(self, error: BaseException, partial: Path, step: int) -> NoReturn:
+    def _save_failed(self, error: BaseException, partial: Location, step: int) -> NoReturn:
         """Remove the half-written folder, name a full or read-only disk as such, and raise."""
         if self.rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)
+            remove_tree(partial)
         refusal = disk_refusal(error)
         if refusal is None:
             raise error
@@ -151,7 +151,7 @@ class CheckpointWriter:
             self._save_failed(error, partial, step)
         self._publish(partial, final, step)
 
-    def _publish(self, partial: Path, final: Path, step: int) -> None:
+    def _publish(self, partial: Location, final: Location, step: int) -> None:
         """Make a written checkpoint visible, then drop the oldest beyond ``keep_latest_k``.
 
         Only rank 0 renames: DCP writes the metadata on rank 0 after every rank reported its
@@ -165,11 +165,11 @@ class CheckpointWriter:
             publish(partial, final, self.run.model_args, self.run.data_identity, self.schedule)
         except OSError as error:
             self._save_failed(error, partial, step)
-        logger.info("saved checkpoint %s", final)
+        logger.info("saved checkpoint %s", display(final))
         if self.config.keep_latest_k > 0:
             older = [p for s, p in step_folders(self.folder) if s < step]
             for old in older[: max(0, len(older) - (self.config.keep_latest_k - 1))]:
-                shutil.rmtree(old, ignore_errors=True)
+                remove_tree(old)
 
     def close(self) -> None:
         """Wait for an async save still in flight."""
@@ -179,20 +179,29 @@ class CheckpointWriter:
             self._stager = None
 
 
+def check_pinned_staging(config: Checkpoint, device: str) -> None:
+    """Pinned host memory is CUDA's: a job on another device cannot stage its checkpoints there."""
+    if config.async_mode == "async_with_pinned_mem" and device != "cuda":
+        raise ConfigError(
+            f'`checkpoint.async_mode` = "async_with_pinned_mem" needs pinned host memory, which a {device} job has '
+            'none of (pinning is CUDA\'s): use "async".'
+        )
+
+
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def _empty_folder(folder: Path) -> None:
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir(parents=True)
+def _empty_folder(folder: Location) -> None:
+    remove_tree(folder)
+    folder.mkdir(parents=True, exist_ok=True)
 
 
 def create_seed_checkpoint(config: Checkpoint, dump_folder: str, model: Transformer, model_args: ModelArgs) -> Path:
     """Write ``step-0`` with the initial weights only (one process: ``plan`` refuses more)."""
     final = Path(dump_folder) / config.folder / "step-0"
     partial = final.with_name(final.name + PARTIAL_SUFFIX)
-    shutil.rmtree(partial, ignore_errors=True)
+    remove_tree(partial)
     dcp.save({"model": ModelState(model)}, storage_writer=ChecksummingWriter(str(partial)))
     publish(partial, final, model_args)
     return final

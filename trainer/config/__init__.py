@@ -39,7 +39,7 @@ from trainer.config.schema import (
     Training,
     Validation,
 )
-from trainer.config.validate import cautions, validate
+from trainer.config.validate import cautions, is_url, validate
 from trainer.runtime.errors import ConfigError
 
 __all__ = [
@@ -72,6 +72,7 @@ __all__ = [
     "cautions",
     "changed_settings",
     "help_text",
+    "is_url",
     "load_config",
     "load_toml",
     "parse_mesh",

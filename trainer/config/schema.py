@@ -282,7 +282,11 @@ class Checkpoint:
         False,
         "Save checkpoints and resume from the newest complete one in `checkpoint.folder` at start.",
     )
-    folder: str = setting("checkpoint", "Folder inside `job.dump_folder`; each checkpoint is `step-N` in it.")
+    folder: str = setting(
+        "checkpoint",
+        "Folder inside `job.dump_folder`, or an object store's URL (`s3://bucket/run`, any fsspec protocol: "
+        "docs/checkpoints.md); each checkpoint is `step-N` in it.",
+    )
     interval: int = setting(500, "Save every N steps; the last step is always saved.", ge=1)
     keep_latest_k: int = setting(
         10, "Keep the newest k checkpoints of the current timeline, delete older ones; 0 keeps all.", ge=0
@@ -301,8 +305,8 @@ class Checkpoint:
     )
     initial_load_path: str = setting(
         "",
-        "A checkpoint folder (DCP `step-N`, or a Hugging Face folder with `initial_load_in_hf`) to "
-        "start from when there is no checkpoint to resume (also with `checkpoint.enable` off).",
+        "A checkpoint folder (DCP `step-N`, local or a URL, or a local Hugging Face folder with "
+        "`initial_load_in_hf`) to start from when there is no checkpoint to resume (also with `checkpoint.enable` off).",
     )
     initial_load_model_only: bool = setting(
         True, "From `initial_load_path`, load the weights only (fresh optimizer, step 0)."

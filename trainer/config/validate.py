@@ -11,6 +11,7 @@ import dataclasses
 import math
 import re
 from typing import Any
+from urllib.parse import urlsplit
 
 from trainer.config.choices import PACKED_DATASET_KINDS
 from trainer.config.fault_tolerance_section import FaultTolerance
@@ -25,7 +26,7 @@ def validate(config: JobConfig) -> None:
     for key, (typ, f) in FIELDS.items():
         section, name = key.split(".")
         _check_value(key, typ, f.metadata["limits"], getattr(getattr(config, section), name))
-    _no_urls(config)
+    _urls(config)
     _training(config)
     _activation_checkpoint(config)
     _checkpoint(config)
@@ -74,21 +75,35 @@ def _check_value(key: str, typ: type, limits: Limits | None, value: Any) -> None
 
 
 URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+URL_KEYS = ("checkpoint.folder", "checkpoint.initial_load_path")
+"""The path settings that may name an object store (fsspec URLs: ``trainer/checkpoint/location.py``)."""
 
 
-def _no_urls(config: JobConfig) -> None:
-    """A URL in a path key would be taken as a local folder (``s3://b`` -> ``./s3:/b``), and the
-    files lost with the machine: refused until object stores are supported."""
+def is_url(path: str) -> bool:
+    return bool(URL.match(path))
+
+
+def _urls(config: JobConfig) -> None:
+    """A URL in another path key would be taken as a local folder (``s3://b`` -> ``./s3:/b``) and
+    the files lost with the machine; one with credentials would write them into config.toml."""
     for key in FIELDS:
         section, name = key.split(".")
         if not name.endswith(("_path", "folder")):
             continue
         value = getattr(getattr(config, section), name)
         for path in value if isinstance(value, tuple) else (value,):
-            if isinstance(path, str) and URL.match(path):
+            if not (isinstance(path, str) and is_url(path)):
+                continue
+            if key not in URL_KEYS:
                 raise ConfigError(
-                    f"`{key}` = {path!r} is a URL: meshtrain reads and writes file-system paths only (object "
-                    "stores are not supported yet); mount the bucket (s3fs, gcsfuse, ...) and give its path."
+                    f"`{key}` = {path!r} is a URL: only {' and '.join(f'`{k}`' for k in URL_KEYS)} may name an "
+                    "object store; copy the file to a local disk (or mount the bucket) and give its path."
+                )
+            if "@" in urlsplit(path).netloc:
+                raise ConfigError(
+                    f"`{key}` holds credentials in its URL, which would be written to config.toml and the logs: "
+                    "give them in the environment (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY for S3, "
+                    "GOOGLE_APPLICATION_CREDENTIALS for GCS) or the store's own configuration, and the URL without them."
                 )
 
 

@@ -15,6 +15,7 @@ from parallelisms.moe_split import PARTS, SPLIT
 from parallelisms.parallelize import pipeline_split
 from parallelisms.torch_private import kernels
 from trainer.checkpoint.folders import step_folders
+from trainer.checkpoint.location import Location, display
 from trainer.config import acting, cautions, changed_settings, to_toml
 from trainer.metrics.logger import MetricsLogger, format_duration
 from trainer.model.llama3 import num_params, whole_model
@@ -160,7 +161,7 @@ def log_end(
     last: StepStats,
     steps: int,
     seconds: float,
-    checkpoint_folder: Path,
+    checkpoint_folder: Location,
     metrics: MetricsLogger,
     trained: int | None = None,
 ) -> None:
@@ -183,6 +184,6 @@ def log_end(
         f"{tokens:,}",
         f"{tokens / max(seconds, 1e-9):,.0f}",
         last.result.loss_avg,
-        saved[-1][1] if saved else "none (`--checkpoint.enable` saves them)",
+        display(saved[-1][1]) if saved else "none (`--checkpoint.enable` saves them)",
         "; ".join(f"{sink.name}: {sink.where()}" for sink in metrics.sinks) or "console only",
     )

@@ -23,7 +23,9 @@ from parallelisms.parallelize import ModelShape, ParallelSettings, check
 from parallelisms.torch_private import UnsupportedTorch
 from parallelisms.torch_private import check as check_torch_internals
 from trainer.checkpoint.hf_load import check_initial_load
-from trainer.config import ConfigError, JobConfig, cautions, resolve_path
+from trainer.checkpoint.location import check_stores
+from trainer.checkpoint.writer import check_pinned_staging
+from trainer.config import ConfigError, JobConfig, cautions, is_url, resolve_path
 from trainer.data.datasets import validates, validation_seq_len
 from trainer.data.tokenizer import Tokenizer, load_tokenizer
 from trainer.hardware import GIB, gib
@@ -153,7 +155,7 @@ def resolve_job(
     except ParallelismError as e:
         raise ConfigError(e.render(SETTING_KEYS) + sized_for(config, world_size)) from None
     check_torch(torch_concerns(config, dims))
-    check_pinned_staging(config, device)
+    check_pinned_staging(config.checkpoint, device)
     per_microbatch = training.local_batch_size * dims.dp
     global_batch = per_microbatch if training.global_batch_size == -1 else training.global_batch_size
     if global_batch % per_microbatch:
@@ -195,6 +197,7 @@ def resolve_job(
         )
     if config.profiling.enable_memory_snapshot and device != "cuda":
         raise ConfigError("`profiling.enable_memory_snapshot` records the CUDA allocator: it needs a GPU.")
+    check_stores(config.checkpoint, config.job.dump_folder)
     check_initial_load(config.checkpoint, args)
     if config.checkpoint.create_seed_checkpoint and world_size != 1:
         raise ConfigError(
@@ -206,15 +209,6 @@ def resolve_job(
     settings = replace(settings, experts_stay_gathered=workload.experts_stay_gathered)
     batches = global_batch // per_microbatch
     return JobPlan(config, dims, settings, batches, global_batch, args, tokenizer, workload, chunking)
-
-
-def check_pinned_staging(config: JobConfig, device: str) -> None:
-    """Pinned host memory is CUDA's: a job on another device cannot stage its checkpoints there."""
-    if config.checkpoint.async_mode == "async_with_pinned_mem" and device != "cuda":
-        raise ConfigError(
-            f'`checkpoint.async_mode` = "async_with_pinned_mem" needs pinned host memory, which a {device} job has '
-            'none of (pinning is CUDA\'s): use "async".'
-        )
 
 
 def check_replica_groups(config: JobConfig, dims: ParallelDims) -> None:
@@ -265,6 +259,8 @@ def torch_concerns(config: JobConfig, dims: ParallelDims) -> tuple[str, ...]:
         concerns.append("pipelining")
     if config.debug.layout_invariant:
         concerns.append("fsdp")
+    if any(is_url(path) for path in (config.checkpoint.folder, config.checkpoint.initial_load_path)):
+        concerns.append("checkpoint_storage")
     return tuple(concerns)
 
 
