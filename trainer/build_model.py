@@ -46,7 +46,7 @@ def build_model(
         model = Transformer(plan.model_args)
     if model.output is not None:  # the whole model: no pipeline split yet
         model.output.chunk_tokens = plan.loss_chunking.tokens
-        model.output.gradients_in_forward = plan.workload.holds_loss_gradients
+        model.output.gradients_in_forward = plan.step.loss_gradients_in_forward
         model.output.cross_entropy = cross_entropy
     total = num_params(model)
     if rank0:

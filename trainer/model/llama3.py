@@ -321,7 +321,7 @@ class OutputProjection(nn.Linear):
         super().__init__(dim, vocab_size, bias=False)
         self.chunk_tokens = 0
         self.cross_entropy: CrossEntropy = cross_entropy_sum
-        self.gradients_in_forward = False  # Workload.holds_loss_gradients
+        self.gradients_in_forward = False  # StepPlan.loss_gradients_in_forward
 
     def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         if labels is None:

@@ -28,6 +28,9 @@ class StepPlan:
     """A forward-only pre-pass of the step first: exact MoE balancing counts the step's routing."""
     offload: bool
     """Held forwards keep what they save in pinned host memory."""
+    loss_gradients_in_forward: bool
+    """Held forwards compute their loss's gradients as the loss (the output weight a plain tensor),
+    so that only those wait for the backward, not the logits."""
     parts: tuple[str, ...]
     """The kinds of part the step has, in order: ``accumulator``, ``reduction``, ``loss terms``,
     ``balance``, ``group commit``, ``optimizer step``, ``float8 scales`` (the simulator adds two
@@ -66,7 +69,15 @@ def step_plan(
     }
     lines = [f"the step: {schedule_line(schedule, prepass, workload.offloads_forwards, dims)}"]
     lines += [f"  {i}. {said[kind]}" for i, kind in enumerate(kinds, 1)]
-    return StepPlan(schedule, prepass, held and workload.offloads_forwards, tuple(kinds), terms, tuple(lines))
+    return StepPlan(
+        schedule,
+        prepass,
+        held and workload.offloads_forwards,
+        held and workload.holds_loss_gradients,
+        tuple(kinds),
+        terms,
+        tuple(lines),
+    )
 
 
 def schedule_line(schedule: str, prepass: bool, offload: bool, dims: ParallelDims) -> str:
