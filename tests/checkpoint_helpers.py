@@ -20,9 +20,9 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from trainer.checkpoint.manager import CheckpointManager
 from trainer.checkpoint.states import Checkpointed
-from trainer.config import Checkpoint, LRScheduler
+from trainer.config import Checkpoint, LRScheduler, Optimizer
 from trainer.model.llama3 import ModelArgs, Transformer
-from trainer.optimizer import LRSchedule
+from trainer.optimizer import LRSchedule, build_optimizer
 from trainer.train_state import TrainState
 
 # A schedule that does not depend on training.steps (warm-up, then constant), so a 4-step run
@@ -134,11 +134,16 @@ class Position:
 
 
 def tiny_manager(
-    dump: Path, args: ModelArgs = TINY, data: str = "a", step: int = 0, **checkpoint: Any
+    dump: Path, args: ModelArgs = TINY, data: str = "a", step: int = 0, optimizer_name: str = "", **checkpoint: Any
 ) -> CheckpointManager:
-    """A manager over a plain ``Transformer(args)`` at ``step``, trained on data fingerprinted ``data``."""
+    """A manager over a plain ``Transformer(args)`` at ``step``, trained on data fingerprinted ``data``
+    (with torch's AdamW, or the trainer's ``optimizer_name``)."""
     model = Transformer(args)
-    optimizer = torch.optim.AdamW(model.parameters())
+    optimizer = (
+        build_optimizer(model, Optimizer(name=optimizer_name), "cpu")
+        if optimizer_name
+        else torch.optim.AdamW(model.parameters())
+    )
     train_state = TrainState()
     train_state.step = step
     return CheckpointManager(

@@ -26,7 +26,13 @@ class Case:
         self.id = f"{key}={value}" + (f" ({case})" if case else "")
 
 
+MUON = {"optimizer.name": "Muon"}
 CASES = [
+    Case("optimizer.momentum", 0.9, MUON, {}),
+    Case("optimizer.nesterov", False, MUON, {}),
+    Case("optimizer.ns_steps", 3, MUON, {}),
+    Case("optimizer.ns_coefficients", [3.0, -4.0, 2.0], MUON, {}),
+    Case("optimizer.adjust_lr_fn", "original", MUON, {}),
     Case("float8.recipe_name", "rowwise", {"model.converters": ["float8"]}, {}),
     Case("float8.enable_fsdp_float8_all_gather", True, {"model.converters": ["float8"]}, {}),
     Case("float8.precompute_float8_dynamic_scale_for_fsdp", True, {"model.converters": ["float8"]}, {}),
@@ -122,7 +128,7 @@ def flags(settings: dict[str, Any]) -> list[str]:
     def text(value: Any) -> str:
         if isinstance(value, bool):
             return str(value).lower()
-        return ",".join(value) if isinstance(value, list) else str(value)
+        return ",".join(map(str, value)) if isinstance(value, list) else str(value)
 
     return [f"--{key}={text(value)}" for key, value in settings.items()]
 

@@ -140,6 +140,7 @@ def test_invalid_optimizer_hyperparameters_name_the_key(key, value):
 
 UNBOUNDED = {
     "training.max_norm": "any finite value: <= 0 disables clipping",
+    "optimizer.ns_coefficients": "any finite numbers (b is negative by default); validate counts three",
     **{
         f"parallelism.{name}": "a mesh degree, checked by resolve_job() with the world size"
         for name in MESH_DIMS.values()
@@ -219,6 +220,7 @@ FEATURES = {
     "moe.": ["--model.name", "moe", "--model.flavor", "debugmoe"],
     "parallelism.expert_parallel_overlap_chunks": ["--parallelism.expert_parallel_degree", "2"],
     "parallelism.pipeline_parallel_": ["--parallelism.pipeline_parallel_degree", "2"],
+    "optimizer.": ["--optimizer.name", "Muon"],
 }
 """What turns on the feature of a key that acts only under another (``DEPENDENT``), by prefix."""
 

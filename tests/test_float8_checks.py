@@ -169,9 +169,9 @@ def test_the_dry_run_names_the_recipe_the_converted_layers_and_the_optimizer():
     it; with it the recipe and what the run will convert (the start report's count, before any
     model is built), and the optimizer, with a filter keeping a layer in high precision."""
     plain = describe(resolve_job(load_config([]), 1), None, "")
-    assert "float8" not in plain and "optimizer step: AdamW" in plain
+    assert "float8" not in plain and "optimizer step, then the LR schedule: AdamW" in plain
     rowwise = [*FLOAT8, "--float8.recipe_name", "rowwise", "--float8.filter_fqns", "wk"]
     said = describe(resolve_job(load_config(rowwise), 1), None, "")
     (line,) = [line for line in said.splitlines() if line.startswith("float8: ")]
     assert line.startswith("float8: recipe rowwise, emulated") and "36 of 43 linear layers in float8" in line, line
-    assert "kept in high precision: output, wk" in line and "optimizer step: AdamW" in said
+    assert "kept in high precision: output, wk" in line and "optimizer step, then the LR schedule: AdamW" in said

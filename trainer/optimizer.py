@@ -1,4 +1,4 @@
-"""AdamW and its learning-rate schedule (linear warm-up, constant, then decay), which a resume
+"""The optimizer (AdamW, or Muon with AdamW: ``trainer/muon.py``) and its learning-rate schedule (linear warm-up, constant, then decay), which a resume
 takes from this run's settings, saying what changed."""
 
 from __future__ import annotations
@@ -13,20 +13,27 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from trainer.config import LRScheduler, Optimizer
+from trainer.muon import Muon, MuonSettings, takes_muon
 
 
 def build_optimizer(
     model: nn.Module, config: Optimizer, device_type: str, layout_invariant: bool = False
-) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only: decaying norm gains toward 0 only hurts.
+) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices only: decaying norm gains toward 0 only hurts. With
+    ``optimizer.name = "Muon"``, the blocks' matrices take Muon's update and AdamW the rest.
 
     ``layout_invariant`` (``debug.layout_invariant``) resolves ``auto`` to ``foreach``, whose
     update of an element does not depend on the shard it lies in; the fused CPU kernel's does.
     """
     decay: list[nn.Parameter] = []
     no_decay: list[nn.Parameter] = []
-    for param in model.parameters():
-        if param.requires_grad:
+    muon: list[nn.Parameter] = []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        if config.name == "Muon" and takes_muon(name):
+            muon.append(param)
+        else:
             (decay if param.ndim >= 2 else no_decay).append(param)
     groups = [
         {"params": decay, "weight_decay": config.weight_decay},
@@ -35,7 +42,7 @@ def build_optimizer(
     impl = config.implementation
     if impl == "auto":
         impl = "fused" if device_type == "cuda" and not layout_invariant else "foreach"
-    return torch.optim.AdamW(
+    adamw = torch.optim.AdamW(
         groups,
         lr=config.lr,
         betas=(config.beta1, config.beta2),
@@ -43,6 +50,17 @@ def build_optimizer(
         fused=impl == "fused",
         foreach=impl == "foreach",
     )
+    if config.name != "Muon":
+        return adamw
+    coefficients = config.ns_coefficients
+    settings = MuonSettings(
+        config.momentum,
+        config.nesterov,
+        (coefficients[0], coefficients[1], coefficients[2]),
+        config.ns_steps,
+        config.adjust_lr_fn,
+    )
+    return Muon(muon, adamw, settings)
 
 
 def lr_factor(step: int, total_steps: int, config: LRScheduler) -> float:

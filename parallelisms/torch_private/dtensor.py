@@ -1,6 +1,7 @@
 """DeviceMesh, DTensor and tensor/context-parallel internals.
 
-Mesh flattening (one data-parallel dimension out of several), the box of a global tensor a rank
+Mesh flattening (one data-parallel dimension out of several), FSDP's strided shards (which Muon's
+exchange undoes), the box of a global tensor a rank
 holds, the TP styles' output hook (overridden by ``parallelisms/tensor_parallel.py``), the ring
 attention's rotation setting, functional collectives' all-to-alls (even with autograd: Ulysses and
 expert parallelism's counts; uneven and un-waited: expert parallelism's tokens), and a DTensor's
@@ -15,13 +16,15 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Placement, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor.placement_types import _StridedShard
 
 FEATURE = "the device mesh, tensor and context parallelism"
 CHECKED_ON = ("2.11.0", "2.13.0", "2.14.1", "2.15.0")
 NAMES = (
+    "_StridedShard",
     "_flatten",
     "_utils",
     "compute_local_shape_and_global_offset",
@@ -32,6 +35,17 @@ NAMES = (
     "_c10d_functional",
     "_local_tensor",
 )
+
+
+def split_dim(placement: Placement) -> int | None:
+    """The tensor dimension ``placement`` splits (a shard, or FSDP's strided shard of a tensor TP
+    shards too, which not every torch counts as a ``Shard``); None where it splits none."""
+    return placement.dim if isinstance(placement, (Shard, _StridedShard)) else None
+
+
+def is_strided(placement: Placement) -> bool:
+    """FSDP's shard of a TP shard: applied after the plain shards of its dimension."""
+    return isinstance(placement, _StridedShard)
 
 
 def flatten_mesh(mesh: DeviceMesh, dims: tuple[str, ...], name: str) -> DeviceMesh:

@@ -55,10 +55,17 @@ from trainer.checkpoint.integrity import (
 )
 from trainer.checkpoint.location import Location, dcp_reader, display, location
 from trainer.checkpoint.resume_fit import check_same_model, data_changes, other_data, schedule_line
-from trainer.checkpoint.states import Checkpointed, ModelState, OptimizerState, optimizer_groups_flattened
+from trainer.checkpoint.states import (
+    Checkpointed,
+    ModelState,
+    OptimizerState,
+    optimizer_groups_flattened,
+    optimizer_name,
+)
 from trainer.checkpoint.timeline import Timeline, candidates, follow, reasons, start_over
 from trainer.checkpoint.writer import CheckpointWriter
 from trainer.config import Checkpoint
+from trainer.muon import Muon
 from trainer.runtime.errors import CheckpointError, UserError
 from trainer.runtime.weights_fence import WeightsFence
 
@@ -206,11 +213,24 @@ class CheckpointManager:
     def _load(self, path: Location, keys: tuple[str, ...]) -> None:
         """Load ``keys`` of ``path``, whose model :meth:`_check_same_model` has found this run's."""
         if "optimizer" in keys:
+            self._check_same_optimizer(path)
             self.optimizer_state.flatten = optimizer_groups_flattened(path)
         try:
             dcp.load({k: self.states[k] for k in keys}, storage_reader=dcp_reader(path), process_group=self.group)
         finally:
             self.optimizer_state.flatten = True  # what this run saves
+
+    def _check_same_optimizer(self, path: Location) -> None:
+        """Refuse to load one optimizer's state into the other: DCP would stop at the first
+        missing moment with every rank's traceback."""
+        ours = "Muon" if isinstance(self.run.optimizer, Muon) else "AdamW"
+        theirs = self._agree(lambda: optimizer_name(path))
+        if theirs not in (None, ours):
+            raise CheckpointError(
+                f"{display(path)} holds {theirs}'s optimizer state, and this run's `optimizer.name` is {ours}: set "
+                f'`optimizer.name` = "{theirs}" to resume it, or add `optimizer` to `checkpoint.exclude_from_loading` '
+                f"to start {ours} afresh from its weights."
+            )
 
     def _check_same_model(self, path: Location, what: str) -> None:
         """Refuse another model's checkpoint in one line (``resume_fit.check_same_model``)."""

@@ -83,6 +83,15 @@ class OptimizerState(Stateful):
         return StateDictOptions(flatten_optimizer_state_dict=self.flatten)
 
 
+def optimizer_name(path: Location) -> str | None:
+    """The optimizer whose state a checkpoint holds: Muon where it holds Muon's momentum buffers,
+    AdamW otherwise; None for a checkpoint without optimizer state."""
+    keys = dcp_reader(path).read_metadata().state_dict_metadata
+    if not any(k.startswith("optimizer.state.") for k in keys):
+        return None
+    return "Muon" if any(k.endswith(".momentum_buffer") for k in keys) else "AdamW"
+
+
 def optimizer_groups_flattened(path: Location) -> bool:
     """Whether the checkpoint at ``path`` keys parameter-group settings by parameter name
     (``optimizer.param_groups.<fqn>.lr``) rather than by group index (``...param_groups.0.lr``)."""

@@ -125,8 +125,18 @@ def _switch(key: str, on: Callable[[JobConfig], bool], fix: str = "") -> Callabl
     return unused
 
 
+MUON_KEYS = ("optimizer.momentum", "optimizer.nesterov", "optimizer.ns_steps", "optimizer.ns_coefficients")
+
+
+def _muon(c: JobConfig) -> Unused:
+    if c.optimizer.name == "Muon":
+        return None
+    return f"`optimizer.name` = {c.optimizer.name!r}", 'Set `optimizer.name` = "Muon"'
+
+
 DEPENDENT = (
     Dependent(_section("float8"), _float8),
+    Dependent((*MUON_KEYS, "optimizer.adjust_lr_fn"), _muon),
     Dependent(_section("moe"), _dense),
     Dependent(("moe.balance_loss_scope", "moe.balance_loss_layers"), _balance_loss),
     Dependent(("moe.held_forwards",), _held_forwards),

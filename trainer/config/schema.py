@@ -74,7 +74,12 @@ class Model:
 
 @dataclass
 class Optimizer:
-    name: str = setting("AdamW", "Optimizer. Only AdamW exists.", ("AdamW",))
+    name: str = setting(
+        "AdamW",
+        "`AdamW`, or `Muon`: Muon for the blocks' weight matrices (attention, feed-forward, experts), AdamW with "
+        "these settings for the rest (docs/muon.md).",
+        ("AdamW", "Muon"),
+    )
     lr: float = setting(8e-4, "Peak learning rate.", ge=0.0, le=MAX_LR)
     beta1: float = setting(0.9, "AdamW beta1.", ge=0.0, lt=1.0)
     beta2: float = setting(0.95, "AdamW beta2.", ge=0.0, lt=1.0)
@@ -87,6 +92,19 @@ class Optimizer:
         "AdamW kernel: `fused` (one kernel, GPU), `foreach` (multi-tensor), `for-loop`, or "
         "`auto` (fused on CUDA, foreach elsewhere).",
         ("auto", "fused", "foreach", "for-loop"),
+    )
+    momentum: float = setting(0.95, "Muon's momentum.", ge=0.0, lt=1.0)
+    nesterov: bool = setting(True, "Muon steps along the Nesterov momentum.")
+    ns_steps: int = setting(5, "Muon's Newton–Schulz iterations.", ge=1, le=99)
+    ns_coefficients: FloatList = setting(  # noqa: RUF009 - an immutable tuple
+        FloatList((3.4445, -4.7750, 2.0315)),
+        "Muon's Newton–Schulz coefficients a, b, c (torch.optim.Muon's defaults).",
+    )
+    adjust_lr_fn: str = setting(
+        "match_rms_adamw",
+        "How Muon scales `lr` by a matrix's shape: `match_rms_adamw` (0.2 x sqrt(max(rows, cols)): AdamW's "
+        "`lr` and `weight_decay` carry over) or `original` (sqrt(max(1, rows / cols))).",
+        ("original", "match_rms_adamw"),
     )
 
 

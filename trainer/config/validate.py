@@ -27,6 +27,7 @@ def validate(config: JobConfig) -> None:
         section, name = key.split(".")
         _check_value(key, typ, f.metadata["limits"], getattr(getattr(config, section), name))
     _urls(config)
+    _muon(config)
     _training(config)
     _activation_checkpoint(config)
     _checkpoint(config)
@@ -105,6 +106,15 @@ def _urls(config: JobConfig) -> None:
                     "give them in the environment (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY for S3, "
                     "GOOGLE_APPLICATION_CREDENTIALS for GCS) or the store's own configuration, and the URL without them."
                 )
+
+
+def _muon(config: JobConfig) -> None:
+    coefficients = config.optimizer.ns_coefficients
+    if len(coefficients) != 3:
+        raise ConfigError(
+            f"`optimizer.ns_coefficients` holds {len(coefficients)} numbers, {list(coefficients)}: the Newton–Schulz "
+            "iteration takes three (a, b, c), e.g. `--optimizer.ns_coefficients 3.4445,-4.7750,2.0315`."
+        )
 
 
 def _training(config: JobConfig) -> None:

@@ -44,8 +44,9 @@ from trainer.planning.float8_plan import (
 from trainer.planning.layout_rules import check_layout_invariant
 from trainer.planning.loss_chunking import LossChunking, resolve_loss_chunking
 from trainer.planning.memory_fixes import what_would_fit
-from trainer.planning.memory_plan import Estimate, Workload, estimate
+from trainer.planning.memory_plan import Workload, estimate
 from trainer.planning.moe_memory import RoutedExperts
+from trainer.planning.per_rank_bytes import Estimate
 from trainer.planning.step_plan import StepPlan, step_plan
 
 DEGREES = {
@@ -290,6 +291,7 @@ def memory_workload(
     imbalance = figures.get("routing_imbalance", 1.0) if figures else 1.0
     balance = config.moe.balance_loss_scope if config.moe.balance_loss_weight > 0 else ""
     return Workload(
+        muon=config.optimizer.name == "Muon",
         dim=args.dim,
         n_layers=args.n_layers,
         n_heads=args.n_heads,

@@ -4,7 +4,8 @@ A job that does not fit should say so in seconds, with the numbers and the setti
 make it fit, instead of spending minutes initialising and then dying of an out-of-memory error
 (or, on CPU, swapping the machine to a halt). :func:`estimate` adds up, per rank:
 
-* **model state**: fp32 parameters, fp32 gradients and AdamW's two fp32 moments, each sharded
+* **model state**: fp32 parameters, fp32 gradients and AdamW's two fp32 moments (Muon's one
+  momentum buffer for the blocks' matrices: ``trainer/muon.py``), each sharded
   over ``dp_shard x cp`` (FSDP) and ``tp`` (replicas under HSDP hold their own copy); with
   ``training.defer_gradient_reduction`` the gradients accumulate unsharded, in the reduce dtype.
   With one micro-batch per step on CUDA, backward frees each block's activations as it makes
@@ -66,8 +67,9 @@ import math
 from dataclasses import dataclass
 
 from parallelisms.pipeline_split import plan_split
-from trainer.hardware import ALLOCATOR_SLACK, RUNTIME_BYTES, gib
+from trainer.hardware import ALLOCATOR_SLACK, RUNTIME_BYTES
 from trainer.planning.moe_memory import RoutedExperts
+from trainer.planning.per_rank_bytes import Estimate
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,9 @@ class Workload:
     pp_schedule: str = "1F1B"
     pp_microbatches: int = 1
     """Pipeline micro-batches per schedule step on each data-parallel rank."""
+    muon: bool = False
+    """``optimizer.name = "Muon"``: one buffer for the blocks' matrices, and the whole matrices of the
+    optimizer step's exchange (:func:`muon_exchange`)."""
     pp_layers_per_stage: int = -1
     pp_first_less: int = 1
     pp_last_less: int = 1
@@ -224,38 +229,11 @@ class Workload:
     def params(self) -> int:
         return self.n_layers * self.block_params + 2 * self.vocab_size * self.dim + self.dim
 
-
-@dataclass(frozen=True)
-class Estimate:
-    """Per-rank bytes by part; :attr:`total` is the expected peak. Under pipeline parallelism,
-    those of ``pp_rank``, the rank that needs the most."""
-
-    model_state: int
-    fsdp_buffers: int
-    activations: int
-    logits: int
-    allocator: int
-    runtime: int
-    pp_rank: int | None = None
-    """The pipeline rank (None without pipeline parallelism)."""
-    params: int = 0
-    """Parameters of the model this rank's stages hold, before sharding (all of them without pipelining)."""
-
     @property
-    def total(self) -> int:
-        return self.model_state + self.fsdp_buffers + self.activations + self.logits + self.allocator + self.runtime
-
-    def line(self) -> str:
-        parts = (
-            ("params+grads+AdamW", self.model_state),
-            ("FSDP buffers", self.fsdp_buffers),
-            ("activations", self.activations),
-            ("logits", self.logits),
-            ("allocator slack", self.allocator),
-            ("runtime", self.runtime),
-        )
-        where = f" (pipeline rank {self.pp_rank}, the largest)" if self.pp_rank is not None else ""
-        return f"{gib(self.total)} per rank{where} = " + " + ".join(f"{gib(b)} {name}" for name, b in parts)
+    def matrix_params(self) -> int:
+        """Per block, the matrices Muon updates: all but the norms and a router."""
+        router = self.dim * self.experts.n_experts if self.experts is not None else 0
+        return self.block_params - 2 * self.dim - router * (self.n_layers - self.dense_layers) // self.n_layers
 
 
 @dataclass(frozen=True)
@@ -313,7 +291,8 @@ def _shares(w: Workload) -> list[_Share]:
 def _estimate(w: Workload, share: _Share) -> Estimate:
     shards = w.dp_shard * w.cp * w.tp
     params = share.blocks * w.block_params + w.vocab_size * w.dim * (share.first + share.last) + w.dim * share.last
-    sharded_state = (4 + 8) * params / shards  # fp32 parameters, AdamW's two moments
+    moments = 8 * params - (4 * share.blocks * w.matrix_params if w.muon else 0)  # AdamW's two, Muon's one
+    sharded_state = (4 * params + moments) / shards
     kept, recomputed = _activations(w, share)
     logits = share.logits * _logits(w)
     # CUDA's caching allocator reuses what backward frees (the loss's tensors before the first
@@ -356,7 +335,21 @@ def _estimate(w: Workload, share: _Share) -> Estimate:
         runtime=RUNTIME_BYTES[device] if w.runtime_bytes is None else w.runtime_bytes,
         pp_rank=share.pp_rank,
         params=params,
+        optimizer=int(muon_exchange(w, share.blocks)) if w.muon else 0,
     )
+
+
+def muon_exchange(w: Workload, blocks: int) -> float:
+    """Bytes Muon's optimizer step holds beside the model state, when the activations are gone:
+    the largest stack of one kind of matrix (the stage's blocks of it, or one layer's routed
+    experts), as fp32 local shards, fp32 whole matrices of the rank's share, their bf16 copy and
+    the Newton–Schulz products (about two more bf16 copies): 16 bytes an element over the shards."""
+    q = w.widths[0]
+    dense = blocks * max(q * w.dim, w.dim * w.ffn_dim) / (w.dp_shard * w.cp * w.tp)
+    experts = 0.0
+    if w.experts is not None and w.dense_layers < w.n_layers:
+        experts = w.experts.n_experts * w.dim * w.experts.hidden / (w.dp_shard * w.cp)
+    return 16 * max(dense, experts)
 
 
 def _activations(w: Workload, share: _Share) -> tuple[float, float]:

@@ -64,7 +64,7 @@ def step_plan(
         "balance": balance_line(config, isinstance(args, MoEArgs) and exact, prepass),
         "group commit": f"replica groups' commit: {config.fault_tolerance.group_count} groups; a step whose quorum "
         "broke is run again",
-        "optimizer step": f"optimizer step: {config.optimizer.name}, then the LR schedule",
+        "optimizer step": f"optimizer step, then the LR schedule: {optimizer_line(config, args)}",
         "float8 scales": "float8: every gathered weight's scale in one all-reduce after a step that moved them",
     }
     lines = [f"the step: {schedule_line(schedule, prepass, workload.offloads_forwards, dims)}"]
@@ -77,6 +77,20 @@ def step_plan(
         tuple(kinds),
         terms,
         tuple(lines),
+    )
+
+
+def optimizer_line(config: JobConfig, args: ModelArgs) -> str:
+    """Which update each parameter takes (``trainer/muon.py``'s choice, said in words)."""
+    if config.optimizer.name != "Muon":
+        return "AdamW"
+    o = config.optimizer
+    experts = ", every routed and shared expert's" if isinstance(args, MoEArgs) else ""
+    router = ", the router" if isinstance(args, MoEArgs) else ""
+    return (
+        f"Muon (momentum {o.momentum:g}{', Nesterov' if o.nesterov else ''}, {o.ns_steps} Newton–Schulz steps, "
+        f"lr adjusted by {o.adjust_lr_fn}; each matrix orthogonalised whole) for every block's attention wq wk wv "
+        f"wo and feed-forward w1 w2 w3{experts}; AdamW for the embedding, the output, the norms{router}"
     )
 
 

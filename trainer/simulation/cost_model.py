@@ -268,9 +268,12 @@ class CostRecorder:
             bus = full
         else:
             bus = full * (n - 1) // n * (2 if kind == "all_reduce" else 1)
-        # FSDP exchanges nothing all-to-all: one on its group is expert parallelism's token
-        # exchange over the same ranks (ep = dp_shard), exposed, not hidden under compute.
-        dim = "ep" if kind == "all_to_all" and info.dim in FSDP_DIMS else info.dim
+        # FSDP exchanges nothing all-to-all: one on its group is Muon's exchange of whole matrices
+        # at the optimizer step, or else expert parallelism's token exchange over the same ranks
+        # (ep = dp_shard); both exposed, not hidden under compute.
+        dim = info.dim
+        if kind == "all_to_all" and info.dim in FSDP_DIMS:
+            dim = "optimizer" if self.where()[0].startswith("optimizer") else "ep"
         if self.microbatch is not None:
             self.costs.first_collective.setdefault(self.microbatch, len(self.costs.total.collectives))
         under = None

@@ -354,6 +354,10 @@ def create_adamw_state(optimizer: torch.optim.Optimizer) -> None:
     """The state ``torch.optim.AdamW`` makes for each parameter on its first step (its
     ``_init_group``); ``tests/test_simulation_shortened.py`` checks it against a real first step."""
     for group in optimizer.param_groups:
+        if group.get("muon"):  # Muon's one buffer per matrix (trainer/muon.py)
+            for param in group["params"]:
+                optimizer.state[param].setdefault("momentum_buffer", torch.zeros_like(param))
+            continue
         on_device = group["fused"] or group["capturable"]
         for param in group["params"]:
             state = optimizer.state[param]
