@@ -170,3 +170,16 @@ def test_a_url_that_cannot_serve_is_refused_in_one_line_before_launch(tmp_path: 
     message = str(refused.value)
     assert said in message and "\n" not in message, message
     assert "key:secret@" not in message and SECRET not in message, message
+
+
+def test_credentials_that_cannot_write_are_refused_before_launch(tmp_path: Path, s3_bucket: str, monkeypatch):
+    """A store that lists but refuses writes (read-only credentials): one line at the plan, not a
+    traceback at the first save."""
+    from upath.implementations.cloud import S3Path
+
+    def refused(self, *args, **kwargs):
+        raise PermissionError("Access Denied")
+
+    monkeypatch.setattr(S3Path, "write_text", refused)
+    with pytest.raises(ConfigError, match=r"`checkpoint.folder` = s3://checkpoints/read-only cannot be written"):
+        resolve_job(load_config(small_argv(tmp_path, "--checkpoint.folder", f"{s3_bucket}/read-only")), 1)

@@ -35,6 +35,7 @@ URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 PUBLISHED_FILE = ".published"
 """Written last into an object store's ``step-N``: only a folder holding it is a checkpoint."""
 INSTALL = 'pip install -e ".[objectstore]"'
+WRITE_PROBE = ".meshtrain-write-check"
 
 
 def is_remote(path: Location) -> TypeIs[UPath]:
@@ -87,9 +88,21 @@ def check_store(key: str, path: Location) -> None:
 
 
 def check_stores(config: Checkpoint, dump_folder: str) -> None:
-    """Open and list, before launch, each object store the job's checkpoint keys name."""
+    """Open and list, before launch, each object store the job's checkpoint keys name; write and
+    delete an object in the checkpoint folder, so that read-only credentials fail here."""
     if config.enable:
-        check_store("checkpoint.folder", location(config.folder, base=dump_folder))
+        folder = location(config.folder, base=dump_folder)
+        check_store("checkpoint.folder", folder)
+        if is_remote(folder):
+            probe = folder / WRITE_PROBE
+            try:
+                probe.write_text("")
+                probe.unlink()
+            except Exception as error:  # each store's client raises its own kinds
+                raise ConfigError(
+                    f"`checkpoint.folder` = {display(folder)} cannot be written ({type(error).__name__}: {error}): "
+                    "give credentials that may write there, or another folder."
+                ) from None
     if config.initial_load_path:
         check_store("checkpoint.initial_load_path", location(config.initial_load_path))
 
