@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 
-from parallelisms.torch_private.fsdp import FSDP_SOURCE, called_from_fsdp
+from parallelisms.torch_private.fsdp import FSDP_SOURCE, autograd_engine_op, called_from_fsdp
 from trainer.simulation.calibration import ENV, Calibration, gemm_class, load
 from trainer.simulation.cost_model import CostRecorder, TracedCost
 from trainer.simulation.memory_tracker import MemoryTracker
@@ -203,3 +204,39 @@ def test_ops_called_by_fsdp_are_told_from_the_blocks_own():
     exec(compile("def hook(f):\n    return f()\n", str(Path(FSDP_SOURCE) / "hook.py"), "exec"), namespace)
     assert namespace["hook"](called_from_fsdp) is True
     assert called_from_fsdp() is False
+
+
+def test_autograd_s_own_gradient_ops_are_eager_casting_kernels():
+    """The engine's cast of a gradient to its leaf's ``grad_dtype``, and ``AccumulateGrad``'s add
+    into ``.grad``, run after a compiled backward graph, eagerly: torch 2.15's FSDP has autograd
+    accumulate each micro-batch's bf16 gradient into the fp32 one so, with no FSDP frame."""
+    weight = torch.nn.Parameter(torch.randn(64, 256, dtype=torch.bfloat16))
+    x = torch.randn(64, 256, dtype=torch.bfloat16)
+    recorder = CostRecorder({})
+    recorder.enabled = True
+    recorder.where = lambda: ("", True)  # inside a compiled block
+    recorder.after_graph = autograd_engine_op
+    with MemoryTracker([recorder]):
+        weight.grad_dtype = torch.float32
+        (weight * x).sum().backward()  # the engine casts the bf16 gradient to fp32
+        weight.grad_dtype = None
+        (weight * x).sum().backward()  # AccumulateGrad adds the bf16 one into it
+    assert weight.grad is not None and weight.grad.dtype == torch.float32
+    elements = weight.numel()
+    assert recorder.cost.fused_casting_bytes == elements * (2 + 4) + elements * (4 + 2 + 4)
+
+
+def test_a_cast_recomputed_in_backward_stays_the_blocks():
+    """Activation checkpointing recomputes a block's forward inside a backward node, with grad
+    mode on: its casts of the weight are the block's, not the engine's."""
+    weight = torch.nn.Parameter(torch.randn(256, dtype=torch.bfloat16))
+    weight.grad_dtype = torch.float32
+    x = torch.randn(64, 256, dtype=torch.bfloat16)
+    flagged: list[str] = []
+    recorder = CostRecorder({})
+    recorder.enabled = True
+    recorder.after_graph = lambda func, out: autograd_engine_op(func, out) and not flagged.append(func.__name__)
+    with MemoryTracker([recorder]):
+        # ``a * weight``'s node, an edge to the weight's ``AccumulateGrad``, recomputes ``weight.float()``.
+        checkpoint(lambda a: weight.float() + (a * weight).float(), x, use_reentrant=False).sum().backward()
+    assert flagged == ["_to_copy.default"] * 2  # the engine's casts of the weight's two gradients alone

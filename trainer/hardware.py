@@ -58,7 +58,19 @@ that share a family name with a faster part (H100 NVL/PCIe vs. SXM) come first."
 
 RUNTIME_BYTES = {"cpu": int(0.40 * GIB), "cuda": int(1.5 * GIB)}
 """Held whatever the model: on a GPU the CUDA context and NCCL's buffers; on the CPU the
-process's own memory (the interpreter, torch's libraries)."""
+process's own memory (the interpreter, torch's libraries: those of its CPU build)."""
+
+CUDA_BUILD_ON_CPU_BYTES = int(0.35 * GIB)
+"""What a CUDA build of torch adds to a CPU process: its CUDA and Triton libraries' resident pages
+and data, mapped even with no GPU (after the trainer's imports, 0.35 GiB over the CPU build's on
+torch 2.13, 0.37 on 2.15: the build, not the release)."""
+
+
+def runtime_bytes(device: str, cuda_build: bool) -> int:
+    """What a process on ``device`` holds whatever the model, with a CUDA build of torch or not."""
+    device = device if device in RUNTIME_BYTES else "cpu"
+    return RUNTIME_BYTES[device] + (CUDA_BUILD_ON_CPU_BYTES if cuda_build and device == "cpu" else 0)
+
 
 ALLOCATOR_SLACK = {"cpu": 0.45, "cuda": 0.1}
 """Memory the allocator holds beyond the live tensors, as a fraction of the peak's activations."""

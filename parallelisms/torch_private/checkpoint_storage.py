@@ -10,7 +10,11 @@ NAMES = ("_fsspec_filesystem",)
 
 
 def fsspec_storage() -> tuple[type[Any], type[Any]]:
-    """``(FsspecReader, FsspecWriter)``: DCP's file-system reader and writer on an fsspec file system."""
-    from torch.distributed.checkpoint import _fsspec_filesystem
+    """``(FsspecReader, FsspecWriter)``: DCP's file-system reader and writer on an fsspec file system,
+    from the public module where torch has it (2.15, which deprecates the private one)."""
+    try:
+        from torch.distributed.checkpoint import fsspec_filesystem as storage  # type: ignore[attr-defined]
+    except ImportError:
+        from torch.distributed.checkpoint import _fsspec_filesystem as storage
 
-    return _fsspec_filesystem.FsspecReader, _fsspec_filesystem.FsspecWriter
+    return storage.FsspecReader, storage.FsspecWriter

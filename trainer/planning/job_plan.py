@@ -323,6 +323,7 @@ def memory_workload(
         document_mask=settings.document_mask,
         device=device,
         runtime_bytes=int(figures["runtime_gib"] * GIB) if figures and "runtime_gib" in figures else None,
+        cuda_build=torch.backends.cuda.is_built(),
         allocator_slack=figures.get("allocator_slack") if figures else None,
         pp=dims.pp,
         pp_schedule=settings.pp_schedule,

@@ -55,7 +55,7 @@ make it fit, instead of spending minutes initialising and then dying of an out-o
   50% without, and drops to the live size with ``MALLOC_MMAP_THRESHOLD_=65536``); the CUDA
   caching allocator loses less;
 * **runtime**: what the framework holds whatever the model (CUDA context and NCCL buffers, or
-  the CPU process's own memory).
+  the CPU process's own memory, a CUDA build's libraries included).
 
 The estimate is meant to be close, not exact: ``tests/test_memory_plan.py`` compares it with the
 measured peak on CPU (docs/performance.md gives the figures).
@@ -67,7 +67,7 @@ import math
 from dataclasses import dataclass
 
 from parallelisms.pipeline_split import plan_split
-from trainer.hardware import ALLOCATOR_SLACK, RUNTIME_BYTES
+from trainer.hardware import ALLOCATOR_SLACK, RUNTIME_BYTES, runtime_bytes
 from trainer.planning.moe_memory import RoutedExperts
 from trainer.planning.per_rank_bytes import Estimate
 
@@ -116,6 +116,8 @@ class Workload:
     device: str = "cpu"
     runtime_bytes: int | None = None
     """What the process holds whatever the model; None: the device's figure (``trainer/hardware.py``)."""
+    cuda_build: bool = False
+    """Whether torch is a CUDA build, whose libraries a CPU process holds too."""
     allocator_slack: float | None = None
     """As a fraction of the activations; None: the device's figure."""
     pp: int = 1
@@ -332,7 +334,7 @@ def _estimate(w: Workload, share: _Share) -> Estimate:
         activations=int(activations),
         logits=int(logits),
         allocator=int((ALLOCATOR_SLACK[device] if w.allocator_slack is None else w.allocator_slack) * activations),
-        runtime=RUNTIME_BYTES[device] if w.runtime_bytes is None else w.runtime_bytes,
+        runtime=runtime_bytes(device, w.cuda_build) if w.runtime_bytes is None else w.runtime_bytes,
         pp_rank=share.pp_rank,
         params=params,
         optimizer=int(muon_exchange(w, share.blocks)) if w.muon else 0,

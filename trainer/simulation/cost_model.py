@@ -199,6 +199,9 @@ class CostRecorder:
         self.costs = MicrobatchCosts()
         self.where: Callable[[], tuple[str, bool]] = lambda: ("", False)
         """Where the running op is (a row of the breakdown) and whether compile would trace it."""
+        self.after_graph: Callable[[Any, Any], bool] = lambda func, out: False
+        """Whether the op (``func``, ``out``) is eager work on a compiled graph's outputs once the
+        graph has run (autograd's gradient accumulation), which the fake job runs among its ops."""
         self.fusion = Fusion[tuple[str, str]]()
         self._in_flight: dict[int, TracedCost] = {}
         """Functional collectives not yet waited for (by their result's storage) -> what ran since."""
@@ -236,7 +239,9 @@ class CostRecorder:
             return
         fp8 = bool(flops) and (name == SCALED_MM or any(map(_is_float8, tensors_in(args))))
         where, compiled = self.where()
-        fused = self.fusion.bytes(func, args, out, memory, compiled and not flops, (name, where))
+        after = bool(memory) and self.after_graph(func, out)
+        compiled = compiled and not after
+        fused = self.fusion.bytes(func, args, out, memory, compiled and not flops, (name, where), after)
         casting = memory if memory and casts_each_element(func, args, out) else 0
         cost = Cost(flops, memory, fused.nbytes, casting, 0 if compiled else casting)
         for traced in (*self._costs(), *self._in_flight.values()):

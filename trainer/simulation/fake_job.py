@@ -195,6 +195,7 @@ def run_rank(
         recorder.enabled = True
         modules = PausingModTracker(pipelining.in_metadata_inference)
         recorder.where = functools.partial(_where, tracker, modules)
+        recorder.after_graph = fsdp.autograd_engine_op
         SPLIT.naming = True
         with modules, simulated.tensors, _attention_biases_outside_the_fake_mode():
             train_step(training.step, TrainState())

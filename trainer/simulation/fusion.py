@@ -62,7 +62,9 @@ class Fusion(Generic[Label]):
     chain). The kernel loads each tensor from outside once and writes an intermediate only if a
     later kernel reads it: the op of the chain that reads it takes its write back from the op
     that made it, and an op after the chain that reads it after all gives it back (``Fused``), so
-    every op's row stays what it moved. Not modelled: fusion into a matmul's epilogue; Inductor's
+    every op's row stays what it moved. An eager op run ``after`` the region's kernels on what
+    they wrote (autograd's accumulation of a compiled backward's gradients) has them stored and
+    leaves the chain running. Not modelled: fusion into a matmul's epilogue; Inductor's
     common-subexpression elimination (a scale computed twice in a step is charged twice)."""
 
     def __init__(self) -> None:
@@ -73,13 +75,20 @@ class Fusion(Generic[Label]):
         self._unwritten: dict[int, tuple[weakref.ref, _Written[Label]]] = {}
         """Storages a chain made and did not write, while they live: a later kernel's read writes them."""
 
-    def bytes(self, func: Any, args: tuple, out: Any, eager: int, compiled: bool, label: Label) -> Fused[Label]:
+    def bytes(
+        self, func: Any, args: tuple, out: Any, eager: int, compiled: bool, label: Label, after: bool = False
+    ) -> Fused[Label]:
         name = func.__name__.split(".")[0]
         pointwise = torch.Tag.pointwise in func.tags or name in FUSED_POINTWISE
         reduction = torch.Tag.reduction in func.tags or name in FUSED_REDUCTIONS
         fused = Fused[Label](0)
-        if not compiled or not (pointwise or reduction):
-            self._end()
+        if after:
+            for t in tensors_in(args):
+                if (made := self._chain.get(id(storage(t)))) is not None:
+                    made.read = True  # stored for this op: the chain reads it again for free
+        if after or not compiled or not (pointwise or reduction):
+            if not after:
+                self._end()
             fused.corrections = [c for t in tensors_in(args) if (c := self._written_after_all(t))]
             fused.nbytes = eager
             return fused

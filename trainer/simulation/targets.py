@@ -151,7 +151,7 @@ def cpu_target(ranks_per_node: int) -> Target:
         network_alpha_s=100e-6,
         efficiency=1.0,
         hbm_efficiency=1.0,
-        runtime_bytes=RUNTIME_BYTES["cpu"],
+        runtime_bytes=hardware.runtime_bytes("cpu", torch.backends.cuda.is_built()),
         allocator_slack=ALLOCATOR_SLACK["cpu"],
         host_bytes_per_s=copy_rate,
         host_efficiency=1.0,
