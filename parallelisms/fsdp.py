@@ -1,7 +1,8 @@
 """FSDP2 and HSDP: shard the parameters over the data-parallel ranks.
 
 Units, inner to outer: the token embedding, each transformer block, the final norm with the
-output projection, then the root (which owns whatever is left). The model is expected to have
+output projection, then the root (which owns whatever is left: both ends, when the output is
+tied to the embedding). The model is expected to have
 torchtitan's Llama module names: ``tok_embeddings``, ``layers`` (a ModuleDict), ``norm``,
 ``output``. On a 2-D ``(dp_replicate, dp_shard_cp)`` mesh ``fully_shard`` is HSDP:
 reduce-scatter inside a replica, all-reduce across replicas.
@@ -19,7 +20,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from parallelisms.model_parts import blocks, end, moe_layers
+from parallelisms.model_parts import blocks, end, moe_layers, tied_ends
 
 
 def apply_fsdp(
@@ -57,7 +58,9 @@ def apply_fsdp(
 
     never = reshard_after_forward == "never"
     tok_embeddings, norm, output = end(model, "tok_embeddings"), end(model, "norm"), end(model, "output")
-    if tok_embeddings is not None:  # a pipeline stage may hold neither end of the model
+    # A tied matrix must be one unit's: the root's, gathered from the embedding to the output.
+    tied = tied_ends(model)
+    if tok_embeddings is not None and not tied:  # a pipeline stage may hold neither end of the model
         shard(tok_embeddings, not never)
     units = list(blocks(model).values())
     if expert_mesh is not None:
@@ -80,7 +83,7 @@ def apply_fsdp(
         last = i == len(units) - 1
         shard(block, reshard_after_forward == "always" or (not never and not last))
     # norm and output run last in forward and first in backward: resharding them buys nothing.
-    if output is not None:
+    if output is not None and not tied:
         assert norm is not None  # a stage holds norm and output together
         shard([norm, output], reshard_after_forward == "always")
     shard(model, reshard_after_forward == "always")

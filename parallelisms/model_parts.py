@@ -49,6 +49,24 @@ def end(model: nn.Module, name: str) -> nn.Module | None:
     return child
 
 
+def tied_ends(model: nn.Module) -> bool:
+    """Whether the output projection's weight is the token embedding's (a model that ties them,
+    holding both ends)."""
+    embedding, output = end(model, "tok_embeddings"), end(model, "output")
+    return (
+        embedding is not None
+        and output is not None
+        and output.get_parameter("weight") is embedding.get_parameter("weight")
+    )
+
+
+def retie_ends(model: nn.Module) -> None:
+    """Make the output's weight the embedding's again, after a parallelism gave each its own."""
+    embedding, output = end(model, "tok_embeddings"), end(model, "output")
+    assert embedding is not None and output is not None
+    output.register_parameter("weight", embedding.get_parameter("weight"))
+
+
 def set_end(model: nn.Module, name: str, module: nn.Module | None) -> None:
     """Set ``model``'s ``tok_embeddings``, ``norm`` or ``output``; None keeps the name without the module."""
     model.register_module(name, module)

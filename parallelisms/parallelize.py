@@ -94,6 +94,8 @@ class ModelShape:
     n_layers: int = 1
     n_experts: int = 0
     """Routed experts per MoE layer; 0 for a dense model."""
+    tied_embeddings: bool = False
+    """The output projection is the embedding's matrix."""
 
 
 def check(dims: ParallelDims, settings: ParallelSettings, shape: ModelShape, device_type: str) -> None:
@@ -101,6 +103,12 @@ def check(dims: ParallelDims, settings: ParallelSettings, shape: ModelShape, dev
     _check_tensor_parallel(dims, settings, shape, device_type)
     _check_context_parallel(dims, settings, shape, device_type)
     _check_experts(dims, settings, shape)
+    if dims.pp > 1 and shape.tied_embeddings:
+        raise ParallelismError(
+            f"{{pp}} = {dims.pp} puts the embedding on the first stage and the output projection on the "
+            "last, but this model ties them into one matrix; train it without pipeline parallelism "
+            "(FSDP, TP, CP and EP compose with the tie)."
+        )
     if dims.pp > 1:
         split = pipeline_split(dims, settings, shape.n_layers)
         check_pipeline(

@@ -41,7 +41,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from parallelisms.model_parts import blocks, is_moe
+from parallelisms.model_parts import blocks, is_moe, retie_ends, tied_ends
 from parallelisms.torch_private import dtensor, kernels
 
 
@@ -144,7 +144,10 @@ def apply_tp(
     plan = {
         k: v for k, v in llama3_tp_plan(loss_parallel, styles).items() if getattr(model, k.split(".")[0]) is not None
     }
+    tied = tied_ends(model)
     parallelize_module(model, tp_mesh, plan)
+    if tied:  # both split over the vocabulary, Shard(0): the embedding's DTensor serves both
+        retie_ends(model)
     for block in blocks(model).values():
         parallelize_module(block, tp_mesh, feed_forward_plan(is_moe(block.get_submodule("feed_forward")), styles))
     if async_tp:

@@ -62,3 +62,44 @@ def build(folder: Path, vocab_size: int = 700, eos: str = "<|end_of_text|>") -> 
         )
     )
     return folder / "tokenizer.json"
+
+
+QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+QWEN_THINK = ["<think>", "</think>"]  # added tokens that are not special, as in Qwen3's tokenizer.json
+# Qwen3's rules for a finished conversation, written for these tests: ChatML turns; an assistant
+# message's think part kept only after the last user message, and always opened on the last one.
+QWEN3_CHAT_TEMPLATE = (
+    "{% set ns = namespace(last=-1) %}{% for m in messages %}{% if m.role == 'user' %}"
+    "{% set ns.last = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for m in messages %}{% set content = m.content %}{% set reasoning = '' %}"
+    "{% if m.role == 'assistant' and '</think>' in content %}"
+    "{% set reasoning = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}"
+    "{% set content = content.split('</think>')[-1].lstrip('\\n') %}{% endif %}"
+    "{% if m.role == 'assistant' and loop.index0 > ns.last and (loop.last or reasoning) %}"
+    "{{ '<|im_start|>assistant\\n<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}"
+    "{% else %}{{ '<|im_start|>' + m.role + '\\n' + content }}{% endif %}{{ '<|im_end|>\\n' }}{% endfor %}"
+)
+
+
+def build_qwen(folder: Path, vocab_size: int = 700) -> Path:
+    """A Qwen-shaped ``tokenizer.json``: byte-level BPE, ChatML's special tokens, no BOS (its
+    ``tokenizer_config.json`` says ``bos_token: null``), ``<|im_end|>`` as EOS."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tokenizer.train_from_iterator([play.text for play in read_shakespeare_plays()[:3]], trainer=trainer)
+    tokenizer.add_special_tokens(QWEN_SPECIALS)
+    tokenizer.add_tokens(QWEN_THINK)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    config = {"bos_token": None, "eos_token": "<|im_end|>", "chat_template": QWEN3_CHAT_TEMPLATE}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder / "tokenizer.json"

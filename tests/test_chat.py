@@ -1,4 +1,4 @@
-"""Chat fine-tuning: the Llama 3 rendering is the model's own template token for token, labels
+"""Chat fine-tuning: the Llama 3 and Qwen3 (ChatML) renderings are the models' templates token for token, labels
 are valid exactly on the assistant's tokens, truncation never keeps a sample without a label and
 reports what it dropped, and bad lines name file:line. (The loss is the same on every mesh:
 ``test_run_train.py`` runs chat with a Llama-3-style tokenizer on three meshes.)"""
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_tokenizer import LLAMA3_CHAT_TEMPLATE, build
+from hf_tokenizer import LLAMA3_CHAT_TEMPLATE, QWEN3_CHAT_TEMPLATE, build, build_qwen
 
-from trainer.data.chat import render, uses_llama3_format
+from trainer.data.chat import render, uses_chatml_format, uses_llama3_format
 from trainer.data.samples import build_dataset
 from trainer.data.tokenizer import load_tokenizer
 from trainer.loss import IGNORE_INDEX
@@ -63,6 +63,47 @@ def test_llama3_rendering_is_the_chat_template(llama3) -> None:
     assert tokens == list(expected["input_ids"] if hasattr(expected, "keys") else expected)
     # Labels: every assistant content and its <|eot_id|>, nothing else (no header, no user text).
     assert trained_text(llama3, tokens, targets) == "A player, sir.<|eot_id|>Nothing more.<|eot_id|>"
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory: pytest.TempPathFactory):
+    return load_tokenizer(str(build_qwen(tmp_path_factory.mktemp("qwen_style"))))
+
+
+THINKING = (
+    ("user", "Who art thou?"),
+    ("assistant", "<think>\nA riddle.\n</think>\n\nA player."),
+    ("user", "And now?"),
+    ("assistant", "<think>Still a riddle.</think>A king."),
+)
+
+
+@pytest.mark.parametrize(
+    "conversation", [CONVERSATION, THINKING, CONVERSATION[:3]], ids=["plain", "thinking", "one turn"]
+)
+def test_chatml_rendering_is_qwen3_s_template(qwen, conversation) -> None:
+    """Token for token what Qwen3's rules render: no BOS, the think part of earlier turns dropped,
+    the last answer's kept (an empty think block when it has none)."""
+    transformers = pytest.importorskip("transformers")
+    reference_tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=str(qwen.path), eos_token="<|im_end|>")
+    messages = [{"role": r, "content": c} for r, c in conversation]
+    expected = reference_tokenizer.apply_chat_template(messages, chat_template=QWEN3_CHAT_TEMPLATE, tokenize=True)
+    tokens, targets = render(conversation, qwen)
+    assert uses_chatml_format(qwen) and not uses_llama3_format(qwen)
+    assert tokens == list(expected["input_ids"] if hasattr(expected, "keys") else expected)
+    assert qwen.bos_id == qwen.token_id("<|endoftext|>")  # no BOS: documents open with the separator
+    trained = trained_text(qwen, tokens, targets)
+    last = conversation[-1][1].split("</think>")[-1]
+    assert trained.endswith(f"</think>\n\n{last}<|im_end|>")
+    assert "<|im_start|>" not in trained and "user" not in trained
+
+
+def test_chatml_labels_are_the_assistant_bodies(qwen) -> None:
+    tokens, targets = render(THINKING, qwen)
+    assert trained_text(qwen, tokens, targets) == (
+        "A player.<|im_end|><think>\nStill a riddle.\n</think>\n\nA king.<|im_end|>"
+    )
+    assert qwen.decode(tokens).startswith("<|im_start|>user\nWho art thou?<|im_end|>\n<|im_start|>assistant\nA player.")
 
 
 def test_plain_rendering(llama3) -> None:

@@ -1,7 +1,8 @@
 """The Hugging Face round trip of docs/hf.md, as a user runs it: train
-``train_configs/tiny_qwen3_moe.toml`` a few steps through ``./run_train.sh``, export the
-checkpoint with ``convert_to_hf.py``, load it with transformers' ``AutoModelForCausalLM``,
-compare its logits with ours, and import it back with ``convert_from_hf.py``, bit for bit.
+``train_configs/tiny_qwen3_moe.toml`` (or ``tiny_qwen3.toml``, dense with a tied output) a few
+steps through ``./run_train.sh``, export the checkpoint with ``convert_to_hf.py``, load it with
+transformers' ``AutoModelForCausalLM``, compare its logits with ours, and import it back with
+``convert_from_hf.py``, bit for bit.
 The debug MoE, with its shared expert and dense first block, is refused in one line instead.
 """
 
@@ -18,7 +19,7 @@ from hf_helpers import run_script
 from transformers import AutoModelForCausalLM
 
 from trainer.checkpoint.folders import read_model_args
-from trainer.checkpoint.model_entry import read_dcp_model
+from trainer.checkpoint.model_entry import load_dcp_model, read_dcp_model
 from trainer.model.llama3 import Transformer
 
 pytestmark = pytest.mark.launcher
@@ -28,18 +29,22 @@ SHORT = ["--training.steps", "2", "--checkpoint.interval", "2", "--training.seq_
 SHORT += ["--training.local_batch_size", "2", "--training.global_batch_size", "4", "--model.n_layers", "2"]
 
 
-def test_a_tiny_qwen3_moe_run_goes_to_transformers_and_back(tmp_path: Path):
+@pytest.mark.parametrize(
+    ("config", "architecture"),
+    [("tiny_qwen3_moe.toml", "Qwen3MoeForCausalLM"), ("tiny_qwen3.toml", "Qwen3ForCausalLM")],
+)
+def test_a_tiny_qwen3_run_goes_to_transformers_and_back(tmp_path: Path, config: str, architecture: str):
     dump = tmp_path / "run"
-    done = run_train(1, ["--config", "tiny_qwen3_moe.toml", "--job.dump_folder", str(dump), *SHORT])
+    done = run_train(1, ["--config", config, "--job.dump_folder", str(dump), *SHORT])
     assert done.returncode == 0, done.stderr[-3000:]
     step = dump / "checkpoint" / "step-2"
     exported = run_script("convert_to_hf.py", step, tmp_path / "hf", "--dtype", "float32")
     assert exported.returncode == 0 and "warning" not in exported.stderr, exported.stderr
-    assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["Qwen3MoeForCausalLM"]
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == [architecture]
 
     args = read_model_args(step)
     ours = Transformer(args)
-    ours.load_state_dict(read_dcp_model(step))
+    load_dcp_model(ours, step)  # a tied matrix, saved once, given to both its names
     theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     tokens = torch.randint(0, args.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -240,7 +240,9 @@ MOE_ARGS: dict[str, tuple[dict[str, Any], str]] = {
 LLAMA_ARGS: dict[str, tuple[dict[str, Any], str]] = {
     "vocabulary 0": ({"vocab_size": 0}, "`vocab_size` (config.json `vocab_size`) = 0: it must be a whole number"),
     "kv heads not dividing": ({"n_kv_heads": 3}, "`n_kv_heads` (config.json `num_key_value_heads`) = 3 does not"),
-    "q/k norms": ({"qk_norm": True}, "`qk_norm` = True, but a LlamaForCausalLM has no q/k norms"),
+    # q/k norms make the args a Qwen3's (trainer/model/families.py), which has no RoPE scaling.
+    "q/k norms": ({"qk_norm": True}, "{'rope_scaling': True} cannot be a Qwen3ForCausalLM"),
+    "heads apart from the width": ({"head_size": 64}, "`head_size` = 64, but a LlamaForCausalLM has no q/k norms"),
     "positions 0": ({"max_seq_len": 0}, "`max_seq_len` (config.json `max_position_embeddings`) = 0"),
 }
 

@@ -32,12 +32,13 @@ def _hand_count(flavor: str) -> tuple[int, int]:
 @pytest.mark.parametrize(("flavor", "active"), [("debugmoe", 3_678_592), ("qwen3_30b_a3b", 3_041_867_776)])
 def test_flops_per_token_count_the_active_parameters(flavor: str, active: int) -> None:
     """MFU's FLOPs per token: 6 x the parameters a token meets (router, shared experts, its k
-    routed experts, the dense first blocks, the output) + attention's 12 L d S; not every expert."""
+    routed experts, the dense first blocks, the output) + attention's 12 L h q S; not every expert."""
     args, seq_len = FLAVORS[flavor], 4096
     total, counted = _hand_count(flavor)
     assert num_params(whole_model(args), exclude_embedding=True) == total
     assert counted == active
-    assert model_flops_per_token(args, seq_len) == 6 * active + 12 * args.n_layers * args.dim * seq_len
+    attention = args.n_heads * args.head_dim  # Qwen3-30B-A3B: 32 heads of 128 on a width of 2048
+    assert model_flops_per_token(args, seq_len) == 6 * active + 12 * args.n_layers * attention * seq_len
 
 
 @pytest.mark.parametrize(("imbalance", "ep", "rank"), [(1.0, 4, 0), (1.5, 4, 0), (1.5, 8, 3), (2.0, 2, 1), (3.0, 1, 0)])

@@ -35,9 +35,9 @@ from trainer.checkpoint.location import (
     remove_tree,
 )
 from trainer.config import Checkpoint
+from trainer.model.families import FAMILIES, family_of
 from trainer.model.hf_llama3 import CONFIG_FILE, InteropError, preview_names
-from trainer.model.llama3 import FLAVORS, ModelArgs
-from trainer.model.moe import FLAVORS as MOE_FLAVORS
+from trainer.model.llama3 import ModelArgs
 from trainer.model.moe import MoEArgs
 from trainer.runtime.errors import ConfigError
 
@@ -215,7 +215,16 @@ def read_model_args(checkpoint_dir: str | Location) -> ModelArgs:
     return args_type(**values)
 
 
-PARAMETER_FIELDS = ("dim", "n_layers", "n_heads", "kv_heads", "vocab_size", "ffn_hidden_dim")
+PARAMETER_FIELDS = (
+    "dim",
+    "n_layers",
+    "n_heads",
+    "kv_heads",
+    "head_dim",
+    "vocab_size",
+    "ffn_hidden_dim",
+    "tie_embeddings",
+)
 """The ``ModelArgs`` that decide the parameters' names and shapes, and how heads divide them."""
 
 
@@ -228,7 +237,7 @@ def checkpoint_model_differences(theirs: ModelArgs, ours: ModelArgs) -> list[str
     """What makes a checkpoint's model another than this run's: the parameter fields, whether it
     is a Mixture-of-Experts, and between two MoEs the expert fields."""
     differ = model_differences(theirs, ours, PARAMETER_FIELDS)
-    kinds = ["moe" if isinstance(args, MoEArgs) else "llama3" for args in (theirs, ours)]
+    kinds = [family_of(args) for args in (theirs, ours)]
     if kinds[0] != kinds[1]:
         return [*differ, f"model.name: {kinds[0]} there, {kinds[1]} here"]
     return differ + (model_differences(theirs, ours, EXPERT_FIELDS) if kinds[0] == "moe" else [])
@@ -238,7 +247,8 @@ def model_keys(args: ModelArgs) -> str:
     """The ``model`` keys that build ``args`` (a checkpoint's): its name, the flavor of that
     shape if one is, and its blocks where they are not the flavor's."""
     moe = isinstance(args, MoEArgs)
-    name, flavors = ("moe", MOE_FLAVORS) if moe else ("llama3", FLAVORS)
+    name = family_of(args)
+    flavors = FAMILIES[name]
     fields = [f for f in PARAMETER_FIELDS + (EXPERT_FIELDS if moe else ()) if f not in ("n_layers", "vocab_size")]
     flavor = next(
         (key for key, shape in flavors.items() if all(getattr(shape, f) == getattr(args, f) for f in fields)), None

@@ -1,4 +1,4 @@
-"""Starting weights from a Hugging Face Llama or Qwen3-MoE folder (``checkpoint.initial_load_in_hf``).
+"""Starting weights from a Hugging Face Llama, Qwen3 or Qwen3-MoE folder (``checkpoint.initial_load_in_hf``).
 
 A Hugging Face folder has no sharding metadata for DCP to reshard from, so each rank works out
 the box of every global tensor it holds (FSDP shard x TP shard, its pipeline stages' parameters)
@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from trainer.checkpoint.folders import PARAMETER_FIELDS, check_initial_load_kind, model_differences
 from trainer.checkpoint.hf_folders import HFFolder
 from trainer.config import Checkpoint
-from trainer.model import hf_llama3
+from trainer.model import hf_qwen3_moe
 from trainer.model.hf_architectures import adapter_for_config
 from trainer.model.hf_llama3 import InteropError
 from trainer.model.hf_qwen3_moe import MOE_FIELDS
@@ -49,7 +49,7 @@ def check_folder_config(config: dict[str, Any], model_args: ModelArgs, path: Pat
             f"{path} holds a {type(theirs).__name__} model ({config.get('architectures')}) but `model.flavor` "
             f"is a {type(model_args).__name__} one; pick a flavor of the folder's architecture."
         )
-    fields = HF_FIELDS + (("head_dim", "qk_norm") + MOE_FIELDS if adapter is not hf_llama3 else ())
+    fields = HF_FIELDS + ("qk_norm",) + (MOE_FIELDS if adapter is hf_qwen3_moe else ())
     differ = model_differences(theirs, model_args, fields)
     if differ:
         raise InteropError(

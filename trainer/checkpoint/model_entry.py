@@ -26,6 +26,7 @@ from trainer.checkpoint.folders import (
 )
 from trainer.checkpoint.integrity import ChecksummingWriter, add_to_manifest, checksum_problem
 from trainer.checkpoint.location import Location, dcp_reader, location
+from trainer.checkpoint.states import tied_names
 from trainer.model.hf_architectures import adapter_for_args
 from trainer.model.hf_llama3 import InteropError
 from trainer.model.llama3 import ModelArgs, Transformer
@@ -57,6 +58,13 @@ def read_dcp_model(checkpoint_dir: str | Location) -> dict[str, torch.Tensor]:
     return model
 
 
+def load_dcp_model(model: Transformer, checkpoint_dir: str | Location) -> None:
+    """Load a training checkpoint's model entry into ``model`` (whole, one process): a tied
+    matrix, saved once, is given to both its names."""
+    state = read_dcp_model(checkpoint_dir)
+    model.load_state_dict({**state, **{alias: state[name] for alias, name in tied_names(model).items()}})
+
+
 def dcp_model_reader(checkpoint_dir: str | Location) -> Callable[[str], torch.Tensor]:
     """``read(name)``: one full model tensor of a training checkpoint, read alone (``read_dcp_model``
     one entry at a time), so that an export holds one tensor, not the model. The files are
@@ -83,8 +91,9 @@ def check_model_entries(checkpoint_dir: str | Location, args: ModelArgs) -> None
     entries = _model_entries(folder)
     with torch.device("meta"):
         model = Transformer(args)
-    buffers = set(model.state_dict()) - {name for name, _ in model.named_parameters()}
-    params = {name: torch.empty(e.size, device="meta") for name, e in entries.items() if name not in buffers}
+    # Buffers, and a tied output's second name for the embedding, are saved but are no parameter.
+    not_params = set(model.state_dict()) - {name for name, _ in model.named_parameters()}
+    params = {name: torch.empty(e.size, device="meta") for name, e in entries.items() if name not in not_params}
     try:
         adapter_for_args(args).check_state_dict(params, args)
     except InteropError as err:

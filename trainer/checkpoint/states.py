@@ -40,20 +40,36 @@ class Checkpointed:
 
 class ModelState(Stateful):
     """The model's parameters by name, as (sharded) DTensors of their global shape: DCP
-    reshards them on load (expert-parallel ones through ``ExpertShards``)."""
+    reshards them on load (expert-parallel ones through ``ExpertShards``). A tied matrix is
+    saved once, under its first name (``tok_embeddings.weight``), and given back to both."""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype | None = None):
         self.model, self.dtype = model, dtype
         self.experts = ExpertShards(model)
+        self.aliases = tied_names(model)
 
     def state_dict(self) -> dict[str, Any]:
         state = self.experts.to_global(get_model_state_dict(self.model), lambda key: key)
+        state = {k: v for k, v in state.items() if k not in self.aliases}
         if self.dtype is not None:
             state = {k: v.to(self.dtype) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_model_state_dict(self.model, self.experts.to_fsdp(state_dict))
+        state = {**state_dict, **{alias: state_dict[name] for alias, name in self.aliases.items()}}
+        set_model_state_dict(self.model, self.experts.to_fsdp(state))
+
+
+def tied_names(model: nn.Module) -> dict[str, str]:
+    """A parameter's second name -> its first, for each parameter the model holds twice."""
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            aliases[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return aliases
 
 
 class OptimizerState(Stateful):

@@ -23,9 +23,10 @@ TARGET_GPUS = ("h100", "h200", "a100", "b200")
 
 MODEL_FLAVORS = {
     "llama3": ("debugmodel", "1B", "3B", "8B", "70B", "405B"),
+    "qwen3": ("qwen3_debug", "0.6B", "1.7B", "4B", "8B", "14B", "32B"),
     "moe": ("debugmoe", "qwen3_moe_debug", "qwen3_30b_a3b", "qwen3_235b_a22b"),
 }
-"""Each ``model.name``'s ``model.flavor`` presets (``trainer/model/llama3.py``, ``trainer/model/moe.py``)."""
+"""Each ``model.name``'s ``model.flavor`` presets (``trainer/model/families.py``)."""
 
 BALANCE_SCOPES = ("global_batch", "sequence", "micro_batch")
 """What ``moe.balance_loss_scope`` may name (``trainer/model/moe.py``)."""

@@ -50,8 +50,12 @@ class Machine:
 
 @dataclass
 class Model:
-    name: str = setting("llama3", "Model family: `llama3` (dense) or `moe` (Mixture-of-Experts).", tuple(MODEL_FLAVORS))
-    flavor: str = setting("debugmodel", "Model size preset of the family.", sum(MODEL_FLAVORS.values(), ()))
+    name: str = setting(
+        "llama3", "Model family: `llama3` or `qwen3` (dense), or `moe` (Mixture-of-Experts).", tuple(MODEL_FLAVORS)
+    )
+    flavor: str = setting(
+        "debugmodel", "Model size preset of the family.", tuple(dict.fromkeys(sum(MODEL_FLAVORS.values(), ())))
+    )
     n_layers: int = setting(
         0,
         "Transformer blocks; 0 keeps the flavor's. Fewer blocks keep the flavor's width: a large "

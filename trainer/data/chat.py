@@ -15,6 +15,16 @@ by the tokenizer:
 
   Labels: each assistant content and the ``<|eot_id|>`` that ends it (the model must learn to
   stop); headers and other roles are masked.
+* **ChatML (Qwen3) format**, when the tokenizer has ``<|im_start|>`` and ``<|im_end|>`` (Qwen
+  ``tokenizer.json``): what Qwen3's chat template renders, with no BOS and contents as they are::
+
+      <|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant\n{content}<|im_end|>\n...
+
+  An assistant message's ``<think>...</think>`` part is kept only after the last user message
+  (earlier turns lose it, as the template drops it), and the last message, when it is the
+  assistant's, opens with a think block (empty without one): the template's rendering of a
+  finished conversation. Labels: each assistant body (the think block included) and its
+  ``<|im_end|>``; the role line and the newline after ``<|im_end|>`` are masked.
 * **Plain format** otherwise (the bundled SentencePiece model, Llama 2): ``[bos]``, then every
   message as ``"{role}: {content}"``; other roles' messages end with a blank line, assistant
   messages with EOS. Labels: each assistant content and its EOS.
@@ -32,6 +42,8 @@ from trainer.data.tokenizer import Tokenizer
 
 ASSISTANT = "assistant"
 LLAMA3_SPECIALS = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
+CHATML_SPECIALS = ("<|im_start|>", "<|im_end|>")
+THINK = ("<think>", "</think>")
 
 
 @dataclass(frozen=True)
@@ -88,8 +100,14 @@ def _llama3_special_ids(tokenizer: Tokenizer) -> tuple[int, int, int] | None:
     return start, end, eot
 
 
+def uses_chatml_format(tokenizer: Tokenizer) -> bool:
+    return all(tokenizer.token_id(piece) is not None for piece in CHATML_SPECIALS)
+
+
 def render(messages: tuple[tuple[str, str], ...], tokenizer: Tokenizer) -> tuple[list[int], list[int]]:
     """The conversation's tokens and, per token, 1 where it is a label (an assistant token)."""
+    if uses_chatml_format(tokenizer):
+        return _render_chatml(messages, tokenizer)
     tokens, targets = [tokenizer.bos_id], [0]
 
     def add(ids: list[int], target: bool) -> None:
@@ -113,3 +131,46 @@ def render(messages: tuple[tuple[str, str], ...], tokenizer: Tokenizer) -> tuple
             else:
                 add(tokenizer.encode(content.strip() + "\n\n", bos=False, eos=False), False)
     return tokens, targets
+
+
+def _render_chatml(messages: tuple[tuple[str, str], ...], tokenizer: Tokenizer) -> tuple[list[int], list[int]]:
+    start, end = (tokenizer.token_id(piece) for piece in CHATML_SPECIALS)
+    assert start is not None and end is not None  # uses_chatml_format
+    tokens: list[int] = []
+    targets: list[int] = []
+
+    def add(ids: list[int], target: bool) -> None:
+        tokens.extend(ids)
+        targets.extend([int(target)] * len(ids))
+
+    def text(piece: str) -> list[int]:
+        return tokenizer.encode(piece, bos=False, eos=False) if piece else []
+
+    def tag(piece: str) -> list[int]:
+        token = tokenizer.token_id(piece)
+        return [token] if token is not None else text(piece)
+
+    last_query = max((i for i, (role, _) in enumerate(messages) if role == "user"), default=-1)
+    for i, (role, content) in enumerate(messages):
+        add([start, *text(f"{role}\n")], False)
+        if role != ASSISTANT:
+            add(text(content) + [end], False)
+        else:
+            reasoning, answer = _split_thinking(content)
+            if i > last_query and (i == len(messages) - 1 or reasoning):
+                body = tag(THINK[0]) + text(f"\n{reasoning.strip(chr(10))}\n") + tag(THINK[1]) + text("\n\n")
+                add(body + text(answer.lstrip("\n")) + [end], True)
+            else:
+                add(text(answer) + [end], True)
+        add(text("\n"), False)
+    return tokens, targets
+
+
+def _split_thinking(content: str) -> tuple[str, str]:
+    """``(reasoning, answer)`` of an assistant message written ``<think>reasoning</think>answer``,
+    split as Qwen3's template splits it; ``("", content)`` without a closing tag."""
+    if THINK[1] not in content:
+        return "", content
+    before, _, _ = content.partition(THINK[1])
+    answer = content.split(THINK[1])[-1].lstrip("\n")
+    return before.rstrip("\n").split(THINK[0])[-1].lstrip("\n"), answer

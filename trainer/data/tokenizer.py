@@ -29,7 +29,9 @@ from typing import Any
 
 from trainer.runtime.errors import DataError
 
-BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "<|bos|>", "<|startoftext|>", "[BOS]")
+BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "<|bos|>", "<|startoftext|>", "[BOS]", "<|endoftext|>")
+"""Looked for in order when ``tokenizer_config.json`` names no BOS. The last is for tokenizers
+without one (Qwen's, GPT-2's), whose documents are separated by ``<|endoftext|>``: it opens each."""
 EOS_NAMES = ("<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "<|endoftext|>", "[EOS]")
 PAD_NAMES = ("<|finetune_right_pad_id|>", "<pad>", "<|pad|>", "[PAD]")
 CONFIG_FILE = "tokenizer_config.json"

@@ -45,26 +45,28 @@ def peak_flops(device: torch.device, override: float | None = None) -> float | N
     return None
 
 
-def flops_per_token(num_params_non_embedding: int, n_layers: int, dim: int, seq_len: int) -> int:
+def flops_per_token(num_params_non_embedding: int, n_layers: int, attention_width: int, seq_len: int) -> int:
     """Training FLOPs (forward + backward) per token.
 
     ``6·N`` covers the matmuls against the weights (2 forward, 4 backward per
-    parameter); ``12·L·d·S`` adds the attention score and value matmuls, which
-    have no parameters but grow with sequence length. This is the same
-    estimate torchtitan uses, so MFU numbers are comparable across the two.
+    parameter); ``12·L·h·q·S`` adds the attention score and value matmuls over the
+    ``h`` query heads of ``q`` channels (``attention_width``, the width unless heads are
+    sized apart from it, as Qwen3's), which have no parameters but grow with sequence
+    length. This is the same estimate torchtitan uses, so MFU numbers are comparable.
     """
-    return 6 * num_params_non_embedding + 12 * n_layers * dim * seq_len
+    return 6 * num_params_non_embedding + 12 * n_layers * attention_width * seq_len
 
 
 def model_flops_per_token(args: ModelArgs, seq_len: int) -> int:
     """:func:`flops_per_token` of the whole model ``args`` describes, whatever share of it a rank
     holds. A Mixture-of-Experts token meets only its router, its shared experts and its top-k
     routed experts (and the dense first blocks): those are the parameters it costs, not every
-    expert, or the MFU of a 128-expert model would be counted 10x too high."""
+    expert, or the MFU of a 128-expert model would be counted 10x too high. A tied output's
+    matrix is counted once, as the output projection's (``num_params``)."""
     params = num_params(whole_model(args), exclude_embedding=True)
     if isinstance(args, MoEArgs):
         params = active_params(args, params)
-    return flops_per_token(params, args.n_layers, args.dim, seq_len)
+    return flops_per_token(params, args.n_layers, args.n_heads * args.head_dim, seq_len)
 
 
 def tokens_per_second_per_device(tokens: int, seconds: float, devices_per_replica: int) -> float:

@@ -1,4 +1,4 @@
-"""Which Hugging Face adapter converts a model: ``hf_llama3`` or ``hf_qwen3_moe``.
+"""Which Hugging Face adapter converts a model: ``hf_llama3``, ``hf_qwen3`` or ``hf_qwen3_moe``.
 
 A folder says what it is in ``config.json`` (``architectures``, ``model_type``), a run or a
 checkpoint in the type of its ``ModelArgs``. Each adapter offers the same functions
@@ -12,13 +12,18 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from trainer.model import hf_llama3, hf_qwen3_moe
+from trainer.model import hf_llama3, hf_qwen3, hf_qwen3_moe
+from trainer.model.families import family_of
 from trainer.model.hf_llama3 import CONFIG_FILE, InteropError
 from trainer.model.llama3 import ModelArgs
-from trainer.model.moe import MoEArgs
 
-_BY_ARCHITECTURE = {"LlamaForCausalLM": hf_llama3, hf_qwen3_moe.ARCHITECTURE: hf_qwen3_moe}
-_BY_MODEL_TYPE = {"llama": hf_llama3, hf_qwen3_moe.MODEL_TYPE: hf_qwen3_moe}
+_BY_ARCHITECTURE = {
+    "LlamaForCausalLM": hf_llama3,
+    hf_qwen3.ARCHITECTURE: hf_qwen3,
+    hf_qwen3_moe.ARCHITECTURE: hf_qwen3_moe,
+}
+_BY_MODEL_TYPE = {"llama": hf_llama3, hf_qwen3.MODEL_TYPE: hf_qwen3, hf_qwen3_moe.MODEL_TYPE: hf_qwen3_moe}
+_BY_FAMILY = {"llama3": hf_llama3, "qwen3": hf_qwen3, "moe": hf_qwen3_moe}
 
 
 def adapter_for_config(cfg: dict[str, Any]) -> ModuleType:
@@ -40,4 +45,4 @@ def adapter_for_config(cfg: dict[str, Any]) -> ModuleType:
 
 def adapter_for_args(args: ModelArgs) -> ModuleType:
     """The adapter of our model ``args`` describe."""
-    return hf_qwen3_moe if isinstance(args, MoEArgs) else hf_llama3
+    return _BY_FAMILY[family_of(args)]

@@ -22,14 +22,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from trainer.model.hf_config_checks import config_problem, our_field
-from trainer.model.llama3 import (
-    FLAVORS,
-    LLAMA3_HIGH_FREQ_FACTOR,
-    LLAMA3_LOW_FREQ_FACTOR,
-    LLAMA3_ORIGINAL_CONTEXT,
-    ModelArgs,
-    Transformer,
-)
+from trainer.model.llama3 import FLAVORS, ModelArgs, Transformer
+from trainer.model.rope import LLAMA3_HIGH_FREQ_FACTOR, LLAMA3_LOW_FREQ_FACTOR, LLAMA3_ORIGINAL_CONTEXT
 from trainer.runtime.errors import UserError
 
 CONFIG_FILE = "config.json"
@@ -280,7 +274,7 @@ def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict[str, Any]:
     if differ:
         raise InteropError(
             f"the model args cannot be exported: {', '.join(differ)}, but a LlamaForCausalLM has no q/k norms "
-            "and heads of `dim` / `n_heads` channels; of our models only the MoE has them (Qwen3MoeForCausalLM)."
+            'and heads of `dim` / `n_heads` channels; `model.name` = "qwen3" (Qwen3ForCausalLM) and the MoE have them.'
         )
     rope_scaling = None
     if args.rope_scaling:

@@ -9,7 +9,6 @@ draws only what it holds.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
@@ -19,6 +18,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from trainer.loss import CrossEntropy, cross_entropy_sum, linear_cross_entropy_sum
+from trainer.model import rope
+from trainer.model.rope import apply_rotary_emb
 from trainer.model.tiled_init import fill_local_, stacked_box
 
 
@@ -44,6 +45,11 @@ class ModelArgs:
     """Per-head width; 0 is ``dim // n_heads`` (Qwen3 sets it apart from the width)."""
     qk_norm: bool = False
     """Qwen3's RMSNorm over each query and key head, before RoPE."""
+    ffn_hidden_size: int = 0
+    """The dense feed-forward's hidden units; 0 is Llama's sizing from ``multiple_of`` and
+    ``ffn_dim_multiplier`` (Qwen3 publishes the width itself)."""
+    tie_embeddings: bool = False
+    """The output projection is the token embedding's matrix (Qwen3 0.6B to 4B, Llama 3.2)."""
 
     @property
     def kv_heads(self) -> int:
@@ -59,6 +65,8 @@ class ModelArgs:
 
     @property
     def ffn_hidden_dim(self) -> int:
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
         hidden = int(2 * 4 * self.dim / 3)
         if self.ffn_dim_multiplier is not None:
             hidden = int(self.ffn_dim_multiplier * hidden)
@@ -157,56 +165,10 @@ def padded_vocab_size(n: int) -> int:
     return -(-n // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
 
 
-# Llama 3.1's RoPE scaling constants (the same for every Llama 3.1 and 3.2 model; only the
-# factor differs): the Hugging Face adapter writes them into config.json and accepts no others.
-LLAMA3_LOW_FREQ_FACTOR = 1.0
-LLAMA3_HIGH_FREQ_FACTOR = 4.0
-LLAMA3_ORIGINAL_CONTEXT = 8192
-
-
 def rope_frequencies(args: ModelArgs, device: torch.device | str | None = None) -> torch.Tensor:
-    """Complex rotations ``exp(i * pos * freq)``, shape ``(max_seq_len, head_dim // 2)``."""
-    dim = args.head_dim
-    freqs = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float64)[: dim // 2] / dim))
-    if args.rope_scaling:
-        freqs = _llama31_scaling(freqs, args.rope_scaling_factor)
-    positions = torch.arange(args.max_seq_len, device=device, dtype=torch.float64)
-    angles = torch.outer(positions, freqs)
-    return torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
-
-
-def _llama31_scaling(freqs: torch.Tensor, scale_factor: float) -> torch.Tensor:
-    """Llama 3.1's context extension: slow the low frequencies by ``scale_factor``, keep the high ones.
-
-    Wavelengths longer than the original context / low_freq_factor are divided by the scale
-    factor, shorter than context / high_freq_factor are kept, and the band between is blended.
-    """
-    low_freq_factor, high_freq_factor, old_context = (
-        LLAMA3_LOW_FREQ_FACTOR,
-        LLAMA3_HIGH_FREQ_FACTOR,
-        LLAMA3_ORIGINAL_CONTEXT,
-    )
-    low_freq_wavelen = old_context / low_freq_factor
-    high_freq_wavelen = old_context / high_freq_factor
-    wavelen = 2 * math.pi / freqs
-    smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    blended = (1 - smooth) * freqs / scale_factor + smooth * freqs
-    return torch.where(
-        wavelen > low_freq_wavelen,
-        freqs / scale_factor,
-        torch.where(wavelen < high_freq_wavelen, freqs, blended),
-    )
-
-
-def apply_rotary_emb(xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate query and key pairs; ``freqs_cis`` is ``(seqlen, head_dim // 2)``, or
-    ``(batch, seqlen, head_dim // 2)`` when every sample has its own positions."""
-    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
-    xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
-    freqs = freqs_cis.view(-1, xq_.shape[1], 1, xq_.shape[-1])
-    xq_out = torch.view_as_real(xq_ * freqs).flatten(3)
-    xk_out = torch.view_as_real(xk_ * freqs).flatten(3)
-    return xq_out.type_as(xq), xk_out.type_as(xk)
+    """The model's RoPE table (``rope.frequencies``), Llama 3.1's scaling applied where it is set."""
+    scaling = args.rope_scaling_factor if args.rope_scaling else None
+    return rope.frequencies(args.head_dim, args.rope_theta, args.max_seq_len, scaling, device)
 
 
 def causal_attention(
@@ -347,6 +309,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): args.make_block(i) for i in range(args.n_layers)})
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output = OutputProjection(args.dim, args.vocab_size)
+        self.tie_output()
         self.register_buffer(
             "freqs_cis", rope_frequencies(args, device=self.tok_embeddings.weight.device), persistent=False
         )
@@ -385,10 +348,21 @@ class Transformer(nn.Module):
             return self.output(self.norm(h))
         return self.output(self.norm(h), labels=labels)
 
+    def tie_output(self) -> None:
+        """Make the output projection's weight the embedding's, when the model ties them.
+
+        Tensor parallelism swaps each module's weight for a DTensor of its own, so this is done
+        again after it (both are split over the vocabulary, ``Shard(0)``); FSDP then shards the
+        one parameter once. A stage holding only one end (pipeline parallelism) has nothing to tie.
+        """
+        if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
+            self.output.weight = self.tok_embeddings.weight
+
     def init_std(self, name: str) -> tuple[str, float]:
-        """How parameter ``name`` is initialised: ``(kind, std)``."""
+        """How parameter ``name`` is initialised: ``(kind, std)``. A tied embedding is drawn small
+        (Qwen3's 0.02): a token's own logit starts near ``std x dim``, its prediction of itself."""
         if name == "tok_embeddings.weight":
-            return "normal", 1.0
+            return ("trunc_normal", 0.02) if self.args.tie_embeddings else ("normal", 1.0)
         if name == "output.weight":
             return "trunc_normal", self.args.dim**-0.5
         if name.endswith("norm.weight"):
@@ -434,8 +408,10 @@ class Transformer(nn.Module):
 
 
 def num_params(model: Transformer, exclude_embedding: bool = False) -> int:
+    """Parameters, a tied matrix once; ``exclude_embedding`` leaves the embedding out unless it is
+    also the output projection (whose matmul the FLOPs count)."""
     total = sum(p.numel() for p in model.parameters())
-    if exclude_embedding and model.tok_embeddings is not None:
+    if exclude_embedding and model.tok_embeddings is not None and not model.args.tie_embeddings:
         total -= model.tok_embeddings.weight.numel()
     return total
 

@@ -29,8 +29,8 @@ from trainer.config import ConfigError, JobConfig, cautions, is_url, resolve_pat
 from trainer.data.datasets import validates, validation_seq_len
 from trainer.data.tokenizer import Tokenizer, load_tokenizer
 from trainer.hardware import GIB, gib
-from trainer.model.llama3 import FLAVORS, ModelArgs, model_args
-from trainer.model.moe import FLAVORS as MOE_FLAVORS
+from trainer.model.families import FAMILIES
+from trainer.model.llama3 import ModelArgs, model_args
 from trainer.model.moe import MoEArgs
 from trainer.planning.expert_checks import check_experts
 from trainer.planning.float8_plan import (
@@ -168,14 +168,14 @@ def resolve_job(
         )
     tokenizer = load_tokenizer(resolve_path(config.model.tokenizer_path))
     try:
-        flavors = MOE_FLAVORS if config.model.name == "moe" else FLAVORS
+        flavors = FAMILIES[config.model.name]
         args = model_args(config.model.flavor, tokenizer.vocab_size, training.seq_len, config.model.n_layers, flavors)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     settings = parallel_settings(config, dims, global_batch // dims.dp, device)
     n_experts = args.n_experts if isinstance(args, MoEArgs) else 0
     try:
-        shape = ModelShape(args.n_heads, args.kv_heads, args.vocab_size, args.n_layers, n_experts)
+        shape = ModelShape(args.n_heads, args.kv_heads, args.vocab_size, args.n_layers, n_experts, args.tie_embeddings)
         check(dims, settings, shape, device)
     except ParallelismError as e:
         raise ConfigError(e.render(SETTING_KEYS)) from None
@@ -298,6 +298,7 @@ def memory_workload(
         kv_heads=args.kv_heads,
         ffn_dim=args.ffn_hidden_dim,
         vocab_size=args.vocab_size,
+        tied_embeddings=args.tie_embeddings,
         local_batch_size=settings.pp_microbatch_size if pipelined else training.local_batch_size,
         seq_len=training.seq_len,
         dp_shard=dims.dp_shard,

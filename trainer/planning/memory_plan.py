@@ -113,6 +113,8 @@ class Workload:
     cp_allgather_kv: bool = True
     cp_ulysses: bool = False
     document_mask: bool = False
+    tied_embeddings: bool = False
+    """The output projection is the embedding's matrix: one table of parameters, not two."""
     device: str = "cpu"
     runtime_bytes: int | None = None
     """What the process holds whatever the model; None: the device's figure (``trainer/hardware.py``)."""
@@ -216,7 +218,11 @@ class Workload:
             whole = self.experts.gathered_params(self.dim) - 3 * self.dim * self.ffn_dim / self.tp
             moe = (self.n_layers - self.dense_layers) * whole
         per_block = (self.n_layers * self.dense_block / self.tp + moe) / self.n_layers
-        return blocks * per_block + (self.vocab_size * self.dim * (first + last) + self.dim * last) / self.tp
+        return blocks * per_block + (self.tables(first, last) * self.vocab_size * self.dim + self.dim * last) / self.tp
+
+    def tables(self, first: bool, last: bool) -> int:
+        """Vocabulary-by-width matrices of a rank holding the first and/or the last stage."""
+        return 1 if self.tied_embeddings and (first or last) else first + last
 
     @property
     def experts_stay_gathered(self) -> bool:
@@ -229,7 +235,7 @@ class Workload:
 
     @property
     def params(self) -> int:
-        return self.n_layers * self.block_params + 2 * self.vocab_size * self.dim + self.dim
+        return self.n_layers * self.block_params + self.tables(True, True) * self.vocab_size * self.dim + self.dim
 
     @property
     def matrix_params(self) -> int:
@@ -292,7 +298,9 @@ def _shares(w: Workload) -> list[_Share]:
 
 def _estimate(w: Workload, share: _Share) -> Estimate:
     shards = w.dp_shard * w.cp * w.tp
-    params = share.blocks * w.block_params + w.vocab_size * w.dim * (share.first + share.last) + w.dim * share.last
+    params = (
+        share.blocks * w.block_params + w.vocab_size * w.dim * w.tables(share.first, share.last) + w.dim * share.last
+    )
     moments = 8 * params - (4 * share.blocks * w.matrix_params if w.muon else 0)  # AdamW's two, Muon's one
     sharded_state = (4 * params + moments) / shards
     kept, recomputed = _activations(w, share)
