@@ -97,6 +97,9 @@ PRESETS = (
     "llama3_8b.toml",
     "llama3_70b.toml",
     "llama3_405b.toml",
+    "qwen3_0_6b.toml",
+    "qwen3_8b.toml",
+    "qwen3_32b.toml",
     "qwen3_30b_a3b.toml",
     "qwen3_235b_a22b.toml",
 )

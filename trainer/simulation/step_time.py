@@ -51,8 +51,8 @@ ASSUMPTIONS = (
     "and collectives stand for each one not traced",
     "data: synthetic samples of `training.seq_len` tokens, every label valid (the job's data are not "
     "read, so their size and format are not checked: `--dry-run` on the machine that holds them does)",
-    "MFU counts the model's FLOPs (6N + 12 L d S per token, as the training log does; N of a Mixture-of-"
-    "Experts model its active parameters: router, shared and top-k routed experts); HFU the traced ones, with "
+    "MFU counts the model's FLOPs (6N + 12 L h q S per token, h heads of q channels, as the training log does; "
+    "N of a Mixture-of-Experts model its active parameters: router, shared and top-k routed experts); HFU the traced ones, with "
     "activation-checkpointing recompute",
 )
 
