@@ -283,3 +283,55 @@ def test_a_replica_groups_balancing_is_one_process_over_the_participants_batches
     assert group_grads.keys() == one_grads.keys() and any("router" in name for name in one_grads)
     for name, grad in group_grads.items():
         torch.testing.assert_close(2 * grad, one_grads[name], rtol=1e-5, atol=1e-9)
+
+
+def test_group_limited_routing_is_deepseek_v3_s() -> None:
+    """DeepSeek-V3's router (transformers' ``DeepseekV3TopkRouter``): sigmoid scores, the bias
+    moving the choice, the top-k within the ``topk_group`` groups whose two best biased scores sum
+    highest, renormalised weights times the routed scaling factor. Ours chooses the same experts
+    with the same weights, and the grouping changes the choice (the test is not vacuous)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    from trainer.model.moe import MoEArgs, Router, out_of_range
+
+    config = transformers.DeepseekV3Config(
+        hidden_size=32, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+        norm_topk_prob=True, routed_scaling_factor=2.5,
+    )  # fmt: skip
+    theirs = DeepseekV3TopkRouter(config)
+    args = MoEArgs(dim=32, n_experts=16, top_k=4, score_func="sigmoid", route_scale=2.5, n_groups=4, topk_groups=2)
+    assert out_of_range(args) is None
+    ours = Router(args)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        theirs.weight.copy_(torch.randn(16, 32, generator=gen))
+        theirs.e_score_correction_bias.copy_(0.1 * torch.randn(16, generator=gen))
+        ours.gate.weight.copy_(theirs.weight)
+    x = torch.randn(64, 32, generator=gen)
+    _, chosen, weights = ours(x, theirs.e_score_correction_bias)
+    _, their_weights, their_chosen = theirs(x)
+    order, their_order = chosen.sort(-1), their_chosen.sort(-1)
+    assert torch.equal(order.values, their_order.values)
+    assert torch.allclose(weights.gather(1, order.indices), their_weights.gather(1, their_order.indices))
+    ungrouped = Router(replace(args, n_groups=1, topk_groups=1))
+    ungrouped.load_state_dict(ours.state_dict())
+    assert not torch.equal(ungrouped(x, theirs.e_score_correction_bias)[1].sort(-1).values, order.values)
+    groups_of = order.values // 4
+    assert all(len(set(row.tolist())) <= 2 for row in groups_of)
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        ({"n_groups": 3}, "`n_groups` = 3 must be a divisor of `n_experts`"),
+        ({"topk_groups": 5}, "`topk_groups` = 5 must be in [1, `n_groups` = 4]"),
+        ({"top_k": 9, "topk_groups": 2}, "`top_k` = 9 must be at most the experts of `topk_groups` groups"),
+        ({"n_groups": 16, "topk_groups": 4}, "`n_groups` = 16 must be such that a group holds 2 experts"),
+    ],
+)
+def test_impossible_group_limited_routing_is_named(change: dict, says: str) -> None:
+    from trainer.model.moe import MoEArgs, out_of_range
+
+    base = MoEArgs(n_experts=16, top_k=4, n_groups=4, topk_groups=2)
+    assert out_of_range(replace(base, **change)) == says

@@ -1,7 +1,8 @@
 """Mixture-of-Experts: Llama 3's attention, norms and embeddings around routed SwiGLU experts.
 
 Each MoE block replaces the dense feed-forward by a router (softmax or sigmoid scores, top-k,
-optional renormalisation of the chosen weights, a routed scaling factor), ``n_experts`` SwiGLU
+optionally within the best groups of experts as DeepSeek-V3 limits it, optional renormalisation
+of the chosen weights, a routed scaling factor), ``n_experts`` SwiGLU
 experts stacked in three 3-D parameters, and optional shared experts that every token passes;
 the first ``n_dense_layers`` blocks stay dense (DeepSeek). Routing is **dropless**: every token
 reaches its k experts, there is no capacity factor, so the loss cannot depend on how experts
@@ -44,6 +45,11 @@ class MoEArgs(ModelArgs):
     route_norm: bool = True
     """Renormalise the k chosen weights to sum to one (Qwen3's ``norm_topk_prob``)."""
     route_scale: float = 1.0
+    n_groups: int = 1
+    """Group-limited routing (DeepSeek-V3's ``n_group``): the experts in this many equal groups, a
+    token's k chosen among the ``topk_groups`` groups whose two best scores (bias included) sum
+    highest. 1: every expert is a candidate."""
+    topk_groups: int = 1
 
     def make_block(self, layer_id: int) -> nn.Module:
         if layer_id < self.n_dense_layers:
@@ -123,6 +129,14 @@ def out_of_range(args: MoEArgs, key: Callable[[str], str] = lambda name: f"`{nam
         ("moe_hidden_dim", args.moe_hidden_dim >= 1, ">= 1"),
         ("n_shared_experts", args.n_shared_experts >= 0, ">= 0"),
         ("n_dense_layers", 0 <= args.n_dense_layers < args.n_layers, f"in [0, {key('n_layers')} = {args.n_layers})"),
+        ("n_groups", args.n_groups >= 1 and args.n_experts % args.n_groups == 0, f"a divisor of {key('n_experts')}"),
+        ("topk_groups", 1 <= args.topk_groups <= args.n_groups, f"in [1, {key('n_groups')} = {args.n_groups}]"),
+        (
+            "top_k",
+            args.n_groups == 1 or args.top_k <= args.topk_groups * (args.n_experts // max(args.n_groups, 1)),
+            f"at most the experts of {key('topk_groups')} groups",
+        ),
+        ("n_groups", args.n_groups == 1 or args.n_experts // args.n_groups >= 2, "such that a group holds 2 experts"),
     )
     for name, holds, wanted in rules:
         if not holds:
@@ -185,18 +199,28 @@ class Router(nn.Module):
         self.gate = nn.Linear(args.dim, args.n_experts, bias=False)
         self.score_func, self.top_k = args.score_func, args.top_k
         self.route_norm, self.route_scale = args.route_norm, args.route_scale
+        self.n_groups, self.topk_groups = args.n_groups, args.topk_groups
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(probs, chosen, weights)``: each token's probability per expert (float32, summing
         to one), its k experts, and their weights. ``bias`` moves the choice, not the weights."""
         logits = self.gate(x).float()
         scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
-        chosen = (scores + bias).topk(self.top_k, dim=-1).indices
+        chosen = self._candidates(scores + bias).topk(self.top_k, dim=-1).indices
         weights = scores.gather(1, chosen)
         if self.route_norm:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         probs = scores if self.score_func == "softmax" else scores / scores.sum(-1, keepdim=True)
         return probs, chosen, weights * self.route_scale
+
+    def _candidates(self, choice: torch.Tensor) -> torch.Tensor:
+        """``choice`` with the experts outside each token's ``topk_groups`` best groups at -inf."""
+        if self.n_groups == 1:
+            return choice
+        grouped = choice.view(choice.shape[0], self.n_groups, -1)
+        best = grouped.topk(2, dim=-1).values.sum(-1).topk(self.topk_groups, dim=-1).indices
+        outside = torch.ones(best.shape[0], self.n_groups, dtype=torch.bool, device=choice.device)
+        return grouped.masked_fill(outside.scatter(1, best, False)[..., None], float("-inf")).flatten(1)
 
 
 def expert_counts(chosen: torch.Tensor, n_experts: int) -> torch.Tensor:
