@@ -63,3 +63,36 @@ def apply_rotary_emb(xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor
     xq_out = torch.view_as_real(xq_ * freqs).flatten(3)
     xk_out = torch.view_as_real(xk_ * freqs).flatten(3)
     return xq_out.type_as(xq), xk_out.type_as(xk)
+
+
+def yarn_frequencies(
+    dim: int,
+    theta: float,
+    max_seq_len: int,
+    factor: float,
+    original_context: int,
+    beta_fast: float = 32.0,
+    beta_slow: float = 1.0,
+    magnitude: float = 1.0,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """YaRN's rotations (DeepSeek-V2/V3's long context): the frequencies that turn fewer than
+    ``beta_slow`` times over ``original_context`` slowed by ``factor``, those turning more than
+    ``beta_fast`` times kept, a linear ramp between (over whole channel pairs); ``magnitude``
+    scales the rotations (YaRN's attention factor, 1 for DeepSeek's published configs)."""
+    exponents = torch.arange(0, dim, 2, device=device, dtype=torch.float64)[: dim // 2] / dim
+    freqs = 1.0 / theta**exponents
+
+    def pair_of(rotations: float) -> float:
+        return dim * math.log(original_context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = max(math.floor(pair_of(beta_fast)), 0), min(math.ceil(pair_of(beta_slow)), dim - 1)
+    ramp = ((torch.arange(dim // 2, device=device, dtype=torch.float64) - low) / max(high - low, 0.001)).clamp(0, 1)
+    freqs = freqs / factor * ramp + freqs * (1 - ramp)
+    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float64), freqs)
+    return torch.polar(torch.full_like(angles, magnitude), angles).to(torch.complex64)
+
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    """YaRN's attention temperature for a context ``factor`` times the original."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
