@@ -107,7 +107,7 @@ def check(dims: ParallelDims, settings: ParallelSettings, shape: ModelShape, dev
         raise ParallelismError(
             f"{{pp}} = {dims.pp} puts the embedding on the first stage and the output projection on the "
             "last, but this model ties them into one matrix; train it without pipeline parallelism "
-            "(FSDP, TP, CP and EP compose with the tie)."
+            "(FSDP, HSDP, TP and CP compose with the tie)."
         )
     if dims.pp > 1:
         split = pipeline_split(dims, settings, shape.n_layers)

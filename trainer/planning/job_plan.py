@@ -356,7 +356,8 @@ def describe(plan: JobPlan, limit: int | None, where: str) -> str:
     return "\n".join(
         [
             f"model: {config.model.name} {config.model.flavor}, {w.params:,} parameters "
-            f"({w.n_layers} layers, dim {w.dim}, vocabulary {w.vocab_size})",
+            f"({w.n_layers} layers, dim {w.dim}, vocabulary {w.vocab_size}"
+            f"{', the output tied to the embedding' if w.tied_embeddings else ''})",
             f"mesh: pp={dims.pp} dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} cp={dims.cp} tp={dims.tp} "
             + (f"ep={dims.ep} " if w.experts else "")
             + f"({dims.world_size} processes)",
