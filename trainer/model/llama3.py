@@ -63,6 +63,10 @@ class ModelArgs:
         """Block ``layer_id`` of the model these arguments describe (a shape family may have its own)."""
         return TransformerBlock(layer_id, self)
 
+    def rope_table(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """The RoPE rotations the blocks take (a shape family may rotate other channels)."""
+        return rope_frequencies(self, device)
+
     @property
     def ffn_hidden_dim(self) -> int:
         if self.ffn_hidden_size:
@@ -249,11 +253,14 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, layer_id: int, args: ModelArgs, feed_forward: nn.Module | None = None):
-        """``feed_forward``: the block's MLP when it is not the dense SwiGLU (a mixture of experts)."""
+    def __init__(
+        self, layer_id: int, args: ModelArgs, feed_forward: nn.Module | None = None, attention: nn.Module | None = None
+    ):
+        """``feed_forward``: the block's MLP when it is not the dense SwiGLU (a mixture of experts);
+        ``attention`` when it is not grouped-query attention (DeepSeek's latent attention)."""
         super().__init__()
         self.layer_id = layer_id
-        self.attention = Attention(args)
+        self.attention = attention or Attention(args)
         self.feed_forward = feed_forward or FeedForward(args)
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
@@ -310,9 +317,7 @@ class Transformer(nn.Module):
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output = OutputProjection(args.dim, args.vocab_size)
         self.tie_output()
-        self.register_buffer(
-            "freqs_cis", rope_frequencies(args, device=self.tok_embeddings.weight.device), persistent=False
-        )
+        self.register_buffer("freqs_cis", args.rope_table(self.tok_embeddings.weight.device), persistent=False)
         # Turns document ids into the blocks' attention mask, once per forward; context
         # parallelism swaps in one that matches its attention (keys gathered from every rank).
         self.attention_mask: Callable[[torch.Tensor, torch.dtype], object] = document_causal_mask
@@ -367,7 +372,8 @@ class Transformer(nn.Module):
             return "trunc_normal", self.args.dim**-0.5
         if name.endswith("norm.weight"):
             return "ones", 0.0
-        if name.endswith(("wq.weight", "wk.weight", "wv.weight", "w1.weight", "gate.weight", "experts.w1")):
+        inputs = ("wq", "wk", "wv", "w1", "gate", "wq_a", "wq_b", "wkv_a", "wkv_b")  # latent attention's too
+        if name.endswith(tuple(f"{n}.weight" for n in inputs) + ("experts.w1",)):
             return "trunc_normal", 0.02
         if name.endswith(("wo.weight", "w2.weight", "w3.weight", "experts.w2", "experts.w3")):
             layer = self.layers[name.split(".")[1]]
@@ -404,7 +410,7 @@ class Transformer(nn.Module):
             reset = getattr(module, "reset_buffers", None)
             if reset is not None:
                 reset()
-        self.freqs_cis = rope_frequencies(self.args, device=self.freqs_cis.device)
+        self.freqs_cis = self.args.rope_table(self.freqs_cis.device)
 
 
 def num_params(model: Transformer, exclude_embedding: bool = False) -> int:
