@@ -32,6 +32,7 @@ from trainer.checkpoint.integrity import add_to_manifest
 from trainer.checkpoint.model_entry import write_dcp_model
 from trainer.entry import launch
 from trainer.model.hf_llama3 import InteropError
+from trainer.model.hf_qwen3_moe import MOE_FIELDS
 from trainer.model.llama3 import ModelArgs, Transformer
 from trainer.model.moe import MoEArgs
 
@@ -258,18 +259,6 @@ def test_an_impossible_model_is_not_exported(folders, tmp_path, capsys, family, 
     assert not (tmp_path / "out").exists()
 
 
-MOE_ONLY = (
-    "n_experts",
-    "top_k",
-    "moe_hidden_dim",
-    "n_shared_experts",
-    "n_dense_layers",
-    "score_func",
-    "route_norm",
-    "route_scale",
-)
-
-
 def test_weights_of_the_other_family_are_named_as_such(folders, tmp_path, capsys):
     """A dense checkpoint whose model_args.json says MoE, and the other way round, on export;
     a folder whose config.json names the other family, on import."""
@@ -283,7 +272,7 @@ def test_weights_of_the_other_family_are_named_as_such(folders, tmp_path, capsys
     moe_as_dense = edited_checkpoint(
         folders["moe_checkpoint"],
         tmp_path / "as_dense",
-        lambda v: [v.pop(k) for k in (*MOE_ONLY, "qk_norm", "head_size") if k in v],
+        lambda v: [v.pop(k) for k in (*MOE_FIELDS, "qk_norm", "head_size") if k in v],
     )
     err = refused(convert_to_hf.main, [str(moe_as_dense), str(tmp_path / "out")], capsys)
     assert "are a Mixture-of-Experts model's (`experts`) but the config describes a dense one" in err, err
