@@ -35,8 +35,8 @@ LLAMA3_CHAT_TEMPLATE = (
 )
 
 
-def build(folder: Path, vocab_size: int = 700, eos: str = "<|end_of_text|>") -> Path:
-    """Write ``tokenizer.json`` and ``tokenizer_config.json`` into ``folder``; return the former."""
+def _trained_bpe(vocab_size: int) -> Tokenizer:
+    """Byte-level BPE with Llama 3's pre-tokenizer pattern, trained on a few of the bundled plays."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [
@@ -49,6 +49,12 @@ def build(folder: Path, vocab_size: int = 700, eos: str = "<|end_of_text|>") -> 
         vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
     )
     tokenizer.train_from_iterator([play.text for play in read_shakespeare_plays()[:3]], trainer=trainer)
+    return tokenizer
+
+
+def build(folder: Path, vocab_size: int = 700, eos: str = "<|end_of_text|>") -> Path:
+    """Write ``tokenizer.json`` and ``tokenizer_config.json`` into ``folder``; return the former."""
+    tokenizer = _trained_bpe(vocab_size)
     tokenizer.add_special_tokens(SPECIALS)
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(folder / "tokenizer.json"))
@@ -84,18 +90,7 @@ QWEN3_CHAT_TEMPLATE = (
 def build_qwen(folder: Path, vocab_size: int = 700) -> Path:
     """A Qwen-shaped ``tokenizer.json``: byte-level BPE, ChatML's special tokens, no BOS (its
     ``tokenizer_config.json`` says ``bos_token: null``), ``<|im_end|>`` as EOS."""
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
-    )
-    tokenizer.train_from_iterator([play.text for play in read_shakespeare_plays()[:3]], trainer=trainer)
+    tokenizer = _trained_bpe(vocab_size)
     tokenizer.add_special_tokens(QWEN_SPECIALS)
     tokenizer.add_tokens(QWEN_THINK)
     folder.mkdir(parents=True, exist_ok=True)

@@ -37,7 +37,7 @@ from trainer.model.llama3 import ModelArgs, Transformer
 ARCHITECTURE = "Qwen3ForCausalLM"
 MODEL_TYPE = "qwen3"
 
-_NORM_NAMES = {
+NORM_NAMES = {
     "attention.q_norm.weight": "self_attn.q_norm.weight",
     "attention.k_norm.weight": "self_attn.k_norm.weight",
 }
@@ -47,7 +47,7 @@ def _hf_name(name: str) -> str:
     if name in hf_llama3._GLOBAL_NAMES:
         return hf_llama3._GLOBAL_NAMES[name]
     _, layer, rest = name.split(".", 2)
-    return f"model.layers.{layer}.{_NORM_NAMES.get(rest) or hf_llama3._LAYER_NAMES[rest]}"
+    return f"model.layers.{layer}.{NORM_NAMES.get(rest) or hf_llama3._LAYER_NAMES[rest]}"
 
 
 def _check_supported(args: ModelArgs) -> None:
@@ -75,16 +75,19 @@ def hf_pieces(args: ModelArgs) -> dict[str, tuple[str, None, torch.Size]]:
     return {hf_name: (name, None, shape) for name, (hf_name, shape) in hf_layout(args).items()}
 
 
-def _head_permutation(name: str, args: ModelArgs) -> tuple[int, bool] | None:
-    """(heads, is a norm weight) of a tensor whose rows the RoPE layout permutes, else None."""
-    if name.endswith(tuple(_NORM_NAMES)):
+def head_permutation(name: str, args: ModelArgs) -> tuple[int, bool] | None:
+    """(heads, is a norm weight) of a tensor whose rows the RoPE layout permutes, else None (the
+    Qwen3-MoE adapter's q/k norms too)."""
+    if name.endswith(tuple(NORM_NAMES)):
         return 1, True
     heads = hf_llama3._heads_of(name, args)
     return None if heads is None else (heads, False)
 
 
-def _permute(name: str, tensor: torch.Tensor, args: ModelArgs, permute: Callable[..., torch.Tensor]) -> torch.Tensor:
-    how = _head_permutation(name, args)
+def permute_heads(
+    name: str, tensor: torch.Tensor, args: ModelArgs, permute: Callable[..., torch.Tensor]
+) -> torch.Tensor:
+    how = head_permutation(name, args)
     if how is None:
         return tensor
     heads, is_norm = how
@@ -93,7 +96,7 @@ def _permute(name: str, tensor: torch.Tensor, args: ModelArgs, permute: Callable
 
 def to_hf_piece(hf_name: str, tensor: torch.Tensor, args: ModelArgs, pieces: dict[str, Any]) -> torch.Tensor:
     """Hugging Face tensor ``hf_name`` out of our full tensor it comes from."""
-    return _permute(pieces[hf_name][0], tensor, args, _interleaved_to_half)
+    return permute_heads(pieces[hf_name][0], tensor, args, _interleaved_to_half)
 
 
 def _check(sd: dict[str, Any], expected: dict[str, torch.Size], what: str, args: ModelArgs) -> None:
@@ -157,8 +160,8 @@ def read_box(
 ) -> torch.Tensor:
     """Our tensor ``name``'s ``box``, reading through ``read_hf(hf_name, hf_box)`` only what it
     needs: a q/k norm weight (one head wide) is read whole and permuted; the rest is Llama's."""
-    if _head_permutation(name, args) == (1, True):
-        return _permute(name, read_hf(_hf_name(name), (slice(None),)), args, _half_to_interleaved)[box]
+    if head_permutation(name, args) == (1, True):
+        return permute_heads(name, read_hf(_hf_name(name), (slice(None),)), args, _half_to_interleaved)[box]
     return hf_llama3.read_box(name, args, box, read_hf, tie_word_embeddings=tie_word_embeddings)
 
 

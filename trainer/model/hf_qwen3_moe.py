@@ -38,17 +38,14 @@ from trainer.model.hf_llama3 import (
     family_hint,
     preview_names,
 )
+from trainer.model.hf_qwen3 import NORM_NAMES, head_permutation, permute_heads
 from trainer.model.llama3 import ModelArgs, Transformer
 from trainer.model.moe import MoEArgs, out_of_range
 
 ARCHITECTURE = "Qwen3MoeForCausalLM"
 MODEL_TYPE = "qwen3_moe"
 
-_MOE_NAMES = {
-    "feed_forward.router.gate.weight": "mlp.gate.weight",
-    "attention.q_norm.weight": "self_attn.q_norm.weight",
-    "attention.k_norm.weight": "self_attn.k_norm.weight",
-}
+_MOE_NAMES = {"feed_forward.router.gate.weight": "mlp.gate.weight", **NORM_NAMES}
 _EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _EXPERTS = "feed_forward.experts."
 
@@ -120,26 +117,10 @@ def hf_layout(args: MoEArgs) -> dict[str, tuple[str, torch.Size]]:
     return out
 
 
-def _head_permutation(name: str, args: MoEArgs) -> tuple[int, bool] | None:
-    """(heads, is a norm weight) of a tensor whose rows the RoPE layout permutes, else None."""
-    if name.endswith(("attention.q_norm.weight", "attention.k_norm.weight")):
-        return 1, True
-    heads = hf_llama3._heads_of(name, args)
-    return None if heads is None else (heads, False)
-
-
-def _permute(name: str, tensor: torch.Tensor, args: MoEArgs, permute: Callable[..., torch.Tensor]) -> torch.Tensor:
-    how = _head_permutation(name, args)
-    if how is None:
-        return tensor
-    heads, is_norm = how
-    return permute(tensor.view(-1, 1), heads).view(-1) if is_norm else permute(tensor, heads)
-
-
 def to_hf_piece(hf_name: str, tensor: torch.Tensor, args: MoEArgs, pieces: dict[str, Piece]) -> torch.Tensor:
     """Hugging Face tensor ``hf_name`` out of our full tensor ``tensor`` it comes from."""
     name, expert, _ = pieces[hf_name]
-    return tensor[expert] if expert is not None else _permute(name, tensor, args, _interleaved_to_half)
+    return tensor[expert] if expert is not None else permute_heads(name, tensor, args, _interleaved_to_half)
 
 
 def check_state_dict(sd: dict[str, torch.Tensor], args: MoEArgs) -> None:
@@ -205,8 +186,8 @@ def read_box(
     if _EXPERTS in name:
         experts = range(*box[0].indices(args.n_experts))
         return torch.stack([read_hf(_expert_hf_name(name, e), box[1:]) for e in experts])
-    if _head_permutation(name, args) == (1, True):
-        return _permute(name, read_hf(_hf_name(name), (slice(None),)), args, _half_to_interleaved)[box]
+    if head_permutation(name, args) == (1, True):
+        return permute_heads(name, read_hf(_hf_name(name), (slice(None),)), args, _half_to_interleaved)[box]
     if name.endswith("router.gate.weight"):
         return read_hf(_hf_name(name), box)
     return hf_llama3.read_box(name, args, box, read_hf, tie_word_embeddings=tie_word_embeddings)
