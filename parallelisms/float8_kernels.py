@@ -19,7 +19,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from parallelisms.float8 import KERNEL_MULTIPLE, Float8Settings, convertible
 from parallelisms.model_parts import blocks, is_moe
 from parallelisms.parallel_dims import ParallelismError
-from parallelisms.tensor_parallel import feed_forward_plan, llama3_tp_plan
+from parallelisms.tensor_parallel import block_plan
 
 FLOAT8_WEIGHT_GRADIENT = ("tensorwise", "rowwise")
 """The recipes whose weight gradient is a float8 matmul over the tokens."""
@@ -32,10 +32,9 @@ def check_kernel_shapes(model: nn.Module, settings: Float8Settings, tokens: int,
     x ...``), over ``tp`` tensor-parallel ranks. Emulated float8 (a CPU) takes any shape."""
     if settings.emulate:
         return
-    in_block = {k.removeprefix("layers.*."): v for k, v in llama3_tp_plan(False).items() if k.startswith("layers.*.")}
     for block_name, block in blocks(model).items():
         moe = is_moe(block.get_submodule("feed_forward"))
-        plan = {**in_block, **feed_forward_plan(moe)}
+        plan = block_plan(block)
         for name, module in block.named_modules():
             fqn = f"layers.{block_name}.{name}"
             if not convertible(fqn, module, settings.filter_fqns):

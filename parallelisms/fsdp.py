@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from parallelisms.model_parts import blocks, end, moe_layers, tied_ends
 
@@ -44,8 +45,8 @@ def apply_fsdp(
     ``replicated_mesh``: under tensor parallelism each MoE layer's router and shared experts
     (and its routed experts without EP), replicated over TP ranks that feed them different
     tokens, are a unit over ``mesh`` with ``tp`` folded in, so that their gradients are summed
-    over TP as well (``parallelisms/tensor_parallel.py``). So are each attention's QK-norms:
-    replicated over TP, each TP rank normalizes only its own heads.
+    over TP as well (``parallelisms/tensor_parallel.py``). So are the parts of each attention that
+    TP replicates (:func:`replicated_over_tp`).
     """
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
 
@@ -74,10 +75,8 @@ def apply_fsdp(
             replicated = [m for m in (moe.router, moe.shared_experts, experts) if m is not None]
             shard(replicated, not never, replicated_mesh)
         for block in units:
-            attention = getattr(block, "attention", None)
-            qk_norms = [m for name in ("q_norm", "k_norm") if (m := getattr(attention, name, None)) is not None]
-            if qk_norms:
-                shard(qk_norms, not never, replicated_mesh)
+            if replicated := replicated_over_tp(block.get_submodule("attention")):
+                shard(replicated, not never, replicated_mesh)
     for i, block in enumerate(units):
         # The last block's backward starts right after forward, so freeing it is wasted work.
         last = i == len(units) - 1
@@ -88,6 +87,17 @@ def apply_fsdp(
         shard([norm, output], reshard_after_forward == "always")
     shard(model, reshard_after_forward == "always")
     return model
+
+
+def replicated_over_tp(attention: nn.Module) -> list[nn.Module]:
+    """The attention's modules that tensor parallelism left whole (no DTensor parameter): each TP
+    rank's gradient of them is a share, from its own heads. Qwen3's per-head QK-norms; the latent
+    attention's down-projections and latent norms."""
+    return [
+        module
+        for module in attention.children()
+        if any(True for _ in module.parameters()) and not any(isinstance(p, DTensor) for p in module.parameters())
+    ]
 
 
 def make_reduction_a_sum(module: FSDPModule) -> None:

@@ -197,7 +197,9 @@ def _check_experts(dims: ParallelDims, settings: ParallelSettings, shape: ModelS
     """Expert parallelism needs experts to split; MoE models compose with FSDP, HSDP, EP, TP, CP,
     PP, accumulation, activation checkpointing and compile."""
     if dims.ep > 1 and not shape.n_experts:
-        raise ParallelismError(f'{{ep}} = {dims.ep} needs a Mixture-of-Experts model: set {{model_name}} = "moe".')
+        raise ParallelismError(
+            f'{{ep}} = {dims.ep} needs a Mixture-of-Experts model: set {{model_name}} = "moe" or "deepseek_v3".'
+        )
     if shape.n_experts % dims.ep:
         raise ParallelismError(
             f"{{ep}} = {dims.ep} does not divide the model's {shape.n_experts} experts; choose an ep that does."

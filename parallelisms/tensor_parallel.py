@@ -18,6 +18,18 @@ residual stream holds, so no collective is added. The gradients of those replica
 differ between TP ranks (each saw other tokens) and are summed over TP by FSDP, which shards
 them over a mesh that includes ``tp`` (``Meshes.replicated_fsdp``, ``Meshes.expert_fsdp``).
 
+DeepSeek's multi-head latent attention (``trainer/model/mla.py``) splits its heads as Llama's
+attention does, but its down-projections to the query and key/value latents (``wq_a``, ``wkv_a``)
+and their norms are shared by every head: they are replicated, and every TP rank computes them
+on the gathered sequence (they are narrow: ``dim`` -> 1536 and 576 for the 671B). Each rank's
+heads then give those latents, and the input, only a *share* of their gradient: the heads'
+up-projections (``wq_b``, ``wkv_b``) take the normalised latents as a replicated DTensor whose
+gradient comes back as that share (:class:`LatentOutput`), the down-projections take the gathered
+input as a plain tensor whose gradient is declared a partial sum (:class:`LatentInput`), and the
+backward's reduce-scatter to sequence shards sums the shares of the input with the heads'. The
+replicated weights' gradients are shares too, summed over TP by FSDP like the MoE's router. So the
+latent attention costs the collectives of Llama's, with no all-reduce of a latent.
+
 Applied before FSDP: FSDP then shards the tensor-parallel DTensors over its own mesh.
 """
 
@@ -28,9 +40,10 @@ from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -72,27 +85,52 @@ class OutputParallel(ColwiseParallel):
         return dtensor.colwise_output(output_layouts, use_local_output, mod, outputs, device_mesh)
 
 
-def llama3_tp_plan(loss_parallel: bool, styles: Mapping[str, Any] | None = None) -> dict[str, ParallelStyle]:
-    """Module name pattern -> how its parameters and activations are split over TP ranks; each
-    block's feed-forward follows :func:`feed_forward_plan`. ``styles``: the ``colwise``,
-    ``rowwise`` and ``prepare`` styles of the blocks' linear layers, when float8 training has
-    its own (``parallelisms/float8.py``)."""
-    styles = styles or {}
-    colwise = styles.get("colwise", ColwiseParallel)
-    rowwise = styles.get("rowwise", RowwiseParallel)
-    prepare = styles.get("prepare", PrepareModuleInput)
+class _ShareOfReplica(torch.autograd.Function):
+    """A replicated activation as a ``Replicate`` DTensor whose gradient returns as this rank's share."""
+
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+        ctx.mesh = mesh
+        return DTensor.from_local(local, mesh, (Replicate(),), run_check=False)
+
+    @staticmethod
+    def backward(ctx: Any, grad: DTensor) -> tuple[torch.Tensor, None]:
+        # The heads' column-wise backward gives a partial sum. A replicated gradient (what a
+        # compiled block's backward is traced with) is split into equal shares.
+        if grad.placements[0].is_partial():
+            return grad.to_local(), None
+        return grad.to_local() / ctx.mesh.size(), None
+
+
+class LatentInput(ParallelStyle):
+    """A replicated down-projection fed the gathered sequence (a ``Replicate`` DTensor) as a plain
+    tensor, whose gradient is this rank's share: a ``Partial`` sum, reduce-scattered with the rest."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def local(_: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+            return (args[0].to_local(grad_placements=(Partial(),)), *args[1:])
+
+        module.register_forward_pre_hook(local)
+        return module
+
+
+class LatentOutput(ParallelStyle):
+    """A replicated latent norm whose output the heads' column-wise up-projection takes as a
+    ``Replicate`` DTensor, handing back this rank's share of its gradient (no all-reduce)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def shared(_: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> DTensor:
+            return _ShareOfReplica.apply(output, device_mesh)
+
+        module.register_forward_hook(shared)
+        return module
+
+
+def llama3_tp_plan(loss_parallel: bool) -> dict[str, ParallelStyle]:
+    """Module name -> how the model's ends are split over TP ranks; each block follows
+    :func:`block_plan`."""
     return {
         "tok_embeddings": EmbeddingParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "layers.*.attention_norm": SequenceParallel(),
-        "layers.*.attention": prepare(
-            input_layouts=(Shard(1), None, None),  # (hidden states, RoPE table, document mask)
-            desired_input_layouts=(Replicate(), None, None),
-        ),
-        "layers.*.attention.wq": colwise(),
-        "layers.*.attention.wk": colwise(),
-        "layers.*.attention.wv": colwise(),
-        "layers.*.attention.wo": rowwise(output_layouts=Shard(1)),
-        "layers.*.ffn_norm": SequenceParallel(),
         "norm": SequenceParallel(),
         "output": OutputParallel(
             input_layouts=Shard(1),
@@ -103,9 +141,52 @@ def llama3_tp_plan(loss_parallel: bool, styles: Mapping[str, Any] | None = None)
     }
 
 
+def block_plan(block: nn.Module, styles: Mapping[str, Any] | None = None) -> dict[str, ParallelStyle]:
+    """A block's modules by name -> their split: the norms sequence-parallel, the attention
+    (:func:`attention_plan`) and the feed-forward (:func:`feed_forward_plan`). ``styles``: the
+    ``colwise``, ``rowwise`` and ``prepare`` styles of the blocks' linear layers, when float8
+    training has its own (``parallelisms/float8.py``)."""
+    return {
+        "attention_norm": SequenceParallel(),
+        "ffn_norm": SequenceParallel(),
+        **attention_plan(block.get_submodule("attention"), styles),
+        **feed_forward_plan(is_moe(block.get_submodule("feed_forward")), styles),
+    }
+
+
+def attention_plan(attention: nn.Module, styles: Mapping[str, Any] | None = None) -> dict[str, ParallelStyle]:
+    """Heads split column-wise in and row-wise out, on the sequence all-gathered on the way in and
+    reduce-scattered on the way out; a latent attention's shared latents as the module docstring
+    says (replicated, their gradients shares)."""
+    styles = styles or {}
+    colwise = styles.get("colwise", ColwiseParallel)
+    rowwise = styles.get("rowwise", RowwiseParallel)
+    prepare = styles.get("prepare", PrepareModuleInput)
+    gathered = {
+        "attention": prepare(
+            input_layouts=(Shard(1), None, None),  # (hidden states, RoPE table, document mask)
+            desired_input_layouts=(Replicate(), None, None),
+        ),
+        "attention.wo": rowwise(output_layouts=Shard(1)),
+    }
+    if not hasattr(attention, "wkv_a"):
+        return {**gathered, "attention.wq": colwise(), "attention.wk": colwise(), "attention.wv": colwise()}
+    if hasattr(attention, "wq_a"):
+        queries = {"attention.wq_a": LatentInput(), "attention.q_norm": LatentOutput(), "attention.wq_b": colwise()}
+    else:  # no query latent (q_lora_rank 0): the queries come straight from the gathered input
+        queries = {"attention.wq": colwise()}
+    return {
+        **gathered,
+        **queries,
+        "attention.wkv_a": LatentInput(),
+        "attention.kv_norm": LatentOutput(),
+        "attention.wkv_b": colwise(),
+    }
+
+
 def feed_forward_plan(moe: bool, styles: Mapping[str, Any] | None = None) -> dict[str, ParallelStyle]:
     """A block's feed-forward: the dense SwiGLU column- then row-wise, a mixture of experts on
-    its own sequence shard (see the module docstring); ``styles`` as for :func:`llama3_tp_plan`."""
+    its own sequence shard (see the module docstring); ``styles`` as for :func:`block_plan`."""
     styles = styles or {}
     colwise = styles.get("colwise", ColwiseParallel)
     rowwise = styles.get("rowwise", RowwiseParallel)
@@ -141,15 +222,13 @@ def apply_tp(
     the compiled blocks (``parallelize`` requires compiling the model with it).
     """
     # A pipeline stage may lack the embedding or the norm and output (None): skip their entries.
-    plan = {
-        k: v for k, v in llama3_tp_plan(loss_parallel, styles).items() if getattr(model, k.split(".")[0]) is not None
-    }
+    plan = {k: v for k, v in llama3_tp_plan(loss_parallel).items() if getattr(model, k) is not None}
     tied = tied_ends(model)
     parallelize_module(model, tp_mesh, plan)
     if tied:  # both split over the vocabulary, Shard(0): the embedding's DTensor serves both
         retie_ends(model)
     for block in blocks(model).values():
-        parallelize_module(block, tp_mesh, feed_forward_plan(is_moe(block.get_submodule("feed_forward")), styles))
+        parallelize_module(block, tp_mesh, block_plan(block, styles))
     if async_tp:
         kernels.enable_async_tp(tp_mesh.get_group())
     return model

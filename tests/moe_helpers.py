@@ -23,11 +23,9 @@ from trainer.training import Training
 
 STEPS = 3
 TOLERANCE = 5e-5
+DEBUG_MOE = ["--model.name", "moe", "--model.flavor", "debugmoe"]
 MOE = [
-    "--model.name",
-    "moe",
-    "--model.flavor",
-    "debugmoe",
+    *DEBUG_MOE,
     "--moe.balance_loss_weight",
     "0.1",
     "--moe.bias_update_rate",
@@ -41,8 +39,9 @@ MOE = [
 SKEW = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, -0.05, -0.1, -0.2])
 
 
-def moe_argv(local_batch: int, extra: list[str]) -> list[str]:
-    return argv_for(local_batch, [*MOE, *extra])
+def moe_argv(local_batch: int, extra: list[str], model: list[str] = DEBUG_MOE) -> list[str]:
+    """The MoE tests' job (``model``: its ``--model.*`` keys, 8 experts) with ``extra``."""
+    return argv_for(local_batch, [*MOE, *model, *extra])
 
 
 def experts_replicated_over(dim: str) -> Callable:
@@ -157,16 +156,17 @@ def launch_moe(
     bugs: dict[str, tuple[int, int, list[str]]],
     steps: int = STEPS,
     also: dict[str, tuple[int, tuple]] | None = None,
+    model: list[str] = DEBUG_MOE,
 ) -> dict:
     """The 1-process reference (``reference``), every mesh and every injected bug (``bug: NAME``)
     through :func:`moe_steps` for ``steps`` steps, one launch per world size;
     ``{name: (world, local batch, argv)}``. ``also``: more cases for those launches, as
-    :func:`harness.run_by_world` takes them."""
-    cases = {"reference": (1, (moe_steps, moe_argv(8, []), "", False, steps)), **(also or {})}
+    :func:`harness.run_by_world` takes them; ``model`` as for :func:`moe_argv`."""
+    cases = {"reference": (1, (moe_steps, moe_argv(8, [], model), "", False, steps)), **(also or {})}
     for name, (world, local, extra) in meshes.items():
-        cases[name] = (world, (moe_steps, moe_argv(local, extra), "", False, steps))
+        cases[name] = (world, (moe_steps, moe_argv(local, extra, model), "", False, steps))
     for name, (world, local, extra) in bugs.items():
-        cases[f"bug: {name}"] = (world, (moe_steps, moe_argv(local, extra), name, False, steps))
+        cases[f"bug: {name}"] = (world, (moe_steps, moe_argv(local, extra, model), name, False, steps))
     return run_by_world(cases)
 
 

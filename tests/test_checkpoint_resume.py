@@ -15,6 +15,7 @@ from harness import QUICK, ROOT, run_train
 from trainer.checkpoint.folders import model_keys
 from trainer.config import load_config
 from trainer.entry.launch import main as launch_main
+from trainer.model.deepseek_v3 import FLAVORS as DEEPSEEK_FLAVORS
 from trainer.model.llama3 import FLAVORS, model_args
 from trainer.model.moe import FLAVORS as MOE_FLAVORS
 from trainer.model.moe import MoEArgs
@@ -50,6 +51,10 @@ def test_another_model_kind_is_blamed_on_the_model_not_on_its_data(tmp_path: Pat
         (
             model_args("qwen3_moe_debug", 2048, 128, 0, MOE_FLAVORS),
             '`model.name` = "moe", `model.flavor` = "qwen3_moe_debug"',
+        ),
+        (
+            model_args("16B", 2048, 128, 3, DEEPSEEK_FLAVORS),
+            '`model.name` = "deepseek_v3", `model.flavor` = "16B", `model.n_layers` = 3',
         ),
         (TINY, '`model.name` = "llama3" with no flavor of its shape (a converted or hand-made checkpoint)'),
     ],

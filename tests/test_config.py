@@ -276,7 +276,7 @@ def test_help_shows_what_this_command_line_gives_and_the_code_default():
     text = help_text(["--config", "llama3_8b.toml", "--training.steps", "7"])
     assert "from llama3_8b.toml" in text
     assert (
-        "--model.flavor (str {debugmodel|1B|3B|8B|70B|405B|qwen3_debug|0.6B|1.7B|4B|14B|32B|debugmoe|qwen3_moe_debug|qwen3_30b_a3b|qwen3_235b_a22b}) = '8B'; code default 'debugmodel'"
+        "--model.flavor (str {debugmodel|1B|3B|8B|70B|405B|qwen3_debug|0.6B|1.7B|4B|14B|32B|debugmoe|qwen3_moe_debug|qwen3_30b_a3b|qwen3_235b_a22b|deepseek_v3_debug|16B|671B}) = '8B'; code default 'debugmodel'"
         in text
     )
     assert "--training.steps (int) = 7; code default 10000" in text

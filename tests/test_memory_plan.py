@@ -102,6 +102,7 @@ PRESETS = (
     "qwen3_32b.toml",
     "qwen3_30b_a3b.toml",
     "qwen3_235b_a22b.toml",
+    "deepseek_v3_16b.toml",
 )
 
 

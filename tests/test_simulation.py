@@ -34,6 +34,7 @@ PRESETS = {
     "qwen3_32b": (8, 4),
     "qwen3_30b_a3b": (8, 1),
     "qwen3_235b_a22b": (8, 8),
+    "deepseek_v3_16b": (8, 1),
 }
 
 

@@ -35,6 +35,7 @@ from trainer.checkpoint.location import (
     remove_tree,
 )
 from trainer.config import Checkpoint
+from trainer.model.deepseek_v3 import DeepSeekV3Args
 from trainer.model.families import FAMILIES, family_of
 from trainer.model.hf_llama3 import CONFIG_FILE, InteropError, preview_names
 from trainer.model.llama3 import ModelArgs
@@ -184,8 +185,8 @@ def read_model_args(checkpoint_dir: str | Location) -> ModelArgs:
 
     Fields the file lacks take their defaults (files from before a field existed); fields
     ``ModelArgs`` does not know are an error, as they would describe another model. A
-    Mixture-of-Experts model's file names its experts (``n_experts``) and reads as ``MoEArgs``.
-    A folder that is no checkpoint at all is named for what it is.
+    Mixture-of-Experts model's file names its experts (``n_experts``) and reads as ``MoEArgs``,
+    a DeepSeek-V3's its latents too (``kv_lora_rank``) and reads as ``DeepSeekV3Args``. A folder that is no checkpoint at all is named for what it is.
     """
     folder = location(checkpoint_dir)
     path = folder / MODEL_ARGS_FILE
@@ -207,7 +208,9 @@ def read_model_args(checkpoint_dir: str | Location) -> ModelArgs:
         values = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise InteropError(f"{path} is not valid JSON: {err}") from err
-    args_type: type[ModelArgs] = MoEArgs if "n_experts" in values else ModelArgs
+    args_type: type[ModelArgs] = (
+        DeepSeekV3Args if "kv_lora_rank" in values else MoEArgs if "n_experts" in values else ModelArgs
+    )
     known = {f.name for f in dataclasses.fields(args_type)}
     unknown = sorted(set(values) - known)
     if unknown:
@@ -232,6 +235,16 @@ EXPERT_FIELDS = ("n_experts", "top_k", "moe_hidden_dim", "n_shared_experts", "n_
 """The ``MoEArgs`` that decide the experts' shapes and which blocks route (``top_k`` changes no
 shape, but a model routing to other numbers of experts is another model)."""
 
+LATENT_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+"""The ``DeepSeekV3Args`` that decide the latent attention's shapes."""
+
+
+def family_fields(args: ModelArgs) -> tuple[str, ...]:
+    """The fields beyond ``PARAMETER_FIELDS`` that decide the shapes of ``args``'s family."""
+    if isinstance(args, DeepSeekV3Args):
+        return EXPERT_FIELDS + LATENT_FIELDS
+    return EXPERT_FIELDS if isinstance(args, MoEArgs) else ()
+
 
 def checkpoint_model_differences(theirs: ModelArgs, ours: ModelArgs) -> list[str]:
     """What makes a checkpoint's model another than this run's: the parameter fields, whether it
@@ -240,16 +253,15 @@ def checkpoint_model_differences(theirs: ModelArgs, ours: ModelArgs) -> list[str
     kinds = [family_of(args) for args in (theirs, ours)]
     if kinds[0] != kinds[1]:
         return [*differ, f"model.name: {kinds[0]} there, {kinds[1]} here"]
-    return differ + (model_differences(theirs, ours, EXPERT_FIELDS) if kinds[0] == "moe" else [])
+    return differ + model_differences(theirs, ours, family_fields(ours))
 
 
 def model_keys(args: ModelArgs) -> str:
     """The ``model`` keys that build ``args`` (a checkpoint's): its name, the flavor of that
     shape if one is, and its blocks where they are not the flavor's."""
-    moe = isinstance(args, MoEArgs)
     name = family_of(args)
     flavors = FAMILIES[name]
-    fields = [f for f in PARAMETER_FIELDS + (EXPERT_FIELDS if moe else ()) if f not in ("n_layers", "vocab_size")]
+    fields = [f for f in PARAMETER_FIELDS + family_fields(args) if f not in ("n_layers", "vocab_size")]
     flavor = next(
         (key for key, shape in flavors.items() if all(getattr(shape, f) == getattr(args, f) for f in fields)), None
     )

@@ -25,8 +25,12 @@ MODEL_FLAVORS = {
     "llama3": ("debugmodel", "1B", "3B", "8B", "70B", "405B"),
     "qwen3": ("qwen3_debug", "0.6B", "1.7B", "4B", "8B", "14B", "32B"),
     "moe": ("debugmoe", "qwen3_moe_debug", "qwen3_30b_a3b", "qwen3_235b_a22b"),
+    "deepseek_v3": ("deepseek_v3_debug", "16B", "671B"),
 }
 """Each ``model.name``'s ``model.flavor`` presets (``trainer/model/families.py``)."""
+
+MOE_FAMILIES = ("moe", "deepseek_v3")
+"""The ``model.name`` values whose models route tokens to experts (the ``[moe]`` section applies)."""
 
 BALANCE_SCOPES = ("global_batch", "sequence", "micro_batch")
 """What ``moe.balance_loss_scope`` may name (``trainer/model/moe.py``)."""

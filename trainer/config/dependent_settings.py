@@ -10,6 +10,7 @@ import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from trainer.config.choices import MOE_FAMILIES
 from trainer.config.fields import FloatList, StrList
 from trainer.config.schema import FIELDS, JobConfig
 from trainer.runtime.errors import ConfigError
@@ -38,11 +39,11 @@ def _float8(c: JobConfig) -> Unused:
 
 
 def _dense(c: JobConfig) -> Unused:
-    if c.model.name == "moe":
+    if c.model.name in MOE_FAMILIES:
         return None
     return (
         f"`model.name` = {c.model.name!r} is dense, with no experts to balance",
-        'Set `model.name` = "moe"',
+        'Set `model.name` = "moe" or "deepseek_v3"',
     )
 
 

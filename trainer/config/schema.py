@@ -51,7 +51,10 @@ class Machine:
 @dataclass
 class Model:
     name: str = setting(
-        "llama3", "Model family: `llama3` or `qwen3` (dense), or `moe` (Mixture-of-Experts).", tuple(MODEL_FLAVORS)
+        "llama3",
+        "Model family: `llama3` or `qwen3` (dense), `moe` (Mixture-of-Experts: the debug MoE, Qwen3-MoE) or "
+        "`deepseek_v3` (latent attention, group-limited routing).",
+        tuple(MODEL_FLAVORS),
     )
     flavor: str = setting(
         "debugmodel", "Model size preset of the family.", tuple(dict.fromkeys(sum(MODEL_FLAVORS.values(), ())))

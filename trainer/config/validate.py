@@ -13,7 +13,7 @@ import re
 from typing import Any
 from urllib.parse import urlsplit
 
-from trainer.config.choices import PACKED_DATASET_KINDS
+from trainer.config.choices import MOE_FAMILIES, PACKED_DATASET_KINDS
 from trainer.config.fault_tolerance_section import FaultTolerance
 from trainer.config.fields import FloatList
 from trainer.config.limits import Limits
@@ -44,13 +44,13 @@ def cautions(config: JobConfig) -> list[str]:
     """Values inside their range that no run would want, each with the reason: the job runs (a
     study may mean them), and its start report and ``--dry-run`` say what they do."""
     moe, found = config.moe, []
-    if config.model.name == "moe" and moe.bias_update_rate > BIAS_UPDATE_RATE_CAUTION:
+    if config.model.name in MOE_FAMILIES and moe.bias_update_rate > BIAS_UPDATE_RATE_CAUTION:
         found.append(
             f"`moe.bias_update_rate` = {moe.bias_update_rate:g} moves a routing bias by up to twice that each step, "
             "against router scores in [0, 1]: within a few steps the biases, not the router, choose every "
             "token's experts (DeepSeek-V3 uses 0.001)."
         )
-    if config.model.name == "moe" and moe.balance_loss_weight > BALANCE_LOSS_WEIGHT_CAUTION:
+    if config.model.name in MOE_FAMILIES and moe.balance_loss_weight > BALANCE_LOSS_WEIGHT_CAUTION:
         found.append(
             f"`moe.balance_loss_weight` = {moe.balance_loss_weight:g} weighs a balancing loss of about 1 per layer "
             "against the language model's 2 to 10: the gradient serves balance more than language "

@@ -45,16 +45,17 @@ def peak_flops(device: torch.device, override: float | None = None) -> float | N
     return None
 
 
-def flops_per_token(num_params_non_embedding: int, n_layers: int, attention_width: int, seq_len: int) -> int:
+def flops_per_token(num_params_non_embedding: int, n_layers: int, attention_width: float, seq_len: int) -> int:
     """Training FLOPs (forward + backward) per token.
 
     ``6·N`` covers the matmuls against the weights (2 forward, 4 backward per
     parameter); ``12·L·h·q·S`` adds the attention score and value matmuls over the
     ``h`` query heads of ``q`` channels (``attention_width``, the width unless heads are
-    sized apart from it, as Qwen3's), which have no parameters but grow with sequence
-    length. This is the same estimate torchtitan uses, so MFU numbers are comparable.
+    sized apart from it, as Qwen3's; for a latent attention the mean of its query-key and
+    value heads' widths, ``ModelArgs.attention_width``), which have no parameters but grow
+    with sequence length. This is the same estimate torchtitan uses, so MFU numbers are comparable.
     """
-    return 6 * num_params_non_embedding + 12 * n_layers * attention_width * seq_len
+    return 6 * num_params_non_embedding + round(12 * n_layers * attention_width * seq_len)
 
 
 def model_flops_per_token(args: ModelArgs, seq_len: int) -> int:
@@ -66,7 +67,7 @@ def model_flops_per_token(args: ModelArgs, seq_len: int) -> int:
     params = num_params(whole_model(args), exclude_embedding=True)
     if isinstance(args, MoEArgs):
         params = active_params(args, params)
-    return flops_per_token(params, args.n_layers, args.n_heads * args.head_dim, seq_len)
+    return flops_per_token(params, args.n_layers, args.attention_width, seq_len)
 
 
 def tokens_per_second_per_device(tokens: int, seconds: float, devices_per_replica: int) -> float:

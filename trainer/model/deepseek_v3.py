@@ -49,6 +49,10 @@ class DeepSeekV3Args(MoEArgs):
             softmax_scale=temperature**2,
         )
 
+    @property
+    def attention_width(self) -> float:
+        return self.n_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim) / 2
+
     def make_block(self, layer_id: int) -> nn.Module:
         feed_forward = None if layer_id < self.n_dense_layers else MoE(self)
         return TransformerBlock(layer_id, self, feed_forward, LatentAttention(self.latent, causal_attention))
@@ -73,6 +77,58 @@ class DeepSeekV3Args(MoEArgs):
 
 
 FLAVORS: dict[str, DeepSeekV3Args] = {
+    # Every part at the debug model's size (a query latent, YaRN, a dense first block, group-
+    # limited sigmoid routing, a shared expert, a value head narrower than the query's), so that
+    # a run on this machine exports to a DeepseekV3ForCausalLM (train_configs/tiny_deepseek_v3.toml).
+    "deepseek_v3_debug": DeepSeekV3Args(
+        dim=256,
+        n_layers=4,
+        n_heads=8,
+        vocab_size=2048,
+        vocab_from_tokenizer=True,
+        norm_eps=1e-6,
+        rope_theta=10000.0,
+        rope_scaling=False,
+        ffn_hidden_size=768,
+        n_experts=8,
+        top_k=2,
+        moe_hidden_dim=128,
+        n_shared_experts=1,
+        n_dense_layers=1,
+        score_func="sigmoid",
+        route_norm=True,
+        route_scale=2.5,
+        n_groups=4,
+        topk_groups=2,
+        q_lora_rank=96,
+        kv_lora_rank=64,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=24,
+        yarn_factor=4.0,
+        yarn_original_context=32,
+    ),
+    # Hugging Face's moonshotai/Moonlight-16B-A3B config.json: DeepSeek-V3's architecture at
+    # DeepSeek-V2-Lite's size (no query latent, 64 experts in one group, 2 shared).
+    "16B": DeepSeekV3Args(
+        dim=2048,
+        n_layers=27,
+        n_heads=16,
+        vocab_size=163840,
+        norm_eps=1e-5,
+        rope_theta=50000.0,
+        rope_scaling=False,
+        ffn_hidden_size=11264,
+        n_experts=64,
+        top_k=6,
+        moe_hidden_dim=1408,
+        n_shared_experts=2,
+        n_dense_layers=1,
+        score_func="sigmoid",
+        route_norm=True,
+        route_scale=2.446,
+        q_lora_rank=0,
+    ),
     # Hugging Face's deepseek-ai/DeepSeek-V3 config.json.
     "671B": DeepSeekV3Args(
         dim=7168,

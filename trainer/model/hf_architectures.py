@@ -44,5 +44,11 @@ def adapter_for_config(cfg: dict[str, Any]) -> ModuleType:
 
 
 def adapter_for_args(args: ModelArgs) -> ModuleType:
-    """The adapter of our model ``args`` describe."""
-    return _BY_FAMILY[family_of(args)]
+    """The adapter of our model ``args`` describe; a family without one is refused."""
+    family = family_of(args)
+    if family not in _BY_FAMILY:
+        raise InteropError(
+            f'`model.name` = "{family}" has no Hugging Face conversion yet (DeepseekV3ForCausalLM is not '
+            "built): keep its checkpoints as DCP folders, which resume and reshard on any mesh."
+        )
+    return _BY_FAMILY[family]

@@ -59,6 +59,12 @@ class ModelArgs:
     def head_dim(self) -> int:
         return self.head_size or self.dim // self.n_heads
 
+    @property
+    def attention_width(self) -> float:
+        """The query heads' width, averaged over the score (query-key) and value matmuls; a
+        latent attention's value heads are narrower than its query heads."""
+        return self.n_heads * self.head_dim
+
     def make_block(self, layer_id: int) -> nn.Module:
         """Block ``layer_id`` of the model these arguments describe (a shape family may have its own)."""
         return TransformerBlock(layer_id, self)

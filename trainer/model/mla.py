@@ -77,6 +77,11 @@ class LatentAttention(nn.Module):
         k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
         if s.softmax_scale != 1.0:
             q = q * s.softmax_scale
+        if s.v_head_dim < s.qk_head_dim:
+            # Flash kernels (CUDA's, and SDPA's on CPU) take one head width: zero value channels
+            # give zero output channels, dropped below (as transformers pads for flash-attn).
+            v = nn.functional.pad(v, (0, s.qk_head_dim - s.v_head_dim))
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         out = self.attention_fn(q, k, v) if mask is None else self.attention_fn(q, k, v, mask)
+        out = out[..., : s.v_head_dim]
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))

@@ -23,7 +23,10 @@ def check_experts(config: JobConfig, dims: ParallelDims, args: ModelArgs, imbala
             f"{dims.ep} ranks receives at most {dims.ep}x the average tokens; state at most {dims.ep}."
         )
     if config.debug.layout_invariant:
-        raise ConfigError('`debug.layout_invariant` is not implemented for `model.name` = "moe"; turn it off.')
+        raise ConfigError(
+            f"`debug.layout_invariant` is not implemented for `model.name` = {config.model.name!r} "
+            "(a Mixture-of-Experts model); turn it off."
+        )
     moe = config.moe
     if moe.balance_loss_weight > 0 and moe.balance_loss_scope == "sequence" and dims.cp * dims.tp > 1:
         raise ConfigError(

@@ -73,6 +73,19 @@ from trainer.planning.per_rank_bytes import Estimate
 
 
 @dataclass(frozen=True)
+class Latents:
+    """A latent attention's widths (``trainer/model/mla.py``), for its parameters and activations."""
+
+    q_rank: int
+    """0: queries projected straight from the input."""
+    kv_rank: int
+    qk_head: int
+    """A query or key head: the part without position and the RoPE part."""
+    rope_head: int
+    v_head: int
+
+
+@dataclass(frozen=True)
 class Workload:
     """What the estimate depends on, in the trainer's own terms."""
 
@@ -134,6 +147,8 @@ class Workload:
     pp_last_less: int = 1
     head_dim: int = 0
     """Width of an attention head; 0: ``dim / n_heads`` (Qwen3's heads are wider)."""
+    latents: Latents | None = None
+    """A latent attention's (DeepSeek-V3); None: grouped-query attention."""
     experts: RoutedExperts | None = None
     """A Mixture-of-Experts model's routed experts (``moe_memory.py``); None: dense."""
     hold_forwards: bool = True
@@ -177,14 +192,48 @@ class Workload:
 
     @property
     def widths(self) -> tuple[int, int]:
-        """The queries' and the keys' widths."""
+        """The queries' and the keys' widths (a latent attention's keys: every head's)."""
+        if self.latents is not None:
+            return self.n_heads * self.latents.qk_head, self.n_heads * self.latents.qk_head
         head_dim = self.head_dim or self.dim // self.n_heads
         return self.n_heads * head_dim, self.kv_heads * head_dim
 
     @property
-    def dense_block(self) -> int:
+    def attention_params(self) -> int:
         q, kv = self.widths
-        return 2 * self.dim * (q + kv) + 2 * self.dim + 3 * self.dim * self.ffn_dim
+        if (la := self.latents) is None:
+            return 2 * self.dim * (q + kv)
+        queries = self.dim * la.q_rank + la.q_rank + la.q_rank * q if la.q_rank else self.dim * q
+        heads = self.n_heads * (la.qk_head - la.rope_head + la.v_head)
+        keys_values = self.dim * (la.kv_rank + la.rope_head) + la.kv_rank + la.kv_rank * heads
+        return queries + keys_values + self.n_heads * la.v_head * self.dim
+
+    @property
+    def attention_kept(self) -> float:
+        """Per token, the widths of what one block's attention keeps for backward beside the
+        all-gathered norm output, as if tensor parallelism split them all (``_activations``)."""
+        q, kv = self.widths
+        if (la := self.latents) is None:
+            # q, repeated k and v, the attention output and its reshaped copy; k and v unrepeated.
+            return 5 * q + kv
+        # The replicated latents (and their norms), every rank's whole; then the heads' up-
+        # projections, q and k put together from their parts (q scaled by YaRN's temperature),
+        # v padded to the query's width, the attention output, its value channels reshaped.
+        latent = 2 * la.q_rank + 2 * la.kv_rank + la.rope_head
+        up = q + self.n_heads * (la.qk_head - la.rope_head + la.v_head)
+        return latent * self.tp + up + 5 * q + self.n_heads * la.v_head
+
+    @property
+    def rope_width(self) -> int:
+        """Per token, the channels RoPE rotates (in float32): every query and key head's, or a
+        latent attention's RoPE part of each query head and the one shared key."""
+        if (la := self.latents) is None:
+            return sum(self.widths)
+        return (self.n_heads + 1) * la.rope_head
+
+    @property
+    def dense_block(self) -> int:
+        return self.attention_params + 2 * self.dim + 3 * self.dim * self.ffn_dim
 
     @property
     def dense_layers(self) -> int:
@@ -370,7 +419,7 @@ def _activations(w: Workload, share: _Share) -> tuple[float, float]:
     # Per token: two all-gathered norm outputs (full width), then what tensor parallelism splits:
     # block and norm inputs, q, repeated k and v, attention output and its reshaped copy, and the
     # feed-forward's w1/w3 outputs, silu and product; plus RoPE's float32 copies of q and k.
-    full_block = tokens * ((2 * d + (2 * d + 5 * q + kv) / t) * b + (q + kv) / t * 4)
+    full_block = tokens * ((2 * d + (2 * d + w.attention_kept) / t) * b + w.rope_width / t * 4)
     if w.cp > 1 and w.cp_allgather_kv:
         # Both query chunks of a rank attend to keys up to their ends: (2 cp + 1) / (2 cp) of
         # the sequence in all, repeated to every head, for k and v, instead of the local tokens.
