@@ -14,6 +14,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from parallelisms.torch_private.fsdp import FSDP_SOURCE, autograd_engine_op, called_from_fsdp
+from trainer.simulation import cost_model
 from trainer.simulation.calibration import ENV, Calibration, gemm_class, load
 from trainer.simulation.cost_model import CostRecorder, TracedCost
 from trainer.simulation.memory_tracker import MemoryTracker
@@ -240,3 +241,21 @@ def test_a_cast_recomputed_in_backward_stays_the_blocks():
         # ``a * weight``'s node, an edge to the weight's ``AccumulateGrad``, recomputes ``weight.float()``.
         checkpoint(lambda a: weight.float() + (a * weight).float(), x, use_reentrant=False).sum().backward()
     assert flagged == ["_to_copy.default"] * 2  # the engine's casts of the weight's two gradients alone
+
+
+@pytest.mark.parametrize("counted_by_torch", [False, True], ids=["torch 2.13", "torch 2.15"])
+def test_causal_attention_counts_half_its_products_whoever_else_counts_it(monkeypatch, counted_by_torch):
+    """The score and value products of a causal SDPA, forward and backward: half of 4 and 10
+    x batch x heads x queries x keys x head width. torch 2.15's FLOP counter holds the CPU flash
+    kernels too, counting the masked half; the simulator's count is the one taken."""
+    if counted_by_torch:
+        for op in (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
+                   torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward):  # fmt: skip
+            monkeypatch.setitem(cost_model.flop_registry, op, lambda *args, **kwargs: 10**15)
+    q = torch.randn(2, 4, 64, 32, dtype=torch.bfloat16, requires_grad=True)
+    recorder = CostRecorder({})
+    recorder.enabled = True
+    with MemoryTracker([recorder]):
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+    products = 2 * 4 * 64 * 64 * 32
+    assert recorder.cost.flops_by_kind["attention"] == (4 + 10) * products // 2

@@ -225,13 +225,15 @@ class CostRecorder:
             # A DTensor op computes on the local shards: count with their shapes. (``to_local``
             # would dispatch an op of its own per tensor, through every mode.)
             args, kwargs, out = tree_map_only(DTensor, dtensor.local_tensor, (args, kwargs, out))
-            if func.overloadpacket in flop_registry:
-                flops = int(flop_registry[func.overloadpacket](*args, **kwargs, out_val=out))
+            attention = name in (*ATTENTION_FORWARD, *ATTENTION_BACKWARD)
+            # Attention first: torch's counter (which has the CPU flash kernels from 2.15 on)
+            # counts a causal attention's masked half too.
+            if attention:
+                flops = _attention_flops(name, args, kwargs)
             elif name == GROUPED_MM:
                 flops = _grouped_mm_flops(args[0], args[1])
             else:
-                flops = _attention_flops(name, args, kwargs)
-            attention = name in (*ATTENTION_FORWARD, *ATTENTION_BACKWARD)
+                flops = int(flop_registry[func.overloadpacket](*args, **kwargs, out_val=out))
             kind = "attention" if attention else "grouped_gemm" if name == GROUPED_MM else _gemm_kind(flops, out)
         elif func.namespace == "aten" and not func.is_view and not name.startswith(MOVES_NO_DATA):
             memory = nbytes(args) + nbytes(out)
