@@ -87,7 +87,8 @@ def check_float8(settings: Float8Settings, *, n_experts: int, device_type: str) 
 def _check_experts(n_experts: int, device_type: str) -> None:
     if not n_experts:
         raise ParallelismError(
-            '{float8_experts} converts the routed experts of a Mixture-of-Experts model: set {model_name} = "moe" or "deepseek_v3".'
+            "{float8_experts} converts the routed experts of a Mixture-of-Experts model: "
+            'set {model_name} = "moe" or "deepseek_v3".'
         )
     capable = device_type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
     if not capable:

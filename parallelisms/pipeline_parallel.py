@@ -16,7 +16,7 @@ masking one ``positions`` is replicated to every micro-batch.
 learn their shapes by running their modules on a micro-batch before the first step and at every
 switch between :meth:`Pipeline.forward_only` and :meth:`Pipeline.step`;
 ``torch_private.pipelining.in_metadata_inference`` is true during that pass, which counts for
-nothing.
+nothing (torch 2.15's stages also put their modules' buffers back after it; 2.11 to 2.14's do not).
 
 This module knows nothing of the trainer; it expects torchtitan's Llama module names and a
 model whose ``forward`` accepts a missing embedding (hidden states in) and output (hidden states

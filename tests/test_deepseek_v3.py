@@ -15,11 +15,12 @@ from hf_helpers import run_script
 
 from trainer.checkpoint.folders import model_keys, read_model_args, write_model_args
 from trainer.config import load_config
+from trainer.config.choices import MOE_FAMILIES
 from trainer.metrics.accounting import model_flops_per_token
 from trainer.model.deepseek_v3 import FLAVORS, DeepSeekV3Args
-from trainer.model.families import family_of
+from trainer.model.families import FAMILIES, family_of
 from trainer.model.llama3 import Transformer, num_params, whole_model
-from trainer.model.moe import active_params
+from trainer.model.moe import MoEArgs, active_params
 from trainer.planning.job_plan import resolve_job
 
 transformers = pytest.importorskip("transformers")
@@ -167,3 +168,9 @@ def test_an_export_to_hugging_face_is_refused_in_one_line(tmp_path) -> None:
     assert done.returncode != 0
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "has no Hugging Face conversion yet" in lines[0], done.stderr
+
+
+def test_the_families_that_route_are_those_whose_flavors_have_experts() -> None:
+    """``MOE_FAMILIES`` (which settings the ``[moe]`` keys apply to) against the flavors themselves."""
+    routing = {name for name, flavors in FAMILIES.items() if all(isinstance(a, MoEArgs) for a in flavors.values())}
+    assert routing == set(MOE_FAMILIES)

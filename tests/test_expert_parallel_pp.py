@@ -10,7 +10,10 @@ import pytest
 import torch
 from harness import run_by_world
 from moe_helpers import SKEW, TOLERANCE, differences, moe_argv, moe_steps
+from torch.distributed.pipelining import PipelineStage
 
+STAGE_RESTORES_BUFFERS = hasattr(PipelineStage, "_pre_metadata_inference_backup")
+"""Whether torch's stages undo what their shape-learning pass wrote into module buffers."""
 STEPS = 2
 """The second step routes with the biases, and steps with the optimizer state, the first left: what
 a third would check again."""
@@ -119,4 +122,9 @@ def test_injected_pipeline_moe_bug_is_caught(bug, launched):
     ref = launched[BUGS[bug][3]][0]
     worst = max(max(differences(r, ref).values()) for r in launched[f"bug: {bug}"])
     print(bug, f"{worst:.1e}")
+    if bug == "pipeline's shape-learning pass counted" and STAGE_RESTORES_BUFFERS:
+        # torch 2.15's stages put their buffers (the routing counts) back after that pass
+        # themselves: our guard is then a second one, and dropping it changes nothing.
+        assert worst < TOLERANCE
+        return
     assert worst > 10 * TOLERANCE

@@ -186,7 +186,8 @@ def read_model_args(checkpoint_dir: str | Location) -> ModelArgs:
     Fields the file lacks take their defaults (files from before a field existed); fields
     ``ModelArgs`` does not know are an error, as they would describe another model. A
     Mixture-of-Experts model's file names its experts (``n_experts``) and reads as ``MoEArgs``,
-    a DeepSeek-V3's its latents too (``kv_lora_rank``) and reads as ``DeepSeekV3Args``. A folder that is no checkpoint at all is named for what it is.
+    a DeepSeek-V3's its latents too (``kv_lora_rank``) and reads as ``DeepSeekV3Args``. A folder
+    that is no checkpoint at all is named for what it is.
     """
     folder = location(checkpoint_dir)
     path = folder / MODEL_ARGS_FILE
