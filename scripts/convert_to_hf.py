@@ -94,8 +94,10 @@ def main(argv: list[str] | None = None) -> None:
 def routing_bias_dropped(read: Callable[[str], torch.Tensor], args: ModelArgs) -> bool:
     """Whether the checkpoint's MoE layers have a nonzero aux-loss-free routing bias, which only
     moves the top-k choice and so changes which experts a token reaches."""
-    if not isinstance(args, MoEArgs):
-        return False
+    if not isinstance(args, MoEArgs) or any(
+        name.endswith("expert_bias") for name in adapter_for_args(args).hf_layout(args)
+    ):
+        return False  # no routing, or the format holds the bias
     try:
         return any(
             bool(read(f"layers.{layer}.feed_forward.expert_bias").any())

@@ -10,8 +10,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
-from hf_helpers import run_script
 
 from trainer.checkpoint.folders import model_keys, read_model_args, write_model_args
 from trainer.config import load_config
@@ -156,18 +154,6 @@ def test_a_checkpoint_s_arguments_read_back_as_deepseek_s(tmp_path) -> None:
     write_model_args(folder, args)
     assert read_model_args(folder) == args
     assert model_keys(args) == '`model.name` = "deepseek_v3", `model.flavor` = "deepseek_v3_debug"'
-
-
-def test_an_export_to_hugging_face_is_refused_in_one_line(tmp_path) -> None:
-    """No DeepseekV3ForCausalLM adapter yet: the converter says so, naming what works instead."""
-    args = replace(FLAVORS["deepseek_v3_debug"], n_layers=2, vocab_size=256)
-    folder = tmp_path / "ckpt"
-    dcp.save({"model": Transformer(args).state_dict()}, checkpoint_id=str(folder), no_dist=True)
-    write_model_args(folder, args)
-    done = run_script("convert_to_hf.py", folder, tmp_path / "hf")
-    assert done.returncode != 0
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and "has no Hugging Face conversion yet" in lines[0], done.stderr
 
 
 def test_the_families_that_route_are_those_whose_flavors_have_experts() -> None:

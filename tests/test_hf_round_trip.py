@@ -1,5 +1,6 @@
 """The Hugging Face round trip of docs/hf.md, as a user runs it: train
-``train_configs/tiny_qwen3_moe.toml`` (or ``tiny_qwen3.toml``, dense with a tied output) a few
+``train_configs/tiny_qwen3_moe.toml`` (or ``tiny_qwen3.toml``, dense with a tied output, or
+``tiny_deepseek_v3.toml``, whose learned routing bias is exported with the weights) a few
 steps through ``./run_train.sh``, export the checkpoint with ``convert_to_hf.py``, load it with
 transformers' ``AutoModelForCausalLM``, compare its logits with ours, and import it back with
 ``convert_from_hf.py``, bit for bit.
@@ -31,9 +32,13 @@ SHORT += ["--training.local_batch_size", "2", "--training.global_batch_size", "4
 
 @pytest.mark.parametrize(
     ("config", "architecture"),
-    [("tiny_qwen3_moe.toml", "Qwen3MoeForCausalLM"), ("tiny_qwen3.toml", "Qwen3ForCausalLM")],
+    [
+        ("tiny_qwen3_moe.toml", "Qwen3MoeForCausalLM"),
+        ("tiny_qwen3.toml", "Qwen3ForCausalLM"),
+        ("tiny_deepseek_v3.toml", "DeepseekV3ForCausalLM"),
+    ],
 )
-def test_a_tiny_qwen3_run_goes_to_transformers_and_back(tmp_path: Path, config: str, architecture: str):
+def test_a_tiny_run_goes_to_transformers_and_back(tmp_path: Path, config: str, architecture: str):
     dump = tmp_path / "run"
     done = run_train(1, ["--config", config, "--job.dump_folder", str(dump), *SHORT])
     assert done.returncode == 0, done.stderr[-3000:]

@@ -4,11 +4,12 @@ job that does not fit with a change that would."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import pytest
 import torch
-from simulation_helpers import CONFIGS, documented_row, simulate_job
+from simulation_helpers import CONFIGS, DOCUMENTED_TORCH, ROOT, documented_row, documented_torch, simulate_job
 
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from trainer.config import load_config
@@ -216,9 +217,18 @@ def test_a_preset_fits_an_h100_with_headroom(tmp_path, preset):
         "simulated": f"{largest['needed_bytes'] / 2**30:.1f} GiB",
         "headroom": f"{1 - largest['needed_bytes'] / limit:.0%}",
     }
-    assert found == documented, (preset, found, documented)
+    if documented_torch():
+        assert found == documented, (preset, found, documented)
+    else:  # another torch's ops: the figures within 2% of the pinned torch's
+        for key in ("estimate", "simulated"):
+            assert float(found[key].split()[0]) == pytest.approx(float(documented[key].split()[0]), rel=0.02), key
     if preset == "qwen3_30b_a3b":
         # ep 8 in 2 exchange chunks: half of each token exchange runs under the other chunk's
         # experts, backward too (waiting there at once would leave two thirds exposed, 1 chunk all).
         (role,) = report["roles"]
         assert role["exposed_comm_s"] < 0.55 * role["comm_s"]["ep"], role["comm_s"]
+
+
+def test_the_documented_torch_is_the_one_ci_pins() -> None:
+    pin = re.search(r"torch==(\S+)", (ROOT / ".ci" / "run").read_text())
+    assert pin is not None and pin.group(1) == DOCUMENTED_TORCH

@@ -24,10 +24,8 @@ from torch.distributed.tensor import DTensor
 from trainer.checkpoint.folders import PARAMETER_FIELDS, check_initial_load_kind, model_differences
 from trainer.checkpoint.hf_folders import HFFolder
 from trainer.config import Checkpoint
-from trainer.model import hf_qwen3_moe
 from trainer.model.hf_architectures import adapter_for_config
 from trainer.model.hf_llama3 import InteropError
-from trainer.model.hf_qwen3_moe import MOE_FIELDS
 from trainer.model.llama3 import ModelArgs, Transformer
 from trainer.model.tiled_init import stacked_box
 from trainer.runtime.errors import ConfigError, UserError
@@ -49,7 +47,7 @@ def check_folder_config(config: dict[str, Any], model_args: ModelArgs, path: Pat
             f"{path} holds a {type(theirs).__name__} model ({config.get('architectures')}) but `model.flavor` "
             f"is a {type(model_args).__name__} one; pick a flavor of the folder's architecture."
         )
-    fields = HF_FIELDS + ("qk_norm",) + (MOE_FIELDS if adapter is hf_qwen3_moe else ())
+    fields = HF_FIELDS + ("qk_norm",) + adapter.MODEL_FIELDS
     differ = model_differences(theirs, model_args, fields)
     if differ:
         raise InteropError(
@@ -79,6 +77,12 @@ def load_hf_weights(model: Transformer, model_args: ModelArgs, path: Path) -> No
                     continue
                 values = adapter.read_box(name, model_args, box, folder.read, tie_word_embeddings=tied)
                 local.copy_(values.to(local.device, local.dtype))
+            # Buffers the format holds (DeepSeek-V3's routing biases), whole on every rank.
+            layout = adapter.hf_layout(model_args)
+            for name, buffer in model.named_buffers():
+                if name in layout:
+                    whole = tuple(slice(0, n) for n in buffer.shape)
+                    buffer.copy_(adapter.read_box(name, model_args, whole, folder.read).to(buffer.device, buffer.dtype))
         except InteropError as err:
             problem = str(err)
     _raise_on_every_rank(problem)

@@ -91,11 +91,13 @@ def check_model_entries(checkpoint_dir: str | Location, args: ModelArgs) -> None
     entries = _model_entries(folder)
     with torch.device("meta"):
         model = Transformer(args)
-    # Buffers, and a tied output's second name for the embedding, are saved but are no parameter.
-    not_params = set(model.state_dict()) - {name for name, _ in model.named_parameters()}
+    # Buffers, and a tied output's second name for the embedding, are saved but are no parameter;
+    # the buffers the format holds (DeepSeek-V3's routing biases) are exported with the weights.
+    adapter = adapter_for_args(args)
+    not_params = set(model.state_dict()) - {name for name, _ in model.named_parameters()} - set(adapter.hf_layout(args))
     params = {name: torch.empty(e.size, device="meta") for name, e in entries.items() if name not in not_params}
     try:
-        adapter_for_args(args).check_state_dict(params, args)
+        adapter.check_state_dict(params, args)
     except InteropError as err:
         raise InteropError(f"{folder}: its tensors do not match its {MODEL_ARGS_FILE}: {err}") from None
 

@@ -27,6 +27,8 @@ from trainer.model.rope import LLAMA3_HIGH_FREQ_FACTOR, LLAMA3_LOW_FREQ_FACTOR, 
 from trainer.runtime.errors import UserError
 
 CONFIG_FILE = "config.json"
+MODEL_FIELDS: tuple[str, ...] = ()
+"""What a folder's config must match beyond the shapes and ``hf_load.HF_FIELDS`` (``hf_architectures.py``)."""
 
 HF_DTYPES: dict[torch.dtype, str] = {
     torch.bfloat16: "bfloat16",

@@ -36,6 +36,8 @@ from trainer.model.llama3 import ModelArgs, Transformer
 
 ARCHITECTURE = "Qwen3ForCausalLM"
 MODEL_TYPE = "qwen3"
+MODEL_FIELDS: tuple[str, ...] = ()
+"""What a folder's config must match beyond the shapes and Llama's fields (``hf_architectures.py``)."""
 
 NORM_NAMES = {
     "attention.q_norm.weight": "self_attn.q_norm.weight",

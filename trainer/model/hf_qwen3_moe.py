@@ -308,6 +308,8 @@ _CONFIG_KEYS = {
 
 MOE_FIELDS = tuple(f.name for f in fields(MoEArgs) if f.name not in {f.name for f in fields(ModelArgs)})
 """The fields an MoE adds to Llama's: with ``head_dim`` and ``qk_norm``, what a folder's config must match."""
+MODEL_FIELDS = MOE_FIELDS
+"""What a folder's config must match beyond the shapes (``hf_architectures.py``)."""
 
 
 # --------------------------------------------------------------------------------------------
