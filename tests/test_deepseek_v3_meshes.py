@@ -5,7 +5,8 @@ micro-batch; over three steps its losses, grad norms, balancing, routing biases 
 expert do too with expert and pipeline parallelism; the sequence-wise balancing loss is exact
 under accumulation and PP; and the faults of each kind, injected, fail the same comparison: the
 MoE's (balancing per micro-batch, expert gradients divided by EP) and the latent attention's under
-TP (the replicated latents' gradient shares left unsummed over TP, or summed twice).
+TP (the replicated latents' gradient shares left unsummed over TP, or summed twice); and a
+checkpoint, routing biases included, resumes on another mesh with the same curve.
 """
 
 from __future__ import annotations
@@ -14,11 +15,22 @@ from typing import Any
 
 import pytest
 import torch
-from harness import GLOBAL_BATCH, argv_for, assert_matches, reference, run_by_world, step_worker
+from checkpoint_helpers import COMMON
+from harness import (
+    GLOBAL_BATCH,
+    argv_for,
+    assert_matches,
+    reference,
+    run_by_world,
+    run_train,
+    step_worker,
+    tensorboard_scalars,
+)
 from moe_helpers import SKEW, TOLERANCE, differences, moe_argv, moe_steps
 from torch.distributed.tensor import Replicate
 
 from parallelisms import fsdp, tensor_parallel
+from trainer.checkpoint.model_entry import read_dcp_model
 
 DEEPSEEK = ["--model.name", "deepseek_v3", "--model.flavor", "deepseek_v3_debug"]
 ULYSSES = ["--parallelism.context_parallel_backend", "ulysses"]
@@ -125,3 +137,26 @@ def test_injected_bug_is_caught(bug: str, launched: dict) -> None:
     ref, result = launched["reference"][0], launched[f"bug: {bug}"][0]
     print(bug, {k: f"{v:.1e}" for k, v in differences(result, ref).items()})
     assert max(differences(result, ref).values()) > 10 * TOLERANCE, differences(result, ref)
+
+
+@pytest.mark.launcher
+def test_a_checkpoint_resumes_on_another_mesh_with_the_same_curve(tmp_path) -> None:
+    """FSDP 2 x EP 2 trains 4 steps, saving at 2 (the routing biases with the weights); TP 2
+    without EP resumes step-2 and logs the losses and grad norms of steps 3-4."""
+    job = [*COMMON, *DEEPSEEK, "--training.local_batch_size", "2", "--training.steps", "4"]
+    job += ["--moe.bias_update_rate", "0.01", "--checkpoint.enable", "--checkpoint.interval", "2"]
+    first = run_train(2, [*job, "--job.dump_folder", str(tmp_path / "first"), "--mesh", "dp_shard=2,ep=2"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    saved = tmp_path / "first" / "checkpoint" / "step-2"
+    assert read_dcp_model(saved)["layers.1.feed_forward.expert_bias"].abs().max() > 0
+    resumed = run_train(
+        2,
+        [*job, "--job.dump_folder", str(tmp_path / "second"), "--mesh", "tp=2"]
+        + ["--checkpoint.initial_load_path", str(saved), "--checkpoint.initial_load_model_only=false"],
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    tags = ("loss_metrics/global_avg_loss", "grad_norm")
+    before, after = (tensorboard_scalars(tmp_path / run, tags) for run in ("first", "second"))
+    for tag in tags:
+        assert list(after[tag]) == [3, 4]
+        assert [after[tag][s] for s in (3, 4)] == pytest.approx([before[tag][s] for s in (3, 4)], rel=1e-5), tag

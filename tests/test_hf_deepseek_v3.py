@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from deepseek_helpers import ours_from_hf, tiny_pair
 from harness import ROOT
-from test_deepseek_v3 import ours_from_hf, tiny_pair
 from transformers import DeepseekV3ForCausalLM
 
 from trainer.checkpoint.hf_folders import load_hf_folder, save_hf_folder

@@ -14,7 +14,8 @@ from trainer.planning.held_for_speed import GATHERED_EXPERTS_SHARE, HELD_FORWARD
 from trainer.planning.job_plan import resolve_job
 from trainer.planning.loss_chunking import AUTO_CHUNK_TOKENS, FIT_FRACTION
 from trainer.planning.memory_limits import TARGET_MEMORY_BYTES
-from trainer.planning.memory_plan import Workload, estimate
+from trainer.planning.memory_plan import estimate
+from trainer.planning.workload import Workload
 
 H100 = TARGET_MEMORY_BYTES["h100"]
 EIGHT_B = ["--config", "llama3_8b.toml"]

@@ -19,7 +19,8 @@ from trainer.hardware import gib
 from trainer.planning.job_plan import check_memory, resolve_job
 from trainer.planning.memory_fixes import fixes
 from trainer.planning.memory_limits import TARGET_MEMORY_BYTES, memory_limit, target_device
-from trainer.planning.memory_plan import Workload, estimate, estimates
+from trainer.planning.memory_plan import estimate, estimates
+from trainer.planning.workload import Workload
 
 GIB = 1024**3
 EIGHT_B = Workload(

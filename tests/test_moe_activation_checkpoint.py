@@ -196,7 +196,7 @@ def test_full_checkpointing_counts_the_step_in_its_own_forwards(monkeypatch):
     grad norms, balancing loss, biases and counts are the pre-pass's (the reference); the step's
     counts left unset before the backwards (the recomputations reading none) fail."""
     from trainer import loss
-    from trainer.planning.memory_plan import Workload
+    from trainer.planning.workload import Workload
     from trainer.step import expert_balance, schedules
 
     full = moe_argv(2, MODES["full"])  # 4 micro-batches

@@ -19,8 +19,8 @@ from trainer.optimizer import schedule_settings
 from trainer.planning.held_for_speed import fitted
 from trainer.planning.job_plan import JobPlan, check_memory, describe, resolve_job
 from trainer.planning.memory_limits import memory_limit, target_device
-from trainer.planning.memory_plan import Workload
 from trainer.planning.target_figures import parse_overrides
+from trainer.planning.workload import Workload
 from trainer.replica_groups import check_lighthouse, lighthouse_address
 from trainer.runtime.dump_folder import check_dump_folder
 from trainer.runtime.errors import ConfigError

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from trainer.planning.memory_plan import Workload, estimate
+from trainer.planning.memory_plan import estimate
+from trainer.planning.workload import Workload
 
 HELD_FORWARDS_SHARE = 0.9
 """The share of a rank's memory the estimate may reach with what ``default`` settings hold for

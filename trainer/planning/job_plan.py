@@ -29,7 +29,6 @@ from trainer.config import ConfigError, JobConfig, cautions, is_url, resolve_pat
 from trainer.data.datasets import validates, validation_seq_len
 from trainer.data.tokenizer import Tokenizer, load_tokenizer
 from trainer.hardware import GIB, gib
-from trainer.model.deepseek_v3 import DeepSeekV3Args
 from trainer.model.families import FAMILIES
 from trainer.model.llama3 import ModelArgs, model_args
 from trainer.model.moe import MoEArgs
@@ -42,13 +41,15 @@ from trainer.planning.float8_plan import (
     float8_settings,
     job_backend,
 )
+from trainer.planning.latent_memory import latents_of
 from trainer.planning.layout_rules import check_layout_invariant
 from trainer.planning.loss_chunking import LossChunking, resolve_loss_chunking
 from trainer.planning.memory_fixes import what_would_fit
-from trainer.planning.memory_plan import Latents, Workload, estimate
-from trainer.planning.moe_memory import RoutedExperts
+from trainer.planning.memory_plan import estimate
+from trainer.planning.moe_memory import RoutedExperts, routed_experts
 from trainer.planning.per_rank_bytes import Estimate
 from trainer.planning.step_plan import StepPlan, step_plan
+from trainer.planning.workload import Workload
 
 DEGREES = {
     "dp_replicate": "parallelism.data_parallel_replicate_degree",
@@ -334,27 +335,12 @@ def memory_workload(
         pp_first_less=settings.pp_first_stage_less_layers,
         pp_last_less=settings.pp_last_stage_less_layers,
         head_dim=args.head_dim,
-        latents=latents(args),
+        latents=latents_of(args),
         experts=routed_experts(args, dims.ep, imbalance, balance == "sequence", balance == "global_batch"),
         hold_forwards=config.moe.held_forwards != "prepass",
         offload_forwards=config.moe.held_forwards == "host",
         fit_held_forwards=config.moe.held_forwards == "auto",
     )
-
-
-def latents(args: ModelArgs) -> Latents | None:
-    if not isinstance(args, DeepSeekV3Args):
-        return None
-    shape = args.latent
-    return Latents(shape.q_lora_rank, shape.kv_lora_rank, shape.qk_head_dim, shape.qk_rope_head_dim, shape.v_head_dim)
-
-
-def routed_experts(args: ModelArgs, ep: int, imbalance: float, whole=False, exact=False) -> RoutedExperts | None:
-    if not isinstance(args, MoEArgs):
-        return None
-    shared = args.n_shared_experts * args.moe_hidden_dim
-    experts = args.n_experts, args.top_k, args.moe_hidden_dim, shared, args.n_dense_layers
-    return RoutedExperts(*experts, ep, imbalance, whole, exact)
 
 
 def describe(plan: JobPlan, limit: int | None, where: str) -> str:

@@ -22,7 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from trainer.hardware import gib
-from trainer.planning.memory_plan import Workload, estimate
+from trainer.planning.memory_plan import estimate
+from trainer.planning.workload import Workload
 
 AUTO = -1
 """``training.loss_chunk_tokens``: chunk only where the whole logits would not fit."""

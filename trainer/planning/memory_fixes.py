@@ -20,7 +20,8 @@ from dataclasses import replace
 from parallelisms.parallel_dims import ParallelismError
 from parallelisms.pipeline_split import plan_split
 from trainer.planning.held_for_speed import fitted
-from trainer.planning.memory_plan import Workload, estimate
+from trainer.planning.memory_plan import estimate
+from trainer.planning.workload import Workload
 
 
 def what_would_fit(w: Workload, limit: int, world_size: int, machines: str = "machines") -> str:

@@ -40,6 +40,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trainer.model.llama3 import ModelArgs
+from trainer.model.moe import MoEArgs
+
 
 @dataclass(frozen=True)
 class RoutedExperts:
@@ -104,3 +107,13 @@ class RoutedExperts:
         exchanged = (rows + self.top_k) * dim if self.ep > 1 else 0
         shared = 2 * self.shared_hidden + dim if self.shared_hidden else 0
         return (self.n_experts + routed + exchanged + shared) * compute_bytes
+
+
+def routed_experts(args: ModelArgs, ep: int, imbalance: float, whole=False, exact=False) -> RoutedExperts | None:
+    """The routed experts of ``args``'s MoE blocks over ``ep`` ranks; None for a dense model.
+    ``whole``: a sequence-scoped balancing loss; ``exact``: the global-batch one."""
+    if not isinstance(args, MoEArgs):
+        return None
+    shared = args.n_shared_experts * args.moe_hidden_dim
+    experts = args.n_experts, args.top_k, args.moe_hidden_dim, shared, args.n_dense_layers
+    return RoutedExperts(*experts, ep, imbalance, whole, exact)

@@ -15,7 +15,7 @@ from parallelisms.parallelize import ParallelSettings
 from trainer.config import JobConfig
 from trainer.model.llama3 import ModelArgs
 from trainer.model.moe import MoEArgs
-from trainer.planning.memory_plan import Workload
+from trainer.planning.workload import Workload
 from trainer.step.loss_terms import LossTerm, loss_terms
 
 
