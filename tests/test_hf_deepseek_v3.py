@@ -243,3 +243,11 @@ def test_a_multi_token_prediction_layer_is_named_not_dropped(hf_dir: Path) -> No
     with pytest.raises(InteropError, match="multi-token prediction") as err:
         check_hf_shapes({**shapes, **extra}, args, tie_word_embeddings=False)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(("key", "value"), [("kv_lora_rank", 0), ("qk_rope_head_dim", 7), ("v_head_dim", "128")])
+def test_a_config_of_no_possible_latent_attention_is_refused_naming_its_key(hf_dir: Path, key: str, value) -> None:
+    config = {**json.loads((hf_dir / "config.json").read_text()), key: value}
+    with pytest.raises(InteropError, match=f"`{key}`") as err:
+        model_args_from_hf_config(config)
+    assert "\n" not in str(err.value)

@@ -285,6 +285,18 @@ def model_args_from_hf_config(cfg: dict[str, Any]) -> DeepSeekV3Args:
             f"{CONFIG_FILE}: {unsupported} is not supported; trainer/model/mla.py has SiLU experts, no biases, a "
             "key/value latent per head and RoPE on adjacent channel pairs."
         )
+    for key, least in (("kv_lora_rank", 1), ("qk_nope_head_dim", 1), ("qk_rope_head_dim", 2), ("v_head_dim", 1)):
+        value = _require(cfg, key)
+        if (
+            not isinstance(value, int)
+            or isinstance(value, bool)
+            or value < least
+            or (key == "qk_rope_head_dim" and value % 2)
+        ):
+            even = ", even (RoPE turns channel pairs)" if key == "qk_rope_head_dim" else ""
+            raise InteropError(
+                f"{CONFIG_FILE}: `{key}` = {value!r}: it must be a whole number of at least {least}{even}."
+            )
     rope = cfg.get("rope_parameters") or {
         "rope_theta": cfg.get("rope_theta", 10000.0),
         **(cfg.get("rope_scaling") or {}),
