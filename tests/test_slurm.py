@@ -64,3 +64,16 @@ def test_outside_an_allocation_or_the_repository_it_says_so_in_one_line(tmp_path
     env = {**allocation(), "SLURM_SUBMIT_DIR": str(tmp_path)}
     proc = subprocess.run([str(SCRIPT)], env=env, capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "MESHTRAIN_ROOT" in proc.stderr
+
+
+def test_a_long_host_list_gives_the_first_node_without_a_broken_pipe(tmp_path):
+    """The rendezvous node is the first of ``scontrol show hostnames``: read without a reader that
+    stops early (``| head -n 1`` breaks scontrol's pipe, and ``pipefail`` then ends the script with
+    141 before any node starts, more likely the longer the list)."""
+    (tmp_path / "scontrol").write_text('#!/usr/bin/env bash\necho 127.0.0.1\nseq -f "node%g" 200000\n')
+    (tmp_path / "srun").write_text('#!/usr/bin/env bash\necho "rendezvous $RDZV_ENDPOINT"\n')
+    for stand_in in ("scontrol", "srun"):
+        (tmp_path / stand_in).chmod(0o755)
+    env = {**allocation(), "PATH": f"{tmp_path}:{os.environ['PATH']}", "RDZV_PORT": "29555"}
+    proc = subprocess.run([str(SCRIPT)], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == "rendezvous 127.0.0.1:29555", (proc.returncode, proc.stderr)
