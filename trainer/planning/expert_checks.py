@@ -24,7 +24,7 @@ def check_experts(config: JobConfig, dims: ParallelDims, args: ModelArgs, imbala
         )
     if config.debug.layout_invariant:
         raise ConfigError(
-            f"`debug.layout_invariant` is not implemented for `model.name` = {config.model.name!r} "
+            f'`debug.layout_invariant` is not implemented for `model.name` = "{config.model.name}" '
             "(a Mixture-of-Experts model); turn it off."
         )
     moe = config.moe
