@@ -17,16 +17,15 @@ from typing import Any
 
 import torch
 
-from trainer.model import hf_llama3
+from trainer.model import hf_experts, hf_llama3
 from trainer.model.deepseek_v3 import DeepSeekV3Args
+from trainer.model.hf_experts import Piece
 from trainer.model.hf_llama3 import (
     HF_DTYPES,
     InteropError,
     _require,
     check_exportable,
     check_importable,
-    family_hint,
-    preview_names,
 )
 from trainer.model.hf_qwen3_moe import MOE_FIELDS
 from trainer.model.llama3 import Transformer
@@ -56,12 +55,7 @@ _LAYER_NAMES = {
     "feed_forward.shared_experts.w3.weight": "mlp.shared_experts.up_proj.weight",
     "feed_forward.shared_experts.w2.weight": "mlp.shared_experts.down_proj.weight",
 }
-_EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-_EXPERTS = "feed_forward.experts."
 _CARRIED_BUFFER = "feed_forward.expert_bias"
-
-Piece = tuple[str, int | None, torch.Size]
-"""One Hugging Face tensor: our tensor it comes from, the expert (a slice of it) or None, its shape."""
 
 
 def _hf_name(name: str) -> str:
@@ -69,11 +63,6 @@ def _hf_name(name: str) -> str:
         return hf_llama3._GLOBAL_NAMES[name]
     _, layer, rest = name.split(".", 2)
     return f"model.layers.{layer}.{_LAYER_NAMES[rest]}"
-
-
-def _expert_hf_name(name: str, expert: int) -> str:
-    _, layer, rest = name.split(".", 2)
-    return f"model.layers.{layer}.mlp.experts.{expert}.{_EXPERT_NAMES[rest.removeprefix(_EXPERTS)[:2]]}.weight"
 
 
 def _check_supported(args: DeepSeekV3Args) -> None:
@@ -104,26 +93,13 @@ def hf_pieces(args: DeepSeekV3Args) -> dict[str, Piece]:
     fails loudly (``KeyError``).
     """
     _check_supported(args)
-    out: dict[str, Piece] = {}
-    for name, shape in _tensors(args):
-        if _EXPERTS in name:
-            for e in range(args.n_experts):
-                out[_expert_hf_name(name, e)] = (name, e, shape[1:])
-        else:
-            out[_hf_name(name)] = (name, None, shape)
-    return out
+    return hf_experts.pieces(_tensors(args), args.n_experts, _hf_name)
 
 
 def hf_layout(args: DeepSeekV3Args) -> dict[str, tuple[str, torch.Size]]:
     """Our tensor name -> (Hugging Face name, with ``*`` for the expert, shape), in the model's
     order; the routing biases (buffers) included."""
-    out: dict[str, tuple[str, torch.Size]] = {}
-    for hf_name, (name, expert, shape) in hf_pieces(args).items():
-        if expert is None:
-            out[name] = (hf_name, shape)
-        elif expert == 0:
-            out[name] = (hf_name.replace(".experts.0.", ".experts.*."), torch.Size((args.n_experts, *shape)))
-    return out
+    return hf_experts.layout(hf_pieces(args), args.n_experts)
 
 
 def to_hf_piece(hf_name: str, tensor: torch.Tensor, args: DeepSeekV3Args, pieces: dict[str, Piece]) -> torch.Tensor:
@@ -139,20 +115,7 @@ def check_state_dict(sd: dict[str, torch.Tensor], args: DeepSeekV3Args) -> None:
 
 
 def _check(sd: dict[str, Any], expected: dict[str, torch.Size], what: str, args: DeepSeekV3Args) -> None:
-    missing = [k for k in expected if k not in sd]
-    unexpected = [k for k in sd if k not in expected]
-    if missing or unexpected:
-        raise InteropError(
-            f"{what} does not match a {args.n_layers}-layer {ARCHITECTURE} of {args.n_experts} experts: missing "
-            f"keys {preview_names(missing)}, unexpected keys {preview_names(unexpected)}."
-            + family_hint(missing, unexpected)
-        )
-    wrong = [k for k, shape in expected.items() if tuple(sd[k].shape) != tuple(shape)]
-    if wrong:
-        raise InteropError(
-            f"{what}: `{wrong[0]}` has shape {tuple(sd[wrong[0]].shape)} but the model args give "
-            f"{tuple(expected[wrong[0]])}; the weights were made with other model args."
-        )
+    hf_experts.check_tensors(sd, expected, what, f"a {args.n_layers}-layer {ARCHITECTURE} of {args.n_experts} experts")
 
 
 def to_hf_state_dict(sd: dict[str, torch.Tensor], args: DeepSeekV3Args) -> dict[str, torch.Tensor]:
@@ -198,9 +161,8 @@ def read_box(
     """Our tensor ``name``'s ``box``, reading through ``read_hf(hf_name, hf_box)`` only what it
     needs: the experts' box is the box of each expert it covers, stacked; every other box is the
     Hugging Face tensor's own."""
-    if _EXPERTS in name:
-        experts = range(*box[0].indices(args.n_experts))
-        return torch.stack([read_hf(_expert_hf_name(name, e), box[1:]) for e in experts])
+    if hf_experts.EXPERTS in name:
+        return hf_experts.read_experts(name, args.n_experts, box, read_hf)
     return read_hf(_hf_name(name), box)
 
 

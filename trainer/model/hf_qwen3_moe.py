@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from trainer.model import hf_llama3
+from trainer.model import hf_experts, hf_llama3
+from trainer.model.hf_experts import Piece
 from trainer.model.hf_llama3 import (
     CONFIG_FILE,
     HF_DTYPES,
@@ -35,8 +36,6 @@ from trainer.model.hf_llama3 import (
     check_divisors,
     check_exportable,
     check_importable,
-    family_hint,
-    preview_names,
 )
 from trainer.model.hf_qwen3 import NORM_NAMES, head_permutation, permute_heads
 from trainer.model.llama3 import ModelArgs, Transformer
@@ -46,20 +45,10 @@ ARCHITECTURE = "Qwen3MoeForCausalLM"
 MODEL_TYPE = "qwen3_moe"
 
 _MOE_NAMES = {"feed_forward.router.gate.weight": "mlp.gate.weight", **NORM_NAMES}
-_EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-_EXPERTS = "feed_forward.experts."
-
-Piece = tuple[str, int | None, torch.Size]
-"""One Hugging Face tensor: our parameter it comes from, the expert (a slice of it) or None, its shape."""
 
 
 def _layer_hf_name(rest: str) -> str:
     return _MOE_NAMES[rest] if rest in _MOE_NAMES else hf_llama3._LAYER_NAMES[rest]
-
-
-def _expert_hf_name(name: str, expert: int) -> str:
-    _, layer, rest = name.split(".", 2)
-    return f"model.layers.{layer}.mlp.experts.{expert}.{_EXPERT_NAMES[rest.removeprefix(_EXPERTS)[:2]]}.weight"
 
 
 def _hf_name(name: str) -> str:
@@ -96,25 +85,12 @@ def hf_pieces(args: MoEArgs) -> dict[str, Piece]:
     _check_supported(args)
     with torch.device("meta"):
         model = Transformer(args)
-    out: dict[str, Piece] = {}
-    for name, p in model.named_parameters():
-        if _EXPERTS in name:
-            for e in range(args.n_experts):
-                out[_expert_hf_name(name, e)] = (name, e, p.shape[1:])
-        else:
-            out[_hf_name(name)] = (name, None, p.shape)
-    return out
+    return hf_experts.pieces(((n, p.shape) for n, p in model.named_parameters()), args.n_experts, _hf_name)
 
 
 def hf_layout(args: MoEArgs) -> dict[str, tuple[str, torch.Size]]:
     """Our parameter name -> (Hugging Face name, with ``*`` for the expert, shape), in the model's order."""
-    out: dict[str, tuple[str, torch.Size]] = {}
-    for hf_name, (name, expert, shape) in hf_pieces(args).items():
-        if expert is None:
-            out[name] = (hf_name, shape)
-        elif expert == 0:
-            out[name] = (hf_name.replace(".experts.0.", ".experts.*."), torch.Size((args.n_experts, *shape)))
-    return out
+    return hf_experts.layout(hf_pieces(args), args.n_experts)
 
 
 def to_hf_piece(hf_name: str, tensor: torch.Tensor, args: MoEArgs, pieces: dict[str, Piece]) -> torch.Tensor:
@@ -130,20 +106,7 @@ def check_state_dict(sd: dict[str, torch.Tensor], args: MoEArgs) -> None:
 
 
 def _check(sd: dict[str, Any], expected: dict[str, torch.Size], what: str, args: MoEArgs) -> None:
-    missing = [k for k in expected if k not in sd]
-    unexpected = [k for k in sd if k not in expected]
-    if missing or unexpected:
-        raise InteropError(
-            f"{what} does not match a {args.n_layers}-layer {ARCHITECTURE} of {args.n_experts} experts: missing "
-            f"keys {preview_names(missing)}, unexpected keys {preview_names(unexpected)}."
-            + family_hint(missing, unexpected)
-        )
-    wrong = [k for k, shape in expected.items() if tuple(sd[k].shape) != tuple(shape)]
-    if wrong:
-        raise InteropError(
-            f"{what}: `{wrong[0]}` has shape {tuple(sd[wrong[0]].shape)} but the model args give "
-            f"{tuple(expected[wrong[0]])}; the weights were made with other model args."
-        )
+    hf_experts.check_tensors(sd, expected, what, f"a {args.n_layers}-layer {ARCHITECTURE} of {args.n_experts} experts")
 
 
 def to_hf_state_dict(sd: dict[str, torch.Tensor], args: MoEArgs) -> dict[str, torch.Tensor]:
@@ -183,9 +146,8 @@ def read_box(
     """Our tensor ``name``'s ``box``, reading through ``read_hf(hf_name, hf_box)`` only what it
     needs: the experts' box is the box of each expert it covers, stacked; a q/k norm weight
     (one head wide) is read whole and permuted; the rest is Llama's."""
-    if _EXPERTS in name:
-        experts = range(*box[0].indices(args.n_experts))
-        return torch.stack([read_hf(_expert_hf_name(name, e), box[1:]) for e in experts])
+    if hf_experts.EXPERTS in name:
+        return hf_experts.read_experts(name, args.n_experts, box, read_hf)
     if head_permutation(name, args) == (1, True):
         return permute_heads(name, read_hf(_hf_name(name), (slice(None),)), args, _half_to_interleaved)[box]
     if name.endswith("router.gate.weight"):
