@@ -4,6 +4,7 @@ and the conversion scripts run as a user runs them."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import weakref
@@ -15,6 +16,9 @@ from pathlib import Path
 import torch
 from harness import ROOT
 
+from trainer.checkpoint.hf_load import load_hf_weights
+from trainer.loss import IGNORE_INDEX
+from trainer.model.hf_architectures import adapter_for_config
 from trainer.model.llama3 import FLAVORS, ModelArgs, Transformer
 
 SEQ_LEN = 256
@@ -86,3 +90,28 @@ def one_at_a_time(sd: dict[str, torch.Tensor]) -> tuple[Callable[[str], torch.Te
         return tensor
 
     return read, order
+
+
+def load_ours(hf_dir: Path) -> Transformer:
+    """Our model of a Hugging Face folder (its adapter chosen by its ``config.json``), its weights
+    read by the trainer's ``checkpoint.initial_load_in_hf`` loader."""
+    config = json.loads((hf_dir / "config.json").read_text())
+    args = adapter_for_config(config).model_args_from_hf_config(config)
+    model = Transformer(args)
+    load_hf_weights(model, args, hf_dir)
+    return model
+
+
+def labelled_batch(seed: int, vocab: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two sequences of tokens and labels, the last label and four in the first row ignored."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (2, seq_len), generator=gen)
+    labels = torch.randint(0, vocab, (2, seq_len), generator=gen)
+    labels[:, -1] = IGNORE_INDEX  # transformers shifts its labels: the last position predicts nothing
+    labels[0, 5:9] = IGNORE_INDEX
+    return tokens, labels
+
+
+def shifted(labels: torch.Tensor) -> torch.Tensor:
+    """transformers' labels for ours: it predicts ``labels[t + 1]`` at position ``t``."""
+    return torch.cat([torch.full((labels.shape[0], 1), IGNORE_INDEX), labels[:, :-1]], dim=1)

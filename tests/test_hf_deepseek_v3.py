@@ -21,10 +21,11 @@ import pytest
 import torch
 from deepseek_helpers import ours_from_hf, tiny_pair
 from harness import ROOT
+from hf_helpers import labelled_batch, load_ours, shifted
 from transformers import DeepseekV3ForCausalLM
 
 from trainer.checkpoint.hf_folders import load_hf_folder, save_hf_folder
-from trainer.checkpoint.hf_load import check_folder_config, load_hf_weights
+from trainer.checkpoint.hf_load import check_folder_config
 from trainer.loss import IGNORE_INDEX
 from trainer.model.deepseek_v3 import FLAVORS
 from trainer.model.hf_architectures import adapter_for_args, adapter_for_config
@@ -37,7 +38,6 @@ from trainer.model.hf_deepseek_v3 import (
     read_box,
 )
 from trainer.model.hf_llama3 import InteropError
-from trainer.model.llama3 import Transformer
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import convert_from_hf
@@ -60,26 +60,8 @@ def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def load_ours(hf_dir: Path) -> Transformer:
-    """Our model, its weights (and routing biases) read by the ``checkpoint.initial_load_in_hf`` loader."""
-    args = model_args_from_hf_config(json.loads((hf_dir / "config.json").read_text()))
-    model = Transformer(args)
-    load_hf_weights(model, args, hf_dir)
-    return model
-
-
-def batch(seed: int, vocab: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, vocab, (2, SEQ_LEN), generator=gen)
-    labels = torch.randint(0, vocab, (2, SEQ_LEN), generator=gen)
-    labels[:, -1] = IGNORE_INDEX  # transformers shifts its labels: the last position predicts nothing
-    labels[0, 5:9] = IGNORE_INDEX
-    return tokens, labels
-
-
-def shifted(labels: torch.Tensor) -> torch.Tensor:
-    """transformers' labels for ours: it predicts ``labels[t + 1]`` at position ``t``."""
-    return torch.cat([torch.full((labels.shape[0], 1), IGNORE_INDEX), labels[:, :-1]], dim=1)
+def batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return labelled_batch(seed, 256, SEQ_LEN)
 
 
 def theirs_as_ours(hf: DeepseekV3ForCausalLM, args, grads: bool) -> dict[str, torch.Tensor]:

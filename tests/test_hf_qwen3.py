@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from harness import ROOT
+from hf_helpers import labelled_batch, load_ours, shifted
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from trainer.checkpoint.hf_folders import load_hf_folder, save_hf_folder
@@ -80,26 +81,8 @@ def hf_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     return path
 
 
-def load_ours(hf_dir: Path) -> Transformer:
-    """Our model, its weights read by the trainer's ``checkpoint.initial_load_in_hf`` loader."""
-    args = model_args_from_hf_config(json.loads((hf_dir / "config.json").read_text()))
-    model = Transformer(args)
-    load_hf_weights(model, args, hf_dir)
-    return model
-
-
-def batch(seed: int, vocab: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, vocab, (2, SEQ_LEN), generator=gen)
-    labels = torch.randint(0, vocab, (2, SEQ_LEN), generator=gen)
-    labels[:, -1] = IGNORE_INDEX  # transformers shifts its labels: the last position predicts nothing
-    labels[0, 5:9] = IGNORE_INDEX
-    return tokens, labels
-
-
-def shifted(labels: torch.Tensor) -> torch.Tensor:
-    """transformers' labels for ours: it predicts ``labels[t + 1]`` at position ``t``."""
-    return torch.cat([torch.full((labels.shape[0], 1), IGNORE_INDEX), labels[:, :-1]], dim=1)
+def batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return labelled_batch(seed, 512, SEQ_LEN)
 
 
 def test_the_tie_is_kept(hf_dir: Path):

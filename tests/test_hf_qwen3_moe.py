@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from harness import ROOT
+from hf_helpers import load_ours
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
@@ -82,14 +83,6 @@ def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("qwen3_moe") / "hf"
     model.save_pretrained(path)
     return path
-
-
-def load_ours(hf_dir: Path) -> Transformer:
-    """Our model, its weights read by the trainer's ``checkpoint.initial_load_in_hf`` loader."""
-    args = model_args_from_hf_config(json.loads((hf_dir / "config.json").read_text()))
-    model = Transformer(args)
-    load_hf_weights(model, args, hf_dir)
-    return model
 
 
 def batch() -> tuple[torch.Tensor, torch.Tensor]:
