@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from harness import train_as_a_worker, trainer_for
+from harness import run_train, tensorboard_scalars, train_as_a_worker, trainer_for
 from torch.distributed.checkpoint import FileSystemWriter
 
 from trainer.checkpoint.manager import CheckpointManager
@@ -174,3 +174,24 @@ def one_rank() -> Iterator[None]:
     if owns_group:
         dist.barrier()
         dist.destroy_process_group()
+
+
+def assert_resumes_on_another_mesh(tmp_path: Path, job: list[str], first: list[str], second: list[str]) -> Path:
+    """``job`` (4 steps, a checkpoint at 2) trains on 2 ranks with ``first``'s mesh arguments, then
+    a run with ``second``'s resumes its step-2: its steps 3-4 must log the first run's losses and
+    grad norms (1e-5). The step-2 checkpoint."""
+    done = run_train(2, [*job, "--job.dump_folder", str(tmp_path / "first"), *first])
+    assert done.returncode == 0, done.stderr[-3000:]
+    saved = tmp_path / "first" / "checkpoint" / "step-2"
+    resumed = run_train(
+        2,
+        [*job, "--job.dump_folder", str(tmp_path / "second"), *second]
+        + ["--checkpoint.initial_load_path", str(saved), "--checkpoint.initial_load_model_only=false"],
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    tags = ("loss_metrics/global_avg_loss", "grad_norm")
+    before, after = (tensorboard_scalars(tmp_path / run, tags) for run in ("first", "second"))
+    for tag in tags:
+        assert list(after[tag]) == [3, 4]
+        assert [after[tag][s] for s in (3, 4)] == pytest.approx([before[tag][s] for s in (3, 4)], rel=1e-5), tag
+    return saved

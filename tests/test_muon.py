@@ -19,8 +19,8 @@ from dataclasses import replace
 
 import pytest
 import torch
-from checkpoint_helpers import COMMON, one_rank, tiny_manager
-from harness import BASE_ARGV, full, run_by_world, run_train, tensorboard_scalars
+from checkpoint_helpers import COMMON, assert_resumes_on_another_mesh, one_rank, tiny_manager
+from harness import BASE_ARGV, full, run_by_world
 from step_helpers import fetch_step, forward_backward, optimizer_step, trainer_for
 from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -214,20 +214,7 @@ def test_a_muon_run_resumes_on_another_mesh_with_the_same_losses(tmp_path) -> No
     """FSDP 2 trains 4 steps, saving at 2; TP 2 resumes step-2 and logs the losses of steps 3-4."""
     job = [*COMMON, "--optimizer.name", "Muon", "--training.local_batch_size", "2", "--training.steps", "4"]
     job += ["--checkpoint.enable", "--checkpoint.interval", "2"]
-    first = run_train(2, [*job, "--job.dump_folder", str(tmp_path / "first")])
-    assert first.returncode == 0, first.stderr[-3000:]
-    resumed = run_train(
-        2,
-        [*job, "--job.dump_folder", str(tmp_path / "second"), "--mesh", "tp=2"]
-        + ["--checkpoint.initial_load_path", str(tmp_path / "first" / "checkpoint" / "step-2")]
-        + ["--checkpoint.initial_load_model_only=false"],
-    )
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    tags = ("loss_metrics/global_avg_loss", "grad_norm")
-    before, after = (tensorboard_scalars(tmp_path / run, tags) for run in ("first", "second"))
-    for tag in tags:
-        assert list(after[tag]) == [3, 4]
-        assert [after[tag][s] for s in (3, 4)] == pytest.approx([before[tag][s] for s in (3, 4)], rel=1e-5), tag
+    assert_resumes_on_another_mesh(tmp_path, job, [], ["--mesh", "tp=2"])
 
 
 @pytest.mark.parametrize(("saved", "resumed"), [("AdamW", "Muon"), ("Muon", "AdamW")])
