@@ -5,10 +5,13 @@ stalled data loader), and a stop whose checkpoint cannot be written is reported 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import subprocess
+import threading
 import time
+from multiprocessing.pool import ThreadPool
 from pathlib import Path
 
 import pytest
@@ -16,7 +19,7 @@ from harness import QUICK, ROOT, Launched, children, needs_tmpfs
 
 from trainer.checkpoint.folders import step_folders
 from trainer.runtime.dump_folder import LOCK_FILE
-from trainer.runtime.stop_requests import Stopped, stopped_by_signals, stops_held
+from trainer.runtime.stop_requests import Stopped, stopped_by_signals, stops_held, wait_process, wait_result
 
 # --------------------------------------------------------------------------------------------
 # A stop request is never lost, whenever it arrives
@@ -46,11 +49,20 @@ def wait_until(condition, timeout: float, what: str, job: Launched) -> None:
         time.sleep(0.02)
 
 
+def signal_another_thread(pid: int, sig: signal.Signals) -> None:
+    """``sig`` to a thread of ``pid`` other than its main one (``import torch`` starts one), as the
+    kernel may deliver a signal sent to the process."""
+    threads = [int(tid) for tid in os.listdir(f"/proc/{pid}/task") if int(tid) != pid]
+    assert threads, f"process {pid} has no thread besides its main one"
+    assert ctypes.CDLL(None, use_errno=True).tgkill(pid, threads[0], sig) == 0
+
+
 @pytest.mark.launcher
 @pytest.mark.parametrize(
     "moment, sig, restarts",
     [
         ("torchrun started, no worker yet", signal.SIGTERM, "0"),
+        ("torchrun started, the signal on the launcher's other thread", signal.SIGTERM, "0"),
         ("workers importing, torchrun may restart them", signal.SIGTERM, "2"),
         ("Ctrl-C after the first step, checkpointing off", signal.SIGINT, "0"),
     ],
@@ -58,7 +70,8 @@ def wait_until(condition, timeout: float, what: str, job: Launched) -> None:
 def test_a_stop_request_holds_from_the_first_instant_to_the_last(moment, sig, restarts, tmp_path):
     """The request reaches workers that do not exist yet, that are importing (and would be
     restarted), or are training; each ends without training a step more than asked, with exit
-    128 + the signal and a resume promise only where a checkpoint exists to resume from."""
+    128 + the signal and a resume promise only where a checkpoint exists to resume from. Also when
+    the kernel hands the launcher's signal to a thread other than the one waiting for torchrun."""
     job = Launched(
         1,
         QUICK + ["--training.steps", "60", "--job.dump_folder", str(tmp_path)],
@@ -74,7 +87,10 @@ def test_a_stop_request_holds_from_the_first_instant_to_the_last(moment, sig, re
             wait_until(lambda: len(workers()) == 1, 120, "the workers", job)
         else:
             job.wait_for("step: 1/60")
-        job.proc.send_signal(sig)
+        if moment.endswith("other thread"):
+            signal_another_thread(job.proc.pid, sig)
+        else:
+            job.proc.send_signal(sig)
         code = job.finish(timeout=120)
     finally:
         job.finish(timeout=60)
@@ -179,6 +195,36 @@ def test_a_stop_whose_checkpoint_cannot_be_written_is_a_failure_not_a_stop(tmp_p
     assert code == 1, out[-3000:]
     assert "SIGTERM received, but the job failed while stopping (exit 1): error: checkpoint step-" in out, out[-3000:]
     assert "no space left on the device" in out and "rerun the same command to resume" not in out
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def _raise(signum: int, frame: object) -> None:
+    raise _Interrupted
+
+
+@pytest.mark.parametrize("waiting_for", ["a child process", "a pool's result"])
+def test_a_signal_another_thread_receives_ends_the_main_threads_wait(waiting_for):
+    """The launcher's wait for torchrun and ``--simulate``'s for its roles: the handler runs while
+    the child still works (a single blocking wait would run it only once the child had ended)."""
+    previous = signal.signal(signal.SIGUSR1, _raise)
+    pool = ThreadPool(1)
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        result = pool.apply_async(time.sleep, (30,))
+        helper = threading.Thread(target=lambda: (time.sleep(0.3), signal.pthread_kill(helper.ident, signal.SIGUSR1)))
+        helper.start()
+        with pytest.raises(_Interrupted):
+            wait_process(child) if waiting_for == "a child process" else wait_result(result)
+        helper.join()
+        assert child.poll() is None and not result.ready()
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        child.kill()
+        child.wait()
+        pool.terminate()
 
 
 # --------------------------------------------------------------------------------------------

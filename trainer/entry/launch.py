@@ -49,7 +49,7 @@ from trainer.replica_groups import check_lighthouse
 from trainer.runtime.cpu_threads import thread_env
 from trainer.runtime.dump_folder import TOKEN_ENV, DumpFolderLock, busy_message, is_stale, live_members, read_lock
 from trainer.runtime.errors import BusyFolderError, ConfigError, UserError, report
-from trainer.runtime.stop_requests import STOP_FILE_ENV, die_with_parent
+from trainer.runtime.stop_requests import STOP_FILE_ENV, die_with_parent, wait_process
 from trainer.simulation.targets import HELP as TARGET_HELP
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -233,7 +233,7 @@ def run(argv: list[str]) -> int:
         }
         launching = True
         torchrun = subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=die_with_parent)
-        code = torchrun.wait()
+        code = wait_process(torchrun)
     except _StoppedBeforeLaunch as stopped:
         shutil.rmtree(private, ignore_errors=True)
         print(f"meshtrain: stopped by {stopped} before any training process started.", file=sys.stderr)

@@ -24,11 +24,14 @@ import ctypes
 import logging
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
+from multiprocessing.pool import AsyncResult
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -107,6 +110,29 @@ def die_with_parent(signum: int = signal.SIGTERM) -> None:
     SIGKILL, which can clean nothing up, must not live on as an orphan."""
     if _LIBC is not None:
         _LIBC.prctl(1, signum)  # PR_SET_PDEATHSIG
+
+
+WAIT_SLICE_S = 0.1
+"""How long a main thread waits in one call before it lets the interpreter run pending signal handlers."""
+
+
+def wait_process(process: subprocess.Popen) -> int:
+    """``process.wait()``, in slices, so that a signal handler runs while this thread waits.
+
+    A signal sent to the process may be delivered to any of its threads (``import torch`` starts
+    one); its C handler there only flags it, and Python runs the handler when the main thread next
+    executes bytecode, which one blocking ``waitpid`` would put off until the child has ended: a
+    SIGTERM to the launcher would then reach the workers after they finished the job."""
+    while True:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            return process.wait(timeout=WAIT_SLICE_S)
+
+
+def wait_result(result: AsyncResult) -> Any:
+    """``result.get()``, in slices, for the reason :func:`wait_process` gives."""
+    while not result.ready():
+        result.wait(WAIT_SLICE_S)
+    return result.get()
 
 
 class Stopped(Exception):

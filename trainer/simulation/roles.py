@@ -25,7 +25,7 @@ from multiprocessing.pool import AsyncResult
 from multiprocessing.queues import SimpleQueue
 
 from trainer.planning.job_plan import JobPlan
-from trainer.runtime.stop_requests import stops_held
+from trainer.runtime.stop_requests import stops_held, wait_result
 from trainer.simulation.fake_job import PipelineMetadata, RoleRun, run_rank
 
 MAX_PROCESSES = 4
@@ -68,7 +68,7 @@ def run_roles(plan: JobPlan, gpus_per_node: int, real_microbatches: int, shorten
             ]
         runs = []
         for stage, result in enumerate(results):
-            runs.append(result.get())
+            runs.append(wait_result(result))
             if pp > 1:
                 print(f"  stage {stage} done ({time.monotonic() - start:.0f} s)", file=sys.stderr, flush=True)
     return runs
