@@ -104,6 +104,7 @@ PRESETS = (
     "qwen3_30b_a3b.toml",
     "qwen3_235b_a22b.toml",
     "deepseek_v3_16b.toml",
+    "deepseek_v3_671b.toml",
 )
 
 

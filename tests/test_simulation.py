@@ -36,6 +36,7 @@ PRESETS = {
     "qwen3_30b_a3b": (8, 1),
     "qwen3_235b_a22b": (8, 8),
     "deepseek_v3_16b": (8, 1),
+    "deepseek_v3_671b": (8, 32),
 }
 
 
