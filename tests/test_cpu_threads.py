@@ -15,7 +15,7 @@ from trainer.runtime.cpu_threads import THREADS_ENV, threads_per_process
 
 
 class _Finished:
-    def wait(self) -> int:
+    def wait(self, timeout: float | None = None) -> int:
         return 0
 
 

@@ -228,6 +228,7 @@ def test_adamw_and_the_clip_scale_update_an_element_the_same_in_any_shard(implem
         (["--mesh", "dp_shard=2,tp=2"], "parallelism.tensor_parallel_degree"),
         (["--mesh", "dp_shard=2,cp=2"], "parallelism.context_parallel_degree"),
         (["--mesh", "pp=2,dp_shard=2"], "parallelism.pipeline_parallel_degree"),
+        (["--config", "debug_moe.toml", "--mesh", "dp_shard=4,ep=2"], "parallelism.expert_parallel_degree"),
         (["--compile.enable"], "compile.enable"),
         (["--training.mixed_precision_reduce", "bfloat16"], "training.mixed_precision_reduce"),
         (["--training.defer_gradient_reduction"], "training.defer_gradient_reduction"),

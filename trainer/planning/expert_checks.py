@@ -22,11 +22,6 @@ def check_experts(config: JobConfig, dims: ParallelDims, args: ModelArgs, imbala
             f"--target.routing_imbalance {imbalance:g}: the busiest of `parallelism.expert_parallel_degree` = "
             f"{dims.ep} ranks receives at most {dims.ep}x the average tokens; state at most {dims.ep}."
         )
-    if config.debug.layout_invariant:
-        raise ConfigError(
-            f'`debug.layout_invariant` is not implemented for `model.name` = "{config.model.name}" '
-            "(a Mixture-of-Experts model); turn it off."
-        )
     moe = config.moe
     if moe.balance_loss_weight > 0 and moe.balance_loss_scope == "sequence" and dims.cp * dims.tp > 1:
         raise ConfigError(

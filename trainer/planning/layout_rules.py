@@ -27,6 +27,12 @@ def check_layout_invariant(config: JobConfig, dims: ParallelDims, settings: Para
             "context parallelism splits attention and its gradients over ranks",
         ),
         (
+            dims.ep > 1,
+            f"`parallelism.expert_parallel_degree` = {dims.ep}",
+            "each expert's matmul takes the tokens routed to it from several ranks at once, in a shape and order "
+            "the layout decides",
+        ),
+        (
             dims.pp > 1,
             f"`parallelism.pipeline_parallel_degree` = {dims.pp}",
             "the pipeline schedule cuts micro-batches of its own and accumulates their gradients itself",
