@@ -153,7 +153,8 @@ class Meeting:
             finally:
                 self.group_store.set(verdict, json.dumps(found))
         else:
-            self.group_store.wait([verdict], 2 * self.timeout)  # rank 0 waits for its peers first
+            # Rank 0 may take a timeout to connect and one to wait for its peers before it writes the verdict.
+            self.group_store.wait([verdict], 3 * self.timeout)
             found = json.loads(self.group_store.get(verdict))
             if found.startswith("unchecked"):
                 raise RuntimeError(f"replica group {self.group}: {found}")
