@@ -47,6 +47,26 @@ def test_without_cuda_the_cpu_half_runs_then_one_line_and_exit_2(tmp_path: Path)
 
 
 @pytest.mark.slow
+def test_the_newer_families_rows_train_and_are_simulated(tmp_path: Path):
+    """Issue 57's rows, rehearsed: the DeepSeek-V3 and Qwen3 debug models train on the CPU, each
+    beside its simulation; at full size they are the 16B and 8B shapes at the preset's work."""
+    done = run_check(tmp_path, "--rehearse", "--only", jobs.FAMILY, "--budget", "600", timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    measured = {r["check"]: r for r in rows(tmp_path)}
+    for name in ("DeepSeek-V3 16B x 2 layers", "Qwen3-8B x 2 layers"):
+        assert measured[f"throughput {name}"]["figures"]["tokens_per_s"] > 0, measured
+        assert measured[f"simulator {name}"]["figures"]["tokens_ratio"] > 0, measured
+    deepseek, qwen3 = jobs.family_jobs(jobs.Shape(), ["--training.seq_len", "8192"], 80 * 10**9)
+    from trainer.config import load_config
+    from trainer.planning.job_plan import resolve_job
+
+    planned = resolve_job(load_config(deepseek.args), 1, "cuda")
+    assert planned.model_args.dim == 2048 and planned.model_args.n_experts == 64
+    assert planned.config.moe.balance_loss_scope == "sequence" and planned.config.activation_checkpoint.mode == "full"
+    assert resolve_job(load_config(qwen3.args), 1, "cuda").model_args.dim == 4096
+
+
+@pytest.mark.slow
 def test_only_selects_the_jobs_whose_setting_contains_it(tmp_path: Path):
     """``--only``, for a later call on a warm machine: the rows an earlier call's budget skipped,
     and nothing else (no probes, no loss curves, no other job)."""

@@ -3,9 +3,10 @@ size on a GPU, tiny when rehearsing on the CPU.
 
 The order is what a budget cut spares: this round measures the Mixture-of-Experts model first
 (the Qwen3-30B-A3B shape at the most blocks one GPU holds, at the preset's per-GPU work, each
-balancing scope eager and compiled: :func:`moe_work_jobs`), then the dense models eager; the
-dense compiled jobs and the unchunked loss come after the attention and resume rows, where a
-slow run can only cost themselves.
+balancing scope eager and compiled: :func:`moe_work_jobs`), then one row per newer family (the
+DeepSeek-V3 16B and Qwen3-8B shapes at fewer blocks: :func:`family_jobs`), then the dense models
+eager; the dense compiled jobs and the unchunked loss come after the attention and resume rows,
+where a slow run can only cost themselves.
 """
 
 from __future__ import annotations
@@ -17,6 +18,11 @@ EIGHT_B_LAYERS = (8, 6, 4, 2)
 MOE_LAYERS = (8, 6, 5, 4, 3, 2, 1)
 """The same for the Qwen3-30B-A3B shape, whose 128 experts make a block 0.6 B parameters (10 GB of
 float32 weights, gradients and AdamW moments): an 80 GB H100 holds 4."""
+FAMILY_LAYERS = (8, 6, 5, 4, 3, 2)
+"""The DeepSeek-V3 16B and Qwen3-8B shapes keep their widths with the first of these block counts
+that the memory estimate fits (a 16B block holds 64 experts: 0.55 B parameters, 8.9 GB of state)."""
+FAMILY = "newer family: "
+"""Where the family rows' settings begin: ``--only "newer family"`` runs them alone."""
 FIT_FRACTION = 0.9
 MOE_WORK = ["--training.local_batch_size", "1", "--training.global_batch_size", "8"]
 """The MoE preset's per-GPU work: 8 micro-batches of one sequence a step (its 64 sequences over 8 GPUs)."""
@@ -51,6 +57,19 @@ class Shape:
     """The preset is sized for 8 GPUs (ep 8, 64 sequences a step); on one, every expert is local
     and a step is one sequence, as for the dense presets."""
     moe_layers: tuple[int, ...] = MOE_LAYERS
+    deepseek: list[str] = field(
+        default_factory=lambda: [
+            "--config",
+            "deepseek_v3_16b.toml",
+            "--parallelism.expert_parallel_degree",
+            "1",
+            "--training.global_batch_size",
+            "-1",
+        ]
+    )
+    """As ``moe``: the preset's 8 GPUs' experts all on the one."""
+    qwen3: list[str] = field(default_factory=lambda: ["--config", "qwen3_8b.toml"])
+    family_layers: tuple[int, ...] = FAMILY_LAYERS
     precision: list[str] = field(default_factory=lambda: ["--training.mixed_precision_param", "bfloat16"])
     seq_len: int = 8192
     cpu: bool = False
@@ -63,6 +82,16 @@ REHEARSAL = Shape(
     eight_b=["--model.flavor", "debugmodel"],
     moe=["--model.name", "moe", "--model.flavor", "debugmoe", "--training.global_batch_size", "-1"],
     moe_layers=(2,),
+    deepseek=[
+        "--model.name",
+        "deepseek_v3",
+        "--model.flavor",
+        "deepseek_v3_debug",
+        "--training.global_batch_size",
+        "-1",
+    ],
+    qwen3=["--model.name", "qwen3", "--model.flavor", "qwen3_debug"],
+    family_layers=(2,),
     precision=["--training.mixed_precision_param", "float32"],
     seq_len=256,
     cpu=True,
@@ -93,8 +122,11 @@ def throughput_jobs(shape: Shape, memory: int) -> list[Job]:
     eight_b = [*shape.eight_b, "--model.n_layers", str(layers), *shape.precision, *common]
     moe_layers = layers_that_fit([*shape.moe, *common], shape.moe_layers, memory)
     moe = [*shape.moe, "--model.n_layers", str(moe_layers), *shape.precision, *common]
+    moe_jobs = moe_work_jobs(shape, moe, moe_layers)
     return [
-        *moe_work_jobs(shape, moe, moe_layers),
+        *moe_jobs[:FIRST_JOBS],
+        *family_jobs(shape, common, memory),
+        *moe_jobs[FIRST_JOBS:],
         Job("1B", [*one_b, *eager], "eager, no AC"),
         Job(f"8B x {layers} layers", [*eight_b, *eager, *chunked], "eager, no AC, chunked loss"),
         Job("1B", [*one_b, *compiled], "compiled + selective AC"),
@@ -105,6 +137,28 @@ def throughput_jobs(shape: Shape, memory: int) -> list[Job]:
             "eager, no AC, unchunked loss",
         ),
         *float8_jobs(shape, eight_b, layers),
+    ]
+
+
+def family_jobs(shape: Shape, common: list[str], memory: int) -> list[Job]:
+    """One row per family the trainer added last (issue 57), each beside the simulator's
+    prediction: DeepSeek-V3's latent attention and group-limited routing at the 16B preset's
+    per-GPU work (8 micro-batches of one sequence, full AC, its sequence-wise balancing), and
+    Qwen3-8B's QK-normed attention as the 8B Llama row runs (eager, no AC, chunked loss)."""
+    deepseek_layers = layers_that_fit([*shape.deepseek, *common], shape.family_layers, memory)
+    deepseek = [*shape.deepseek, "--model.n_layers", str(deepseek_layers), *shape.precision, *common]
+    work = [*MOE_WORK, "--activation_checkpoint.mode", "full", "--training.steps", str(MOE_WORK_STEPS)]
+    qwen3_layers = layers_that_fit([*shape.qwen3, *common], shape.family_layers, memory)
+    qwen3 = [*shape.qwen3, "--model.n_layers", str(qwen3_layers), *shape.precision, *common]
+    plain = ["--activation_checkpoint.mode", "none", "--training.loss_chunk_tokens", "1024"]
+    return [
+        Job(
+            f"DeepSeek-V3 16B x {deepseek_layers} layers",
+            [*deepseek, *work],
+            f"{FAMILY}DeepSeek-V3, eager, full AC, 8 micro-batches, the preset's balancing, experts: {expert_path(shape)}",
+            ["--target.routing_imbalance", str(ROUTING_IMBALANCE)],
+        ),
+        Job(f"Qwen3-8B x {qwen3_layers} layers", [*qwen3, *plain], f"{FAMILY}Qwen3, eager, no AC, chunked loss"),
     ]
 
 
