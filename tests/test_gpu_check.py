@@ -131,8 +131,8 @@ def test_the_moe_rows_come_first_at_the_most_blocks_an_h100_holds():
     """The MoE jobs lead the list (a budget cut spares them), at the block count the memory
     estimate fits in 90% of an H100 (as torch reports its memory) and the preset's per-GPU work (8 micro-batches, full AC): each
     balancing scope eager, then each compiled, each simulated with its routing stated; the exact
-    scope's eager run traces a step; then, first after the attention and resume rows, the exact
-    scope eager with its held forwards in host memory."""
+    scope's eager run traces a step; then, after the attention and resume rows, one row per newer
+    family and the exact scope eager with its held forwards in host memory."""
     from trainer.planning.memory_limits import TARGET_MEMORY_BYTES
 
     listed = jobs.throughput_jobs(jobs.Shape(), TARGET_MEMORY_BYTES["h100"])
@@ -148,10 +148,11 @@ def test_the_moe_rows_come_first_at_the_most_blocks_an_h100_holds():
     assert {setting(job, "--training.global_batch_size") for job in moe} == {"8"}
     assert [job.profiled for job in moe] == [True, False, False, False]
     assert moe[0].simulation == ["--target.routing_imbalance", "1.0"]
-    host = listed[4]
+    assert [job.note.startswith(jobs.FAMILY) for job in listed[4:7]] == [True, True, False]
+    host = listed[6]
     assert host.name == moe[0].name and setting(host, "--moe.held_forwards") == "host"
     assert setting(host, "--moe.balance_loss_scope") == "global_batch" and "--compile.enable" not in host.args
-    assert jobs.FIRST_JOBS == 4 and all("30B" not in job.name for job in listed[5:])
+    assert jobs.FIRST_JOBS == 4 and all("30B" not in job.name for job in listed[7:])
 
 
 def test_rows_are_written_as_they_come_and_a_failure_is_a_row(tmp_path: Path):

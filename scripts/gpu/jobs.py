@@ -184,7 +184,7 @@ def moe_work_jobs(shape: Shape, moe: list[str], layers: int) -> list[Job]:
     the exact scope eager with its held forwards in host memory (``moe.held_forwards = host``, as
     the preset on 8 H100s holds them), beside the first row: what the copies cost on this GPU.
     The first four come before the attention and resume rows (:data:`FIRST_JOBS`), the fifth
-    first after them."""
+    after them and the newer families' rows."""
     experts = f"experts: {expert_path(shape)}"
     routing = ["--target.routing_imbalance", str(ROUTING_IMBALANCE)]
     work = [*MOE_WORK, "--activation_checkpoint.mode", "full", "--training.steps", str(MOE_WORK_STEPS)]
